@@ -1,0 +1,16 @@
+"""Checkpoint format (safetensors + JSON) and conversion to and from other formats."""
+
+from megatron_h2.checkpointing.format import (
+    Checkpoint,
+    begin_save,
+    commit_save,
+    find_latest_iteration,
+    iteration_dir,
+    load_checkpoint,
+    read_metadata,
+    save_checkpoint,
+    write_part,
+)
+
+__all__ = ["Checkpoint", "begin_save", "commit_save", "find_latest_iteration", "iteration_dir",
+           "load_checkpoint", "read_metadata", "save_checkpoint", "write_part"]

@@ -1,0 +1,208 @@
+"""Typed configuration for a training run.
+
+Each dataclass validates its own fields in ``__post_init__`` and raises
+:class:`~megatron_h2.errors.ConfigError` with one line that says what to fix. The command line
+(``megatron_h2/training/arguments.py``) only maps Megatron-style flags onto these classes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any, Literal
+
+from megatron_h2.errors import ConfigError
+
+RecomputeMode = Literal["none", "selective", "full"]
+LR_DECAY_STYLES = ("cosine", "linear", "constant")
+
+
+def _positive(obj: object, *names: str) -> None:
+    for name in names:
+        value = getattr(obj, name)
+        if value is None or value <= 0:
+            flag = "--" + name.replace("_", "-")
+            raise ConfigError(f"{flag} must be a positive number, got {value}")
+
+
+def swiglu_ffn_size(hidden_size: int) -> int:
+    """Megatron's default SwiGLU width: 2/3 of 4h, rounded down to a multiple of 64."""
+    return max(64, int(4 * hidden_size * 2 / 3) // 64 * 64)
+
+
+@dataclass
+class ModelConfig:
+    """Shape of a LLaMA-style decoder (RMSNorm, RoPE, SwiGLU, grouped-query attention)."""
+
+    num_layers: int = 4
+    hidden_size: int = 256
+    num_attention_heads: int = 8
+    num_query_groups: int | None = None  # None: one group per head (plain multi-head attention)
+    ffn_hidden_size: int | None = None  # None: swiglu_ffn_size(hidden_size)
+    seq_length: int = 256
+    max_position_embeddings: int | None = None  # None: seq_length
+    vocab_size: int = 0  # padded vocabulary size; filled in from the tokenizer
+    norm_epsilon: float = 1e-5
+    rotary_base: float = 10000.0
+    init_method_std: float = 0.02
+    hidden_dropout: float = 0.0
+    attention_dropout: float = 0.0
+    recompute: RecomputeMode = "none"
+
+    def __post_init__(self) -> None:
+        if self.num_query_groups is None:
+            self.num_query_groups = self.num_attention_heads
+        if self.ffn_hidden_size is None:
+            self.ffn_hidden_size = swiglu_ffn_size(self.hidden_size)
+        if self.max_position_embeddings is None:
+            self.max_position_embeddings = self.seq_length
+        _positive(self, "num_layers", "hidden_size", "num_attention_heads", "num_query_groups",
+                  "ffn_hidden_size", "seq_length", "max_position_embeddings")
+        if self.hidden_size % self.num_attention_heads:
+            raise ConfigError(
+                f"--hidden-size {self.hidden_size} is not divisible by --num-attention-heads "
+                f"{self.num_attention_heads}; choose a hidden size that is a multiple of the heads")
+        if self.num_attention_heads % self.num_query_groups:
+            raise ConfigError(
+                f"--num-query-groups {self.num_query_groups} does not divide --num-attention-heads "
+                f"{self.num_attention_heads}; use a divisor of the head count")
+        if self.kv_channels % 2:
+            raise ConfigError(f"head dimension {self.kv_channels} (hidden/heads) must be even "
+                              "for rotary embeddings")
+        if self.seq_length > self.max_position_embeddings:
+            raise ConfigError(
+                f"--seq-length {self.seq_length} exceeds --max-position-embeddings "
+                f"{self.max_position_embeddings}; raise --max-position-embeddings or shorten "
+                "--seq-length")
+        for name in ("hidden_dropout", "attention_dropout"):
+            if not 0.0 <= getattr(self, name) < 1.0:
+                raise ConfigError(f"--{name.replace('_', '-')} must be in [0, 1)")
+        if self.recompute not in ("none", "selective", "full"):
+            raise ConfigError(f"recompute must be none, selective or full, got {self.recompute!r}")
+
+    @property
+    def kv_channels(self) -> int:
+        """Dimension of one attention head."""
+        return self.hidden_size // self.num_attention_heads
+
+
+@dataclass
+class DataConfig:
+    """Where the tokens come from. An empty ``data_path`` means the embedded default corpus."""
+
+    data_path: list[str] = field(default_factory=list)
+    split: str = "949,50,1"
+    tokenizer_type: str | None = None
+    tokenizer_model: str | None = None
+    vocab_size: int | None = None  # for NullTokenizer
+    make_vocab_size_divisible_by: int = 128
+    data_cache_path: str | None = None
+    num_workers: int = 0
+
+    def __post_init__(self) -> None:
+        _positive(self, "make_vocab_size_divisible_by")
+        if self.num_workers < 0:
+            raise ConfigError("--num-workers must be >= 0")
+        if self.data_path and self.tokenizer_type is None:
+            raise ConfigError("--data-path needs --tokenizer-type (and usually --tokenizer-model)")
+
+    def padded_vocab_size(self, vocab_size: int, tensor_parallel_size: int = 1) -> int:
+        """Megatron's padding: round up to a multiple of divisible_by x TP."""
+        multiple = self.make_vocab_size_divisible_by * tensor_parallel_size
+        return -(-vocab_size // multiple) * multiple
+
+
+@dataclass
+class OptimizerConfig:
+    """AdamW with warm-up then decay to ``min_lr``."""
+
+    lr: float = 1e-3
+    min_lr: float | None = None  # None: lr / 10
+    lr_warmup_iters: int = 20
+    lr_decay_style: str = "cosine"
+    lr_decay_iters: int | None = None  # None: train_iters
+    weight_decay: float = 0.1
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.95
+    adam_eps: float = 1e-8
+    clip_grad: float = 1.0
+
+    def __post_init__(self) -> None:
+        _positive(self, "lr")
+        if self.min_lr is None:
+            self.min_lr = self.lr / 10
+        if not 0.0 <= self.min_lr <= self.lr:
+            raise ConfigError(f"--min-lr {self.min_lr} must be between 0 and --lr {self.lr}")
+        if self.lr_warmup_iters < 0:
+            raise ConfigError("--lr-warmup-iters must be >= 0")
+        if self.lr_decay_style not in LR_DECAY_STYLES:
+            raise ConfigError(f"--lr-decay-style must be one of {', '.join(LR_DECAY_STYLES)}, "
+                              f"got {self.lr_decay_style!r}")
+        if self.weight_decay < 0 or self.clip_grad < 0:
+            raise ConfigError("--weight-decay and --clip-grad must be >= 0 (0 disables clipping)")
+
+
+@dataclass
+class TrainingConfig:
+    """Batching, length of the run, precision, logging and checkpoint cadence."""
+
+    micro_batch_size: int = 8
+    global_batch_size: int = 16
+    train_iters: int = 200
+    seed: int = 1234
+    bf16: bool = False
+    device: str | None = None  # None: detect at start-up
+    log_interval: int = 10
+    eval_interval: int = 100
+    eval_iters: int = 10
+    save: str | None = None
+    load: str | None = None
+    save_interval: int | None = None
+    tensorboard_dir: str | None = None
+    log_jsonl: str | None = None
+    exit_interval: int | None = None  # stop (after saving) once iteration % exit_interval == 0
+
+    def __post_init__(self) -> None:
+        _positive(self, "micro_batch_size", "global_batch_size", "train_iters", "log_interval",
+                  "eval_interval")
+        if self.eval_iters < 0:
+            raise ConfigError("--eval-iters must be >= 0 (0 disables evaluation)")
+        if self.global_batch_size % self.micro_batch_size:
+            raise ConfigError(
+                f"--global-batch-size {self.global_batch_size} is not divisible by "
+                f"--micro-batch-size {self.micro_batch_size}; make it a multiple")
+        if self.save_interval is not None and self.save_interval <= 0:
+            raise ConfigError("--save-interval must be a positive number of iterations")
+        if self.exit_interval is not None and self.exit_interval <= 0:
+            raise ConfigError("--exit-interval must be a positive number of iterations")
+
+    @property
+    def num_micro_batches(self) -> int:
+        return self.global_batch_size // self.micro_batch_size
+
+
+@dataclass
+class RunConfig:
+    """Everything one training run needs."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    training: TrainingConfig = field(default_factory=TrainingConfig)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> RunConfig:
+        """Inverse of :meth:`to_dict`; unknown keys are an error."""
+        parts = {}
+        for f in fields(cls):
+            sub = data.get(f.name, {})
+            sub_cls = {"model": ModelConfig, "data": DataConfig, "optimizer": OptimizerConfig,
+                       "training": TrainingConfig}[f.name]
+            known = {g.name for g in fields(sub_cls)}
+            unknown = set(sub) - known
+            if unknown:
+                raise ConfigError(f"unknown {f.name} config keys: {', '.join(sorted(unknown))}")
+            parts[f.name] = sub_cls(**sub)
+        return cls(**parts)

@@ -1,0 +1,158 @@
+"""Device-independent interface over each vendor's torch backend.
+
+An :class:`Accelerator` answers the questions the rest of megatron_h2 asks of a chip: which torch
+device type and collective backend it uses, how to synchronise, its memory statistics, its RNG
+state, its autocast dtype and its kernels. ``cpu`` and ``cuda`` are implemented; other vendors
+(``npu``, ``mlu``, ``xpu``, ...) plug in by subclassing and adding to :data:`ACCELERATORS`.
+
+The accelerator is chosen by :func:`get_accelerator` at start-up (``--device`` or detection),
+never at import time.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from types import MappingProxyType
+
+import torch
+
+from megatron_h2.devices.kernels import Kernels, build_kernels
+from megatron_h2.errors import ConfigError
+
+
+class Accelerator:
+    """Base class; subclasses set ``device_type`` and ``dist_backend``."""
+
+    device_type: str = ""
+    dist_backend: str = ""
+
+    def __init__(self, index: int = 0) -> None:
+        self.index = index
+        self.kernels: Kernels = build_kernels(self.device_type)
+
+    @classmethod
+    def is_available(cls) -> bool:
+        raise NotImplementedError
+
+    @property
+    def device(self) -> torch.device:
+        return torch.device(self.device_type)
+
+    def synchronize(self) -> None:
+        """Wait for all queued work on this device."""
+
+    def memory_stats(self) -> dict[str, float]:
+        """Allocated / reserved / peak memory in GiB (empty where the backend has none)."""
+        return {}
+
+    def reset_peak_memory(self) -> None:
+        """Start a new peak-memory window."""
+
+    def get_rng_state(self) -> torch.Tensor | None:
+        """Device RNG state (None where the device shares the CPU generator)."""
+        return None
+
+    def set_rng_state(self, state: torch.Tensor | None) -> None:
+        """Restore a state returned by :meth:`get_rng_state`."""
+
+    def manual_seed(self, seed: int) -> None:
+        torch.manual_seed(seed)
+
+    @property
+    def autocast_dtype(self) -> torch.dtype:
+        return torch.bfloat16
+
+    def autocast(self, enabled: bool) -> contextlib.AbstractContextManager:
+        """Mixed-precision context for forward passes (no-op when disabled)."""
+        if not enabled:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device_type, dtype=self.autocast_dtype)
+
+    def describe(self) -> str:
+        return f"{self.device_type} (collectives: {self.dist_backend}, kernels: {self.kernels.names})"
+
+
+class CPUAccelerator(Accelerator):
+    device_type = "cpu"
+    dist_backend = "gloo"
+
+    @classmethod
+    def is_available(cls) -> bool:
+        return True
+
+
+class CUDAAccelerator(Accelerator):
+    device_type = "cuda"
+    dist_backend = "nccl"
+
+    @classmethod
+    def is_available(cls) -> bool:
+        return torch.cuda.is_available()
+
+    @property
+    def device(self) -> torch.device:
+        return torch.device("cuda", self.index)
+
+    def synchronize(self) -> None:
+        torch.cuda.synchronize(self.device)
+
+    def memory_stats(self) -> dict[str, float]:
+        gib = 1024**3
+        return {"allocated_gib": torch.cuda.memory_allocated(self.device) / gib,
+                "reserved_gib": torch.cuda.memory_reserved(self.device) / gib,
+                "peak_gib": torch.cuda.max_memory_allocated(self.device) / gib}
+
+    def reset_peak_memory(self) -> None:
+        torch.cuda.reset_peak_memory_stats(self.device)
+
+    def get_rng_state(self) -> torch.Tensor | None:
+        return torch.cuda.get_rng_state(self.device)
+
+    def set_rng_state(self, state: torch.Tensor | None) -> None:
+        if state is not None:
+            torch.cuda.set_rng_state(state, self.device)
+
+    def manual_seed(self, seed: int) -> None:
+        torch.manual_seed(seed)
+        torch.cuda.manual_seed(seed)
+
+
+ACCELERATORS: MappingProxyType[str, type[Accelerator]] = MappingProxyType(
+    {"cpu": CPUAccelerator, "cuda": CUDAAccelerator})
+
+
+def detect_device_type() -> str:
+    """The first available accelerator, preferring real accelerators over the CPU."""
+    for name, cls in ACCELERATORS.items():
+        if name != "cpu" and cls.is_available():
+            return name
+    return "cpu"
+
+
+def get_accelerator(device_type: str | None = None, index: int = 0) -> Accelerator:
+    """Build the accelerator for ``device_type`` (detected when None).
+
+    Raises ConfigError for an unknown or unavailable device type; never falls back silently.
+    """
+    name = device_type or detect_device_type()
+    cls = ACCELERATORS.get(name)
+    if cls is None:
+        raise ConfigError(f"unknown --device {name!r}; supported: {', '.join(ACCELERATORS)}")
+    if not cls.is_available():
+        raise ConfigError(f"--device {name} is not available on this machine "
+                          f"(torch {torch.__version__}); pick another device or install its "
+                          "torch backend")
+    return cls(index)
+
+
+@contextlib.contextmanager
+def fork_rng(accelerator: Accelerator) -> Iterator[None]:
+    """Run a block without disturbing the CPU and device RNG streams."""
+    cpu_state = torch.get_rng_state()
+    dev_state = accelerator.get_rng_state()
+    try:
+        yield
+    finally:
+        torch.set_rng_state(cpu_state)
+        accelerator.set_rng_state(dev_state)

@@ -1,0 +1,140 @@
+"""The GPT (LLaMA-style) model, built for a contiguous range of global layers.
+
+A pipeline stage builds only its own layers: ``layer_range=(start, end)`` selects global layer
+indices, ``pre_process`` adds the word embedding and ``post_process`` the final norm and output
+head. Layers live in ``decoder.layers`` keyed by their *global* index, so a parameter is named
+``decoder.layers.7.mlp.linear_fc1.weight`` whatever the split, and checkpoints do not depend on
+the pipeline layout.
+"""
+
+from __future__ import annotations
+
+import math
+import zlib
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from megatron_h2.config import ModelConfig
+from megatron_h2.devices.kernels import Kernels
+from megatron_h2.models.gpt.layers import RMSNorm, RotaryEmbedding, TransformerLayer
+
+
+class Decoder(nn.Module):
+    """The stage's transformer layers (keyed by global index) and, on the last stage, the final
+    norm."""
+
+    def __init__(self, config: ModelConfig, kernels: Kernels, layer_range: tuple[int, int],
+                 post_process: bool) -> None:
+        super().__init__()
+        rotary = RotaryEmbedding(config.kv_channels, config.max_position_embeddings,
+                                 config.rotary_base)
+        self.layers = nn.ModuleDict({str(i): TransformerLayer(config, kernels, rotary)
+                                     for i in range(*layer_range)})
+        self.final_layernorm = (RMSNorm(config.hidden_size, config.norm_epsilon, kernels)
+                                if post_process else None)
+        self.recompute_full = config.recompute == "full"
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers.values():
+            if self.recompute_full and self.training and torch.is_grad_enabled():
+                x = checkpoint(layer, x, use_reentrant=False)
+            else:
+                x = layer(x)
+        if self.final_layernorm is not None:
+            x = self.final_layernorm(x)
+        return x
+
+
+class GPTModel(nn.Module):
+    """LLaMA-style decoder-only language model (untied input and output embeddings)."""
+
+    def __init__(self, config: ModelConfig, kernels: Kernels | None = None,
+                 layer_range: tuple[int, int] | None = None, pre_process: bool = True,
+                 post_process: bool = True) -> None:
+        super().__init__()
+        if config.vocab_size <= 0:
+            raise ValueError("ModelConfig.vocab_size must be set (padded tokenizer vocabulary)")
+        kernels = kernels or Kernels()
+        self.config = config
+        self.layer_range = layer_range or (0, config.num_layers)
+        self.pre_process, self.post_process = pre_process, post_process
+        self.embedding = _Embedding(config) if pre_process else None
+        self.decoder = Decoder(config, kernels, self.layer_range, post_process)
+        self.output_layer = (nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+                             if post_process else None)
+
+    def forward(self, tokens: torch.Tensor | None = None,
+                hidden_states: torch.Tensor | None = None,
+                labels: torch.Tensor | None = None) -> torch.Tensor:
+        """First stage: ``tokens`` [b, s]; later stages: ``hidden_states`` [b, s, h].
+
+        Returns per-token cross-entropy [b, s] (fp32) when this stage has the head and
+        ``labels`` [b, s] are given, logits [b, s, V] when it has the head without labels, and
+        hidden states [b, s, h] otherwise.
+        """
+        x = self.embedding(tokens) if self.embedding is not None else hidden_states
+        x = self.decoder(x)  # [b, s, h]
+        if self.output_layer is None:
+            return x
+        logits = self.output_layer(x)  # [b, s, V]
+        if labels is None:
+            return logits
+        return F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(),
+                               reduction="none").view_as(labels)
+
+
+class _Embedding(nn.Module):
+    """Word embedding of the first stage. [b, s] -> [b, s, h]."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.word_embeddings = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.dropout = config.hidden_dropout
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return F.dropout(self.word_embeddings(tokens), self.dropout, self.training)
+
+
+def init_parameters(model: nn.Module, config: ModelConfig, seed: int) -> None:
+    """Initialise every parameter from a generator seeded by (seed, parameter name).
+
+    Norm scales start at one; matrices are N(0, std), with the output projections of each layer
+    (``linear_proj``, ``linear_fc2``) scaled by 1/sqrt(2 x num_layers) as in Megatron. Because
+    the seed depends only on the global parameter name, a layer gets the same initial weights
+    under every pipeline split.
+    """
+    scaled_std = config.init_method_std / math.sqrt(2.0 * config.num_layers)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("layernorm.weight"):
+                param.fill_(1.0)
+                continue
+            std = scaled_std if name.endswith(("linear_proj.weight", "linear_fc2.weight")) \
+                else config.init_method_std
+            gen = torch.Generator().manual_seed((seed * 1_000_003 + zlib.crc32(name.encode()))
+                                                % (2**63))
+            param.copy_(torch.randn(param.shape, generator=gen, dtype=torch.float32) * std)
+
+
+def num_parameters(config: ModelConfig) -> int:
+    """Parameter count of the full model."""
+    h, f, d = config.hidden_size, config.ffn_hidden_size, config.kv_channels
+    attn = h * (config.num_attention_heads + 2 * config.num_query_groups) * d + h * h
+    layer = attn + 3 * h * f + 2 * h
+    return config.num_layers * layer + 2 * config.vocab_size * h + h
+
+
+def flops_per_token(config: ModelConfig) -> float:
+    """Model FLOPs of one training token (forward + backward = 3x forward, no recompute).
+
+    Counts matrix multiplies: projections, MLP, the output head, and attention scores and
+    values over the full (non-causal-halved) sequence, as Megatron's MFU accounting does.
+    """
+    h, f, d, s = config.hidden_size, config.ffn_hidden_size, config.kv_channels, config.seq_length
+    proj = h * (config.num_attention_heads + 2 * config.num_query_groups) * d + h * h + 3 * h * f
+    attn = 2 * s * h  # QK^T and AV per token
+    forward = 2 * (config.num_layers * (proj + attn) + h * config.vocab_size)
+    return 3.0 * forward

@@ -1,0 +1,1 @@
+"""Training: command line, loop, optimizer, checkpoints of the training state."""
