@@ -189,6 +189,13 @@ class RunConfig:
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     training: TrainingConfig = field(default_factory=TrainingConfig)
 
+    def __post_init__(self) -> None:
+        decay = self.optimizer.lr_decay_iters or self.training.train_iters
+        if self.optimizer.lr_warmup_iters > decay:
+            raise ConfigError(f"--lr-warmup-iters {self.optimizer.lr_warmup_iters} exceeds the "
+                              f"decay length {decay} (--lr-decay-iters or --train-iters); "
+                              "shorten the warm-up")
+
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 

@@ -43,6 +43,7 @@ def test_defaults_are_valid_and_round_trip():
     ("--micro-batch-size 0", "--micro-batch-size must be a positive"),
     ("--lr 1e-4 --min-lr 1e-3", "--min-lr"),
     ("--fp16", "use --bf16"),
+    ("--train-iters 10 --lr-warmup-iters 20", "--lr-warmup-iters 20 exceeds"),
     ("--data-path foo", "needs --tokenizer-type"),
 ])
 def test_bad_flags_raise_one_line(flags, fragment):

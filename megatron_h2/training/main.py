@@ -20,7 +20,7 @@ from megatron_h2.devices import Accelerator, get_accelerator
 from megatron_h2.errors import ConfigError, TrainingError
 from megatron_h2.training.arguments import LaunchOptions, config_from_args
 from megatron_h2.training.metrics import MetricsWriter, log
-from megatron_h2.training.state import TrainProgress, load_training_state
+from megatron_h2.training.state import TrainProgress, check_compatible, load_training_state
 
 DEFAULT_RUN_DIR = Path("runs") / "default"
 
@@ -55,7 +55,10 @@ def prepare_data(cfg: RunConfig):
 
 
 def check_load(cfg: RunConfig, launch: LaunchOptions) -> None:
-    """Fail early on a --load target that is missing, incomplete or corrupt."""
+    """Fail early on a --load target that is missing, incomplete, corrupt or of another model.
+
+    Runs after :func:`prepare_data`, which sets the padded vocabulary size.
+    """
     load = cfg.training.load
     if not load:
         return
@@ -65,7 +68,8 @@ def check_load(cfg: RunConfig, launch: LaunchOptions) -> None:
         raise ConfigError(f"--load directory {load} does not exist")
     iteration = launch.ckpt_step if launch.ckpt_step is not None else find_latest_iteration(load)
     if iteration is not None:
-        read_metadata(iteration_dir(load, iteration))
+        ckpt_dir = iteration_dir(load, iteration)
+        check_compatible(read_metadata(ckpt_dir), cfg, ckpt_dir)
 
 
 def build_datasets(cfg: RunConfig):
@@ -126,8 +130,8 @@ def train(cfg: RunConfig, launch: LaunchOptions) -> TrainProgress:
     start = time.perf_counter()
     accelerator = get_accelerator(cfg.training.device)
     demo = apply_demo_defaults(cfg)
-    check_load(cfg, launch)
     tokenizer = prepare_data(cfg)
+    check_load(cfg, launch)
     train_ds, valid_ds, _ = build_datasets(cfg)
     if train_ds is None:
         raise ConfigError(f"--split {cfg.data.split} leaves no training data")

@@ -12,15 +12,15 @@ import numpy as np
 import torch
 from torch import nn
 
-from megatron_h2.checkpointing import Checkpoint, load_checkpoint, save_checkpoint
+from megatron_h2.checkpointing import load_checkpoint, save_checkpoint
 from megatron_h2.config import RunConfig
 from megatron_h2.devices import Accelerator
 from megatron_h2.errors import ConfigError
 from megatron_h2.training.optimizer import load_named_optimizer_state, optimizer_state_to_named
 
-# Config fields that must match for a checkpoint's weights to fit the model being built.
-SHAPE_FIELDS = ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups",
-                "ffn_hidden_size", "vocab_size")
+# Config fields that must match for a checkpoint's weights to mean the same model.
+MODEL_FIELDS = ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups",
+                "ffn_hidden_size", "vocab_size", "norm_epsilon", "rotary_base")
 
 
 @dataclass
@@ -73,14 +73,14 @@ def save_training_state(save_dir: str, model: nn.Module, optimizer: torch.optim.
     return save_checkpoint(save_dir, progress.iteration, model_state, optim_state, metadata)
 
 
-def check_compatible(ckpt: Checkpoint, config: RunConfig) -> None:
-    """The checkpoint's model shape must equal the configured one (one line names the field)."""
-    saved = ckpt.metadata.get("config", {}).get("model", {})
-    for name in SHAPE_FIELDS:
+def check_compatible(metadata: dict[str, Any], config: RunConfig, source: Path | None) -> None:
+    """The checkpoint's model must equal the configured one (one line names the field)."""
+    saved = metadata.get("config", {}).get("model", {})
+    for name in MODEL_FIELDS:
         mine = getattr(config.model, name)
         if name in saved and saved[name] != mine:
             flag = "--" + name.replace("_", "-")
-            raise ConfigError(f"checkpoint {ckpt.path} was saved with {name}={saved[name]} but "
+            raise ConfigError(f"checkpoint {source} was saved with {name}={saved[name]} but "
                               f"this run has {flag} {mine}; use matching model flags")
 
 
@@ -104,7 +104,7 @@ def load_training_state(load_dir: str, model: nn.Module, optimizer: torch.optim.
     ckpt = load_checkpoint(load_dir, iteration, load_optimizer=load_optim)
     if ckpt is None:
         return None
-    check_compatible(ckpt, config)
+    check_compatible(ckpt.metadata, config, ckpt.path)
     load_weights(model, ckpt.model, ckpt.path)
     if load_optim and ckpt.optimizer:
         load_named_optimizer_state(optimizer, param_names(model), ckpt.optimizer)
