@@ -76,8 +76,8 @@ def build_datasets(cfg: RunConfig):
     from megatron_h2.data import build_gpt_datasets
 
     t = cfg.training
-    num_samples = (t.train_iters * t.global_batch_size, t.eval_iters * t.global_batch_size,
-                   t.eval_iters * t.global_batch_size)
+    # The test split is not used during training: ask for none so small corpora still work.
+    num_samples = (t.train_iters * t.global_batch_size, t.eval_iters * t.global_batch_size, 0)
     return build_gpt_datasets(cfg.data.data_path, cfg.data.split, cfg.model.seq_length, t.seed,
                               num_samples, cache_dir=cfg.data.data_cache_path)
 

@@ -1,0 +1,334 @@
+"""GPT pretraining samples over Megatron indexed datasets, with splits and blending.
+
+Semantics follow Megatron-Core's ``GPTDataset``: the split's documents (sequences of the
+indexed dataset) are repeated for as many epochs as ``num_samples`` needs, the token stream
+is cut into samples of ``seq_length + 1`` tokens that overlap by one token and cross document
+boundaries, and samples are served in a shuffled order. Differences from Megatron: each
+epoch is a separate permutation of the documents (Megatron shuffles all but a short final
+epoch together), the final epoch's samples are always shuffled separately, and ``len`` is
+exactly ``num_samples``.
+
+The three index arrays are cached as ``.npy`` files (see :func:`cached_arrays`) under
+``cache/`` next to the data prefix unless ``cache_dir`` says otherwise.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import math
+import os
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from megatron_h2.data.blended_dataset import (
+    CACHE_FORMAT_VERSION,
+    BlendedDataset,
+    cached_arrays,
+    component_sizes,
+)
+from megatron_h2.data.indexed_dataset import IndexedDataset, check_data_prefix, get_idx_path
+from megatron_h2.errors import ConfigError
+
+logger = logging.getLogger(__name__)
+
+SPLIT_NAMES = ("train", "valid", "test")
+_MAX_SEED = 2**32 - 1
+
+
+def parse_split(split: str) -> list[float]:
+    """Parse ``"949,50,1"``-style weights into three normalised shares (missing ones are 0)."""
+    hint = "use up to three comma-separated non-negative weights like '949,50,1'"
+    if not isinstance(split, str) or not split.strip():
+        raise ConfigError(f"--split {split!r} is empty; {hint}")
+    parts = [part.strip() for part in split.split(",")]
+    if len(parts) > 3:
+        raise ConfigError(f"--split {split!r} has {len(parts)} parts (3 at most); {hint}")
+    try:
+        values = [float(part) for part in parts]
+    except ValueError:
+        raise ConfigError(f"--split {split!r} is not a list of numbers; {hint}") from None
+    if any(not math.isfinite(v) or v < 0 for v in values) or sum(values) <= 0:
+        raise ConfigError(f"--split {split!r} needs non-negative weights with a positive sum; {hint}")
+    values += [0.0] * (3 - len(values))
+    total = sum(values)
+    return [v / total for v in values]
+
+
+def split_document_ranges(
+    shares: Sequence[float], num_documents: int
+) -> list[tuple[int, int] | None]:
+    """Megatron's book-ends: split ``i`` gets ``[round(lo * N), round(hi * N))``; None if share 0."""
+    ranges: list[tuple[int, int] | None] = []
+    low = 0.0
+    for share in shares:
+        high = low + share
+        if share <= 0:
+            ranges.append(None)
+        else:
+            ranges.append((int(round(low * num_documents)), int(round(high * num_documents))))
+        low = high
+    return ranges
+
+
+def _is_number(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
+
+
+def parse_data_path(data_path: Sequence[str]) -> list[tuple[float, str]]:
+    """Parse Megatron's ``--data-path`` list into ``[(normalised_weight, prefix), ...]``.
+
+    Accepts ``["prefixA", "prefixB"]`` (equal weights) or ``["0.3", "prefixA", "0.7", "prefixB"]``.
+    """
+    hint = "use 'PREFIX [PREFIX ...]' or 'WEIGHT PREFIX [WEIGHT PREFIX ...]'"
+    if isinstance(data_path, str) or not data_path:
+        raise ConfigError(f"--data-path {data_path!r} must be a non-empty list; {hint}")
+    items = [str(item).strip() for item in data_path]
+    if any(not item for item in items):
+        raise ConfigError(f"--data-path {list(data_path)} has an empty entry; {hint}")
+    numeric = [_is_number(item) for item in items]
+    if not any(numeric):
+        return [(1.0 / len(items), item) for item in items]
+    pairs_ok = len(items) % 2 == 0 and all(numeric[0::2]) and not any(numeric[1::2])
+    if not pairs_ok:
+        raise ConfigError(f"--data-path {items} mixes weights and prefixes out of order; {hint}")
+    weights = [float(item) for item in items[0::2]]
+    if any(not math.isfinite(w) or w <= 0 for w in weights):
+        raise ConfigError(f"--data-path weights {weights} must be positive numbers; {hint}")
+    total = sum(weights)
+    return [(w / total, prefix) for w, prefix in zip(weights, items[1::2])]
+
+
+def index_fingerprint(path_prefix: str) -> str:
+    """Hash of the ``.idx`` file; GPT indices depend only on it (lengths), not on the tokens."""
+    digest = hashlib.blake2b(digest_size=16)
+    with open(get_idx_path(path_prefix), "rb") as stream:
+        for block in iter(lambda: stream.read(1 << 24), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def build_document_index(
+    documents: np.ndarray, num_epochs: int, rng: np.random.RandomState
+) -> np.ndarray:
+    """Documents of every epoch in order, each epoch an independent permutation (int32)."""
+    epochs = [rng.permutation(documents) for _ in range(num_epochs)]
+    return np.concatenate(epochs).astype(np.int32)
+
+
+def build_sample_index(
+    sequence_lengths: np.ndarray, document_index: np.ndarray, seq_length: int, num_samples: int
+) -> np.ndarray:
+    """``(num_samples + 1, 2)`` int64 rows ``(document_index position, token offset)``.
+
+    Row ``j`` is where sample ``j`` starts, i.e. stream position ``j * seq_length``; sample
+    ``j`` ends with (and includes) the token at row ``j + 1``.
+    """
+    lengths = sequence_lengths[document_index].astype(np.int64)
+    ends = np.cumsum(lengths)
+    starts = np.arange(num_samples + 1, dtype=np.int64) * seq_length
+    positions = np.searchsorted(ends, starts, side="right")
+    offsets = starts - (ends[positions] - lengths[positions])
+    return np.stack([positions.astype(np.int64), offsets], axis=1)
+
+
+def build_shuffle_index(first_block: int, total: int, rng: np.random.RandomState) -> np.ndarray:
+    """Permutation of ``[0, first_block)`` followed by a permutation of ``[first_block, total)``."""
+    head = rng.permutation(np.arange(first_block, dtype=np.int64))
+    tail = rng.permutation(np.arange(first_block, total, dtype=np.int64))
+    return np.concatenate([head, tail])
+
+
+def _check_int(name: str, value: Any, low: int, high: int | None = None) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise ConfigError(f"{name} must be an integer, got {value!r}")
+    if value < low or (high is not None and value > high):
+        bound = f">= {low}" if high is None else f"in [{low}, {high}]"
+        raise ConfigError(f"{name} must be {bound}, got {value}")
+    return int(value)
+
+
+class GPTDataset:
+    """Shuffled ``seq_length + 1`` token samples from a document range of an IndexedDataset.
+
+    ``dataset[i]`` is a ``numpy.int64`` array of shape ``(seq_length + 1,)``; inputs are
+    ``[:-1]`` and labels ``[1:]``. ``built_from_cache`` says whether the indices were loaded.
+
+    Args:
+        indexed_dataset: the tokens.
+        document_range: ``(begin, end)`` sequence indices of this split.
+        seq_length: tokens per training sample (each sample holds one more).
+        seed: seed of the numpy RandomState that shuffles documents and samples.
+        num_samples: number of samples (``len``); documents repeat as needed.
+        split_name: "train", "valid" or "test" (part of the cache key and messages).
+        cache_dir: index cache folder; default ``cache/`` beside the data prefix.
+        fingerprint: precomputed :func:`index_fingerprint` of the data (optional).
+    """
+
+    def __init__(
+        self,
+        indexed_dataset: IndexedDataset,
+        document_range: tuple[int, int],
+        seq_length: int,
+        seed: int,
+        num_samples: int,
+        split_name: str = "train",
+        cache_dir: str | None = None,
+        fingerprint: str | None = None,
+    ) -> None:
+        self.indexed_dataset = indexed_dataset
+        self.seq_length = _check_int("seq_length", seq_length, 1)
+        self.seed = _check_int("seed", seed, 0, _MAX_SEED)
+        self.num_samples = _check_int("num_samples", num_samples, 1)
+        self.split_name = split_name
+        prefix = indexed_dataset.path_prefix
+        begin, end = (int(x) for x in document_range)
+        if not 0 <= begin < end <= len(indexed_dataset):
+            raise ConfigError(
+                f"the {split_name} split of {prefix} has documents [{begin}, {end}) out of "
+                f"{len(indexed_dataset)}; give the split a larger share or use more documents"
+            )
+        self.document_range = (begin, end)
+        self.tokens_per_epoch = int(indexed_dataset.sequence_lengths[begin:end].sum(dtype=np.int64))
+        if self.tokens_per_epoch < 1:
+            raise ConfigError(
+                f"the {split_name} split of {prefix} has no tokens; check the data or the split"
+            )
+        needed = self.num_samples * self.seq_length + 1
+        self.num_epochs = -(-needed // self.tokens_per_epoch)
+        default_cache = os.path.join(os.path.dirname(os.path.abspath(prefix)), "cache")
+        self.cache_dir = cache_dir or default_cache
+        self.description = {
+            "class": "GPTDataset",
+            "format": CACHE_FORMAT_VERSION,
+            "prefix": os.path.basename(prefix),
+            "index_fingerprint": fingerprint or index_fingerprint(prefix),
+            "split": split_name,
+            "document_range": [begin, end],
+            "seq_length": self.seq_length,
+            "seed": self.seed,
+            "num_samples": self.num_samples,
+        }
+        started = time.perf_counter()
+        arrays, self.built_from_cache = cached_arrays(
+            self.cache_dir, f"GPTDataset-{split_name}", self.description,
+            ("document_index", "sample_index", "shuffle_index"), self._build_indices,
+        )
+        self.document_index = arrays["document_index"]
+        self.sample_index = arrays["sample_index"]
+        self.shuffle_index = arrays["shuffle_index"]
+        logger.info(
+            "%s GPTDataset %s indices for %s: %d samples, %d epochs (%.2f s)",
+            "loaded" if self.built_from_cache else "built", split_name, prefix,
+            self.num_samples, self.num_epochs, time.perf_counter() - started,
+        )
+
+    def _build_indices(self) -> dict[str, np.ndarray]:
+        rng = np.random.RandomState(self.seed)
+        documents = np.arange(*self.document_range, dtype=np.int32)
+        document_index = build_document_index(documents, self.num_epochs, rng)
+        stream_tokens = self.num_epochs * self.tokens_per_epoch
+        num_built = (stream_tokens - 1) // self.seq_length
+        sample_index = build_sample_index(
+            self.indexed_dataset.sequence_lengths, document_index, self.seq_length, num_built
+        )
+        first_block = 0
+        if self.num_epochs > 1:
+            first_block = ((self.num_epochs - 1) * self.tokens_per_epoch - 1) // self.seq_length
+        shuffle_index = build_shuffle_index(first_block, num_built, rng)[: self.num_samples]
+        return {
+            "document_index": document_index,
+            "sample_index": sample_index,
+            "shuffle_index": shuffle_index,
+        }
+
+    def __len__(self) -> int:
+        return self.num_samples
+
+    def __getitem__(self, idx: int) -> np.ndarray:
+        if not 0 <= idx < self.num_samples:
+            raise IndexError(f"sample {idx} out of range for {self.num_samples} samples")
+        sample = int(self.shuffle_index[idx])
+        first_pos, first_offset = (int(x) for x in self.sample_index[sample])
+        last_pos, last_offset = (int(x) for x in self.sample_index[sample + 1])
+        get = self.indexed_dataset.get
+        if first_pos == last_pos:
+            document = int(self.document_index[first_pos])
+            return get(document, first_offset, last_offset - first_offset + 1).astype(np.int64)
+        parts = [get(int(self.document_index[first_pos]), first_offset)]
+        parts += [get(int(self.document_index[p])) for p in range(first_pos + 1, last_pos)]
+        parts.append(get(int(self.document_index[last_pos]), 0, last_offset + 1))
+        return np.concatenate(parts).astype(np.int64)
+
+
+def _check_num_samples(num_samples: Sequence[int]) -> tuple[int, int, int]:
+    if isinstance(num_samples, (str, bytes)) or len(num_samples) != 3:
+        raise ConfigError(
+            f"num_samples must be (train, valid, test) sample counts, got {num_samples!r}"
+        )
+    train, valid, test = (_check_int(f"{name} num_samples", n, 0)
+                          for name, n in zip(SPLIT_NAMES, num_samples))
+    return train, valid, test
+
+
+def build_gpt_datasets(
+    data_path: list[str],
+    split: str,
+    seq_length: int,
+    seed: int,
+    num_samples: tuple[int, int, int],
+    cache_dir: str | None = None,
+) -> tuple[GPTDataset | BlendedDataset | None, GPTDataset | BlendedDataset | None,
+           GPTDataset | BlendedDataset | None]:
+    """train/valid/test; None where the split share or num_samples is 0.
+
+    ``data_path`` is Megatron's ``--data-path`` list (see :func:`parse_data_path`); with
+    several prefixes every split is a :class:`BlendedDataset` of per-prefix GPTDatasets
+    cut by the same ``split``. All inputs are validated (one-line ConfigError) before any
+    index is built, including a split that is requested (samples > 0, share > 0) but whose
+    share rounds to 0 documents of some prefix.
+    """
+    blend = parse_data_path(data_path)
+    shares = parse_split(split)
+    seq_length = _check_int("seq_length", seq_length, 1)
+    seed = _check_int("seed", seed, 0, _MAX_SEED)
+    counts = _check_num_samples(num_samples)
+    for _, prefix in blend:
+        check_data_prefix(prefix)
+    indexed = {prefix: IndexedDataset(prefix) for _, prefix in blend}
+    fingerprints = {prefix: index_fingerprint(prefix) for prefix in indexed}
+    ranges = {prefix: split_document_ranges(shares, len(ds)) for prefix, ds in indexed.items()}
+    for i, name in enumerate(SPLIT_NAMES):
+        if counts[i] and shares[i] > 0:
+            for prefix, per_split in ranges.items():
+                begin, end = per_split[i]
+                if end <= begin:
+                    raise ConfigError(
+                        f"--split {split!r} leaves the {name} split of {prefix} with 0 of its "
+                        f"{len(indexed[prefix])} documents; give {name} a larger share or request "
+                        f"0 {name} samples"
+                    )
+    results: list[GPTDataset | BlendedDataset | None] = []
+    for i, name in enumerate(SPLIT_NAMES):
+        if counts[i] == 0 or shares[i] <= 0:
+            results.append(None)
+            continue
+        weights = [w for w, _ in blend]
+        sizes = [counts[i]] if len(blend) == 1 else component_sizes(weights, counts[i])
+        parts = [
+            GPTDataset(indexed[prefix], ranges[prefix][i], seq_length, seed, size, name,
+                       cache_dir, fingerprints[prefix])
+            for (_, prefix), size in zip(blend, sizes)
+        ]
+        if len(parts) == 1:
+            results.append(parts[0])
+        else:
+            results.append(BlendedDataset(parts, weights, counts[i], cache_dir))
+    return results[0], results[1], results[2]

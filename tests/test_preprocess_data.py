@@ -1,0 +1,164 @@
+"""tools/preprocess_data.py and megatron_h2.data.preprocess."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import random
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from megatron_h2.data.indexed_dataset import IndexedDataset
+from megatron_h2.data.preprocess import _split_ranges, preprocess_jsonl
+from megatron_h2.data.tokenizer import build_tokenizer, train_sentencepiece
+from megatron_h2.errors import ConfigError
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+WORDS = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda".split()
+
+
+def _write_jsonl(path, records) -> str:
+    with open(path, "w", encoding="utf-8") as stream:
+        for record in records:
+            stream.write(record if isinstance(record, str) else json.dumps(record))
+            stream.write("\n")
+    return str(path)
+
+
+def _number_records(count: int, seed: int = 0) -> list[dict]:
+    rng = random.Random(seed)
+    records = []
+    for i in range(count):
+        ids = [rng.randrange(1000) for _ in range(rng.randint(0 if i % 7 == 3 else 1, 40))]
+        records.append({"text": " ".join(map(str, ids)), "meta": str(i)})
+    return records
+
+
+@pytest.fixture(scope="module")
+def sp_model(tmp_path_factory) -> str:
+    rng = random.Random(1)
+    texts = (" ".join(rng.choice(WORDS) for _ in range(20)) for _ in range(200))
+    return train_sentencepiece(texts, str(tmp_path_factory.mktemp("sp") / "tok"), 300)
+
+
+def test_null_tokenizer_output_matches_input(tmp_path):
+    records = _number_records(50)
+    source = _write_jsonl(tmp_path / "in.jsonl", records)
+    outputs = preprocess_jsonl(source, str(tmp_path / "out" / "corpus"), "NullTokenizer",
+                               vocab_size=1000, append_eod=True)
+    prefix = str(tmp_path / "out" / "corpus_text_document")
+    assert outputs == {"text": prefix}
+    dataset = IndexedDataset(prefix)
+    expected = [[int(x) for x in r["text"].split()] + [1000] for r in records if r["text"]]
+    assert [dataset[i].tolist() for i in range(len(dataset))] == expected
+    assert dataset.dtype == np.uint16
+    assert dataset.document_indices.tolist() == list(range(len(expected) + 1))
+    assert not [n for n in os.listdir(tmp_path / "out") if n.startswith(".preprocess-")]
+
+
+def test_without_eod_and_wide_vocab_uses_int32(tmp_path):
+    source = _write_jsonl(tmp_path / "in.jsonl", [{"text": "1 2 69999"}, {"text": "5"}])
+    preprocess_jsonl(source, str(tmp_path / "c"), "NullTokenizer", vocab_size=70000)
+    dataset = IndexedDataset(str(tmp_path / "c_text_document"))
+    assert dataset.dtype == np.int32
+    assert [dataset[i].tolist() for i in range(2)] == [[1, 2, 69999], [5]]
+
+
+def test_multiple_json_keys(tmp_path):
+    source = _write_jsonl(tmp_path / "in.jsonl", [{"text": "1 2", "meta": "7"}, {"text": "3", "meta": "8 9"}])
+    outputs = preprocess_jsonl(source, str(tmp_path / "c"), "NullTokenizer", vocab_size=10,
+                               json_keys=["text", "meta"], append_eod=True)
+    assert set(outputs) == {"text", "meta"}
+    meta = IndexedDataset(outputs["meta"])
+    assert [meta[i].tolist() for i in range(2)] == [[7, 10], [8, 9, 10]]
+
+
+@pytest.mark.parametrize("workers", [2, 3])
+def test_output_identical_for_any_worker_count(tmp_path, sp_model, workers):
+    rng = random.Random(2)
+    records = [{"text": " ".join(rng.choice(WORDS) for _ in range(rng.randint(0, 30)))} for _ in range(120)]
+    records.insert(17, "   ")  # blank lines are skipped
+    source = _write_jsonl(tmp_path / "in.jsonl", records)
+    common = dict(tokenizer_type="GPTSentencePieceTokenizer", tokenizer_model=sp_model, append_eod=True)
+    one = preprocess_jsonl(source, str(tmp_path / "one"), workers=1, **common)["text"]
+    many = preprocess_jsonl(source, str(tmp_path / "many"), workers=workers, log_interval=10, **common)["text"]
+    for suffix in (".bin", ".idx"):
+        assert open(one + suffix, "rb").read() == open(many + suffix, "rb").read()
+    tokenizer = build_tokenizer("GPTSentencePieceTokenizer", sp_model)
+    dataset = IndexedDataset(one)
+    texts = [r["text"] for r in records if isinstance(r, dict) and r["text"]]
+    assert len(dataset) == len(texts)
+    assert tokenizer.detokenize(dataset[5][:-1]) == texts[5] and dataset[5][-1] == tokenizer.eod
+
+
+def test_split_ranges_cover_file_on_line_starts(tmp_path):
+    source = _write_jsonl(tmp_path / "in.jsonl", _number_records(30))
+    data = open(source, "rb").read()
+    for parts in (1, 2, 5, 64):
+        ranges = _split_ranges(source, parts)
+        assert ranges[0][0] == 0 and ranges[-1][1] == len(data) and len(ranges) == parts
+        for (start, end, first_line), nxt in zip(ranges, ranges[1:] + [(len(data), 0, 0)]):
+            assert end == nxt[0] and (start == 0 or data[start - 1 : start] == b"\n")
+            assert first_line == data[:start].count(b"\n") + 1
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_bad_line_reports_line_number(tmp_path, workers):
+    records = _number_records(40)
+    records[33] = '{"text": "1 2",'
+    source = _write_jsonl(tmp_path / "in.jsonl", records)
+    with pytest.raises(ConfigError, match=r"in\.jsonl:34: not valid JSON") as info:
+        preprocess_jsonl(source, str(tmp_path / "c"), "NullTokenizer", vocab_size=1000, workers=workers)
+    assert "\n" not in str(info.value)
+    assert sorted(os.listdir(tmp_path)) == ["in.jsonl"]  # no partial output, no scratch
+
+
+@pytest.mark.parametrize(
+    "record, message",
+    [
+        ({"body": "1"}, r":2: JSON object has no key 'text'"),
+        ({"text": 5}, r":2: value of 'text' is int"),
+        ("[1, 2]", r":2: expected a JSON object"),
+        ({"text": "1 x 2"}, "whitespace-separated integers"),
+    ],
+)
+def test_bad_records(tmp_path, record, message):
+    source = _write_jsonl(tmp_path / "in.jsonl", [{"text": "1"}, record])
+    with pytest.raises(ConfigError, match=message):
+        preprocess_jsonl(source, str(tmp_path / "c"), "NullTokenizer", vocab_size=10)
+
+
+def test_bad_arguments(tmp_path):
+    source = _write_jsonl(tmp_path / "in.jsonl", [{"text": "1"}])
+    out = str(tmp_path / "c")
+    with pytest.raises(ConfigError, match="--input .* not found"):
+        preprocess_jsonl(str(tmp_path / "missing.jsonl"), out, "NullTokenizer", vocab_size=10)
+    with pytest.raises(ConfigError, match="unknown tokenizer type"):
+        preprocess_jsonl(source, out, "GPT2BPETokenizer")
+    with pytest.raises(ConfigError, match="--workers"):
+        preprocess_jsonl(source, out, "NullTokenizer", vocab_size=10, workers=0)
+    with pytest.raises(ConfigError, match="--json-keys"):
+        preprocess_jsonl(source, out, "NullTokenizer", vocab_size=10, json_keys=[])
+    with pytest.raises(ConfigError, match="tokenizer model .* not found"):
+        preprocess_jsonl(source, out, "GPTSentencePieceTokenizer", str(tmp_path / "none.model"))
+
+
+def test_cli_script(tmp_path, sp_model):
+    source = _write_jsonl(tmp_path / "in.jsonl", [{"text": "alpha beta"}, {"text": "gamma"}])
+    script = os.path.join(REPO, "tools", "preprocess_data.py")
+    args = [sys.executable, script, "--input", source, "--output-prefix", str(tmp_path / "out"),
+            "--tokenizer-type", "GPTSentencePieceTokenizer", "--tokenizer-model", sp_model,
+            "--append-eod", "--workers", "2", "--log-interval", "1"]
+    result = subprocess.run(args, capture_output=True, text=True, cwd=str(tmp_path), timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert "processed" in result.stderr and "out_text_document.bin" in result.stdout
+    assert len(IndexedDataset(str(tmp_path / "out_text_document"))) == 2
+    spec = importlib.util.spec_from_file_location("preprocess_tool", script)
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    assert tool.main(["--input", str(tmp_path / "nope.jsonl"), "--output-prefix", "x",
+                      "--tokenizer-type", "NullTokenizer", "--vocab-size", "5"]) == 2
