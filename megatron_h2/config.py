@@ -38,7 +38,7 @@ class ModelConfig:
     num_attention_heads: int = 8
     num_query_groups: int | None = None  # None: one group per head (plain multi-head attention)
     ffn_hidden_size: int | None = None  # None: swiglu_ffn_size(hidden_size)
-    seq_length: int = 256
+    seq_length: int = 128
     max_position_embeddings: int | None = None  # None: seq_length
     vocab_size: int = 0  # padded vocabulary size; filled in from the tokenizer
     norm_epsilon: float = 1e-5
@@ -145,15 +145,15 @@ class OptimizerConfig:
 class TrainingConfig:
     """Batching, length of the run, precision, logging and checkpoint cadence."""
 
-    micro_batch_size: int = 8
-    global_batch_size: int = 16
+    micro_batch_size: int = 4
+    global_batch_size: int = 8
     train_iters: int = 200
     seed: int = 1234
     bf16: bool = False
     device: str | None = None  # None: detect at start-up
     log_interval: int = 10
     eval_interval: int = 100
-    eval_iters: int = 10
+    eval_iters: int = 5
     save: str | None = None
     load: str | None = None
     save_interval: int | None = None
@@ -181,6 +181,67 @@ class TrainingConfig:
 
 
 @dataclass
+class ParallelConfig:
+    """Uniform tensor / pipeline / data parallelism (Megatron's flags). DP is what remains of the
+    world size after TP x PP. A heterogeneous plan file replaces the TP / PP fields."""
+
+    tensor_model_parallel_size: int = 1
+    pipeline_model_parallel_size: int = 1
+    pipeline_layer_split: list[int] | None = None  # one layer count per stage
+    decoder_first_pipeline_num_layers: int | None = None
+    decoder_last_pipeline_num_layers: int | None = None
+    sequence_parallel: bool = False
+    use_distributed_optimizer: bool = False
+    distributed_timeout_minutes: float = 10.0
+    ddp_bucket_size_mb: float = 25.0
+
+    def __post_init__(self) -> None:
+        _positive(self, "tensor_model_parallel_size", "pipeline_model_parallel_size",
+                  "distributed_timeout_minutes", "ddp_bucket_size_mb")
+        if self.pipeline_layer_split is not None:
+            if len(self.pipeline_layer_split) != self.pipeline_model_parallel_size:
+                raise ConfigError(
+                    f"--pipeline-layer-split has {len(self.pipeline_layer_split)} counts but "
+                    f"--pipeline-model-parallel-size is {self.pipeline_model_parallel_size}; "
+                    "give one layer count per stage")
+            if any(n < 0 for n in self.pipeline_layer_split):
+                raise ConfigError("--pipeline-layer-split counts must be >= 0")
+            if (self.decoder_first_pipeline_num_layers is not None
+                    or self.decoder_last_pipeline_num_layers is not None):
+                raise ConfigError("use either --pipeline-layer-split or --decoder-first/last-"
+                                  "pipeline-num-layers, not both")
+        for name in ("decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers"):
+            value = getattr(self, name)
+            if value is not None and value < 0:
+                raise ConfigError(f"--{name.replace('_', '-')} must be >= 0")
+
+    def stage_layers(self, num_layers: int) -> list[int]:
+        """Layer count of every pipeline stage; counts that do not add up are an error."""
+        pp = self.pipeline_model_parallel_size
+        if self.pipeline_layer_split is not None:
+            split = list(self.pipeline_layer_split)
+            if sum(split) != num_layers:
+                raise ConfigError(f"--pipeline-layer-split {','.join(map(str, split))} adds up "
+                                  f"to {sum(split)} layers but --num-layers is {num_layers}")
+            return split
+        first, last = self.decoder_first_pipeline_num_layers, self.decoder_last_pipeline_num_layers
+        if pp == 1:
+            if first not in (None, num_layers) or last not in (None, num_layers):
+                raise ConfigError("--decoder-first/last-pipeline-num-layers need "
+                                  "--pipeline-model-parallel-size > 1")
+            return [num_layers]
+        fixed = [first, *([None] * (pp - 2)), last]
+        rest = num_layers - sum(n for n in fixed if n is not None)
+        free = sum(n is None for n in fixed)
+        if rest < 0 or (free and rest % free) or (not free and rest):
+            raise ConfigError(
+                f"{num_layers} layers cannot be split over {pp} stages with first={first} and "
+                f"last={last}: the remaining {rest} must divide evenly over {free} stage(s); "
+                "use --pipeline-layer-split for an explicit split")
+        return [n if n is not None else rest // free for n in fixed]
+
+
+@dataclass
 class RunConfig:
     """Everything one training run needs."""
 
@@ -188,6 +249,7 @@ class RunConfig:
     data: DataConfig = field(default_factory=DataConfig)
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     training: TrainingConfig = field(default_factory=TrainingConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
 
     def __post_init__(self) -> None:
         decay = self.optimizer.lr_decay_iters or self.training.train_iters
@@ -206,7 +268,7 @@ class RunConfig:
         for f in fields(cls):
             sub = data.get(f.name, {})
             sub_cls = {"model": ModelConfig, "data": DataConfig, "optimizer": OptimizerConfig,
-                       "training": TrainingConfig}[f.name]
+                       "training": TrainingConfig, "parallel": ParallelConfig}[f.name]
             known = {g.name for g in fields(sub_cls)}
             unknown = set(sub) - known
             if unknown:

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import SafetensorError
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
 from megatron_h2.errors import ConfigError
@@ -59,9 +59,14 @@ def _write_text_atomic(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
+def incomplete_dir(save_dir: str | os.PathLike, iteration: int) -> Path:
+    """The temporary directory that a save of ``iteration`` is written into."""
+    return Path(save_dir) / f".iter_{iteration:07d}.incomplete"
+
+
 def begin_save(save_dir: str | os.PathLike, iteration: int) -> Path:
     """Create (and return) the temporary directory that writers fill before :func:`commit_save`."""
-    tmp = Path(save_dir) / f".iter_{iteration:07d}.incomplete"
+    tmp = incomplete_dir(save_dir, iteration)
     if tmp.exists():
         shutil.rmtree(tmp)
     tmp.mkdir(parents=True)
@@ -180,3 +185,55 @@ def load_checkpoint(load_dir: str | os.PathLike, iteration: int | None = None,
     optim = _load_parts(ckpt_dir, "optim", parts) if load_optimizer else {}
     return Checkpoint(iteration=iteration, model=model, optimizer=optim, metadata=meta,
                       path=ckpt_dir)
+
+
+class CheckpointReader:
+    """Lazy access to one checkpoint: each rank reads only the tensors (or slices) it owns.
+
+    Nothing is loaded until :meth:`get`; a tensor is located through the safetensors headers of
+    the parts, so a rank holding two layers of a 100B model reads two layers.
+    """
+
+    def __init__(self, ckpt_dir: Path, metadata: dict[str, Any]) -> None:
+        self.path, self.metadata = ckpt_dir, metadata
+        self.iteration = int(metadata["iteration"])
+        self._where: dict[str, str] = {}
+        for name in sorted(metadata.get("parts", {})):
+            try:
+                with safe_open(str(ckpt_dir / name), framework="pt") as fh:
+                    keys = list(fh.keys())
+            except (SafetensorError, OSError, RuntimeError) as exc:
+                raise ConfigError(f"checkpoint part {ckpt_dir / name} is corrupt ({exc}); load "
+                                  "an earlier iteration") from None
+            for key in keys:
+                if key in self._where:
+                    raise ConfigError(f"checkpoint {ckpt_dir} stores {key} in two parts")
+                self._where[key] = name
+
+    def has(self, name: str, kind: str = "model") -> bool:
+        return self._where.get(name, "").startswith(kind + "_")
+
+    def get(self, name: str, kind: str = "model") -> torch.Tensor:
+        """The full tensor ``name`` from a ``model`` or ``optim`` part."""
+        if not self.has(name, kind):
+            raise ConfigError(f"checkpoint {self.path} has no {kind} tensor {name}")
+        try:
+            with safe_open(str(self.path / self._where[name]), framework="pt") as fh:
+                return fh.get_tensor(name)
+        except (SafetensorError, OSError, RuntimeError) as exc:
+            raise ConfigError(f"checkpoint part {self.path / self._where[name]} is corrupt "
+                              f"({exc}); load an earlier iteration") from None
+
+
+def open_checkpoint(load_dir: str | os.PathLike,
+                    iteration: int | None = None) -> CheckpointReader | None:
+    """Check the given (default: latest) checkpoint and index its tensors; None if there is none."""
+    path = Path(load_dir)
+    if not path.exists():
+        raise ConfigError(f"--load directory {path} does not exist")
+    if iteration is None:
+        iteration = find_latest_iteration(path)
+        if iteration is None:
+            return None
+    ckpt_dir = iteration_dir(path, iteration)
+    return CheckpointReader(ckpt_dir, read_metadata(ckpt_dir))

@@ -12,6 +12,7 @@ from megatron_h2.config import (
     DataConfig,
     ModelConfig,
     OptimizerConfig,
+    ParallelConfig,
     RunConfig,
     TrainingConfig,
 )
@@ -107,6 +108,32 @@ def _add_data_and_checkpoint(p: argparse.ArgumentParser) -> None:
                    help="load weights only and start at iteration 0")
 
 
+def _int_list(text: str) -> list[int]:
+    try:
+        return [int(x) for x in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers such as 3,1, got "
+                                         f"{text!r}") from None
+
+
+def _add_parallel(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("parallelism (DP = world size / (TP x PP))")
+    g.add_argument("--tensor-model-parallel-size", type=int)
+    g.add_argument("--pipeline-model-parallel-size", type=int)
+    g.add_argument("--pipeline-layer-split", type=_int_list,
+                   help="layers per pipeline stage, e.g. 3,1 (embedding on the first stage, "
+                        "head and loss on the last)")
+    g.add_argument("--decoder-first-pipeline-num-layers", type=int)
+    g.add_argument("--decoder-last-pipeline-num-layers", type=int)
+    g.add_argument("--sequence-parallel", action="store_true")
+    g.add_argument("--use-distributed-optimizer", action="store_true",
+                   help="shard optimizer state over data-parallel ranks (ZeRO-1)")
+    g.add_argument("--distributed-timeout-minutes", type=float)
+    g.add_argument("--ddp-bucket-size-mb", type=float)
+    g.add_argument("--overlap-grad-reduce", action="store_true",
+                   help="always on: gradient all-reduce overlaps the last backward")
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="pretrain_gpt.py", description="Megatron-style GPT pretraining (megatron_h2). With "
@@ -114,6 +141,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model(p)
     _add_training(p)
     _add_data_and_checkpoint(p)
+    _add_parallel(p)
     return p
 
 
@@ -143,6 +171,8 @@ def config_from_args(argv: list[str] | None = None) -> tuple[RunConfig, LaunchOp
     data = DataConfig(**_pick(ns, DataConfig))
     optim = OptimizerConfig(**_pick(ns, OptimizerConfig))
     training = TrainingConfig(**_pick(ns, TrainingConfig))
+    parallel = ParallelConfig(**_pick(ns, ParallelConfig))
     launch = LaunchOptions(ckpt_step=ns.ckpt_step, no_load_optim=ns.no_load_optim,
                            no_load_rng=ns.no_load_rng, finetune=ns.finetune)
-    return RunConfig(model=model, data=data, optimizer=optim, training=training), launch
+    return RunConfig(model=model, data=data, optimizer=optim, training=training,
+                     parallel=parallel), launch

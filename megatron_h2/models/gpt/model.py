@@ -20,6 +20,15 @@ from torch.utils.checkpoint import checkpoint
 from megatron_h2.config import ModelConfig
 from megatron_h2.devices.kernels import Kernels
 from megatron_h2.models.gpt.layers import RMSNorm, RotaryEmbedding, TransformerLayer
+from megatron_h2.parallel import (
+    ColumnParallelLinear,
+    TPContext,
+    VocabParallelEmbedding,
+    gather_from_tp_region,
+    get_tp_shard,
+    load_shard_,
+    vocab_parallel_cross_entropy,
+)
 
 
 class Decoder(nn.Module):
@@ -27,13 +36,13 @@ class Decoder(nn.Module):
     norm."""
 
     def __init__(self, config: ModelConfig, kernels: Kernels, layer_range: tuple[int, int],
-                 post_process: bool) -> None:
+                 post_process: bool, tp: TPContext) -> None:
         super().__init__()
         rotary = RotaryEmbedding(config.kv_channels, config.max_position_embeddings,
                                  config.rotary_base)
-        self.layers = nn.ModuleDict({str(i): TransformerLayer(config, kernels, rotary)
+        self.layers = nn.ModuleDict({str(i): TransformerLayer(config, kernels, rotary, tp)
                                      for i in range(*layer_range)})
-        self.final_layernorm = (RMSNorm(config.hidden_size, config.norm_epsilon, kernels)
+        self.final_layernorm = (RMSNorm(config.hidden_size, config.norm_epsilon, kernels, tp)
                                 if post_process else None)
         self.recompute_full = config.recompute == "full"
 
@@ -49,21 +58,26 @@ class Decoder(nn.Module):
 
 
 class GPTModel(nn.Module):
-    """LLaMA-style decoder-only language model (untied input and output embeddings)."""
+    """LLaMA-style decoder-only language model (untied input and output embeddings).
+
+    ``tp`` shards it over a tensor-parallel group (default: no TP); the embedding and output
+    layer are vocabulary-parallel and the loss never gathers the full vocabulary.
+    """
 
     def __init__(self, config: ModelConfig, kernels: Kernels | None = None,
                  layer_range: tuple[int, int] | None = None, pre_process: bool = True,
-                 post_process: bool = True) -> None:
+                 post_process: bool = True, tp: TPContext | None = None) -> None:
         super().__init__()
         if config.vocab_size <= 0:
             raise ValueError("ModelConfig.vocab_size must be set (padded tokenizer vocabulary)")
         kernels = kernels or Kernels()
+        self.tp = tp = tp or TPContext.single()
         self.config = config
         self.layer_range = layer_range or (0, config.num_layers)
         self.pre_process, self.post_process = pre_process, post_process
-        self.embedding = _Embedding(config) if pre_process else None
-        self.decoder = Decoder(config, kernels, self.layer_range, post_process)
-        self.output_layer = (nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.embedding = _Embedding(config, tp) if pre_process else None
+        self.decoder = Decoder(config, kernels, self.layer_range, post_process, tp)
+        self.output_layer = (ColumnParallelLinear(config.hidden_size, config.vocab_size, tp)
                              if post_process else None)
 
     def forward(self, tokens: torch.Tensor | None = None,
@@ -76,35 +90,44 @@ class GPTModel(nn.Module):
         hidden states [b, s, h] otherwise.
         """
         x = self.embedding(tokens) if self.embedding is not None else hidden_states
-        x = self.decoder(x)  # [b, s, h]
+        x = self.decoder(x)  # [b, s, h] ([b, s/t, h] under sequence parallelism)
         if self.output_layer is None:
             return x
-        logits = self.output_layer(x)  # [b, s, V]
+        logits = self.output_layer(x)  # [b, s, V/t]
         if labels is None:
-            return logits
-        return F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(),
-                               reduction="none").view_as(labels)
+            return gather_from_tp_region(logits, self.tp)  # [b, s, V]
+        return vocab_parallel_cross_entropy(logits, labels, self.tp)  # [b, s] fp32
 
 
 class _Embedding(nn.Module):
-    """Word embedding of the first stage. [b, s] -> [b, s, h]."""
+    """Word embedding of the first stage. [b, s] -> [b, s, h] ([b, s/t, h] under SP)."""
 
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, tp: TPContext) -> None:
         super().__init__()
-        self.word_embeddings = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.word_embeddings = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp)
         self.dropout = config.hidden_dropout
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         return F.dropout(self.word_embeddings(tokens), self.dropout, self.training)
 
 
-def init_parameters(model: nn.Module, config: ModelConfig, seed: int) -> None:
+def full_shape(param: torch.Tensor, tp: TPContext) -> tuple[int, ...]:
+    """Shape of the whole (unsharded) tensor that ``param`` is this rank's shard of."""
+    spec = get_tp_shard(param)
+    shape = list(param.shape)
+    if spec is not None:
+        shape[spec.dim] *= tp.size
+    return tuple(shape)
+
+
+def init_parameters(model: GPTModel, config: ModelConfig, seed: int) -> None:
     """Initialise every parameter from a generator seeded by (seed, parameter name).
 
     Norm scales start at one; matrices are N(0, std), with the output projections of each layer
-    (``linear_proj``, ``linear_fc2``) scaled by 1/sqrt(2 x num_layers) as in Megatron. Because
-    the seed depends only on the global parameter name, a layer gets the same initial weights
-    under every pipeline split.
+    (``linear_proj``, ``linear_fc2``) scaled by 1/sqrt(2 x num_layers) as in Megatron. The full
+    tensor is drawn and this rank keeps its shard, and the seed depends only on the global
+    parameter name, so the initial weights are the same under every pipeline split and every
+    tensor-parallel degree.
     """
     scaled_std = config.init_method_std / math.sqrt(2.0 * config.num_layers)
     with torch.no_grad():
@@ -116,7 +139,8 @@ def init_parameters(model: nn.Module, config: ModelConfig, seed: int) -> None:
                 else config.init_method_std
             gen = torch.Generator().manual_seed((seed * 1_000_003 + zlib.crc32(name.encode()))
                                                 % (2**63))
-            param.copy_(torch.randn(param.shape, generator=gen, dtype=torch.float32) * std)
+            full = torch.randn(full_shape(param, model.tp), generator=gen, dtype=torch.float32)
+            load_shard_(param, full * std, model.tp)
 
 
 def num_parameters(config: ModelConfig) -> int:

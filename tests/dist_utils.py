@@ -1,0 +1,60 @@
+"""Run a function in several real processes joined by a gloo process group (CPU)."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import traceback
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def _worker(rank: int, world_size: int, init_file: str, fn: Callable, args: tuple,
+            queue: Any) -> None:
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    import torch
+
+    torch.set_num_threads(1)
+    try:
+        dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
+                                world_size=world_size, timeout=timedelta(seconds=60))
+        result = fn(rank, world_size, *args)
+        queue.put((rank, "ok", result))
+    except BaseException:  # noqa: BLE001 - report every failure to the parent
+        queue.put((rank, "error", traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_distributed(fn: Callable, world_size: int, *args: Any, timeout: float = 180) -> list:
+    """Call ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; return their results.
+
+    ``fn`` must be a module-level function; results must be picklable. A failing rank's
+    traceback is raised here as an AssertionError.
+    """
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    with tempfile.TemporaryDirectory() as tmp:
+        init_file = os.path.join(tmp, "init")
+        procs = [ctx.Process(target=_worker, args=(r, world_size, init_file, fn, args, queue))
+                 for r in range(world_size)]
+        for p in procs:
+            p.start()
+        results: dict[int, Any] = {}
+        try:
+            for _ in range(world_size):
+                rank, status, payload = queue.get(timeout=timeout)
+                if status == "error":
+                    raise AssertionError(f"rank {rank} failed:\n{payload}")
+                results[rank] = payload
+        finally:
+            for p in procs:
+                p.join(timeout=5)
+                if p.is_alive():
+                    p.kill()
+    return [results[r] for r in range(world_size)]
