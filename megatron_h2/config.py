@@ -105,9 +105,13 @@ class DataConfig:
         if self.data_path and self.tokenizer_type is None:
             raise ConfigError("--data-path needs --tokenizer-type (and usually --tokenizer-model)")
 
-    def padded_vocab_size(self, vocab_size: int, tensor_parallel_size: int = 1) -> int:
-        """Megatron's padding: round up to a multiple of divisible_by x TP."""
-        multiple = self.make_vocab_size_divisible_by * tensor_parallel_size
+    def padded_vocab_size(self, vocab_size: int) -> int:
+        """Round up to a multiple of ``make_vocab_size_divisible_by``.
+
+        Unlike Megatron the TP degree is not folded in, so the model (and its checkpoints) is
+        the same under every layout; TP must divide the result.
+        """
+        multiple = self.make_vocab_size_divisible_by
         return -(-vocab_size // multiple) * multiple
 
 

@@ -57,4 +57,4 @@ def test_vocab_padding():
     data = DataConfig()
     assert data.padded_vocab_size(4000) == 4096
     assert data.padded_vocab_size(4096) == 4096
-    assert data.padded_vocab_size(4097, tensor_parallel_size=2) == 4352
+    assert DataConfig(make_vocab_size_divisible_by=256).padded_vocab_size(4097) == 4352

@@ -1,7 +1,9 @@
 """Entry point behind ``pretrain_gpt.py``: validate, build, train.
 
-Everything the user can get wrong is checked before the model is built: flags (in the config
-dataclasses), data files, the tokenizer, the checkpoint to load.
+Everything the user can get wrong is checked before any process group starts and before the
+model is built: flags (in the config dataclasses), the parallel layout, data files, the
+tokenizer, the checkpoint to load. A rank that fails later takes the job down at once: it
+prints its error, exits, and the other ranks' collectives fail instead of waiting.
 """
 
 from __future__ import annotations
@@ -10,19 +12,34 @@ import os
 import random
 import sys
 import time
+import traceback
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
+import torch.distributed as dist
 
 from megatron_h2.checkpointing import find_latest_iteration, iteration_dir, read_metadata
 from megatron_h2.config import RunConfig
 from megatron_h2.devices import Accelerator, get_accelerator
+from megatron_h2.distributed.topology import (
+    LaunchEnv,
+    Topology,
+    build_topology,
+    check_plan_for_model,
+    init_process_group,
+    uniform_plan,
+)
 from megatron_h2.errors import ConfigError, TrainingError
 from megatron_h2.training.arguments import LaunchOptions, config_from_args
 from megatron_h2.training.metrics import MetricsWriter, log
-from megatron_h2.training.state import TrainProgress, check_compatible, load_training_state
+from megatron_h2.training.state import TrainProgress, check_compatible
 
 DEFAULT_RUN_DIR = Path("runs") / "default"
+
+
+def quiet(message: str) -> None:
+    """The logger of ranks other than 0."""
 
 
 def default_cache_dir() -> Path:
@@ -30,7 +47,7 @@ def default_cache_dir() -> Path:
     return Path(os.environ.get("MEGATRON_H2_CACHE", Path.home() / ".cache" / "megatron_h2"))
 
 
-def prepare_data(cfg: RunConfig):
+def prepare_data(cfg: RunConfig, say) -> object:
     """Resolve data and tokenizer; fills ``cfg.model.vocab_size``. Returns the tokenizer."""
     from megatron_h2.data import (
         build_tokenizer,
@@ -40,7 +57,7 @@ def prepare_data(cfg: RunConfig):
     )
 
     if not cfg.data.data_path:
-        log("no --data-path given: using the embedded corpus (Python standard library sources)")
+        say("no --data-path given: using the embedded corpus (Python standard library sources)")
         prefix, spm_model = ensure_default_corpus(str(default_cache_dir() / "default_corpus"))
         cfg.data.data_path = [prefix]
         cfg.data.tokenizer_type = "SentencePieceTokenizer"
@@ -50,15 +67,15 @@ def prepare_data(cfg: RunConfig):
             check_data_prefix(prefix)
     tokenizer = build_tokenizer(cfg.data.tokenizer_type, cfg.data.tokenizer_model,
                                 cfg.data.vocab_size)
+    # Padding does not depend on the layout (unlike Megatron's), so checkpoints move between
+    # layouts; every stage's TP degree must divide the padded size (checked with the plan).
     cfg.model.vocab_size = cfg.data.padded_vocab_size(tokenizer.vocab_size)
     return tokenizer
 
 
 def check_load(cfg: RunConfig, launch: LaunchOptions) -> None:
-    """Fail early on a --load target that is missing, incomplete, corrupt or of another model.
-
-    Runs after :func:`prepare_data`, which sets the padded vocabulary size.
-    """
+    """Fail early on a --load target that is missing, incomplete, corrupt or of another model
+    (after :func:`prepare_data`, which sets the padded vocabulary size)."""
     load = cfg.training.load
     if not load:
         return
@@ -72,42 +89,28 @@ def check_load(cfg: RunConfig, launch: LaunchOptions) -> None:
         check_compatible(read_metadata(ckpt_dir), cfg, ckpt_dir)
 
 
-def build_datasets(cfg: RunConfig):
+def build_datasets(cfg: RunConfig, topo: Topology):
+    """Train / validation datasets; rank 0 builds the index caches before the others read them."""
     from megatron_h2.data import build_gpt_datasets
 
     t = cfg.training
     # The test split is not used during training: ask for none so small corpora still work.
     num_samples = (t.train_iters * t.global_batch_size, t.eval_iters * t.global_batch_size, 0)
-    return build_gpt_datasets(cfg.data.data_path, cfg.data.split, cfg.model.seq_length, t.seed,
-                              num_samples, cache_dir=cfg.data.data_cache_path)
+
+    def build():
+        return build_gpt_datasets(cfg.data.data_path, cfg.data.split, cfg.model.seq_length,
+                                  t.seed, num_samples, cache_dir=cfg.data.data_cache_path)
+
+    result = build() if topo.rank == 0 else None
+    if topo.distributed:
+        dist.barrier()
+    return result if result is not None else build()
 
 
 def seed_everything(seed: int, accelerator: Accelerator) -> None:
     random.seed(seed)
     np.random.seed(seed)
     accelerator.manual_seed(seed)
-
-
-def restore(cfg: RunConfig, launch: LaunchOptions, model, optimizer,
-            accelerator: Accelerator) -> TrainProgress:
-    load = cfg.training.load
-    if not load or not Path(load).exists():
-        if load:
-            log(f"no checkpoint found in {load}: starting from scratch")
-        return TrainProgress()
-    progress = load_training_state(
-        load, model, optimizer, cfg, accelerator, iteration=launch.ckpt_step,
-        load_optim=not (launch.no_load_optim or launch.finetune),
-        load_rng=not (launch.no_load_rng or launch.finetune))
-    if progress is None:
-        log(f"no checkpoint found in {load}: starting from scratch")
-        return TrainProgress()
-    if launch.finetune:
-        log(f"loaded weights from {load} (iteration {progress.iteration}); finetuning from 0")
-        return TrainProgress()
-    log(f"resumed from {load} at iteration {progress.iteration} "
-        f"({progress.consumed_samples} samples consumed)")
-    return progress
 
 
 def apply_demo_defaults(cfg: RunConfig) -> bool:
@@ -121,63 +124,144 @@ def apply_demo_defaults(cfg: RunConfig) -> bool:
     return True
 
 
-def train(cfg: RunConfig, launch: LaunchOptions) -> TrainProgress:
-    """Build everything for ``cfg`` and train; returns the final progress."""
+def validate_launch(cfg: RunConfig, launch: LaunchOptions, env: LaunchEnv,
+                    accelerator: Accelerator, say):
+    """All checks that need no process group; returns the plan and the tokenizer."""
+    plan = uniform_plan(cfg.parallel, cfg.model, cfg.training, env.world_size,
+                        accelerator.device_type)
+    tokenizer = prepare_data(cfg, say)
+    check_plan_for_model(plan, cfg.model, cfg.parallel, env.world_size)
+    check_load(cfg, launch)
+    return plan, tokenizer
+
+
+def restore(cfg: RunConfig, launch: LaunchOptions, ckpt, say) -> TrainProgress:
+    load = cfg.training.load
+    if not load or not Path(load).exists():
+        if load:
+            say(f"no checkpoint found in {load}: starting from scratch")
+        return TrainProgress()
+    progress = ckpt.load(load, launch.ckpt_step,
+                         load_optim=not (launch.no_load_optim or launch.finetune),
+                         load_rng=not (launch.no_load_rng or launch.finetune), log=say)
+    if progress is None:
+        say(f"no checkpoint found in {load}: starting from scratch")
+        return TrainProgress()
+    if launch.finetune:
+        say(f"loaded weights from {load} (iteration {progress.iteration}); finetuning from 0")
+        return TrainProgress()
+    say(f"resumed from {load} at iteration {progress.iteration} "
+        f"({progress.consumed_samples} samples consumed)")
+    return progress
+
+
+def train(cfg: RunConfig, launch: LaunchOptions, env: LaunchEnv) -> TrainProgress:
+    """Build everything for ``cfg`` on this rank and train; returns the final progress."""
+    from megatron_h2.distributed.distributed_optimizer import build_data_parallel_optimizer
     from megatron_h2.models.gpt import GPTModel, init_parameters, num_parameters
-    from megatron_h2.training.optimizer import build_optimizer
+    from megatron_h2.parallel import TPContext
+    from megatron_h2.training.state import CheckpointIO
+    from megatron_h2.training.step import StepRunner
     from megatron_h2.training.trainer import Trainer
 
     start = time.perf_counter()
-    accelerator = get_accelerator(cfg.training.device)
+    say = log if env.rank == 0 else quiet
+    accelerator = get_accelerator(cfg.training.device, env.local_rank)
     demo = apply_demo_defaults(cfg)
-    tokenizer = prepare_data(cfg)
-    check_load(cfg, launch)
-    train_ds, valid_ds, _ = build_datasets(cfg)
+    plan, tokenizer = validate_launch(cfg, launch, env, accelerator, say)
+    # ---- everything below may start process groups: all user input has been checked ----
+    init_process_group(accelerator.dist_backend, env, cfg.parallel.distributed_timeout_minutes)
+    topo = build_topology(plan, env.rank, env.world_size)
+    tp = TPContext(group=topo.tp_group, rank=topo.tp_rank, size=topo.tp_size,
+                   sequence_parallel=cfg.parallel.sequence_parallel and topo.tp_size > 1)
+    train_ds, valid_ds, _ = build_datasets(cfg, topo)
     if train_ds is None:
         raise ConfigError(f"--split {cfg.data.split} leaves no training data")
-    seed_everything(cfg.training.seed, accelerator)
-    model = GPTModel(cfg.model, accelerator.kernels)
+    seed_everything(cfg.training.seed + 100 * topo.stage, accelerator)
+    stage_cfg = replace(cfg.model, recompute=topo.stage_spec.recompute)
+    model = GPTModel(stage_cfg, accelerator.kernels, topo.layer_range, topo.is_first_stage,
+                     topo.is_last_stage, tp)
     init_parameters(model, cfg.model, cfg.training.seed)
     model.to(accelerator.device)
-    optimizer = build_optimizer(model, cfg.optimizer, accelerator.kernels)
-    progress = restore(cfg, launch, model, optimizer, accelerator)
+    optimizer = build_data_parallel_optimizer(
+        model, cfg.optimizer, topo.dp_group,
+        use_distributed_optimizer=cfg.parallel.use_distributed_optimizer,
+        bucket_size_mb=cfg.parallel.ddp_bucket_size_mb, kernels=accelerator.kernels)
+    ckpt = CheckpointIO(cfg, accelerator, topo, tp, model, optimizer)
+    progress = restore(cfg, launch, ckpt, say)
     m = cfg.model
-    log(f"device: {accelerator.describe()} | bf16: {cfg.training.bf16}")
-    log(f"model: {num_parameters(m) / 1e6:.2f}M parameters | layers {m.num_layers} | hidden "
+    say(f"device: {accelerator.describe()} | bf16: {cfg.training.bf16}")
+    say(f"model: {num_parameters(m) / 1e6:.2f}M parameters | layers {m.num_layers} | hidden "
         f"{m.hidden_size} | heads {m.num_attention_heads} (query groups {m.num_query_groups}) | "
         f"ffn {m.ffn_hidden_size} | seq {m.seq_length} | vocab {tokenizer.vocab_size} "
         f"(padded {m.vocab_size}) | recompute {m.recompute}")
-    log(f"data: {' '.join(cfg.data.data_path)} | split {cfg.data.split} | "
+    say(f"parallel: world {env.world_size} = TP {plan.stages[0].tensor_parallel_size} x PP "
+        f"{len(plan.stages)} x DP {plan.data_parallel_size} | layers per stage "
+        f"{[s.num_layers for s in plan.stages]} | distributed optimizer "
+        f"{cfg.parallel.use_distributed_optimizer} | sequence parallel {tp.sequence_parallel}")
+    say(f"data: {' '.join(cfg.data.data_path)} | split {cfg.data.split} | "
         f"{len(train_ds)} training samples | setup took {time.perf_counter() - start:.1f} s")
     if progress.iteration >= cfg.training.train_iters:
-        log(f"checkpoint is already at iteration {progress.iteration} >= --train-iters "
+        say(f"checkpoint is already at iteration {progress.iteration} >= --train-iters "
             f"{cfg.training.train_iters}: nothing to train")
         return progress
     metrics = MetricsWriter(cfg.training.train_iters, cfg.training.log_jsonl,
-                            cfg.training.tensorboard_dir)
+                            cfg.training.tensorboard_dir, enabled=env.rank == 0)
+    runner = StepRunner(cfg, accelerator, topo, tp, model, optimizer)
     try:
-        progress = Trainer(cfg, accelerator, model, optimizer, train_ds, valid_ds, metrics,
-                           progress).run()
+        progress = Trainer(cfg, runner, train_ds, valid_ds, metrics, progress, ckpt, say).run()
     finally:
         metrics.close()
-    log(f"training finished at iteration {progress.iteration} in "
+    say(f"training finished at iteration {progress.iteration} in "
         f"{time.perf_counter() - start:.1f} s")
     if cfg.training.save:
-        log(f"checkpoint: {cfg.training.save}")
+        say(f"checkpoint: {cfg.training.save}")
     if cfg.training.tensorboard_dir:
-        log(f"TensorBoard logs: {cfg.training.tensorboard_dir} "
+        say(f"TensorBoard logs: {cfg.training.tensorboard_dir} "
             f"(view with: tensorboard --logdir {cfg.training.tensorboard_dir})")
     if demo:
-        log("this was the embedded demo; see README.md for training on your own data")
+        say("this was the embedded demo; see README.md for training on your own data")
     return progress
+
+
+def _fail(env: LaunchEnv, message: str, code: int) -> int:
+    """Report a failure once and leave; in a multi-rank job, leave at once (no hang)."""
+    if message:
+        print(message, file=sys.stderr, flush=True)
+    if env.world_size > 1 and dist.is_initialized():
+        sys.stdout.flush()
+        os._exit(code)  # peers' collectives fail at once instead of waiting for us
+    return code
 
 
 def main(argv: list[str] | None = None) -> int:
     """Run training; user errors print one line (``error: ...``) and return 2."""
     try:
-        cfg, launch = config_from_args(argv)
-        train(cfg, launch)
-    except (ConfigError, TrainingError) as exc:
+        env = LaunchEnv.from_environ()
+    except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr, flush=True)
         return 2
+    prefix = f"[rank {env.rank}] " if env.world_size > 1 else ""
+    try:
+        cfg, launch = config_from_args(argv)
+        train(cfg, launch, env)
+    except (ConfigError, TrainingError) as exc:
+        # Before the process groups start every rank fails alike: rank 0 speaks for all.
+        shown = env.rank == 0 or dist.is_initialized()
+        return _fail(env, f"error: {prefix if dist.is_initialized() else ''}{exc}" if shown
+                     else "", 2)
+    except Exception as exc:  # noqa: BLE001 - a crash on one rank must end the whole job
+        if env.world_size > 1 and _is_comm_failure(exc):
+            return _fail(env, f"{prefix}stopping: another rank failed or the connection was lost"
+                         f" ({type(exc).__name__})", 1)
+        return _fail(env, f"error: {prefix}{type(exc).__name__}: {exc}\n"
+                     f"{traceback.format_exc()}", 1)
+    if env.world_size > 1 and dist.is_initialized():
+        dist.destroy_process_group()
     return 0
+
+
+def _is_comm_failure(exc: BaseException) -> bool:
+    text = f"{type(exc).__name__} {exc}".lower()
+    return isinstance(exc, dist.DistError) or any(
+        k in text for k in ("gloo", "nccl", "connection", "timed out", "broken pipe"))

@@ -21,13 +21,15 @@ class MetricsWriter:
     """Writes each logged iteration to the console, ``--log-jsonl`` and ``--tensorboard-dir``."""
 
     def __init__(self, train_iters: int, jsonl_path: str | None = None,
-                 tensorboard_dir: str | None = None) -> None:
+                 tensorboard_dir: str | None = None, enabled: bool = True) -> None:
+        """``enabled`` is False on every rank but the one that reports."""
         self.train_iters = train_iters
-        self.jsonl_path = Path(jsonl_path) if jsonl_path else None
+        self.enabled = enabled
+        self.jsonl_path = Path(jsonl_path) if jsonl_path and enabled else None
         if self.jsonl_path:
             self.jsonl_path.parent.mkdir(parents=True, exist_ok=True)
         self.tb = None
-        if tensorboard_dir:
+        if tensorboard_dir and enabled:
             from torch.utils.tensorboard import SummaryWriter  # lazy: tensorboard is heavy
 
             self.tb = SummaryWriter(log_dir=tensorboard_dir, max_queue=100)
@@ -35,6 +37,8 @@ class MetricsWriter:
     def train_step(self, record: dict[str, Any]) -> None:
         """``record`` holds iteration, consumed_samples, lr, lm_loss, grad_norm, iteration_ms,
         tokens_per_sec, tflops, global_batch_size and optionally extra keys."""
+        if not self.enabled:
+            return
         it = record["iteration"]
         line = (f"iteration {it:8d}/{self.train_iters:8d} | "
                 f"consumed samples: {record['consumed_samples']:12d} | "
@@ -52,6 +56,8 @@ class MetricsWriter:
                 self.tb.add_scalar(f"train/{key}", record[key], it)
 
     def validation(self, iteration: int, val_loss: float) -> None:
+        if not self.enabled:
+            return
         ppl = _perplexity(val_loss)
         log(f"validation loss at iteration {iteration} | lm loss value: {val_loss:.6E} | "
             f"lm loss PPL: {ppl:.6E} |")

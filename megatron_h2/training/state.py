@@ -1,4 +1,10 @@
-"""Saving and restoring the whole training state: weights, optimizer, progress and RNG."""
+"""Saving and restoring the whole training state: weights, optimizer, progress and RNG.
+
+Every tensor is saved whole under its global name, so a checkpoint written under one layout
+(TP, PP, DP) loads under any other. Each pipeline stage writes its own part in parallel: its
+tensor-parallel shards are gathered inside the stage's TP group, one DP replica writes, and no
+rank ever holds more than its stage. Loading reads only the tensors this rank owns.
+"""
 
 from __future__ import annotations
 
@@ -10,13 +16,23 @@ from typing import Any
 
 import numpy as np
 import torch
+import torch.distributed as dist
 from torch import nn
 
-from megatron_h2.checkpointing import load_checkpoint, save_checkpoint
+from megatron_h2.checkpointing import (
+    CheckpointReader,
+    begin_save,
+    commit_save,
+    incomplete_dir,
+    open_checkpoint,
+    write_part,
+)
 from megatron_h2.config import RunConfig
 from megatron_h2.devices import Accelerator
+from megatron_h2.distributed.distributed_optimizer import DataParallelOptimizer
+from megatron_h2.distributed.topology import Topology
 from megatron_h2.errors import ConfigError
-from megatron_h2.training.optimizer import load_named_optimizer_state, optimizer_state_to_named
+from megatron_h2.parallel import TPContext, gather_tp_tensor, get_tp_shard, shard_tensor
 
 # Config fields that must match for a checkpoint's weights to mean the same model.
 MODEL_FIELDS = ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups",
@@ -58,21 +74,6 @@ def restore_rng(state: dict[str, Any], accelerator: Accelerator) -> None:
         accelerator.set_rng_state(_unb64(state["device"]))
 
 
-def param_names(model: nn.Module) -> dict[nn.Parameter, str]:
-    return {p: n for n, p in model.named_parameters()}
-
-
-def save_training_state(save_dir: str, model: nn.Module, optimizer: torch.optim.Optimizer,
-                        progress: TrainProgress, config: RunConfig,
-                        accelerator: Accelerator) -> Path:
-    """Write a complete checkpoint for ``progress.iteration``."""
-    model_state = {n: p.detach() for n, p in model.named_parameters()}
-    optim_state = optimizer_state_to_named(optimizer, param_names(model))
-    metadata = {"iteration": progress.iteration, "consumed_samples": progress.consumed_samples,
-                "config": config.to_dict(), "rng": capture_rng(accelerator)}
-    return save_checkpoint(save_dir, progress.iteration, model_state, optim_state, metadata)
-
-
 def check_compatible(metadata: dict[str, Any], config: RunConfig, source: Path | None) -> None:
     """The checkpoint's model must equal the configured one (one line names the field)."""
     saved = metadata.get("config", {}).get("model", {})
@@ -84,31 +85,119 @@ def check_compatible(metadata: dict[str, Any], config: RunConfig, source: Path |
                               f"this run has {flag} {mine}; use matching model flags")
 
 
-def load_weights(model: nn.Module, tensors: dict[str, torch.Tensor], source: Path | None) -> None:
-    """Copy the tensors this model owns; every one of its parameters must be present."""
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if name not in tensors:
-                raise ConfigError(f"checkpoint {source} has no tensor {name}")
-            src = tensors[name]
-            if src.shape != param.shape:
-                raise ConfigError(f"checkpoint tensor {name} has shape {tuple(src.shape)}, "
-                                  f"model expects {tuple(param.shape)}")
-            param.copy_(src)
+def _param_of_state(key: str) -> str:
+    """``decoder.layers.0.mlp.linear_fc1.weight.exp_avg`` -> the parameter name."""
+    return key.rsplit(".", 1)[0]
 
 
-def load_training_state(load_dir: str, model: nn.Module, optimizer: torch.optim.Optimizer,
-                        config: RunConfig, accelerator: Accelerator, *, iteration: int | None,
-                        load_optim: bool, load_rng: bool) -> TrainProgress | None:
-    """Restore a checkpoint into model and optimizer; None if ``load_dir`` holds none yet."""
-    ckpt = load_checkpoint(load_dir, iteration, load_optimizer=load_optim)
-    if ckpt is None:
-        return None
-    check_compatible(ckpt.metadata, config, ckpt.path)
-    load_weights(model, ckpt.model, ckpt.path)
-    if load_optim and ckpt.optimizer:
-        load_named_optimizer_state(optimizer, param_names(model), ckpt.optimizer)
-    if load_rng and "rng" in ckpt.metadata:
-        restore_rng(ckpt.metadata["rng"], accelerator)
-    return TrainProgress(iteration=ckpt.iteration,
-                         consumed_samples=int(ckpt.metadata.get("consumed_samples", 0)))
+class CheckpointIO:
+    """Saves and loads this rank's share of the training state (collective over the job)."""
+
+    def __init__(self, cfg: RunConfig, acc: Accelerator, topo: Topology, tp: TPContext,
+                 model: nn.Module, optimizer: DataParallelOptimizer) -> None:
+        self.cfg, self.acc, self.topo, self.tp = cfg, acc, topo, tp
+        self.model, self.optimizer = model, optimizer
+        self.names = {p: n for n, p in model.named_parameters()}
+        self.params = dict(model.named_parameters())
+
+    def _barrier(self) -> None:
+        if self.topo.distributed:
+            dist.barrier()
+
+    def _gather_full(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Whole tensors from this rank's TP shards (collective over the TP group)."""
+        out = {}
+        for key, value in tensors.items():
+            param = self.params[key if key in self.params else _param_of_state(key)]
+            spec = get_tp_shard(param)
+            if spec is not None and value.ndim > 0:
+                out[key] = gather_tp_tensor(value.detach(), spec, self.tp)
+            else:
+                out[key] = value.detach()
+        return out
+
+    def _rng_states(self) -> list[dict[str, Any]]:
+        mine = capture_rng(self.acc)
+        if not self.topo.distributed:
+            return [mine]
+        states: list[Any] = [None] * self.topo.world_size
+        dist.all_gather_object(states, mine)
+        return states
+
+    def save(self, save_dir: str, progress: TrainProgress) -> Path:
+        """Write a complete checkpoint for ``progress.iteration``; returns its directory."""
+        topo, it = self.topo, progress.iteration
+        if topo.rank == 0:
+            begin_save(save_dir, it)
+        self._barrier()
+        optim = self.optimizer.named_state(self.names)  # collective over DP under ZeRO
+        if topo.dp_rank == 0:
+            model = self._gather_full({n: p.detach() for n, p in self.params.items()})
+            optim = self._gather_full(optim)
+            if topo.tp_rank == 0:
+                tmp = incomplete_dir(save_dir, it)
+                write_part(tmp, "model", topo.stage, model)
+                if optim:
+                    write_part(tmp, "optim", topo.stage, optim)
+        rng = self._rng_states()
+        self._barrier()
+        path = Path(save_dir) / f"iter_{it:07d}"
+        if topo.rank == 0:
+            meta = {"iteration": it, "consumed_samples": progress.consumed_samples,
+                    "config": self.cfg.to_dict(), "rng": rng[0], "rng_per_rank": rng,
+                    "layout": topo.plan.to_dict()}
+            path = commit_save(save_dir, incomplete_dir(save_dir, it), it, meta)
+        self._barrier()
+        return path
+
+    def _load_model(self, reader: CheckpointReader) -> None:
+        with torch.no_grad():
+            for name, param in self.params.items():
+                full = reader.get(name)
+                spec = get_tp_shard(param)
+                part = full if spec is None else shard_tensor(full, spec, self.tp.rank,
+                                                              self.tp.size)
+                if part.shape != param.shape:
+                    raise ConfigError(f"checkpoint tensor {name} has shape {tuple(full.shape)}, "
+                                      "which does not fit this model; use matching model flags")
+                param.copy_(part)
+
+    def _load_optimizer(self, reader: CheckpointReader) -> bool:
+        if not any(reader.has(f"{n}.exp_avg", "optim") for n in self.params):
+            return False
+        tensors = {}
+        for name, param in self.params.items():
+            spec = get_tp_shard(param)
+            for key in ("exp_avg", "exp_avg_sq", "step"):
+                full = reader.get(f"{name}.{key}", "optim")
+                if spec is not None and full.ndim > 0:
+                    full = shard_tensor(full, spec, self.tp.rank, self.tp.size)
+                tensors[f"{name}.{key}"] = full
+        self.optimizer.load_named_state(self.names, tensors)
+        return True
+
+    def load(self, load_dir: str, iteration: int | None, load_optim: bool,
+             load_rng: bool, log) -> TrainProgress | None:
+        """Restore a checkpoint into model and optimizer; None if ``load_dir`` holds none."""
+        reader = open_checkpoint(load_dir, iteration)
+        if reader is None:
+            return None
+        meta = reader.metadata
+        check_compatible(meta, self.cfg, reader.path)
+        self._load_model(reader)
+        if load_optim and not self._load_optimizer(reader):
+            log("checkpoint has no optimizer state: the optimizer starts fresh")
+        if load_rng:
+            self._restore_rng(meta, log)
+        return TrainProgress(iteration=reader.iteration,
+                             consumed_samples=int(meta.get("consumed_samples", 0)))
+
+    def _restore_rng(self, meta: dict[str, Any], log) -> None:
+        per_rank = meta.get("rng_per_rank")
+        if not per_rank:  # e.g. converted from Hugging Face: nothing to restore
+            return
+        if meta.get("layout") == self.topo.plan.to_dict():
+            restore_rng(per_rank[self.topo.rank], self.acc)
+        else:
+            log("checkpoint was saved under another parallel layout: RNG streams start from "
+                "the seed (weights, optimizer and data position are restored exactly)")

@@ -1,0 +1,375 @@
+"""Optimizers for data-parallel training behind one interface, :class:`DataParallelOptimizer`.
+
+* :class:`ReplicatedOptimizer`: every DP rank holds the full AdamW state and applies the full
+  (all-reduced) gradient; a thin wrapper over :func:`build_optimizer`'s ``torch.optim.AdamW``.
+* :class:`DistributedOptimizer` (``--use-distributed-optimizer``, ZeRO-1): each DP rank owns a
+  contiguous, equally sized range of every gradient bucket, receives the summed gradient of only
+  that range (reduce-scatter), keeps AdamW state for it alone, updates it on an fp32 master
+  shard and all-gathers the updated parameters.
+
+Both keep optimizer state in checkpoints as full, unsharded named tensors
+(``"<param name>.exp_avg" / ".exp_avg_sq" / ".step"``, the format of
+:func:`optimizer_state_to_named`), so a checkpoint loads under any DP size and either optimizer.
+
+A training step with either::
+
+    opt.zero_grad()
+    ... micro-batches; opt.grad_buckets.start_sync() before the last backward ...
+    opt.grad_buckets.finish_sync()
+    grad_norm = clip_grad_norm(opt, max_norm)   # or combine opt.local_grad_sq_norm() yourself
+    opt.set_lr(lr)
+    opt.step()
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from megatron_h2.config import OptimizerConfig
+from megatron_h2.devices.kernels import Kernels
+from megatron_h2.distributed.grad_sync import Bucket, GradBuckets, all_gather_flat
+from megatron_h2.errors import ConfigError
+from megatron_h2.training.optimizer import (
+    ADAM_STATES,
+    build_optimizer,
+    load_named_optimizer_state,
+    optimizer_state_to_named,
+)
+
+Names = dict[nn.Parameter, str]
+
+
+@runtime_checkable
+class DataParallelOptimizer(Protocol):
+    """What the trainer needs from an optimizer under data parallelism.
+
+    ``grad_buckets`` holds the gradients (its ``start_sync`` / ``finish_sync`` synchronise them);
+    ``param_groups`` has torch's shape, so :meth:`LRSchedule.apply` works unchanged. Methods
+    marked *collective* must be called on every rank of the DP group.
+    """
+
+    grad_buckets: GradBuckets
+
+    @property
+    def param_groups(self) -> list[dict]: ...
+
+    def step(self) -> None:
+        """Apply the synchronised gradients (collective for the distributed optimizer)."""
+
+    def zero_grad(self) -> None:
+        """Zero the gradient buffers (never sets ``.grad`` to None)."""
+
+    def set_lr(self, lr: float) -> None:
+        """Learning rate for the next :meth:`step`."""
+
+    def local_grad_sq_norm(self) -> torch.Tensor:
+        """Squared L2 norm (fp32 scalar tensor) of the gradient elements this rank applies.
+
+        Distributed optimizer: this rank's shard, to be summed over the DP group. Replicated:
+        the whole gradient, identical on every DP rank (do not sum it over DP).
+        """
+
+    def grad_sq_norm(self) -> torch.Tensor:
+        """Squared L2 norm of this replica's whole gradient (collective where sharded)."""
+
+    def clip_(self, coef: float | torch.Tensor) -> None:
+        """Multiply the gradient elements this rank applies by ``coef``."""
+
+    def named_state(self, names: Names) -> dict[str, torch.Tensor]:
+        """Full AdamW state as ``{"<name>.exp_avg" | ".exp_avg_sq" | ".step": tensor}``
+        (collective for the distributed optimizer); empty before the first step."""
+
+    def load_named_state(self, names: Names, tensors: dict[str, torch.Tensor]) -> None:
+        """Inverse of :meth:`named_state`: takes full tensors, keeps what this rank owns."""
+
+
+def clip_grad_norm(optimizer: DataParallelOptimizer, max_norm: float) -> torch.Tensor:
+    """Clip the replica's gradient to ``max_norm`` (0: no clipping); return its norm.
+
+    Same rule as ``torch.nn.utils.clip_grads_with_norm_``. Collective under the distributed
+    optimizer; model-parallel groups are not included.
+    """
+    norm = optimizer.grad_sq_norm().sqrt()
+    if max_norm > 0:
+        optimizer.clip_((max_norm / (norm + 1e-6)).clamp(max=1.0))
+    return norm
+
+
+def _adamw_kwargs(config: OptimizerConfig, kernels: Kernels | None) -> dict:
+    extra = {"fused": True} if kernels is not None and kernels.fused_adamw else {"foreach": True}
+    return {"lr": config.lr, "betas": (config.adam_beta1, config.adam_beta2),
+            "eps": config.adam_eps, **extra}
+
+
+def _check_synced(grad_buckets: GradBuckets) -> None:
+    if grad_buckets.needs_sync:
+        raise RuntimeError("optimizer step with unsynchronised gradients; call "
+                           "grad_buckets.finish_sync() after the last backward")
+
+
+def _check_named(names: Names, tensors: dict[str, torch.Tensor], param: nn.Parameter) -> str:
+    name = names[param]
+    missing = [k for k in (*ADAM_STATES, "step") if f"{name}.{k}" not in tensors]
+    if missing:
+        raise ConfigError(f"checkpoint optimizer state lacks {name}.{missing[0]}; "
+                          "load with --no-load-optim to start the optimizer fresh")
+    for key in ADAM_STATES:
+        if tensors[f"{name}.{key}"].numel() != param.numel():
+            raise ConfigError(f"checkpoint optimizer state {name}.{key} has "
+                              f"{tensors[f'{name}.{key}'].numel()} elements, the parameter "
+                              f"{param.numel()}; the checkpoint is for another model shape")
+    return name
+
+
+class ReplicatedOptimizer:
+    """:class:`DataParallelOptimizer` over a full, per-rank ``torch.optim`` optimizer.
+
+    ``optimizer`` (from :func:`build_optimizer`) must only hold parameters of ``grad_buckets``,
+    which must be in all-reduce mode.
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer, grad_buckets: GradBuckets) -> None:
+        if grad_buckets.reduce_scatter:
+            raise ValueError("ReplicatedOptimizer needs all-reduce GradBuckets "
+                             "(reduce_scatter=False)")
+        known = {id(p) for p in grad_buckets.params}
+        if any(id(p) not in known for g in optimizer.param_groups for p in g["params"]):
+            raise ValueError("the optimizer holds a parameter that GradBuckets does not")
+        self.optimizer = optimizer
+        self.grad_buckets = grad_buckets
+
+    @property
+    def param_groups(self) -> list[dict]:
+        return self.optimizer.param_groups
+
+    def step(self) -> None:
+        _check_synced(self.grad_buckets)
+        self.optimizer.step()
+
+    def zero_grad(self) -> None:
+        self.grad_buckets.zero_grad()
+
+    def set_lr(self, lr: float) -> None:
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+
+    def local_grad_sq_norm(self) -> torch.Tensor:
+        return _sq_norm([b.buffer for b in self.grad_buckets.buckets])
+
+    def grad_sq_norm(self) -> torch.Tensor:
+        return self.local_grad_sq_norm()
+
+    def clip_(self, coef: float | torch.Tensor) -> None:
+        for bucket in self.grad_buckets.buckets:
+            bucket.buffer.mul_(coef)
+
+    def named_state(self, names: Names) -> dict[str, torch.Tensor]:
+        return optimizer_state_to_named(self.optimizer, names)
+
+    def load_named_state(self, names: Names, tensors: dict[str, torch.Tensor]) -> None:
+        load_named_optimizer_state(self.optimizer, names, tensors)
+
+
+def _sq_norm(tensors: list[torch.Tensor]) -> torch.Tensor:
+    if not tensors:
+        return torch.zeros((), dtype=torch.float32)
+    return torch.stack([t.float().square().sum() for t in tensors]).sum()
+
+
+@dataclass(frozen=True)
+class _Piece:
+    """The part ``[param_start, param_end)`` of a flattened parameter that this rank owns."""
+
+    param: nn.Parameter
+    bucket: int
+    param_start: int
+    param_end: int
+    shard_start: int  # where the piece starts in this rank's shard of the bucket
+    master: torch.Tensor  # view of the fp32 master shard; a parameter of the inner AdamW
+
+    @property
+    def shard_end(self) -> int:
+        return self.shard_start + self.param_end - self.param_start
+
+
+def _pieces_of(bucket: Bucket, rank: int, master: torch.Tensor) -> list[_Piece]:
+    lo, hi = bucket.shard_range(rank)
+    pieces = []
+    for slot in bucket.slots:
+        start, end = max(lo, slot.offset), min(hi, slot.offset + slot.numel)
+        if start < end:
+            piece = _Piece(slot.param, bucket.index, start - slot.offset, end - slot.offset,
+                           start - lo, master[start - lo:end - lo])
+            piece.master.grad = bucket.shard_grad[start - lo:end - lo]
+            pieces.append(piece)
+    return pieces
+
+
+class DistributedOptimizer:
+    """ZeRO-1 AdamW: optimizer state and the update sharded over the data-parallel group.
+
+    ``grad_buckets`` must be in reduce-scatter mode. Hyper-parameters and weight-decay grouping
+    are those of :func:`build_optimizer` (no decay for parameters with ``ndim < 2``); because a
+    rank's range may cover parts of several parameters, the inner ``torch.optim.AdamW`` runs on
+    one view of the master shard per owned parameter piece, grouped by decay.
+
+    The parameters are fp32 and are themselves the master copy: the master shard is refreshed
+    from them at every step, so loading model weights needs no extra call.
+    """
+
+    def __init__(self, grad_buckets: GradBuckets, config: OptimizerConfig,
+                 kernels: Kernels | None = None) -> None:
+        if not grad_buckets.reduce_scatter:
+            raise ValueError("DistributedOptimizer needs GradBuckets(reduce_scatter=True)")
+        self.grad_buckets = grad_buckets
+        self.dp_group, self.dp_rank = grad_buckets.dp_group, grad_buckets.dp_rank
+        self._masters = [torch.zeros(b.shard_numel, dtype=torch.float32, device=b.buffer.device)
+                         for b in grad_buckets.buckets]
+        self.pieces = [piece for bucket, master in zip(grad_buckets.buckets, self._masters)
+                       for piece in _pieces_of(bucket, self.dp_rank, master)]
+        decay = [p.master for p in self.pieces if p.param.ndim >= 2]
+        no_decay = [p.master for p in self.pieces if p.param.ndim < 2]
+        if not self.pieces:  # this rank owns only padding; torch.optim needs a parameter
+            placeholder = torch.zeros(0)
+            placeholder.grad = torch.zeros(0)
+            no_decay.append(placeholder)
+        self.optimizer = torch.optim.AdamW(
+            [{"params": decay, "weight_decay": config.weight_decay},
+             {"params": no_decay, "weight_decay": 0.0}], **_adamw_kwargs(config, kernels))
+        self._has_state = False
+
+    @property
+    def param_groups(self) -> list[dict]:
+        return self.optimizer.param_groups
+
+    def set_lr(self, lr: float) -> None:
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+
+    def zero_grad(self) -> None:
+        self.grad_buckets.zero_grad()
+
+    def local_grad_sq_norm(self) -> torch.Tensor:
+        return _sq_norm([b.shard_grad for b in self.grad_buckets.buckets])
+
+    def grad_sq_norm(self) -> torch.Tensor:
+        sq = self.local_grad_sq_norm()
+        if self.dp_group is not None:
+            dist.all_reduce(sq, group=self.dp_group)
+        return sq
+
+    def clip_(self, coef: float | torch.Tensor) -> None:
+        for bucket in self.grad_buckets.buckets:
+            bucket.shard_grad.mul_(coef)
+
+    def step(self) -> None:
+        """AdamW on this rank's shard, then all-gather the parameters (collective)."""
+        _check_synced(self.grad_buckets)
+        with torch.no_grad():
+            for piece in self.pieces:
+                piece.master.copy_(piece.param.detach().reshape(-1)[piece.param_start:
+                                                                     piece.param_end])
+            self.optimizer.step()
+            self._gather_params()
+        self._has_state = True
+
+    def _gather_params(self) -> None:
+        buckets = self.grad_buckets.buckets
+        if self.dp_group is None:
+            for bucket, master in zip(buckets, self._masters):
+                _copy_into_params(bucket, master)
+            return
+        in_flight: deque[tuple[Bucket, torch.Tensor, dist.Work]] = deque()
+        for bucket, master in zip(buckets, self._masters):  # at most two buckets in flight
+            full = torch.empty_like(bucket.buffer)
+            in_flight.append((bucket, full, all_gather_flat(full, master, self.dp_group,
+                                                            async_op=True)))
+            if len(in_flight) > 1:
+                _finish_gather(*in_flight.popleft())
+        while in_flight:
+            _finish_gather(*in_flight.popleft())
+
+    # ----------------------------------------------------------------- checkpoints
+    def named_state(self, names: Names) -> dict[str, torch.Tensor]:
+        """Full (all-gathered) AdamW state of every parameter; collective."""
+        if not self._has_state:
+            return {}
+        out: dict[str, torch.Tensor] = {}
+        steps = self._gather_steps()
+        for bucket in self.grad_buckets.buckets:
+            for key in ADAM_STATES:
+                full = self._gather_state(bucket, key)
+                for slot in bucket.slots:
+                    out[f"{names[slot.param]}.{key}"] = (
+                        full[slot.offset:slot.offset + slot.numel].view_as(slot.param).clone())
+        for param, step in zip(self.grad_buckets.params, steps):
+            out[f"{names[param]}.step"] = torch.tensor(step, dtype=torch.float32)
+        return {f"{names[p]}.{k}": out[f"{names[p]}.{k}"]
+                for p in self.grad_buckets.params for k in (*ADAM_STATES, "step")}
+
+    def _gather_state(self, bucket: Bucket, key: str) -> torch.Tensor:
+        local = torch.zeros_like(self._masters[bucket.index])
+        for piece in self.pieces:
+            if piece.bucket == bucket.index:
+                local[piece.shard_start:piece.shard_end] = self.optimizer.state[piece.master][key]
+        if self.dp_group is None:
+            return local
+        full = torch.empty_like(bucket.buffer)
+        all_gather_flat(full, local, self.dp_group)
+        return full
+
+    def _gather_steps(self) -> list[float]:
+        params = self.grad_buckets.params
+        index = {id(p): i for i, p in enumerate(params)}
+        device = self._masters[0].device if self._masters else torch.device("cpu")
+        steps = torch.zeros(len(params), dtype=torch.float64, device=device)
+        for piece in self.pieces:
+            steps[index[id(piece.param)]] = float(self.optimizer.state[piece.master]["step"])
+        if self.dp_group is not None:
+            dist.all_reduce(steps, op=dist.ReduceOp.MAX, group=self.dp_group)
+        return steps.tolist()
+
+    def load_named_state(self, names: Names, tensors: dict[str, torch.Tensor]) -> None:
+        """Take full tensors (any DP layout saved them) and keep this rank's pieces."""
+        for param in self.grad_buckets.params:
+            _check_named(names, tensors, param)
+        step_on_device = bool(self.optimizer.defaults.get("fused"))
+        for piece in self.pieces:
+            name = names[piece.param]
+            state = self.optimizer.state[piece.master]
+            for key in ADAM_STATES:
+                flat = tensors[f"{name}.{key}"].reshape(-1)[piece.param_start:piece.param_end]
+                state[key] = flat.to(piece.master.device, torch.float32).clone()
+            step_device = piece.master.device if step_on_device else "cpu"
+            state["step"] = tensors[f"{name}.step"].to(step_device, torch.float32).clone()
+        self._has_state = True
+
+
+def _copy_into_params(bucket: Bucket, full: torch.Tensor) -> None:
+    for slot in bucket.slots:
+        slot.param.detach().copy_(full[slot.offset:slot.offset + slot.numel].view_as(slot.param))
+
+
+def _finish_gather(bucket: Bucket, full: torch.Tensor, work: dist.Work) -> None:
+    work.wait()
+    _copy_into_params(bucket, full)
+
+
+def build_data_parallel_optimizer(model: nn.Module, config: OptimizerConfig,
+                                  dp_group: dist.ProcessGroup | None, *,
+                                  use_distributed_optimizer: bool = False,
+                                  bucket_size_mb: float = 25.0, overlap: bool = True,
+                                  kernels: Kernels | None = None) -> DataParallelOptimizer:
+    """GradBuckets over ``model``'s trainable parameters plus the matching optimizer."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    buckets = GradBuckets(params, dp_group, bucket_size_mb, overlap,
+                          reduce_scatter=use_distributed_optimizer)
+    if use_distributed_optimizer:
+        return DistributedOptimizer(buckets, config, kernels)
+    return ReplicatedOptimizer(build_optimizer(model, config, kernels), buckets)

@@ -1,0 +1,382 @@
+"""The heterogeneous parallel plan: the one file the planner writes and the runtime reads.
+
+A :class:`HeteroPlan` says how one model is laid out over a cluster whose pipeline stages run on
+different kinds of chips (HeteroPP). ``tools/plan.py`` writes it; ``pretrain_gpt.py --hetero-plan
+FILE`` reads it with :meth:`HeteroPlan.from_yaml` and checks it against the model flags with
+:meth:`HeteroPlan.validate` before any process group is created.
+
+YAML schema (every key is required unless a default is given)::
+
+    data_parallel_size: 1        # DP degree, shared by every stage
+    micro_batch_size: 1          # sequences per micro-batch, shared by every stage
+    global_batch_size: 8         # multiple of micro_batch_size * data_parallel_size
+    chips:                       # chip name -> how the runtime drives that chip
+      fast: {device: cpu}                          # device: torch device type (cuda, npu, cpu...)
+      slow: {device: cpu, emulate_slowdown: 2.0}   # optional, default 1.0: CPU emulation only
+    stages:                      # pipeline order: stage 0 holds the embedding, the last the head
+      - {chip: fast, tensor_parallel_size: 2, num_layers: 3}
+      - {chip: slow, tensor_parallel_size: 1, num_layers: 1, recompute: full}
+
+``recompute`` is ``none`` (default), ``selective`` (norms, core attention and the SwiGLU
+activation are recomputed in backward) or ``full`` (whole layers are recomputed from their input).
+
+Rank layout (what the runtime must build its process groups from):
+
+* Stage ``s`` owns ``tensor_parallel_size * data_parallel_size`` consecutive global ranks, stages
+  in pipeline order, so stage 0 starts at rank 0 (:meth:`HeteroPlan.stage_ranks`).
+* Inside a stage, ``rank = first_rank + dp_rank * tensor_parallel_size + tp_rank``: a TP group is
+  ``tensor_parallel_size`` consecutive ranks (kept inside one node), a DP group takes every
+  ``tensor_parallel_size``-th rank of the stage (:meth:`HeteroPlan.rank_coordinates`).
+* The pipeline of DP replica ``r`` is made of its ``tp`` ranks in every stage; pipeline
+  point-to-point traffic goes between stage ``s`` and ``s + 1`` of the same replica, even where
+  the two stages have different TP degrees.
+* Layers are numbered globally; stage ``s`` runs ``layer_ranges()[s]`` (0-based, contiguous).
+"""
+
+from __future__ import annotations
+
+import difflib
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal, cast
+
+import yaml
+
+from megatron_h2.errors import ConfigError
+
+Recompute = Literal["none", "selective", "full"]
+RECOMPUTE_MODES: tuple[Recompute, ...] = ("none", "selective", "full")
+
+_PLAN_KEYS = ("data_parallel_size", "micro_batch_size", "global_batch_size", "chips", "stages")
+_CHIP_KEYS = ("device", "emulate_slowdown")
+_STAGE_KEYS = ("chip", "tensor_parallel_size", "num_layers", "recompute")
+
+
+def closest(word: str, valid: Sequence[str]) -> str:
+    """Return ``" (did you mean 'x'?)"`` for the closest valid word, or ``""`` if none is close."""
+    match = difflib.get_close_matches(word, list(valid), n=1, cutoff=0.6)
+    return f" (did you mean '{match[0]}'?)" if match else ""
+
+
+def check_keys(
+    data: Any, required: Sequence[str], optional: Sequence[str], where: str
+) -> Mapping[str, Any]:
+    """Check that ``data`` is a mapping with exactly the known keys; return it.
+
+    Unknown keys are reported first (with the closest valid key), so that a misspelt key gives
+    "unknown key 'tensor_paralel_size' ... (did you mean 'tensor_parallel_size'?)" rather than
+    "missing key".
+    """
+    if not isinstance(data, Mapping):
+        raise ConfigError(f"{where} must be a mapping of keys to values, got {type(data).__name__}")
+    valid = list(required) + list(optional)
+    for key in data:
+        if key not in valid:
+            raise ConfigError(
+                f"unknown key '{key}' in {where}{closest(str(key), valid)}; "
+                f"valid keys: {', '.join(valid)}"
+            )
+    for key in required:
+        if key not in data:
+            raise ConfigError(f"missing key '{key}' in {where}; add it (valid keys: {', '.join(valid)})")
+    return data
+
+
+def positive_int(value: Any, name: str, minimum: int = 1) -> int:
+    """Return ``value`` if it is an int (not a bool) of at least ``minimum``, else raise."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ConfigError(f"{name} must be an integer, got {value!r}")
+    if value < minimum:
+        what = "positive" if minimum == 1 else f"at least {minimum}"
+        raise ConfigError(f"{name} must be {what}, got {value}")
+    return value
+
+
+def positive_float(value: Any, name: str, minimum: float = 0.0, inclusive: bool = False) -> float:
+    """Return ``value`` as a float if it is a number above ``minimum`` (or equal if inclusive)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ConfigError(f"{name} must be a number, got {value!r}")
+    ok = value >= minimum if inclusive else value > minimum
+    if not ok or value != value or value == float("inf"):
+        bound = f"at least {minimum}" if inclusive else f"greater than {minimum}"
+        raise ConfigError(f"{name} must be a finite number {bound}, got {value}")
+    return float(value)
+
+
+def load_yaml_mapping(path: str | Path, what: str) -> Mapping[str, Any]:
+    """Read a YAML file that must hold a mapping; every failure is a one-line ConfigError."""
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise ConfigError(f"cannot read {what} file '{path}': {exc.strerror or exc}") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        problem = getattr(exc, "problem", None) or "invalid YAML"
+        raise ConfigError(f"{what} file '{path}' is not valid YAML{where}: {problem}") from None
+    if not isinstance(data, Mapping):
+        raise ConfigError(f"{what} file '{path}' must hold a mapping at the top level")
+    return data
+
+
+@dataclass(frozen=True)
+class ChipSpec:
+    """How the runtime drives one chip type: its torch device type and an optional slowdown.
+
+    ``emulate_slowdown`` (>= 1.0) makes a chip run that many times slower than it is, so that a
+    CPU-only machine can emulate a heterogeneous cluster; leave it at 1.0 on real accelerators.
+    """
+
+    device: str
+    emulate_slowdown: float = 1.0
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.device, str) or not self.device.strip():
+            raise ConfigError(f"chip device must be a non-empty string such as 'cuda', got {self.device!r}")
+        slowdown = positive_float(self.emulate_slowdown, "emulate_slowdown", 1.0, inclusive=True)
+        object.__setattr__(self, "emulate_slowdown", slowdown)
+
+
+@dataclass(frozen=True)
+class StageSpec:
+    """One pipeline stage: the chip type it runs on, its TP degree, layer count and recompute."""
+
+    chip: str
+    tensor_parallel_size: int
+    num_layers: int
+    recompute: Recompute = "none"
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.chip, str) or not self.chip:
+            raise ConfigError(f"stage chip must be a chip name, got {self.chip!r}")
+        positive_int(self.tensor_parallel_size, "tensor_parallel_size")
+        positive_int(self.num_layers, "num_layers", minimum=0)
+        if self.recompute not in RECOMPUTE_MODES:
+            raise ConfigError(
+                f"recompute must be one of {', '.join(RECOMPUTE_MODES)}, got {self.recompute!r}"
+                f"{closest(str(self.recompute), RECOMPUTE_MODES)}"
+            )
+
+
+@dataclass(frozen=True)
+class HeteroPlan:
+    """A validated heterogeneous plan (see the module docstring for the schema and rank layout).
+
+    Construction checks everything that does not need the model: positive sizes, the global batch
+    being a multiple of ``micro_batch_size * data_parallel_size``, chip names, and that only the
+    first and last stages (which hold the embedding and the head) may have no layer. Call
+    :meth:`validate` with the model flags for the rest.
+    """
+
+    data_parallel_size: int
+    micro_batch_size: int
+    global_batch_size: int
+    chips: Mapping[str, ChipSpec]
+    stages: Sequence[StageSpec]
+
+    def __post_init__(self) -> None:
+        positive_int(self.data_parallel_size, "data_parallel_size")
+        positive_int(self.micro_batch_size, "micro_batch_size")
+        positive_int(self.global_batch_size, "global_batch_size")
+        per_step = self.micro_batch_size * self.data_parallel_size
+        if self.global_batch_size % per_step:
+            raise ConfigError(
+                f"global_batch_size {self.global_batch_size} is not divisible by micro_batch_size"
+                f" x data_parallel_size = {per_step}; change one of them"
+            )
+        if not isinstance(self.chips, Mapping) or not self.chips:
+            raise ConfigError("chips must map at least one chip name to {device: ...}")
+        for name, chip in self.chips.items():
+            if not isinstance(chip, ChipSpec):
+                raise ConfigError(f"chip '{name}' must be a ChipSpec, got {type(chip).__name__}")
+        object.__setattr__(self, "chips", dict(self.chips))
+        object.__setattr__(self, "stages", tuple(self.stages))
+        if not self.stages:
+            raise ConfigError("stages is empty; a plan needs at least one pipeline stage")
+        self._check_stages()
+
+    def _check_stages(self) -> None:
+        last = len(self.stages) - 1
+        for index, stage in enumerate(self.stages):
+            if not isinstance(stage, StageSpec):
+                raise ConfigError(f"stage {index} must be a StageSpec, got {type(stage).__name__}")
+            if stage.chip not in self.chips:
+                raise ConfigError(
+                    f"stage {index} uses unknown chip '{stage.chip}'{closest(stage.chip, list(self.chips))};"
+                    f" known chips: {', '.join(self.chips)}"
+                )
+            if stage.num_layers == 0 and 0 < index < last:
+                raise ConfigError(
+                    f"stage {index} has no layer and holds neither the embedding (first stage) nor"
+                    " the head (last stage); give it at least one layer or remove it"
+                )
+
+    # ----------------------------------------------------------------------------- derived sizes
+    @property
+    def pipeline_parallel_size(self) -> int:
+        """Number of pipeline stages."""
+        return len(self.stages)
+
+    @property
+    def num_micro_batches(self) -> int:
+        """Micro-batches per step and DP replica: global batch / (micro batch x DP)."""
+        return self.global_batch_size // (self.micro_batch_size * self.data_parallel_size)
+
+    @property
+    def num_layers(self) -> int:
+        """Total transformer layers over all stages."""
+        return sum(stage.num_layers for stage in self.stages)
+
+    @property
+    def world_size(self) -> int:
+        """Ranks the plan needs: sum over stages of TP x DP."""
+        return sum(stage.tensor_parallel_size for stage in self.stages) * self.data_parallel_size
+
+    def stage_ranks(self, stage: int) -> range:
+        """Global ranks of ``stage``: ``tensor_parallel_size x data_parallel_size`` consecutive ones."""
+        if isinstance(stage, bool) or not isinstance(stage, int) or not 0 <= stage < len(self.stages):
+            raise ConfigError(f"stage index {stage!r} is out of range 0..{len(self.stages) - 1}")
+        start = sum(s.tensor_parallel_size for s in self.stages[:stage]) * self.data_parallel_size
+        return range(start, start + self.stages[stage].tensor_parallel_size * self.data_parallel_size)
+
+    def rank_coordinates(self, rank: int) -> tuple[int, int, int]:
+        """Return ``(stage, dp_rank, tp_rank)`` of a global rank (see the rank layout above)."""
+        if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < self.world_size:
+            raise ConfigError(f"rank {rank!r} is out of range 0..{self.world_size - 1}")
+        for index in range(len(self.stages)):
+            ranks = self.stage_ranks(index)
+            if rank in ranks:
+                tp = self.stages[index].tensor_parallel_size
+                offset = rank - ranks.start
+                return index, offset // tp, offset % tp
+        raise AssertionError("unreachable: rank inside world size but in no stage")
+
+    def layer_ranges(self) -> list[range]:
+        """Global (0-based) layer indices run by each stage, in pipeline order."""
+        ranges, start = [], 0
+        for stage in self.stages:
+            ranges.append(range(start, start + stage.num_layers))
+            start += stage.num_layers
+        return ranges
+
+    def validate(
+        self,
+        num_layers: int,
+        num_attention_heads: int,
+        num_query_groups: int | None = None,
+        world_size: int | None = None,
+    ) -> None:
+        """Check the plan against the model flags (and the launched world size if given).
+
+        Raises ConfigError when the stage layers do not add up to ``num_layers``, when a stage's
+        TP degree does not divide the attention heads or the query groups, or when ``world_size``
+        differs from :attr:`world_size`. ``num_query_groups`` defaults to the number of heads.
+        """
+        positive_int(num_layers, "num_layers")
+        positive_int(num_attention_heads, "num_attention_heads")
+        groups = num_attention_heads if num_query_groups is None else num_query_groups
+        positive_int(groups, "num_query_groups")
+        if self.num_layers != num_layers:
+            split = "+".join(str(stage.num_layers) for stage in self.stages)
+            raise ConfigError(
+                f"plan stages hold {split} = {self.num_layers} layers but the model has"
+                f" {num_layers}; make the stage num_layers add up to {num_layers}"
+            )
+        for index, stage in enumerate(self.stages):
+            tp = stage.tensor_parallel_size
+            for count, name in ((num_attention_heads, "attention heads"), (groups, "query groups")):
+                if count % tp:
+                    raise ConfigError(
+                        f"stage {index} tensor_parallel_size {tp} does not divide the {count} {name};"
+                        " pick a TP degree that divides both heads and query groups"
+                    )
+        if world_size is not None and world_size != self.world_size:
+            raise ConfigError(
+                f"the plan needs world size {self.world_size} (sum of TP x DP {self.data_parallel_size}"
+                f" over stages) but {world_size} processes were launched; launch {self.world_size}"
+            )
+
+    # ------------------------------------------------------------------------------- conversion
+    @classmethod
+    def from_dict(cls, data: Any, source: str = "plan") -> HeteroPlan:
+        """Build a plan from the YAML-shaped mapping; ``source`` names it in error messages."""
+        top = check_keys(data, _PLAN_KEYS, (), source)
+        raw_chips = top["chips"]
+        if not isinstance(raw_chips, Mapping) or not raw_chips:
+            raise ConfigError(f"'chips' in {source} must map chip names to {{device: ...}}")
+        chips = {}
+        for name, chip in raw_chips.items():
+            entry = check_keys(chip, ("device",), ("emulate_slowdown",), f"chip '{name}' of {source}")
+            chips[str(name)] = ChipSpec(**dict(entry))
+        raw_stages = top["stages"]
+        if not isinstance(raw_stages, list) or not raw_stages:
+            raise ConfigError(f"'stages' in {source} must be a non-empty list of stages")
+        stages = []
+        for index, stage in enumerate(raw_stages):
+            entry = check_keys(stage, _STAGE_KEYS[:3], _STAGE_KEYS[3:], f"stage {index} of {source}")
+            try:
+                stages.append(StageSpec(**dict(entry)))
+            except ConfigError as exc:
+                raise ConfigError(f"stage {index} of {source}: {exc}") from None
+        return cls(
+            data_parallel_size=top["data_parallel_size"],
+            micro_batch_size=top["micro_batch_size"],
+            global_batch_size=top["global_batch_size"],
+            chips=chips,
+            stages=stages,
+        )
+
+    @classmethod
+    def from_yaml(cls, path: str | Path) -> HeteroPlan:
+        """Read and check a plan file (see the module docstring for the schema)."""
+        return cls.from_dict(load_yaml_mapping(path, "plan"), source=f"plan '{path}'")
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain YAML-ready mapping; ``emulate_slowdown`` is written only when it is not 1.0."""
+        chips: dict[str, Any] = {}
+        for name, chip in self.chips.items():
+            entry: dict[str, Any] = {"device": chip.device}
+            if chip.emulate_slowdown != 1.0:
+                entry["emulate_slowdown"] = chip.emulate_slowdown
+            chips[name] = entry
+        stages = [
+            {
+                "chip": s.chip,
+                "tensor_parallel_size": s.tensor_parallel_size,
+                "num_layers": s.num_layers,
+                "recompute": s.recompute,
+            }
+            for s in self.stages
+        ]
+        return {
+            "data_parallel_size": self.data_parallel_size,
+            "micro_batch_size": self.micro_batch_size,
+            "global_batch_size": self.global_batch_size,
+            "chips": chips,
+            "stages": stages,
+        }
+
+    def to_yaml(self, path: str | Path, header: str | None = None) -> None:
+        """Write the plan; ``header`` lines (e.g. the planner's prediction) become YAML comments."""
+        data = self.to_dict()
+        lines = [f"# {line}".rstrip() for line in (header or "").splitlines()]
+        for key in ("data_parallel_size", "micro_batch_size", "global_batch_size"):
+            lines.append(f"{key}: {data[key]}")
+        lines.append("chips:")
+        for name, chip in data["chips"].items():
+            key = _flow({name: 0})[1:-4]  # the name as YAML writes a key (quoted if needed)
+            lines.append(f"  {key}: {_flow(chip)}")
+        lines.append("stages:  # pipeline order: stage 0 holds the embedding, the last the head")
+        for stage in data["stages"]:
+            lines.append(f"  - {_flow(stage)}")
+        Path(path).write_text("\n".join(lines) + "\n")
+
+
+def _flow(value: Mapping[str, Any]) -> str:
+    """One-line YAML flow mapping, e.g. ``{chip: fast, num_layers: 3}``."""
+    text = yaml.safe_dump(dict(value), default_flow_style=True, sort_keys=False, width=10_000)
+    return cast(str, text).strip()

@@ -1,0 +1,151 @@
+"""One training / evaluation step on this rank: micro-batches through the pipeline schedule,
+data-parallel gradient sync, global gradient norm and clipping, optimizer update.
+
+Everything that spans ranks (loss, gradient norm, stop requests) is reduced over the whole job,
+so every rank sees the same numbers; with one process all of it reduces to the plain loop.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from megatron_h2.config import RunConfig
+from megatron_h2.devices import Accelerator
+from megatron_h2.distributed.distributed_optimizer import DataParallelOptimizer
+from megatron_h2.distributed.p2p import PipeComm
+from megatron_h2.distributed.topology import Topology
+from megatron_h2.errors import TrainingError
+from megatron_h2.parallel import TPContext, allreduce_sequence_parallel_grads, get_tp_shard
+from megatron_h2.parallel.pipeline_schedule import forward_backward_1f1b, forward_only
+
+
+def stack_samples(dataset, start: int, count: int) -> torch.Tensor:
+    """Samples ``start .. start+count-1`` as one int64 tensor [count, s + 1]."""
+    return torch.from_numpy(np.stack([np.asarray(dataset[start + i], dtype=np.int64)
+                                      for i in range(count)]))
+
+
+def world_sum(values: list[float], topo: Topology) -> list[float]:
+    """Sum of ``values`` over every rank of the job (identity with one process)."""
+    if not topo.distributed:
+        return values
+    t = torch.tensor(values, dtype=torch.float64)
+    dist.all_reduce(t)
+    return t.tolist()
+
+
+@dataclass
+class StepResult:
+    loss: float
+    grad_norm: float
+    lr: float
+
+
+class StepRunner:
+    """Runs steps of one rank's stage model; built once per run."""
+
+    def __init__(self, cfg: RunConfig, acc: Accelerator, topo: Topology, tp: TPContext,
+                 model: nn.Module, optimizer: DataParallelOptimizer) -> None:
+        self.cfg, self.acc, self.topo, self.tp = cfg, acc, topo, tp
+        self.model, self.optimizer = model, optimizer
+        t, m = cfg.training, cfg.model
+        self.per_replica = t.global_batch_size // topo.dp_size
+        self.num_micro = self.per_replica // t.micro_batch_size
+        seq = m.seq_length // tp.size if tp.sequence_parallel else m.seq_length
+        self.comm = PipeComm(topo, (t.micro_batch_size, seq, m.hidden_size), torch.float32,
+                             acc.device)
+        self.sp_params = [p for p in model.parameters() if getattr(p, "sequence_parallel", False)]
+        # Norm weights: a parameter replicated over TP counts once in the global norm.
+        self.norm_weight = {p: (1.0 if get_tp_shard(p) is not None else 1.0 / tp.size)
+                            for p in model.parameters()}
+        self.needs_data = topo.is_first_stage or topo.is_last_stage
+
+    def _replica_samples(self, dataset, start: int) -> torch.Tensor | None:
+        """This DP replica's slice of the global batch that starts at sample ``start``."""
+        if not self.needs_data:
+            return None
+        first = start + self.topo.dp_rank * self.per_replica
+        return stack_samples(dataset, first, self.per_replica)
+
+    def _forward_step(self, samples: torch.Tensor | None, losses: list[torch.Tensor]):
+        mbs = self.cfg.training.micro_batch_size
+        total_tokens = self.cfg.training.global_batch_size * self.cfg.model.seq_length
+
+        def step(i: int, inp: torch.Tensor | None) -> torch.Tensor:
+            tokens = labels = None
+            if samples is not None:
+                mb = samples[i * mbs:(i + 1) * mbs].to(self.acc.device, non_blocking=True)
+                tokens, labels = mb[:, :-1], mb[:, 1:]  # [b, s] each
+            with self.acc.autocast(self.cfg.training.bf16):
+                out = self.model(tokens=tokens if self.topo.is_first_stage else None,
+                                 hidden_states=inp,
+                                 labels=labels if self.topo.is_last_stage else None)
+            if not self.topo.is_last_stage:
+                return out  # [b, s, h] activation for the next stage
+            loss = out.sum() / total_tokens  # share of the global batch's mean loss
+            losses.append(loss.detach())
+            return loss
+
+        return step
+
+    def _reported_loss(self, losses: list[torch.Tensor]) -> float:
+        """Mean per-token loss of the global batch (summed over DP replicas, counted once per
+        TP group on the last stage)."""
+        mine = float(sum(l.item() for l in losses)) if losses and self.tp.rank == 0 else 0.0
+        return world_sum([mine], self.topo)[0]
+
+    def _grad_norm(self) -> float:
+        opt = self.optimizer
+        if hasattr(opt, "pieces"):  # ZeRO-1: this rank's shard of every bucket
+            local = sum(self.norm_weight[pc.param] * float(pc.master.grad.double().square().sum())
+                        for pc in opt.pieces)
+            replicas = 1
+        else:  # replicated: the full (all-reduced) gradient, identical on every DP rank
+            local = sum(self.norm_weight[p] * float(p.grad.double().square().sum())
+                        for p in opt.grad_buckets.params)
+            replicas = self.topo.dp_size
+        return math.sqrt(world_sum([local], self.topo)[0] / replicas)
+
+    def train_step(self, dataset, start: int, iteration: int, lr: float) -> StepResult:
+        """Forward and backward of one global batch starting at sample ``start``, then update."""
+        self.model.train()
+        self.optimizer.zero_grad()
+        losses: list[torch.Tensor] = []
+        samples = self._replica_samples(dataset, start)
+        forward_backward_1f1b(self._forward_step(samples, losses), self.num_micro, self.comm,
+                              self.topo.stage, self.topo.pp_size,
+                              before_last_backward=self.optimizer.grad_buckets.start_sync)
+        self.optimizer.grad_buckets.finish_sync()
+        if self.sp_params:
+            allreduce_sequence_parallel_grads(self.sp_params, self.tp)
+        grad_norm = self._grad_norm()
+        loss = self._reported_loss(losses)
+        if not (math.isfinite(loss) and math.isfinite(grad_norm)):
+            raise TrainingError(f"loss {loss} / grad norm {grad_norm} is not finite at "
+                                f"iteration {iteration}; lower --lr or resume from the last "
+                                "checkpoint")
+        clip = self.cfg.optimizer.clip_grad
+        if clip > 0:
+            self.optimizer.clip_(min(1.0, clip / (grad_norm + 1e-6)))
+        self.optimizer.set_lr(lr)
+        self.optimizer.step()
+        return StepResult(loss=loss, grad_norm=grad_norm, lr=lr)
+
+    @torch.no_grad()
+    def eval_loss(self, dataset, num_batches: int) -> float:
+        """Mean loss over the first ``num_batches`` global batches of ``dataset``."""
+        self.model.eval()
+        total = 0.0
+        for b in range(num_batches):
+            losses: list[torch.Tensor] = []
+            samples = self._replica_samples(dataset, b * self.cfg.training.global_batch_size)
+            forward_only(self._forward_step(samples, losses), self.num_micro, self.comm)
+            total += self._reported_loss(losses)
+        self.model.train()
+        return total / num_batches
