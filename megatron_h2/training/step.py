@@ -100,6 +100,27 @@ class StepRunner:
         mine = float(sum(l.item() for l in losses)) if losses and self.tp.rank == 0 else 0.0
         return world_sum([mine], self.topo)[0]
 
+    def _reduce_sequence_parallel_grads(self) -> None:
+        """Sum over TP the grads of parameters that saw only s/t positions (the norms).
+
+        Runs after the DP sync: sums commute, and under ZeRO-1 every TP rank of a stage has the
+        same bucket layout, so the DP-reduced shard pieces can be summed over TP directly.
+        """
+        if not self.sp_params:
+            return
+        if hasattr(self.optimizer, "pieces"):
+            grads = [pc.master.grad for pc in self.optimizer.pieces
+                     if getattr(pc.param, "sequence_parallel", False)]
+            # every TP rank must join the collective, even one that owns no such piece
+            flat = torch.cat([g.reshape(-1) for g in grads]) if grads else torch.zeros(0)
+            dist.all_reduce(flat, group=self.tp.group)
+            offset = 0
+            for g in grads:
+                g.copy_(flat[offset:offset + g.numel()].view_as(g))
+                offset += g.numel()
+        else:
+            allreduce_sequence_parallel_grads(self.sp_params, self.tp)
+
     def _grad_norm(self) -> float:
         opt = self.optimizer
         if hasattr(opt, "pieces"):  # ZeRO-1: this rank's shard of every bucket
@@ -122,8 +143,7 @@ class StepRunner:
                               self.topo.stage, self.topo.pp_size,
                               before_last_backward=self.optimizer.grad_buckets.start_sync)
         self.optimizer.grad_buckets.finish_sync()
-        if self.sp_params:
-            allreduce_sequence_parallel_grads(self.sp_params, self.tp)
+        self._reduce_sequence_parallel_grads()
         grad_norm = self._grad_norm()
         loss = self._reported_loss(losses)
         if not (math.isfinite(loss) and math.isfinite(grad_norm)):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import signal
 import time
 from types import FrameType
@@ -39,6 +40,21 @@ class ExitSignal:
             signal.signal(sig, handler)
 
 
+FAULT_ENV = "MEGATRON_H2_INJECT_FAULT"
+
+
+def injected_fault(rank: int) -> int | None:
+    """Iteration at which this rank must fail, from ``$MEGATRON_H2_INJECT_FAULT=RANK:ITER``.
+
+    For rehearsing failure handling (tests, drills); unset in normal runs.
+    """
+    value = os.environ.get(FAULT_ENV, "")
+    if not value:
+        return None
+    fault_rank, _, iteration = value.partition(":")
+    return int(iteration) if fault_rank.isdigit() and int(fault_rank) == rank else None
+
+
 class Trainer:
     """Runs training of this rank's part of the model until ``train_iters``."""
 
@@ -49,6 +65,7 @@ class Trainer:
         self.schedule = LRSchedule(cfg.optimizer, cfg.training.train_iters)
         self.train_ds, self.valid_ds = train_ds, valid_ds
         self.metrics, self.progress, self.ckpt, self.log = metrics, progress, ckpt, log
+        self.fault_at = injected_fault(runner.topo.rank)
 
     def evaluate(self) -> float | None:
         t = self.cfg.training
@@ -79,6 +96,8 @@ class Trainer:
         with ExitSignal(self.log) as stop:
             while self.progress.iteration < t.train_iters:
                 it = self.progress.iteration + 1
+                if it == self.fault_at:
+                    raise RuntimeError(f"injected fault at iteration {it} (${FAULT_ENV})")
                 window.append(self.runner.train_step(self.train_ds, self.progress.consumed_samples,
                                                      it, self.schedule.lr_at(it)))
                 self.progress.iteration = it

@@ -1,0 +1,161 @@
+"""TP / PP / DP training with real torchrun launches (gloo, CPU) against one process.
+
+Every layout must reproduce the single-process losses of the first 10 iterations within 1e-5
+relative; checkpoints saved under one layout resume under others; bad layouts fail with one
+line before any process group starts; a failing rank ends the job instead of hanging it.
+"""
+
+import json
+import os
+import random
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch.distributed as dist
+
+from megatron_h2.training.main import main
+
+ROOT = Path(__file__).resolve().parents[1]
+MODEL = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4",
+         "--num-query-groups", "2", "--ffn-hidden-size", "128", "--seq-length", "32",
+         "--max-position-embeddings", "32", "--micro-batch-size", "2", "--global-batch-size", "8",
+         "--lr", "3e-3", "--lr-warmup-iters", "2", "--seed", "11", "--train-iters", "10",
+         "--log-interval", "1", "--eval-interval", "1000", "--eval-iters", "0",
+         "--tokenizer-type", "NullTokenizer", "--vocab-size", "256", "--split", "90,10,0"]
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory) -> str:
+    d = tmp_path_factory.mktemp("corpus")
+    rng = random.Random(0)
+    with open(d / "docs.jsonl", "w") as fh:
+        for _ in range(300):
+            start, n = rng.randrange(250), rng.randrange(40, 120)
+            fh.write(json.dumps({"text": " ".join(str((start + i) % 250) for i in range(n))})
+                     + "\n")
+    subprocess.run([sys.executable, str(ROOT / "tools" / "preprocess_data.py"), "--input",
+                    str(d / "docs.jsonl"), "--output-prefix", str(d / "count"),
+                    "--tokenizer-type", "NullTokenizer", "--vocab-size", "256", "--append-eod"],
+                   check=True, capture_output=True)
+    return str(d / "count_text_document")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def torchrun(nproc: int, args: list[str], env_extra: dict | None = None,
+             timeout: float = 240) -> subprocess.CompletedProcess:
+    env = dict(os.environ, OMP_NUM_THREADS="1", **(env_extra or {}))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
+           "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
+           str(ROOT / "pretrain_gpt.py"), *args]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+
+
+def losses(path: Path) -> dict[int, float]:
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    return {r["iteration"]: r["lm_loss"] for r in rows if "lm_loss" in r}
+
+
+def assert_close(got: dict[int, float], want: dict[int, float]) -> None:
+    assert sorted(got) == sorted(want)
+    for it, value in want.items():
+        assert abs(got[it] - value) <= 1e-5 * abs(value), (it, got[it], value)
+
+
+@pytest.fixture(scope="module")
+def reference(corpus, tmp_path_factory) -> dict[int, float]:
+    out = tmp_path_factory.mktemp("ref") / "log.jsonl"
+    assert main([*MODEL, "--data-path", corpus, "--log-jsonl", str(out)]) == 0
+    return losses(out)
+
+
+LAYOUTS = {  # name: (processes, flags); (TP, PP, DP) in the name
+    "tp2_pp1_dp1": (2, ["--tensor-model-parallel-size", "2"]),
+    "tp1_pp2_dp1": (2, ["--pipeline-model-parallel-size", "2"]),
+    "tp1_pp1_dp2": (2, []),
+    "tp2_pp2_dp1": (4, ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size",
+                        "2"]),
+    "tp1_pp2_dp2": (4, ["--pipeline-model-parallel-size", "2"]),
+    "tp2_pp1_dp2_zero_sp": (4, ["--tensor-model-parallel-size", "2", "--sequence-parallel",
+                                "--use-distributed-optimizer"]),
+    "pp2_split_3_1": (2, ["--pipeline-model-parallel-size", "2", "--pipeline-layer-split",
+                          "3,1"]),
+}
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_layout_matches_single_process(name, corpus, reference, tmp_path):
+    nproc, flags = LAYOUTS[name]
+    out = tmp_path / "log.jsonl"
+    proc = torchrun(nproc, [*MODEL, "--data-path", corpus, "--log-jsonl", str(out), *flags])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert_close(losses(out), reference)
+
+
+def test_checkpoint_moves_between_layouts(corpus, reference, tmp_path):
+    """Saved at (TP, PP, DP) = (2, 2, 1) after 5 iterations; resumed at (1, 1, 1) and at
+    (1, 2, 2) with the distributed optimizer: both continue with the uninterrupted losses."""
+    ckpt = tmp_path / "ckpt"
+    first = torchrun(4, [*MODEL, "--data-path", corpus, "--tensor-model-parallel-size", "2",
+                         "--pipeline-model-parallel-size", "2", "--save", str(ckpt),
+                         "--exit-interval", "5", "--log-jsonl", str(tmp_path / "a.jsonl")])
+    assert first.returncode == 0, first.stderr[-3000:]
+    parts = sorted(p.name for p in (ckpt / "iter_0000005").iterdir())
+    assert parts == ["metadata.json", "model_00000.safetensors", "model_00001.safetensors",
+                     "optim_00000.safetensors", "optim_00001.safetensors"]
+    assert main([*MODEL, "--data-path", corpus, "--load", str(ckpt),
+                 "--log-jsonl", str(tmp_path / "b.jsonl")]) == 0
+    third = torchrun(4, [*MODEL, "--data-path", corpus, "--pipeline-model-parallel-size", "2",
+                         "--use-distributed-optimizer", "--load", str(ckpt),
+                         "--log-jsonl", str(tmp_path / "c.jsonl")])
+    assert third.returncode == 0, third.stderr[-3000:]
+    later = {k: v for k, v in reference.items() if k > 5}
+    assert_close(losses(tmp_path / "a.jsonl"), {k: v for k, v in reference.items() if k <= 5})
+    assert_close(losses(tmp_path / "b.jsonl"), later)
+    assert_close(losses(tmp_path / "c.jsonl"), later)
+
+
+@pytest.mark.parametrize("world, flags, fragment", [
+    (3, ["--tensor-model-parallel-size", "2"], "world size 3 is not TP x PP x DP"),
+    (2, ["--tensor-model-parallel-size", "2", "--num-attention-heads", "3", "--hidden-size",
+         "48", "--num-query-groups", "3"], "does not divide the 3 attention heads"),
+    (4, ["--tensor-model-parallel-size", "4"], "does not divide the 2 query groups"),
+    (2, ["--tensor-model-parallel-size", "2", "--make-vocab-size-divisible-by", "257"],
+     "does not divide the padded vocabulary 257"),
+    (2, ["--pipeline-model-parallel-size", "2", "--pipeline-layer-split", "3,2"],
+     "adds up to 5 layers but --num-layers is 4"),
+    (2, ["--pipeline-model-parallel-size", "2", "--pipeline-layer-split", "1,1,2"],
+     "has 3 counts but --pipeline-model-parallel-size is 2"),
+    (4, ["--pipeline-model-parallel-size", "4", "--pipeline-layer-split", "1,0,2,1"],
+     "stage 1 has no layer"),
+    (2, ["--pipeline-model-parallel-size", "2", "--decoder-first-pipeline-num-layers", "5"],
+     "cannot be split over 2 stages"),
+])
+def test_bad_layout_is_one_line_before_any_process_group(world, flags, fragment, corpus,
+                                                         monkeypatch, capsys):
+    monkeypatch.setenv("WORLD_SIZE", str(world))
+    monkeypatch.setenv("RANK", "0")
+    assert main([*MODEL, "--data-path", corpus, *flags]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: ") and "\n" not in err and fragment in err, err
+    assert not dist.is_initialized()
+
+
+def test_failing_rank_ends_the_job_with_one_error(corpus, tmp_path):
+    proc = torchrun(2, [*MODEL, "--data-path", corpus, "--pipeline-model-parallel-size", "2",
+                        "--train-iters", "50"], env_extra={"MEGATRON_H2_INJECT_FAULT": "1:3"},
+                    timeout=120)
+    assert proc.returncode != 0
+    ours = [line for line in proc.stderr.splitlines()
+            if line.startswith(("error:", "[rank"))]
+    assert ours[0].startswith("error: [rank 1] RuntimeError: injected fault at iteration 3")
+    assert sum(line.startswith("error:") for line in ours) == 1
+    assert proc.stderr.count("injected fault at iteration 3") <= 3  # ours + torchrun's summary
+    assert "iteration       50/" not in proc.stdout
