@@ -159,3 +159,31 @@ def test_failing_rank_ends_the_job_with_one_error(corpus, tmp_path):
     assert sum(line.startswith("error:") for line in ours) == 1
     assert proc.stderr.count("injected fault at iteration 3") <= 3  # ours + torchrun's summary
     assert "iteration       50/" not in proc.stdout
+
+
+def test_slurm_script_launches_a_job(corpus, reference, tmp_path):
+    """scripts/slurm_pretrain.sh under stand-in srun/scontrol (one node, two processes)."""
+    shims = tmp_path / "bin"
+    shims.mkdir()
+    (shims / "scontrol").write_text("#!/bin/sh\necho 127.0.0.1\n")
+    # srun: drop its own options, run the command once (one node)
+    (shims / "srun").write_text('#!/bin/sh\nwhile [ "${1#--}" != "$1" ]; do shift; done\n'
+                                'exec "$@"\n')
+    for shim in shims.iterdir():
+        shim.chmod(0o755)
+    out = tmp_path / "log.jsonl"
+    env = dict(os.environ, PATH=f"{shims}:{os.environ['PATH']}", SLURM_JOB_NODELIST="node1",
+               SLURM_NNODES="1", SLURM_JOB_ID="7", SLURM_SUBMIT_DIR=str(ROOT),
+               NPROC_PER_NODE="2", MASTER_PORT=str(free_port()), PYTHON=sys.executable,
+               OMP_NUM_THREADS="1")
+    proc = subprocess.run(["bash", str(ROOT / "scripts" / "slurm_pretrain.sh"), *MODEL,
+                           "--exit-interval", "3",
+                           "--data-path", corpus, "--pipeline-model-parallel-size", "2",
+                           "--log-jsonl", str(out)], capture_output=True, text=True,
+                          timeout=240, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "1 node(s) x 2 processes" in proc.stdout
+    got = losses(out)
+    assert sorted(got) == [1, 2, 3]
+    for it in got:
+        assert abs(got[it] - reference[it]) <= 1e-5 * reference[it]
