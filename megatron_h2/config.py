@@ -163,6 +163,7 @@ class TrainingConfig:
     save_interval: int | None = None
     tensorboard_dir: str | None = None
     log_jsonl: str | None = None
+    timeline_trace: str | None = None  # Chrome / Perfetto trace of every rank's schedule
     exit_interval: int | None = None  # stop (after saving) once iteration % exit_interval == 0
 
     def __post_init__(self) -> None:
@@ -198,10 +199,16 @@ class ParallelConfig:
     use_distributed_optimizer: bool = False
     distributed_timeout_minutes: float = 10.0
     ddp_bucket_size_mb: float = 25.0
+    hetero_plan: str | None = None  # YAML plan: stages on chip types, each with its own TP
+    force_bridge: bool = False  # route every stage boundary through the host-staged bridge
+    bridge_dtype: str = "fp32"  # what crosses the bridge: fp32 or bf16
+    bridge_chunk_mb: float = 4.0
 
     def __post_init__(self) -> None:
         _positive(self, "tensor_model_parallel_size", "pipeline_model_parallel_size",
-                  "distributed_timeout_minutes", "ddp_bucket_size_mb")
+                  "distributed_timeout_minutes", "ddp_bucket_size_mb", "bridge_chunk_mb")
+        if self.bridge_dtype not in ("fp32", "bf16"):
+            raise ConfigError(f"--bridge-dtype must be fp32 or bf16, got {self.bridge_dtype!r}")
         if self.pipeline_layer_split is not None:
             if len(self.pipeline_layer_split) != self.pipeline_model_parallel_size:
                 raise ConfigError(

@@ -9,5 +9,13 @@ class ConfigError(ValueError):
     """
 
 
+class RankConfigError(ConfigError):
+    """Bad input that only some ranks can see (for example their own chip is unavailable).
+
+    Unlike a plain ConfigError, which every rank detects alike and rank 0 reports for all, each
+    rank that hits this one reports it, with its rank number.
+    """
+
+
 class TrainingError(RuntimeError):
     """Training cannot continue (for example the loss became NaN). One line, shown once."""

@@ -118,8 +118,67 @@ class CUDAAccelerator(Accelerator):
         torch.cuda.manual_seed(seed)
 
 
+class _TorchBackendAccelerator(Accelerator):
+    """A vendor whose torch plug-in exposes ``torch.<device_type>`` with CUDA-like calls
+    (``is_available``, ``synchronize``, ``memory_allocated``, ``get_rng_state``, ...)."""
+
+    plugin_module: str = ""  # imported first to register the device with torch, if needed
+
+    @classmethod
+    def _module(cls):
+        if cls.plugin_module:
+            try:
+                __import__(cls.plugin_module)
+            except Exception:  # noqa: BLE001 - plug-in missing or broken: not available
+                return None
+        return getattr(torch, cls.device_type, None)
+
+    @classmethod
+    def is_available(cls) -> bool:
+        mod = cls._module()
+        return bool(mod is not None and mod.is_available())
+
+    @property
+    def device(self) -> torch.device:
+        return torch.device(self.device_type, self.index)
+
+    def synchronize(self) -> None:
+        self._module().synchronize(self.device)
+
+    def memory_stats(self) -> dict[str, float]:
+        mod, gib = self._module(), 1024**3
+        return {"allocated_gib": mod.memory_allocated(self.device) / gib,
+                "peak_gib": mod.max_memory_allocated(self.device) / gib}
+
+    def get_rng_state(self) -> torch.Tensor | None:
+        return self._module().get_rng_state(self.device)
+
+    def set_rng_state(self, state: torch.Tensor | None) -> None:
+        if state is not None:
+            self._module().set_rng_state(state, self.device)
+
+
+class NPUAccelerator(_TorchBackendAccelerator):
+    """Huawei Ascend through the ``torch_npu`` plug-in (collectives: HCCL)."""
+
+    device_type, dist_backend, plugin_module = "npu", "hccl", "torch_npu"
+
+
+class MLUAccelerator(_TorchBackendAccelerator):
+    """Cambricon MLU through the ``torch_mlu`` plug-in (collectives: CNCL)."""
+
+    device_type, dist_backend, plugin_module = "mlu", "cncl", "torch_mlu"
+
+
+class XPUAccelerator(_TorchBackendAccelerator):
+    """Intel GPUs through torch's built-in ``xpu`` device (collectives: XCCL)."""
+
+    device_type, dist_backend = "xpu", "xccl"
+
+
 ACCELERATORS: MappingProxyType[str, type[Accelerator]] = MappingProxyType(
-    {"cpu": CPUAccelerator, "cuda": CUDAAccelerator})
+    {"cpu": CPUAccelerator, "cuda": CUDAAccelerator, "npu": NPUAccelerator,
+     "mlu": MLUAccelerator, "xpu": XPUAccelerator})
 
 
 def detect_device_type() -> str:

@@ -24,9 +24,21 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
-from megatron_h2.config import ModelConfig, ParallelConfig, TrainingConfig
-from megatron_h2.errors import ConfigError
+from megatron_h2.config import ModelConfig, ParallelConfig, RunConfig, TrainingConfig
+from megatron_h2.devices import ACCELERATORS, Accelerator, get_accelerator
+from megatron_h2.errors import ConfigError, RankConfigError
 from megatron_h2.hetero_plan import ChipSpec, HeteroPlan, StageSpec
+
+# Flags that a heterogeneous plan replaces: giving both is ambiguous, so it is an error.
+PLAN_OWNED_FLAGS = {"tensor_model_parallel_size": "--tensor-model-parallel-size",
+                    "pipeline_model_parallel_size": "--pipeline-model-parallel-size",
+                    "pipeline_layer_split": "--pipeline-layer-split",
+                    "decoder_first_pipeline_num_layers": "--decoder-first-pipeline-num-layers",
+                    "decoder_last_pipeline_num_layers": "--decoder-last-pipeline-num-layers",
+                    "recompute_granularity": "--recompute-granularity",
+                    "recompute_activations": "--recompute-activations",
+                    "device": "--device"}
+CHIP_ENV = "MEGATRON_H2_CHIP"
 
 
 @dataclass(frozen=True)
@@ -73,6 +85,50 @@ def uniform_plan(parallel: ParallelConfig, model: ModelConfig, training: Trainin
                       chips={"default": ChipSpec(device=device)}, stages=stages)
 
 
+def load_hetero_plan(cfg: RunConfig, explicit: frozenset[str]) -> HeteroPlan:
+    """Read ``--hetero-plan`` and reconcile it with the flags (the plan owns the layout and the
+    batch sizes; model-shape flags stay on the command line)."""
+    plan = HeteroPlan.from_yaml(cfg.parallel.hetero_plan)
+    for field_name, flag in PLAN_OWNED_FLAGS.items():
+        if field_name in explicit:
+            raise ConfigError(f"{flag} conflicts with --hetero-plan, which sets the layout per "
+                              f"stage; drop {flag} or edit the plan")
+    t = cfg.training
+    for name in ("micro_batch_size", "global_batch_size"):
+        if name in explicit and getattr(t, name) != getattr(plan, name):
+            raise ConfigError(f"--{name.replace('_', '-')} {getattr(t, name)} differs from the "
+                              f"plan's {name} {getattr(plan, name)}; drop the flag or edit the "
+                              "plan")
+        setattr(t, name, getattr(plan, name))
+    for name, chip in plan.chips.items():
+        if chip.device not in ACCELERATORS:
+            raise ConfigError(f"chip '{name}' has unknown device '{chip.device}'; supported: "
+                              f"{', '.join(ACCELERATORS)}")
+    return plan
+
+
+def accelerator_for_rank(plan: HeteroPlan, rank: int, local_rank: int) -> Accelerator:
+    """This rank's chip as the plan places it; errors name the rank (only it can see them)."""
+    stage = plan.rank_coordinates(rank)[0]
+    chip_name = plan.stages[stage].chip
+    started_as = os.environ.get(CHIP_ENV)
+    if started_as and started_as != chip_name:
+        raise RankConfigError(f"rank {rank} was started as chip '{started_as}' but the plan puts "
+                              f"stage {stage} (chip '{chip_name}') there; launch the components "
+                              "in the plan's stage order")
+    try:
+        return get_accelerator(plan.chips[chip_name].device, local_rank)
+    except ConfigError as exc:
+        raise RankConfigError(f"stage {stage} (chip '{chip_name}'): {exc}") from None
+
+
+def default_backend(plan: HeteroPlan) -> str:
+    """Backend of the job-wide group: the chip's own when every stage uses one device type,
+    else gloo (CPU tensors), the one transport every vendor shares."""
+    devices = {chip.device for chip in plan.chips.values()}
+    return ACCELERATORS[devices.pop()].dist_backend if len(devices) == 1 else "gloo"
+
+
 def check_plan_for_model(plan: HeteroPlan, model: ModelConfig, parallel: ParallelConfig,
                          world_size: int) -> None:
     """Everything about the layout that must hold before any process group starts."""
@@ -106,12 +162,17 @@ class Topology:
     tp_rank: int
     tp_group: dist.ProcessGroup | None = None
     dp_group: dist.ProcessGroup | None = None
+    cpu_group: dist.ProcessGroup | None = None  # gloo over every rank (None: the default group)
     tp_ranks: list[int] = field(default_factory=list)
     dp_ranks: list[int] = field(default_factory=list)
 
     @property
     def stage_spec(self) -> StageSpec:
         return self.plan.stages[self.stage]
+
+    @property
+    def chip(self) -> ChipSpec:
+        return self.plan.chips[self.stage_spec.chip]
 
     @property
     def tp_size(self) -> int:
@@ -155,23 +216,28 @@ class Topology:
 
 
 def build_topology(plan: HeteroPlan, rank: int, world_size: int) -> Topology:
-    """Create every TP and DP group (all ranks must call this in the same order)."""
+    """Create every TP and DP group, each on its stage's chip backend, and a gloo group over
+    all ranks for job-wide reductions (all ranks must call this in the same order)."""
     stage, dp_rank, tp_rank = plan.rank_coordinates(rank)
     topo = Topology(plan=plan, rank=rank, world_size=world_size, stage=stage, dp_rank=dp_rank,
                     tp_rank=tp_rank)
     if world_size == 1:
         topo.tp_ranks, topo.dp_ranks = [0], [0]
         return topo
+    if dist.get_backend() != "gloo":
+        topo.cpu_group = dist.new_group(list(range(world_size)), backend="gloo")
     for s, spec in enumerate(plan.stages):
         start, tp = plan.stage_ranks(s).start, spec.tensor_parallel_size
+        backend = ACCELERATORS[plan.chips[spec.chip].device].dist_backend
         for d in range(plan.data_parallel_size):  # TP groups
             ranks = list(range(start + d * tp, start + (d + 1) * tp))
-            group = dist.new_group(ranks) if tp > 1 else None
+            group = dist.new_group(ranks, backend=backend) if tp > 1 else None
             if rank in ranks:
                 topo.tp_group, topo.tp_ranks = group, ranks
         for t in range(tp):  # DP groups
             ranks = [start + d * tp + t for d in range(plan.data_parallel_size)]
-            group = dist.new_group(ranks) if plan.data_parallel_size > 1 else None
+            group = (dist.new_group(ranks, backend=backend) if plan.data_parallel_size > 1
+                     else None)
             if rank in ranks:
                 topo.dp_group, topo.dp_ranks = group, ranks
     return topo

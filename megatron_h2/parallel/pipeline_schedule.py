@@ -7,7 +7,9 @@ stage this degenerates to forward/backward per micro-batch, the single-process l
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
+from typing import Protocol
 
 import torch
 
@@ -16,6 +18,17 @@ from megatron_h2.distributed.p2p import PipeComm
 # forward_step(micro_batch_index, input_activation_or_None) -> output activation, or on the last
 # stage the scalar loss of that micro-batch (already divided by the global batch's token count)
 ForwardStep = Callable[[int, torch.Tensor | None], torch.Tensor]
+
+
+class ComputeObserver(Protocol):
+    """Wraps each micro-batch's forward or backward (timing, timelines, emulated slowdown)."""
+
+    def compute(self, kind: str, micro_batch: int) -> contextlib.AbstractContextManager: ...
+
+
+class _NoObserver:
+    def compute(self, kind: str, micro_batch: int) -> contextlib.AbstractContextManager:
+        return contextlib.nullcontext()
 
 
 def _backward(inp: torch.Tensor | None, out: torch.Tensor,
@@ -30,30 +43,38 @@ def _backward(inp: torch.Tensor | None, out: torch.Tensor,
 
 def forward_backward_1f1b(forward_step: ForwardStep, num_micro_batches: int, comm: PipeComm,
                           stage: int, num_stages: int,
-                          before_last_backward: Callable[[], None] | None = None) -> None:
+                          before_last_backward: Callable[[], None] | None = None,
+                          observer: ComputeObserver | None = None) -> None:
     """Run forward and backward of every micro-batch of one step on this stage."""
+    obs = observer or _NoObserver()
     warmup = min(num_stages - stage - 1, num_micro_batches)
     steady = num_micro_batches - warmup
     inputs: list[torch.Tensor | None] = []
     outputs: list[torch.Tensor] = []
-    backwards_left = num_micro_batches
+    done_backward = 0
+
+    def forward_one(i: int, inp: torch.Tensor | None) -> torch.Tensor:
+        with obs.compute("forward", i):
+            return forward_step(i, inp)
 
     def backward_one(grad: torch.Tensor | None) -> torch.Tensor | None:
-        nonlocal backwards_left
-        backwards_left -= 1
-        if backwards_left == 0 and before_last_backward is not None:
+        nonlocal done_backward
+        if done_backward == num_micro_batches - 1 and before_last_backward is not None:
             before_last_backward()
-        return _backward(inputs.pop(0), outputs.pop(0), grad)
+        with obs.compute("backward", done_backward):
+            grad_in = _backward(inputs.pop(0), outputs.pop(0), grad)
+        done_backward += 1
+        return grad_in
 
     for i in range(warmup):
         inp = comm.recv_forward()
-        out = forward_step(i, inp)
+        out = forward_one(i, inp)
         comm.send_forward(out)
         inputs.append(inp)
         outputs.append(out)
     inp = comm.recv_forward() if steady > 0 else None
     for i in range(steady):
-        out = forward_step(warmup + i, inp)
+        out = forward_one(warmup + i, inp)
         grad_out = comm.send_forward_recv_backward(out)
         inputs.append(inp)
         outputs.append(out)
@@ -68,8 +89,12 @@ def forward_backward_1f1b(forward_step: ForwardStep, num_micro_batches: int, com
 
 
 @torch.no_grad()
-def forward_only(forward_step: ForwardStep, num_micro_batches: int, comm: PipeComm) -> None:
+def forward_only(forward_step: ForwardStep, num_micro_batches: int, comm: PipeComm,
+                 observer: ComputeObserver | None = None) -> None:
     """Forward of every micro-batch through the pipeline (evaluation)."""
+    obs = observer or _NoObserver()
     for i in range(num_micro_batches):
-        out = forward_step(i, comm.recv_forward())
+        inp = comm.recv_forward()
+        with obs.compute("forward", i):
+            out = forward_step(i, inp)
         comm.send_forward(out)

@@ -27,6 +27,7 @@ class LaunchOptions:
     no_load_optim: bool = False
     no_load_rng: bool = False
     finetune: bool = False
+    explicit: frozenset[str] = frozenset()  # config fields the user set on the command line
 
 
 def _add_model(p: argparse.ArgumentParser) -> None:
@@ -132,6 +133,16 @@ def _add_parallel(p: argparse.ArgumentParser) -> None:
     g.add_argument("--ddp-bucket-size-mb", type=float)
     g.add_argument("--overlap-grad-reduce", action="store_true",
                    help="always on: gradient all-reduce overlaps the last backward")
+    g = p.add_argument_group("heterogeneous clusters")
+    g.add_argument("--hetero-plan", help="YAML plan (tools/plan.py writes one): pipeline stages "
+                   "on chip types, each with its own TP, layers and recompute")
+    g.add_argument("--force-bridge", action="store_true",
+                   help="route every stage boundary through the host-staged cross-vendor bridge")
+    g.add_argument("--bridge-dtype", choices=["fp32", "bf16"],
+                   help="precision of activations and gradients crossing the bridge")
+    g.add_argument("--bridge-chunk-mb", type=float)
+    g.add_argument("--timeline-trace", help="write a Chrome/Perfetto trace of every rank's "
+                   "forward, backward, send and receive per micro-batch")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -172,7 +183,8 @@ def config_from_args(argv: list[str] | None = None) -> tuple[RunConfig, LaunchOp
     optim = OptimizerConfig(**_pick(ns, OptimizerConfig))
     training = TrainingConfig(**_pick(ns, TrainingConfig))
     parallel = ParallelConfig(**_pick(ns, ParallelConfig))
+    explicit = frozenset(k for k, v in vars(ns).items() if v not in (None, False))
     launch = LaunchOptions(ckpt_step=ns.ckpt_step, no_load_optim=ns.no_load_optim,
-                           no_load_rng=ns.no_load_rng, finetune=ns.finetune)
+                           no_load_rng=ns.no_load_rng, finetune=ns.finetune, explicit=explicit)
     return RunConfig(model=model, data=data, optimizer=optim, training=training,
                      parallel=parallel), launch

@@ -21,16 +21,19 @@ import torch.distributed as dist
 
 from megatron_h2.checkpointing import find_latest_iteration, iteration_dir, read_metadata
 from megatron_h2.config import RunConfig
-from megatron_h2.devices import Accelerator, get_accelerator
+from megatron_h2.devices import Accelerator, detect_device_type, get_accelerator
 from megatron_h2.distributed.topology import (
     LaunchEnv,
     Topology,
+    accelerator_for_rank,
     build_topology,
     check_plan_for_model,
+    default_backend,
     init_process_group,
+    load_hetero_plan,
     uniform_plan,
 )
-from megatron_h2.errors import ConfigError, TrainingError
+from megatron_h2.errors import ConfigError, RankConfigError, TrainingError
 from megatron_h2.training.arguments import LaunchOptions, config_from_args
 from megatron_h2.training.metrics import MetricsWriter, log
 from megatron_h2.training.state import TrainProgress, check_compatible
@@ -103,7 +106,7 @@ def build_datasets(cfg: RunConfig, topo: Topology):
 
     result = build() if topo.rank == 0 else None
     if topo.distributed:
-        dist.barrier()
+        dist.barrier(group=topo.cpu_group)
     return result if result is not None else build()
 
 
@@ -124,15 +127,21 @@ def apply_demo_defaults(cfg: RunConfig) -> bool:
     return True
 
 
-def validate_launch(cfg: RunConfig, launch: LaunchOptions, env: LaunchEnv,
-                    accelerator: Accelerator, say):
-    """All checks that need no process group; returns the plan and the tokenizer."""
-    plan = uniform_plan(cfg.parallel, cfg.model, cfg.training, env.world_size,
-                        accelerator.device_type)
+def validate_launch(cfg: RunConfig, launch: LaunchOptions, env: LaunchEnv, say):
+    """All checks that need no process group; returns the plan, this rank's accelerator and
+    the tokenizer. Checks every rank makes alike come first, this rank's own chip last."""
+    if cfg.parallel.hetero_plan:
+        plan = load_hetero_plan(cfg, launch.explicit)
+        device = None
+    else:
+        device = cfg.training.device or detect_device_type()
+        plan = uniform_plan(cfg.parallel, cfg.model, cfg.training, env.world_size, device)
     tokenizer = prepare_data(cfg, say)
     check_plan_for_model(plan, cfg.model, cfg.parallel, env.world_size)
     check_load(cfg, launch)
-    return plan, tokenizer
+    accelerator = (accelerator_for_rank(plan, env.rank, env.local_rank) if device is None
+                   else get_accelerator(device, env.local_rank))
+    return plan, accelerator, tokenizer
 
 
 def restore(cfg: RunConfig, launch: LaunchOptions, ckpt, say) -> TrainProgress:
@@ -166,11 +175,10 @@ def train(cfg: RunConfig, launch: LaunchOptions, env: LaunchEnv) -> TrainProgres
 
     start = time.perf_counter()
     say = log if env.rank == 0 else quiet
-    accelerator = get_accelerator(cfg.training.device, env.local_rank)
     demo = apply_demo_defaults(cfg)
-    plan, tokenizer = validate_launch(cfg, launch, env, accelerator, say)
+    plan, accelerator, tokenizer = validate_launch(cfg, launch, env, say)
     # ---- everything below may start process groups: all user input has been checked ----
-    init_process_group(accelerator.dist_backend, env, cfg.parallel.distributed_timeout_minutes)
+    init_process_group(default_backend(plan), env, cfg.parallel.distributed_timeout_minutes)
     topo = build_topology(plan, env.rank, env.world_size)
     tp = TPContext(group=topo.tp_group, rank=topo.tp_rank, size=topo.tp_size,
                    sequence_parallel=cfg.parallel.sequence_parallel and topo.tp_size > 1)
@@ -195,10 +203,16 @@ def train(cfg: RunConfig, launch: LaunchOptions, env: LaunchEnv) -> TrainProgres
         f"{m.hidden_size} | heads {m.num_attention_heads} (query groups {m.num_query_groups}) | "
         f"ffn {m.ffn_hidden_size} | seq {m.seq_length} | vocab {tokenizer.vocab_size} "
         f"(padded {m.vocab_size}) | recompute {m.recompute}")
-    say(f"parallel: world {env.world_size} = TP {plan.stages[0].tensor_parallel_size} x PP "
-        f"{len(plan.stages)} x DP {plan.data_parallel_size} | layers per stage "
-        f"{[s.num_layers for s in plan.stages]} | distributed optimizer "
-        f"{cfg.parallel.use_distributed_optimizer} | sequence parallel {tp.sequence_parallel}")
+    say(f"parallel: world {env.world_size} | DP {plan.data_parallel_size} | distributed "
+        f"optimizer {cfg.parallel.use_distributed_optimizer} | sequence parallel "
+        f"{cfg.parallel.sequence_parallel}")
+    for index, (spec, layers) in enumerate(zip(plan.stages, plan.layer_ranges())):
+        chip = plan.chips[spec.chip]
+        slow = (f" | emulating a chip {chip.emulate_slowdown:g}x slower (compute padded with "
+                "sleep)" if chip.emulate_slowdown != 1.0 else "")
+        say(f"stage {index}: chip {spec.chip} ({chip.device}) | TP {spec.tensor_parallel_size} |"
+            f" layers {layers.start}-{layers.stop - 1} ({spec.num_layers}) | recompute "
+            f"{spec.recompute}{slow}")
     say(f"data: {' '.join(cfg.data.data_path)} | split {cfg.data.split} | "
         f"{len(train_ds)} training samples | setup took {time.perf_counter() - start:.1f} s")
     if progress.iteration >= cfg.training.train_iters:
@@ -246,10 +260,12 @@ def main(argv: list[str] | None = None) -> int:
         cfg, launch = config_from_args(argv)
         train(cfg, launch, env)
     except (ConfigError, TrainingError) as exc:
-        # Before the process groups start every rank fails alike: rank 0 speaks for all.
-        shown = env.rank == 0 or dist.is_initialized()
-        return _fail(env, f"error: {prefix if dist.is_initialized() else ''}{exc}" if shown
-                     else "", 2)
+        # Before the process groups start every rank fails alike (rank 0 speaks for all),
+        # except on what only this rank can see (its own chip).
+        own = isinstance(exc, RankConfigError) or dist.is_initialized()
+        if own:
+            return _fail(env, f"error: {prefix}{exc}", 2)
+        return _fail(env, f"error: {exc}" if env.rank == 0 else "", 2)
     except Exception as exc:  # noqa: BLE001 - a crash on one rank must end the whole job
         if env.world_size > 1 and _is_comm_failure(exc):
             return _fail(env, f"{prefix}stopping: another rank failed or the connection was lost"
@@ -257,7 +273,13 @@ def main(argv: list[str] | None = None) -> int:
         return _fail(env, f"error: {prefix}{type(exc).__name__}: {exc}\n"
                      f"{traceback.format_exc()}", 1)
     if env.world_size > 1 and dist.is_initialized():
+        dist.barrier()  # nobody tears down while a peer is still talking to it
         dist.destroy_process_group()
+        # Leave without interpreter teardown: destroying leftover communication threads there
+        # can abort the process (seen with gloo) after a run that succeeded.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
     return 0
 
 

@@ -102,7 +102,7 @@ class CheckpointIO:
 
     def _barrier(self) -> None:
         if self.topo.distributed:
-            dist.barrier()
+            dist.barrier(group=self.topo.cpu_group)
 
     def _gather_full(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Whole tensors from this rank's TP shards (collective over the TP group)."""
@@ -121,7 +121,7 @@ class CheckpointIO:
         if not self.topo.distributed:
             return [mine]
         states: list[Any] = [None] * self.topo.world_size
-        dist.all_gather_object(states, mine)
+        dist.all_gather_object(states, mine, group=self.topo.cpu_group)
         return states
 
     def save(self, save_dir: str, progress: TrainProgress) -> Path:

@@ -36,7 +36,7 @@ def world_sum(values: list[float], topo: Topology) -> list[float]:
     if not topo.distributed:
         return values
     t = torch.tensor(values, dtype=torch.float64)
-    dist.all_reduce(t)
+    dist.all_reduce(t, group=topo.cpu_group)
     return t.tolist()
 
 

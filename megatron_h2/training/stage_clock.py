@@ -1,0 +1,86 @@
+"""Per-rank compute accounting: times every micro-batch's forward and backward, pads it when
+the plan emulates a slower chip, feeds the timeline, and reduces per-stage figures for the logs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Iterator
+from typing import Protocol
+
+import torch
+import torch.distributed as dist
+
+from megatron_h2.devices import Accelerator
+from megatron_h2.distributed.topology import Topology
+
+
+class Recorder(Protocol):
+    def record(self, kind: str, micro_batch: int, start_s: float, end_s: float) -> None: ...
+
+
+class StageClock:
+    """A :class:`~megatron_h2.parallel.pipeline_schedule.ComputeObserver` for one rank.
+
+    ``slowdown`` > 1 makes each forward / backward take that many times as long (it sleeps for
+    the difference), so a heterogeneous cluster can be rehearsed on one machine.
+    """
+
+    def __init__(self, acc: Accelerator, slowdown: float = 1.0,
+                 recorder: Recorder | None = None) -> None:
+        self.acc, self.slowdown, self.recorder = acc, slowdown, recorder
+        self.compute_s = 0.0
+        self.padded_s = 0.0
+
+    @contextlib.contextmanager
+    def compute(self, kind: str, micro_batch: int) -> Iterator[None]:
+        wall = time.time()
+        start = time.perf_counter()
+        yield
+        if self.slowdown != 1.0 or self.recorder is not None:
+            self.acc.synchronize()
+        elapsed = time.perf_counter() - start
+        if self.slowdown > 1.0:
+            pad = (self.slowdown - 1.0) * elapsed
+            time.sleep(pad)
+            self.padded_s += pad
+            elapsed += pad
+        self.compute_s += elapsed
+        if self.recorder is not None:
+            self.recorder.record(kind, micro_batch, wall, wall + elapsed)
+
+    def take(self) -> float:
+        """Compute seconds since the last call."""
+        value, self.compute_s = self.compute_s, 0.0
+        return value
+
+
+def stage_report(topo: Topology, compute_s: float, wall_s: float, comm: dict[str, float],
+                 iterations: int) -> str:
+    """One log line with every stage's compute per iteration, bubble share and bridge traffic.
+
+    Collective over the job (all ranks call it at the same iterations); each stage is reported
+    by the slowest of its ranks.
+    """
+    mine = torch.tensor([float(topo.stage), compute_s, wall_s, comm.get("bridge_bytes", 0.0),
+                         comm.get("direct_bytes", 0.0),
+                         comm.get("send_wait_s", 0.0) + comm.get("recv_wait_s", 0.0)],
+                        dtype=torch.float64)
+    rows = [mine]
+    if topo.distributed:
+        rows = [torch.zeros_like(mine) for _ in range(topo.world_size)]
+        dist.all_gather(rows, mine, group=topo.cpu_group)
+    parts, bridge, direct, wait = [], 0.0, 0.0, 0.0
+    for stage in range(topo.pp_size):
+        mine_rows = [r for r in rows if int(r[0]) == stage]
+        compute = max(float(r[1]) for r in mine_rows) / iterations
+        wall = max(float(r[2]) for r in mine_rows) / iterations
+        bubble = max(0.0, 1.0 - compute / wall) if wall > 0 else 0.0
+        parts.append(f"stage {stage}: compute {compute * 1e3:.1f} ms, bubble {bubble:.0%}")
+    for r in rows:
+        bridge, direct, wait = bridge + float(r[3]), direct + float(r[4]), max(wait, float(r[5]))
+    traffic = (f"bridge {bridge / iterations / 2**20:.2f} MiB/it, direct "
+               f"{direct / iterations / 2**20:.2f} MiB/it, max comm wait "
+               f"{wait / iterations * 1e3:.1f} ms/it")
+    return " | ".join(parts) + " | " + traffic
