@@ -1,75 +1,280 @@
 """Point-to-point traffic between neighbouring pipeline stages of one DP replica.
 
-Each rank talks to the rank with the same ``tp_rank`` in the previous and next stage (see
-:mod:`megatron_h2.distributed.topology`). Shapes are fixed for a run (micro-batch x sequence x
-hidden), so no shape is ever exchanged. Sends and receives that happen together are posted as
-one batch of non-blocking operations so that neighbours cannot deadlock.
+The two sides of a stage boundary may have different TP degrees and run on chips of different
+vendors. Per boundary, :class:`PipeComm` picks the transport (:class:`~.bridge.DirectLink` when
+both stages use the same device type, the host-staged :class:`~.bridge.Bridge` when they differ
+or ``BridgeConfig.force`` is set) and the transfer plan (:mod:`~.boundary`), which re-shards the
+activation ``[mbs, seq, h]`` (``[mbs, seq / TP, h]`` per rank with sequence parallelism) between
+the two TP groups. Shapes are fixed for a run, so no shape is ever exchanged.
+
+Sends stay in flight after a call returns: the next micro-batch is computed while the last one
+is on the wire. :meth:`PipeComm.wait_sends` completes them (call it at the end of every step);
+until then each send keeps its buffers alive. Every call posts its receives before its sends and
+waits only on its own receives, so neighbours never wait on each other in a cycle: the 1F1B
+schedule's data dependencies are the only waits.
 """
 
 from __future__ import annotations
 
+import time
+from dataclasses import dataclass
+from typing import Protocol
+
 import torch
 import torch.distributed as dist
 
+from megatron_h2.distributed.boundary import BoundaryPlan, Transfer, local_rows, rank_boundaries
+from megatron_h2.distributed.bridge import (
+    Bridge,
+    BridgeConfig,
+    DirectLink,
+    LinkStats,
+    RecvHandle,
+    SendHandle,
+)
 from megatron_h2.distributed.topology import Topology
+from megatron_h2.errors import ConfigError
+
+
+class CommObserver(Protocol):
+    """Receives the intervals this rank spent in pipeline communication, for a timeline.
+
+    Times are :func:`time.time` seconds. ``kind`` is ``send_forward`` / ``send_backward`` (posting
+    the send, including any staging; the wire time after it overlaps compute and is not
+    reported), ``recv_forward`` / ``recv_backward`` (from posting until the data is there), or
+    ``wait`` (micro-batch -1: :meth:`PipeComm.wait_sends` blocked on sends still in flight).
+    """
+
+    def on_comm(self, kind: str, micro_batch: int, start_s: float, end_s: float) -> None: ...
+
+
+@dataclass
+class _Side:
+    """One boundary of this rank: its plan and its transport."""
+
+    plan: BoundaryPlan
+    link: Bridge | DirectLink
+
+
+def _device_type(name: str) -> str:
+    return str(name).split(":")[0]
+
+
+def _check_cpu_group(cpu_group: dist.ProcessGroup | None) -> dist.ProcessGroup | None:
+    """The bridge's gloo group: the one passed in, or the default group if that is gloo."""
+    if cpu_group is not None:
+        return cpu_group
+    if "gloo" not in str(dist.get_backend()):
+        raise ConfigError("a pipeline boundary crosses chip types but no CPU (gloo) process "
+                          "group was passed to PipeComm; create one with "
+                          "dist.new_group(backend='gloo') on every rank and pass it as cpu_group")
+    return None  # the default group is gloo
 
 
 class PipeComm:
-    """Activation / gradient exchange for one rank; a no-op on a single stage."""
+    """Activation / gradient exchange of one rank with its pipeline neighbours.
 
-    def __init__(self, topo: Topology, shape: tuple[int, ...], dtype: torch.dtype,
-                 device: torch.device) -> None:
-        self.shape, self.dtype, self.device = shape, dtype, device
-        self.prev = None if topo.is_first_stage else topo.peer_ranks(topo.stage - 1)[topo.tp_rank]
-        self.next = None if topo.is_last_stage else topo.peer_ranks(topo.stage + 1)[topo.tp_rank]
-        self.bytes_sent = 0
+    ``devices`` maps stage index -> device type (default: the plan's chip of each stage);
+    ``sequence_parallel`` says whether activations are split along the sequence over TP;
+    ``cpu_group`` is the gloo group the bridge uses (None: ``topo.cpu_group`` if set, else
+    the default group, which must then be gloo; unused when no boundary uses the bridge).
+    ``sequence_parallel`` must be the job-wide flag, the same on every rank (a TP-1 stage holds
+    the whole sequence either way), not a per-stage value. A no-op on a single stage.
+    """
 
-    def _empty(self) -> torch.Tensor:
-        return torch.empty(self.shape, dtype=self.dtype, device=self.device)
+    def __init__(self, topo: Topology, micro_batch: int, seq_length: int, hidden: int,
+                 sequence_parallel: bool, dtype: torch.dtype, device: torch.device,
+                 bridge: BridgeConfig, cpu_group: dist.ProcessGroup | None,
+                 devices: dict[int, str] | None = None,
+                 observer: CommObserver | None = None) -> None:
+        self.dtype, self.device = dtype, torch.device(device)
+        self.micro_batch, self.hidden = micro_batch, hidden
+        self.bridge_config, self.observer = bridge, observer
+        rows = local_rows(seq_length, topo.tp_size, topo.tp_rank, sequence_parallel)
+        self.shape = (micro_batch, rows.stop - rows.start, hidden)  # [b, s or s/tp, h]
+        if devices is None:
+            devices = {s: topo.plan.chips[spec.chip].device
+                       for s, spec in enumerate(topo.plan.stages)}
+        missing = sorted(set(range(topo.pp_size)) - set(devices))
+        if missing:
+            raise ConfigError(f"PipeComm devices name no device type for stages {missing}")
+        self.devices = {s: _device_type(d) for s, d in devices.items()}
+        self.bridge_stats, self.direct_stats = LinkStats(), LinkStats()
+        prev_plan, next_plan = rank_boundaries(topo.plan, topo.rank, seq_length,
+                                               sequence_parallel)
+        bridge_group: dist.ProcessGroup | None = None
+        if any(self._bridged(topo.stage + d) for d, p in ((-1, prev_plan), (0, next_plan))
+               if p is not None):
+            if cpu_group is None:
+                cpu_group = getattr(topo, "cpu_group", None)
+            bridge_group = _check_cpu_group(cpu_group)
+        self.prev = None if prev_plan is None else _Side(
+            prev_plan, self._link(topo.stage - 1, bridge_group))
+        self.next = None if next_plan is None else _Side(
+            next_plan, self._link(topo.stage, bridge_group))
+        self._pending: list[SendHandle] = []  # sends in flight, oldest first
+        self._counts = dict.fromkeys(
+            ("send_forward", "recv_forward", "send_backward", "recv_backward"), 0)
 
-    def _exchange(self, send: list[tuple[torch.Tensor, int]],
-                  recv: list[tuple[torch.Tensor, int]]) -> None:
-        ops = [dist.P2POp(dist.isend, t.contiguous(), peer) for t, peer in send]
-        ops += [dist.P2POp(dist.irecv, t, peer) for t, peer in recv]
-        if ops:
-            for work in dist.batch_isend_irecv(ops):
-                work.wait()
-        self.bytes_sent += sum(t.numel() * t.element_size() for t, _ in send)
+    # ------------------------------------------------------------------------------- set-up
+    def _bridged(self, upstream: int) -> bool:
+        """Whether the boundary between ``upstream`` and ``upstream + 1`` uses the bridge."""
+        return (self.bridge_config.force
+                or self.devices[upstream] != self.devices[upstream + 1])
 
+    def _link(self, upstream: int, group: dist.ProcessGroup | None) -> Bridge | DirectLink:
+        if self._bridged(upstream):
+            return Bridge(group, self.device, self.bridge_config, self.bridge_stats)
+        return DirectLink(self.device, self.direct_stats)
+
+    @property
+    def paths(self) -> dict[str, str | None]:
+        """Transport of each boundary: ``{"prev": "bridge" | "direct" | None, "next": ...}``."""
+        return {"prev": None if self.prev is None else self.prev.link.kind,
+                "next": None if self.next is None else self.next.link.kind}
+
+    # ---------------------------------------------------------------------------- the core
+    def _next_index(self, kind: str) -> int:
+        index = self._counts[kind]
+        self._counts[kind] += 1
+        return index
+
+    def _pieces(self, tensor: torch.Tensor, plan: tuple[Transfer, ...]
+                ) -> list[tuple[torch.Tensor, int]]:
+        """The rows of ``tensor`` [b, s_local, h] each transfer carries, with its peer."""
+        if tuple(tensor.shape) != self.shape:
+            raise ValueError(f"pipeline send of shape {tuple(tensor.shape)}, but this rank's "
+                             f"activation is {self.shape} (micro-batch, sequence rows, hidden)")
+        tensor = tensor.detach().to(self.dtype)
+        full = self.shape[1]
+        return [(tensor if (tr.local.start, tr.local.stop) == (0, full) else tensor[:, tr.local],
+                 tr.peer) for tr in plan]
+
+    def _exchange(self, side: _Side, send: torch.Tensor | None, send_plan: tuple[Transfer, ...],
+                  send_kind: str, recv_plan: tuple[Transfer, ...] | None,
+                  recv_kind: str) -> torch.Tensor | None:
+        """Post ``recv_plan`` (if any) then the send of ``send`` (if any); wait for the receive
+        only. Returns the received tensor [b, s_local, h] or None."""
+        self._reap()
+        start = time.time()
+        recvs = [((self.shape[0], tr.num_rows, self.shape[2]), self.dtype, tr.peer)
+                 for tr in recv_plan or ()]
+        sends = [] if send is None else self._pieces(send, send_plan)
+        send_handles, recv_handles = side.link.post(sends, recvs)
+        posted = time.time()
+        if send is not None:
+            self._pending.extend(send_handles)
+            self._observe(send_kind, self._next_index(send_kind), start, posted)
+        if recv_plan is None:
+            return None
+        index = self._next_index(recv_kind)
+        out = self._assemble(recv_plan, recv_handles)
+        self._observe(recv_kind, index, posted, time.time())
+        return out
+
+    def _observe(self, kind: str, micro_batch: int, start_s: float, end_s: float) -> None:
+        if self.observer is not None:
+            self.observer.on_comm(kind, micro_batch, start_s, end_s)
+
+    def _assemble(self, plan: tuple[Transfer, ...], handles: list[RecvHandle]) -> torch.Tensor:
+        if len(handles) == 1 and plan[0].num_rows == self.shape[1]:
+            return handles[0].wait()
+        out = torch.empty(self.shape, dtype=self.dtype, device=self.device)
+        for tr, handle in zip(plan, handles):
+            out[:, tr.local] = handle.wait()
+        return out
+
+    def _reap(self) -> None:
+        """Release the buffers of sends that have completed (never blocks)."""
+        still = []
+        for handle in self._pending:
+            if handle.is_completed():
+                handle.wait()
+            else:
+                still.append(handle)
+        self._pending = still
+
+    # -------------------------------------------------------------------- schedule calls
     def recv_forward(self) -> torch.Tensor | None:
-        """Input activation from the previous stage (None on the first stage)."""
+        """Input activation from the previous stage [b, s_local, h] (None on the first stage)."""
         if self.prev is None:
             return None
-        buf = self._empty()
-        self._exchange([], [(buf, self.prev)])
-        return buf.requires_grad_()
+        out = self._exchange(self.prev, None, (), "", self.prev.plan.fwd_recv, "recv_forward")
+        return out.requires_grad_()
 
     def send_forward(self, output: torch.Tensor) -> None:
+        """Send this stage's output activation [b, s_local, h] on (returns at once)."""
         if self.next is not None:
-            self._exchange([(output.detach(), self.next)], [])
+            self._exchange(self.next, output, self.next.plan.fwd_send, "send_forward", None, "")
 
     def recv_backward(self) -> torch.Tensor | None:
         """Gradient of this stage's output from the next stage (None on the last stage)."""
         if self.next is None:
             return None
-        buf = self._empty()
-        self._exchange([], [(buf, self.next)])
-        return buf
+        return self._exchange(self.next, None, (), "", self.next.plan.bwd_recv, "recv_backward")
 
     def send_backward(self, grad: torch.Tensor | None) -> None:
+        """Send the gradient of this stage's input back (returns at once); None sends zeros."""
         if self.prev is not None:
-            self._exchange([(grad, self.prev)], [])
+            self._exchange(self.prev, self._grad(grad), self.prev.plan.bwd_send, "send_backward",
+                           None, "")
 
     def send_forward_recv_backward(self, output: torch.Tensor) -> torch.Tensor | None:
+        """Send ``output`` on and receive the gradient of an earlier output (steady state)."""
         if self.next is None:
             return None
-        buf = self._empty()
-        self._exchange([(output.detach(), self.next)], [(buf, self.next)])
-        return buf
+        return self._exchange(self.next, output, self.next.plan.fwd_send, "send_forward",
+                              self.next.plan.bwd_recv, "recv_backward")
 
     def send_backward_recv_forward(self, grad: torch.Tensor | None) -> torch.Tensor | None:
+        """Send ``grad`` back and receive the next input activation (steady state)."""
         if self.prev is None:
             return None
-        buf = self._empty()
-        self._exchange([(grad, self.prev)], [(buf, self.prev)])
-        return buf.requires_grad_()
+        out = self._exchange(self.prev, self._grad(grad), self.prev.plan.bwd_send,
+                             "send_backward", self.prev.plan.fwd_recv, "recv_forward")
+        return out.requires_grad_()
+
+    def _grad(self, grad: torch.Tensor | None) -> torch.Tensor:
+        """An input that got no gradient still answers its sender, with zeros."""
+        if grad is None:
+            return torch.zeros(self.shape, dtype=self.dtype, device=self.device)
+        return grad
+
+    # ------------------------------------------------------------------- step boundaries
+    def wait_sends(self) -> None:
+        """Complete every send still in flight and start counting micro-batches from 0 again.
+
+        Call at the end of every step (train and eval); safe when nothing is pending.
+        """
+        pending, self._pending = self._pending, []
+        blocked = not all(h.is_completed() for h in pending)
+        start = time.time()
+        for handle in pending:
+            handle.wait()
+        if blocked:
+            self._observe("wait", -1, start, time.time())
+        for kind in self._counts:
+            self._counts[kind] = 0
+
+    def stats(self) -> dict[str, float]:
+        """Counters since the last :meth:`reset_stats`: per path (``bridge_*``, ``direct_*``)
+        ``bytes`` (sent, after any wire cast), ``bytes_recv``, ``transfers`` (messages sent),
+        ``chunks`` (wire sends), ``send_wait_s`` and ``recv_wait_s`` (blocked seconds); plus the
+        totals ``send_wait_s`` and ``recv_wait_s``."""
+        out: dict[str, float] = {}
+        out.update(self.bridge_stats.as_dict("bridge"))
+        out.update(self.direct_stats.as_dict("direct"))
+        out["send_wait_s"] = self.bridge_stats.send_wait_s + self.direct_stats.send_wait_s
+        out["recv_wait_s"] = self.bridge_stats.recv_wait_s + self.direct_stats.recv_wait_s
+        return out
+
+    def reset_stats(self) -> None:
+        self.bridge_stats.reset()
+        self.direct_stats.reset()
+
+    def close(self) -> None:
+        """Complete pending sends and stop the bridges' stager threads."""
+        self.wait_sends()
+        for side in (self.prev, self.next):
+            if side is not None:
+                side.link.close()

@@ -171,6 +171,7 @@ def train(cfg: RunConfig, launch: LaunchOptions, env: LaunchEnv) -> TrainProgres
     from megatron_h2.parallel import TPContext
     from megatron_h2.training.state import CheckpointIO
     from megatron_h2.training.step import StepRunner
+    from megatron_h2.training.timeline import Timeline, format_summary, gather_and_write
     from megatron_h2.training.trainer import Trainer
 
     start = time.perf_counter()
@@ -221,11 +222,19 @@ def train(cfg: RunConfig, launch: LaunchOptions, env: LaunchEnv) -> TrainProgres
         return progress
     metrics = MetricsWriter(cfg.training.train_iters, cfg.training.log_jsonl,
                             cfg.training.tensorboard_dir, enabled=env.rank == 0)
-    runner = StepRunner(cfg, accelerator, topo, tp, model, optimizer)
+    timeline = Timeline.for_plan(plan, env.rank, enabled=bool(cfg.training.timeline_trace))
+    runner = StepRunner(cfg, accelerator, topo, tp, model, optimizer, timeline)
     try:
         progress = Trainer(cfg, runner, train_ds, valid_ds, metrics, progress, ckpt, say).run()
     finally:
         metrics.close()
+    if cfg.training.timeline_trace:  # collective: every rank sends its events to rank 0
+        summary = gather_and_write(timeline, cfg.training.timeline_trace, group=topo.cpu_group)
+        if summary is not None:
+            say(f"timeline trace: {cfg.training.timeline_trace} (open in ui.perfetto.dev or "
+                "chrome://tracing)")
+            for line in format_summary(summary).splitlines():
+                say(line)
     say(f"training finished at iteration {progress.iteration} in "
         f"{time.perf_counter() - start:.1f} s")
     if cfg.training.save:

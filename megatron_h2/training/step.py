@@ -18,11 +18,14 @@ from torch import nn
 from megatron_h2.config import RunConfig
 from megatron_h2.devices import Accelerator
 from megatron_h2.distributed.distributed_optimizer import DataParallelOptimizer
+from megatron_h2.distributed.bridge import BridgeConfig
 from megatron_h2.distributed.p2p import PipeComm
 from megatron_h2.distributed.topology import Topology
 from megatron_h2.errors import TrainingError
 from megatron_h2.parallel import TPContext, allreduce_sequence_parallel_grads, get_tp_shard
 from megatron_h2.parallel.pipeline_schedule import forward_backward_1f1b, forward_only
+from megatron_h2.training.stage_clock import StageClock
+from megatron_h2.training.timeline import Timeline
 
 
 def stack_samples(dataset, start: int, count: int) -> torch.Tensor:
@@ -51,15 +54,20 @@ class StepRunner:
     """Runs steps of one rank's stage model; built once per run."""
 
     def __init__(self, cfg: RunConfig, acc: Accelerator, topo: Topology, tp: TPContext,
-                 model: nn.Module, optimizer: DataParallelOptimizer) -> None:
+                 model: nn.Module, optimizer: DataParallelOptimizer,
+                 timeline: Timeline | None = None) -> None:
         self.cfg, self.acc, self.topo, self.tp = cfg, acc, topo, tp
         self.model, self.optimizer = model, optimizer
-        t, m = cfg.training, cfg.model
+        t, m, par = cfg.training, cfg.model, cfg.parallel
         self.per_replica = t.global_batch_size // topo.dp_size
         self.num_micro = self.per_replica // t.micro_batch_size
-        seq = m.seq_length // tp.size if tp.sequence_parallel else m.seq_length
-        self.comm = PipeComm(topo, (t.micro_batch_size, seq, m.hidden_size), torch.float32,
-                             acc.device)
+        self.timeline = timeline if timeline is not None and timeline.recording else None
+        self.clock = StageClock(acc, topo.chip.emulate_slowdown, self.timeline)
+        bridge = BridgeConfig(force=par.force_bridge, chunk_mb=par.bridge_chunk_mb,
+                              dtype=torch.bfloat16 if par.bridge_dtype == "bf16" else None)
+        self.comm = PipeComm(topo, t.micro_batch_size, m.seq_length, m.hidden_size,
+                             par.sequence_parallel, torch.float32, acc.device, bridge,
+                             topo.cpu_group, observer=self.timeline)
         self.sp_params = [p for p in model.parameters() if getattr(p, "sequence_parallel", False)]
         # Norm weights: a parameter replicated over TP counts once in the global norm.
         self.norm_weight = {p: (1.0 if get_tp_shard(p) is not None else 1.0 / tp.size)
@@ -139,9 +147,13 @@ class StepRunner:
         self.optimizer.zero_grad()
         losses: list[torch.Tensor] = []
         samples = self._replica_samples(dataset, start)
+        if self.timeline is not None:
+            self.timeline.set_iteration(iteration)
         forward_backward_1f1b(self._forward_step(samples, losses), self.num_micro, self.comm,
                               self.topo.stage, self.topo.pp_size,
-                              before_last_backward=self.optimizer.grad_buckets.start_sync)
+                              before_last_backward=self.optimizer.grad_buckets.start_sync,
+                              observer=self.clock)
+        self.comm.wait_sends()
         self.optimizer.grad_buckets.finish_sync()
         self._reduce_sequence_parallel_grads()
         grad_norm = self._grad_norm()
@@ -166,6 +178,7 @@ class StepRunner:
             losses: list[torch.Tensor] = []
             samples = self._replica_samples(dataset, b * self.cfg.training.global_batch_size)
             forward_only(self._forward_step(samples, losses), self.num_micro, self.comm)
+            self.comm.wait_sends()
             total += self._reported_loss(losses)
         self.model.train()
         return total / num_batches

@@ -11,6 +11,7 @@ from megatron_h2.config import RunConfig
 from megatron_h2.models.gpt import flops_per_token
 from megatron_h2.training.metrics import MetricsWriter
 from megatron_h2.training.optimizer import LRSchedule
+from megatron_h2.training.stage_clock import stage_report
 from megatron_h2.training.state import CheckpointIO, TrainProgress
 from megatron_h2.training.step import StepResult, StepRunner, world_sum
 
@@ -121,6 +122,12 @@ class Trainer:
     def _log(self, window: list[StepResult], elapsed: float, val_loss: float | None) -> None:
         cfg = self.cfg
         n = len(window)
+        runner = self.runner
+        compute, comm = runner.clock.take(), runner.comm.stats()
+        runner.comm.reset_stats()
+        # collective: every rank logs at the same iterations
+        stages = stage_report(runner.topo, compute, elapsed, comm, n) \
+            if runner.topo.pp_size > 1 else None
         seconds = elapsed / n
         tokens = cfg.training.global_batch_size * cfg.model.seq_length
         record = {"iteration": self.progress.iteration,
@@ -135,5 +142,7 @@ class Trainer:
         if val_loss is not None:
             record["val_loss"] = val_loss
         self.metrics.train_step(record)
+        if stages:
+            self.log(stages)
         if val_loss is not None:
             self.metrics.validation(self.progress.iteration, val_loss)
