@@ -87,11 +87,16 @@ def split_along(x: torch.Tensor, dim: int, tp: TPContext) -> torch.Tensor:
     return x.chunk(tp.size, dim=dim)[tp.rank].contiguous()
 
 
+# torch 2.13 renamed these (the old names warn); keep working on releases before the rename
+_all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
 def all_gather_along(x: torch.Tensor, dim: int, tp: TPContext) -> torch.Tensor:
     """Concatenate every rank's ``x`` along ``dim`` (in rank order)."""
     x = x.contiguous()
     out = torch.empty((tp.size * x.numel(),), dtype=x.dtype, device=x.device)
-    dist.all_gather_into_tensor(out, x.view(-1), group=tp.group)
+    _all_gather_flat(out, x.view(-1), group=tp.group)
     pieces = out.view(tp.size, *x.shape).unbind(0)  # size x [..., n, ...]
     return torch.cat(pieces, dim=dim)
 
@@ -101,7 +106,7 @@ def reduce_scatter_along(x: torch.Tensor, dim: int, tp: TPContext) -> torch.Tens
     _check_divisible(x, dim, tp)
     stacked = torch.stack(x.chunk(tp.size, dim=dim))  # [size, ..., n/size, ...], contiguous
     out = torch.empty(stacked.shape[1:], dtype=x.dtype, device=x.device)
-    dist.reduce_scatter_tensor(out.view(-1), stacked.view(-1), group=tp.group)
+    _reduce_scatter_flat(out.view(-1), stacked.view(-1), group=tp.group)
     return out
 
 
