@@ -215,6 +215,10 @@ class HeteroPlan:
                     " the head (last stage); give it at least one layer or remove it"
                 )
 
+    def __hash__(self) -> int:
+        return hash((self.data_parallel_size, self.micro_batch_size, self.global_batch_size,
+                     tuple(sorted(self.chips.items())), tuple(self.stages)))
+
     # ----------------------------------------------------------------------------- derived sizes
     @property
     def pipeline_parallel_size(self) -> int:
@@ -310,7 +314,7 @@ class HeteroPlan:
             raise ConfigError(f"'chips' in {source} must map chip names to {{device: ...}}")
         chips = {}
         for name, chip in raw_chips.items():
-            entry = check_keys(chip, ("device",), ("emulate_slowdown",), f"chip '{name}' of {source}")
+            entry = check_keys(chip, _CHIP_KEYS[:1], _CHIP_KEYS[1:], f"chip '{name}' of {source}")
             chips[str(name)] = ChipSpec(**dict(entry))
         raw_stages = top["stages"]
         if not isinstance(raw_stages, list) or not raw_stages:

@@ -1,0 +1,42 @@
+"""HeteroAuto: plan a model across a heterogeneous cluster (pure Python, numpy and PyYAML).
+
+Typical use::
+
+    from megatron_h2.planner import Cluster, CostConfig, CostModel, ModelSpec, SearchOptions, search
+    from megatron_h2.planner import simulate
+
+    cluster = Cluster.from_yaml("examples/clusters/hetero_1024.yaml")
+    model = ModelSpec.from_yaml("examples/models/llama_100b.yaml")
+    cost = CostModel(cluster, model, CostConfig(use_distributed_optimizer=True))
+    result = search(cost, SearchOptions(global_batch_size=2048, top_k=5))
+    best = result.best                      # Candidate(plan: HeteroPlan, estimate: PlanEstimate)
+    best.plan.to_yaml("plan.yaml")          # what pretrain_gpt.py --hetero-plan reads
+    timeline = simulate(best.plan, cost)    # event-driven 1F1B step
+
+The command line is ``tools/plan.py`` (:mod:`megatron_h2.planner.cli`); the cluster, model and
+profile formats, the cost model and the search are documented in ``docs/planner.md``.
+"""
+
+from megatron_h2.planner.cluster import ChipType, Cluster
+from megatron_h2.planner.compare import Comparison, HomogeneousResult, compare_homogeneous
+from megatron_h2.planner.cost_model import CostConfig, CostModel, PlanEstimate, StageCosts, StageEstimate
+from megatron_h2.planner.model import ModelSpec
+from megatron_h2.planner.partition import Split, StageSlot, solve_split
+from megatron_h2.planner.profile import ChipProfile, MeasuredTimes, ProfileTable
+from megatron_h2.planner.search import Candidate, SearchOptions, SearchResult, SearchStats, search
+from megatron_h2.planner.simulator import (
+    Event,
+    SimulationResult,
+    chrome_trace,
+    simulate,
+    write_chrome_trace,
+    write_timeline_png,
+)
+
+__all__ = [
+    "Candidate", "ChipProfile", "ChipType", "Cluster", "Comparison", "CostConfig", "CostModel",
+    "Event", "HomogeneousResult", "MeasuredTimes", "ModelSpec", "PlanEstimate", "ProfileTable",
+    "SearchOptions", "SearchResult", "SearchStats", "SimulationResult", "Split", "StageCosts",
+    "StageEstimate", "StageSlot", "chrome_trace", "compare_homogeneous", "search", "simulate",
+    "solve_split", "write_chrome_trace", "write_timeline_png",
+]

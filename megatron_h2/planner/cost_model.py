@@ -1,0 +1,420 @@
+"""Analytic cost model: compute, memory and communication of a heterogeneous pipeline plan.
+
+Everything the search and the simulator know about time and memory comes from here; the formulas
+and their defaults are written out in ``docs/planner.md``. In short, for a stage of ``l`` layers
+on chip type ``c`` with TP degree ``t``, micro-batch ``b`` (``T = b x seq`` tokens) and DP ``d``:
+
+* compute: FLOPs / (t x tflops_bf16 x efficiency) x emulate_slowdown, or measured times / t from
+  a profile table; backward = 2 x forward; recompute adds a full forward (``full``) or the
+  attention core's forward (``selective``);
+* TP: two ring all-reduces of ``T x h`` bf16 values per layer in forward and two in backward
+  (two more in backward under full recompute), over ``intra_node_gb_per_s``;
+* memory: parameters x bytes per parameter (18 = 2 bf16 weight + 4 fp32 grad + 4 fp32 master +
+  8 Adam; 6 + 12/d with the distributed optimizer) + in-flight micro-batches x activations per
+  layer (by recompute mode) + one layer's full activations as backward working space, plus the
+  embedding on the first stage and the head (with its logits) on the last;
+* pipeline: per micro-batch, ``T x h`` bf16 values each way per stage boundary, at the chip type's
+  ``inter_node_gb_per_s`` or at ``cross_chip_gb_per_s`` where the chip type changes;
+* DP: a ring all-reduce (or reduce-scatter + all-gather) of the stage's gradients once per step.
+
+The step time of a plan with ``m`` micro-batches and per-stage work ``w_i`` (forward + backward of
+one micro-batch) under 1F1B is ``(m - 1) x max_i w_i + sum_i w_i + 2 x sum of link times +
+max_i DP sync_i``: the gradient synchronisation is not overlapped with compute and is counted as
+if every stage started it when the pipeline drains (an upper bound: later stages drain earlier,
+which the event simulator credits).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from megatron_h2.errors import ConfigError
+from megatron_h2.hetero_plan import RECOMPUTE_MODES, HeteroPlan, Recompute, positive_float
+from megatron_h2.planner.cluster import ChipType, Cluster
+from megatron_h2.planner.model import ModelSpec
+
+if TYPE_CHECKING:
+    from megatron_h2.planner.profile import ProfileTable
+
+BF16_BYTES = 2
+MODES: tuple[Recompute, ...] = RECOMPUTE_MODES
+"""Recompute modes, fastest first (and most memory-hungry first)."""
+
+
+@dataclass(frozen=True)
+class CostConfig:
+    """Tunable constants of the cost model (defaults documented in docs/planner.md)."""
+
+    compute_efficiency: float = 0.5
+    comm_efficiency: float = 0.8
+    collective_latency_s: float = 10e-6
+    p2p_latency_s: float = 20e-6
+    memory_usable_fraction: float = 0.9
+    memory_reserved_gib: float = 0.0
+    use_distributed_optimizer: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("compute_efficiency", "comm_efficiency", "memory_usable_fraction"):
+            value = positive_float(getattr(self, name), name)
+            if value > 1.0:
+                raise ConfigError(f"{name} must be a fraction in (0, 1], got {value}")
+        for name in ("collective_latency_s", "p2p_latency_s", "memory_reserved_gib"):
+            positive_float(getattr(self, name), name, 0.0, inclusive=True)
+        if not isinstance(self.use_distributed_optimizer, bool):
+            raise ConfigError("use_distributed_optimizer must be true or false")
+
+    def bytes_per_param(self, data_parallel_size: int) -> float:
+        """Static bytes per parameter: bf16 weight, fp32 grad, fp32 master + Adam (maybe sharded)."""
+        optimizer = 12.0 / data_parallel_size if self.use_distributed_optimizer else 12.0
+        return 2.0 + 4.0 + optimizer
+
+
+@dataclass(frozen=True)
+class StageCosts:
+    """Per-layer and per-edge costs of one stage kind: (chip type, TP, micro-batch, DP).
+
+    Times are seconds per micro-batch; memory is bytes per chip. ``layer_backward`` and
+    ``layer_activation`` are indexed like :data:`MODES`.
+    """
+
+    chip: str
+    tensor_parallel_size: int
+    micro_batch_size: int
+    data_parallel_size: int
+    layer_forward: float
+    layer_backward: tuple[float, float, float]
+    embedding_forward: float
+    embedding_backward: float
+    head_forward: float
+    head_backward: float
+    layer_static: float
+    embedding_static: float
+    head_static: float
+    layer_activation: tuple[float, float, float]
+    head_activation: float
+    working: float
+    capacity: float
+    layer_params: float
+    embedding_params: float
+    head_params: float
+    sync_per_param: float
+    sync_fixed: float
+
+    def layer_time(self, mode: int) -> float:
+        """Forward + backward of one layer for one micro-batch under recompute ``MODES[mode]``.
+
+        For bounds and summaries; plan times use :meth:`forward` + :meth:`backward`.
+        """
+        return self.layer_forward + self.layer_backward[mode]
+
+    def edge_time(self, first: bool, last: bool) -> float:
+        """Forward + backward of the embedding (first stage) and head (last stage) per micro-batch."""
+        time = 0.0
+        if first:
+            time += self.embedding_forward + self.embedding_backward
+        if last:
+            time += self.head_forward + self.head_backward
+        return time
+
+    def forward(self, layers: int, first: bool, last: bool) -> float:
+        """Forward time of a stage for one micro-batch."""
+        edge = (self.embedding_forward if first else 0.0) + (self.head_forward if last else 0.0)
+        return edge + layers * self.layer_forward
+
+    def backward(self, layers: int, mode: int, first: bool, last: bool) -> float:
+        """Backward time (with recompute) of a stage for one micro-batch."""
+        edge = (self.embedding_backward if first else 0.0) + (self.head_backward if last else 0.0)
+        return edge + layers * self.layer_backward[mode]
+
+    def edge_memory(self, in_flight: int, first: bool, last: bool) -> float:
+        """Bytes of the embedding and head (weights, optimizer, head activations) on the stage."""
+        memory = 0.0
+        if first:
+            memory += self.embedding_static
+        if last:
+            memory += self.head_static + in_flight * self.head_activation
+        return memory
+
+    def memory(self, layers: int, mode: int, in_flight: int, first: bool, last: bool) -> float:
+        """Peak bytes per chip of a stage holding ``in_flight`` micro-batches of activations."""
+        per_layer = self.layer_static + in_flight * self.layer_activation[mode]
+        working = self.working if layers > 0 else 0.0
+        return self.edge_memory(in_flight, first, last) + working + layers * per_layer
+
+    def max_layers(self, mode: int, in_flight: int, first: bool, last: bool) -> int:
+        """Most layers that fit the chip's memory (-1 if not even the embedding/head fit)."""
+        if self.memory(0, mode, in_flight, first, last) > self.capacity:
+            return -1
+        per_layer = self.layer_static + in_flight * self.layer_activation[mode]
+        room = self.capacity - self.edge_memory(in_flight, first, last) - self.working
+        guess = max(int(room // per_layer), 0) if per_layer > 0 else 1 << 20
+        while guess > 0 and self.memory(guess, mode, in_flight, first, last) > self.capacity:
+            guess -= 1
+        while self.memory(guess + 1, mode, in_flight, first, last) <= self.capacity and guess < 1 << 20:
+            guess += 1
+        return guess
+
+    def max_layers_many(self, mode: int, in_flight: np.ndarray, first: bool, last: bool) -> np.ndarray:
+        """:meth:`max_layers` for many in-flight counts at once (same arithmetic, vectorised)."""
+        k = np.asarray(in_flight, dtype=np.float64)
+        edge = np.zeros_like(k)
+        if first:
+            edge = edge + self.embedding_static
+        if last:
+            edge = edge + (self.head_static + k * self.head_activation)
+        per_layer = self.layer_static + k * self.layer_activation[mode]
+        fixed = edge + self.working
+        guess = np.maximum(np.floor((self.capacity - fixed) / per_layer), 0.0)
+        guess = np.where(fixed + guess * per_layer > self.capacity, np.maximum(guess - 1, 0), guess)
+        guess = np.where(fixed + (guess + 1) * per_layer <= self.capacity, guess + 1, guess)
+        guess = np.where((guess > 0) & (fixed + guess * per_layer > self.capacity), guess - 1, guess)
+        return np.where(edge > self.capacity, -1, guess).astype(np.int64)
+
+    def params(self, layers: int, first: bool, last: bool) -> float:
+        """Parameters per chip of a stage."""
+        edge = (self.embedding_params if first else 0.0) + (self.head_params if last else 0.0)
+        return edge + layers * self.layer_params
+
+    def dp_sync(self, layers: int, first: bool, last: bool) -> float:
+        """Seconds of the once-per-step gradient synchronisation across the DP replicas."""
+        if self.data_parallel_size == 1:
+            return 0.0
+        return self.sync_fixed + self.params(layers, first, last) * self.sync_per_param
+
+
+@dataclass(frozen=True)
+class StageEstimate:
+    """Predicted numbers for one stage of a plan."""
+
+    chip: str
+    tensor_parallel_size: int
+    num_layers: int
+    recompute: Recompute
+    forward_s: float
+    backward_s: float
+    in_flight: int
+    memory_bytes: float
+    capacity_bytes: float
+    dp_sync_s: float
+
+    @property
+    def work_s(self) -> float:
+        """Forward + backward of one micro-batch."""
+        return self.forward_s + self.backward_s
+
+    @property
+    def fits(self) -> bool:
+        """Whether the stage's peak memory fits in the chip's usable memory."""
+        return self.memory_bytes <= self.capacity_bytes
+
+
+@dataclass(frozen=True)
+class PlanEstimate:
+    """The cost model's prediction for a whole plan."""
+
+    step_time_s: float
+    pipeline_s: float
+    link_s: float
+    dp_sync_s: float
+    num_micro_batches: int
+    stages: tuple[StageEstimate, ...]
+    link_times_s: tuple[float, ...]
+    tokens_per_s: float
+    mfu: float
+    chips_used: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def fits(self) -> bool:
+        """Whether every stage fits in memory."""
+        return all(stage.fits for stage in self.stages)
+
+    @property
+    def bottleneck(self) -> int:
+        """Index of the stage with the most work per micro-batch."""
+        works = [stage.work_s for stage in self.stages]
+        return works.index(max(works))
+
+    @property
+    def bubble_fraction(self) -> float:
+        """Share of stage-time spent idle: 1 - sum of busy time / (stages x step time)."""
+        busy = sum(stage.work_s for stage in self.stages) * self.num_micro_batches
+        return 1.0 - busy / (len(self.stages) * self.step_time_s)
+
+
+class CostModel:
+    """Cost model of one model on one cluster (optionally refined by a profile table)."""
+
+    def __init__(
+        self,
+        cluster: Cluster,
+        model: ModelSpec,
+        config: CostConfig | None = None,
+        profile: ProfileTable | None = None,
+    ) -> None:
+        self.cluster = cluster
+        self.model = model
+        self.config = config or CostConfig()
+        self.profile = profile
+        if profile is not None:
+            profile.check(model, cluster.names)
+        self._kinds: dict[tuple[str, int, int, int], StageCosts] = {}
+
+    # ----------------------------------------------------------------------------- primitives
+    def _bandwidth(self, gb_per_s: float) -> float:
+        return gb_per_s * 1e9 * self.config.comm_efficiency
+
+    def allreduce_s(self, nbytes: float, group: int, gb_per_s: float) -> float:
+        """Ring all-reduce of ``nbytes`` per chip over ``group`` chips."""
+        if group <= 1:
+            return 0.0
+        steps = 2 * (group - 1)
+        return steps * self.config.collective_latency_s + steps / group * nbytes / self._bandwidth(gb_per_s)
+
+    def link_s(self, sender: str, receiver: str, micro_batch_size: int) -> float:
+        """One pipeline point-to-point transfer (one direction, one micro-batch)."""
+        nbytes = micro_batch_size * self.model.seq_length * self.model.hidden_size * BF16_BYTES
+        gb_per_s = self.cluster.link_gb_per_s(sender, receiver)
+        return self.config.p2p_latency_s + nbytes / self._bandwidth(gb_per_s)
+
+    def usable_bytes(self, chip: ChipType) -> float:
+        """Memory a stage may use: a fraction of the chip's memory minus a fixed reserve."""
+        cfg = self.config
+        return chip.memory_bytes * cfg.memory_usable_fraction - cfg.memory_reserved_gib * 2**30
+
+    def _compute_times(self, chip: ChipType, tp: int, mbs: int) -> tuple[float, float, float, float, float, float]:
+        """(layer fwd, layer bwd, emb fwd, emb bwd, head fwd, head bwd) compute seconds, no comm."""
+        model, tokens = self.model, mbs * self.model.seq_length
+        profile = self.profile.for_chip(chip.name) if self.profile else None
+        measured = profile.times(mbs) if profile else None
+        slow = chip.emulate_slowdown
+        if measured is not None:
+            ms = (measured.layer_forward_ms, measured.layer_backward_ms, measured.embedding_forward_ms,
+                  measured.embedding_backward_ms, measured.head_forward_ms, measured.head_backward_ms)
+            lf, lb, ef, eb, hf, hb = (value / 1000.0 / tp * slow for value in ms)
+            return lf, lb, ef, eb, hf, hb
+        efficiency = self.config.compute_efficiency
+        if profile is not None and profile.efficiency is not None:
+            efficiency = profile.efficiency
+        rate = tp * chip.tflops_bf16 * 1e12 * efficiency / slow
+        layer = model.layer_forward_flops(tokens) / rate
+        head = model.head_forward_flops(tokens) / rate
+        return layer, 2.0 * layer, 0.0, 0.0, head, 2.0 * head
+
+    def stage_costs(self, chip_name: str, tp: int, mbs: int, dp: int) -> StageCosts:
+        """Costs of a stage kind (cached per model instance)."""
+        key = (chip_name, tp, mbs, dp)
+        if key not in self._kinds:
+            self._kinds[key] = self._build(self.cluster.chip(chip_name), tp, mbs, dp)
+        return self._kinds[key]
+
+    def _build(self, chip: ChipType, tp: int, mbs: int, dp: int) -> StageCosts:
+        model, cfg = self.model, self.config
+        h, f, kv, a = model.hidden_size, model.ffn_hidden_size, model.kv_size, model.num_attention_heads
+        tokens = mbs * model.seq_length
+        lf, lb, ef, eb, hf, hb = self._compute_times(chip, tp, mbs)
+        hidden_bytes = tokens * h * BF16_BYTES
+        tp_ar = self.allreduce_s(hidden_bytes, tp, chip.intra_node_gb_per_s)
+        core_share = model.attention_core_flops_per_token * tokens / model.layer_forward_flops(tokens)
+        fwd = lf + 2 * tp_ar
+        bwd_plain = lb + 2 * tp_ar
+        backward = (bwd_plain, bwd_plain + lf * core_share, bwd_plain + fwd)
+        vocab = model.padded_vocab(tp)
+        bpp = cfg.bytes_per_param(dp)
+        activation = (
+            tokens * (8 * h + (4 * h + 4 * kv + 6 * f + 4 * a) / tp),
+            tokens * (4 * h + (2 * h + 4 * kv + 4 * f) / tp),
+            tokens * 2.0 * h,
+        )
+        layer_params = model.layer_params_per_chip(tp)
+        sync_group_local = chip.chips_per_node % (tp * dp) == 0
+        sync_bw = chip.intra_node_gb_per_s if sync_group_local else chip.inter_node_gb_per_s
+        steps = dp - 1
+        if cfg.use_distributed_optimizer:  # reduce-scatter fp32 grads + all-gather bf16 params
+            per_param, fixed_steps = 6.0 * steps / dp, 2 * steps
+        else:  # all-reduce fp32 grads
+            per_param, fixed_steps = 2.0 * 4.0 * steps / dp, 2 * steps
+        return StageCosts(
+            chip=chip.name, tensor_parallel_size=tp, micro_batch_size=mbs, data_parallel_size=dp,
+            layer_forward=fwd, layer_backward=backward,
+            embedding_forward=ef + tp_ar, embedding_backward=eb,
+            head_forward=hf, head_backward=hb + tp_ar,
+            layer_static=layer_params * bpp,
+            embedding_static=model.embedding_params_per_chip(tp) * bpp,
+            head_static=model.head_params_per_chip(tp) * bpp,
+            layer_activation=activation,
+            head_activation=tokens * (4 * h + 6 * vocab / tp),
+            working=activation[0],
+            capacity=self.usable_bytes(chip),
+            layer_params=layer_params,
+            embedding_params=model.embedding_params_per_chip(tp),
+            head_params=model.head_params_per_chip(tp),
+            sync_per_param=per_param / self._bandwidth(sync_bw),
+            sync_fixed=fixed_steps * cfg.collective_latency_s,
+        )
+
+    # ------------------------------------------------------------------------------ whole plan
+    def evaluate(self, plan: HeteroPlan) -> PlanEstimate:
+        """Predict step time, memory per stage, throughput and MFU of ``plan`` (no search).
+
+        The plan's chip names must be chip types of the cluster. The model's layer count, heads
+        and query groups are checked with :meth:`HeteroPlan.validate`.
+        """
+        model = self.model
+        plan.validate(model.num_layers, model.num_attention_heads, model.groups)
+        p, m = plan.pipeline_parallel_size, plan.num_micro_batches
+        mbs, dp = plan.micro_batch_size, plan.data_parallel_size
+        stages = []
+        for index, spec in enumerate(plan.stages):
+            costs = self.stage_costs(spec.chip, spec.tensor_parallel_size, mbs, dp)
+            first, last, mode = index == 0, index == p - 1, MODES.index(spec.recompute)
+            in_flight = min(p - index, m)
+            stages.append(StageEstimate(
+                chip=spec.chip, tensor_parallel_size=spec.tensor_parallel_size,
+                num_layers=spec.num_layers, recompute=spec.recompute,
+                forward_s=costs.forward(spec.num_layers, first, last),
+                backward_s=costs.backward(spec.num_layers, mode, first, last),
+                in_flight=in_flight,
+                memory_bytes=costs.memory(spec.num_layers, mode, in_flight, first, last),
+                capacity_bytes=costs.capacity,
+                dp_sync_s=costs.dp_sync(spec.num_layers, first, last),
+            ))
+        links = tuple(
+            self.link_s(a.chip, b.chip, mbs) for a, b in zip(plan.stages, plan.stages[1:])
+        )
+        works = [s.work_s for s in stages]
+        pipeline = (m - 1) * max(works) + sum(works)
+        link_total = 2.0 * sum(links)
+        sync = max(s.dp_sync_s for s in stages)
+        step = pipeline + sync + link_total
+        return self._finish(plan, tuple(stages), links, pipeline, link_total, sync, step)
+
+    def _finish(
+        self, plan: HeteroPlan, stages: tuple[StageEstimate, ...], links: tuple[float, ...],
+        pipeline: float, link_total: float, sync: float, step: float,
+    ) -> PlanEstimate:
+        used: dict[str, int] = {}
+        for spec in plan.stages:
+            used[spec.chip] = used.get(spec.chip, 0) + spec.tensor_parallel_size * plan.data_parallel_size
+        tokens = plan.global_batch_size * self.model.seq_length
+        peak = sum(
+            count * self.cluster.chip(name).tflops_bf16 * 1e12 / self.cluster.chip(name).emulate_slowdown
+            for name, count in used.items()
+        )
+        mfu = tokens * self.model.model_flops_per_token() / step / peak
+        return PlanEstimate(
+            step_time_s=step, pipeline_s=pipeline, link_s=link_total, dp_sync_s=sync,
+            num_micro_batches=plan.num_micro_batches, stages=stages, link_times_s=links,
+            tokens_per_s=tokens / step, mfu=mfu, chips_used=used,
+        )
+
+    def fastest_fitting_mode(
+        self, costs: StageCosts, layers: int, in_flight: int, first: bool, last: bool
+    ) -> Recompute | None:
+        """The fastest recompute mode under which the stage fits in memory, or None."""
+        for index, mode in enumerate(MODES):
+            if costs.memory(layers, index, in_flight, first, last) <= costs.capacity:
+                return mode
+        return None

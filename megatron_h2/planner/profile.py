@@ -1,0 +1,169 @@
+"""Profile tables: measured per-layer times (or efficiencies) that replace the FLOP-based guess.
+
+A profile table is YAML. ``tools/profile_chip.py`` (not written yet) will produce it by timing
+one transformer layer, the embedding and the head on one chip; it can also be written by hand::
+
+    model:                       # optional: the shape it was measured for; must match the model
+      hidden_size: 64
+      ffn_hidden_size: 256
+      num_attention_heads: 4
+      num_query_groups: 4
+      seq_length: 128
+      vocab_size: 1024
+    chips:                       # chip type names of the cluster file
+      fast:
+        efficiency: 0.45         # optional: achieved fraction of tflops_bf16 for matmul FLOPs
+        micro_batch_sizes:       # optional: measured milliseconds per micro-batch of that size
+          1: {layer_forward_ms: 1.2, layer_backward_ms: 2.4,
+              embedding_forward_ms: 0.05, embedding_backward_ms: 0.08,
+              head_forward_ms: 0.4, head_backward_ms: 0.8}
+          2: {layer_forward_ms: 2.3, layer_backward_ms: 4.6}
+
+Times are measured on ONE chip at tensor-parallel size 1 without recompute and without
+``emulate_slowdown``; the cost model divides them by the TP degree, adds the TP communication it
+models itself, adds recompute (a full forward, or the attention core's share of it for
+selective), and multiplies by the chip's ``emulate_slowdown``. For a micro-batch size that is not
+in the table the nearest measured one is scaled linearly. The embedding and head times default
+to 0 when left out. A chip with an ``efficiency`` but no timings uses the FLOP model with that
+efficiency; a chip missing from the table uses the default efficiency.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any
+
+from megatron_h2.errors import ConfigError
+from megatron_h2.hetero_plan import check_keys, closest, load_yaml_mapping, positive_float, positive_int
+from megatron_h2.planner.model import ModelSpec
+
+_MODEL_KEYS = ("hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
+               "seq_length", "vocab_size", "num_layers", "max_position_embeddings")
+
+
+@dataclass(frozen=True)
+class MeasuredTimes:
+    """Milliseconds for one micro-batch on one chip at TP 1 without recompute."""
+
+    layer_forward_ms: float
+    layer_backward_ms: float
+    embedding_forward_ms: float = 0.0
+    embedding_backward_ms: float = 0.0
+    head_forward_ms: float = 0.0
+    head_backward_ms: float = 0.0
+
+    def __post_init__(self) -> None:
+        for field in fields(self):
+            value = getattr(self, field.name)
+            required = field.name.startswith("layer_")
+            checked = positive_float(value, field.name, 0.0, inclusive=not required)
+            object.__setattr__(self, field.name, checked)
+
+    def scaled(self, factor: float) -> MeasuredTimes:
+        """All times multiplied by ``factor`` (to move to another micro-batch size)."""
+        return MeasuredTimes(**{f.name: getattr(self, f.name) * factor for f in fields(self)})
+
+
+@dataclass(frozen=True)
+class ChipProfile:
+    """What is known about one chip type: an efficiency, timings per micro-batch size, or both."""
+
+    efficiency: float | None = None
+    micro_batch_sizes: Mapping[int, MeasuredTimes] | None = None
+
+    def __post_init__(self) -> None:
+        if self.efficiency is not None:
+            value = positive_float(self.efficiency, "efficiency")
+            if value > 1.0:
+                raise ConfigError(f"efficiency must be a fraction in (0, 1], got {value}")
+        if self.micro_batch_sizes is not None:
+            for size in self.micro_batch_sizes:
+                positive_int(size, "profiled micro batch size")
+            object.__setattr__(self, "micro_batch_sizes", dict(self.micro_batch_sizes))
+
+    def times(self, micro_batch_size: int) -> MeasuredTimes | None:
+        """Timings for ``micro_batch_size`` (nearest measured size scaled linearly), or None."""
+        table = self.micro_batch_sizes
+        if not table:
+            return None
+        if micro_batch_size in table:
+            return table[micro_batch_size]
+        nearest = min(table, key=lambda size: (abs(size - micro_batch_size), size))
+        return table[nearest].scaled(micro_batch_size / nearest)
+
+
+@dataclass(frozen=True)
+class ProfileTable:
+    """Per chip type profiles plus, optionally, the model shape they were measured for."""
+
+    chips: Mapping[str, ChipProfile]
+    model: Mapping[str, int] | None = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "chips", dict(self.chips))
+        if self.model is not None:
+            object.__setattr__(self, "model", dict(self.model))
+
+    def check(self, model: ModelSpec, chip_names: list[str]) -> None:
+        """Raise ConfigError if the table names unknown chips or was measured for another model."""
+        for name in self.chips:
+            if name not in chip_names:
+                raise ConfigError(
+                    f"profile names chip type '{name}' that is not in the cluster"
+                    f"{closest(name, chip_names)}; known: {', '.join(chip_names)}"
+                )
+        for key, value in (self.model or {}).items():
+            actual = getattr(model, key)
+            if actual != value:
+                raise ConfigError(
+                    f"profile was measured for {key} {value} but the model has {actual};"
+                    " re-profile or drop the timings"
+                )
+
+    def for_chip(self, name: str) -> ChipProfile | None:
+        """The profile of chip type ``name``, if any."""
+        return self.chips.get(name)
+
+    @classmethod
+    def from_dict(cls, data: Any, source: str = "profile") -> ProfileTable:
+        """Build from the YAML-shaped mapping (schema in the module docstring)."""
+        top = check_keys(data, ("chips",), ("model",), source)
+        model = None
+        if top.get("model") is not None:
+            model = dict(check_keys(top["model"], (), _MODEL_KEYS, f"'model' of {source}"))
+            for key, value in model.items():
+                positive_int(value, key)
+        raw = top["chips"]
+        if not isinstance(raw, Mapping):
+            raise ConfigError(f"'chips' in {source} must map chip type names to profiles")
+        chips = {str(name): _chip_profile(entry, f"chip '{name}' of {source}") for name, entry in raw.items()}
+        return cls(chips, model)
+
+    @classmethod
+    def from_yaml(cls, path: str | Path) -> ProfileTable:
+        """Read and check a profile file."""
+        return cls.from_dict(load_yaml_mapping(path, "profile"), source=f"profile '{path}'")
+
+
+def _chip_profile(entry: Any, where: str) -> ChipProfile:
+    fields_ = check_keys(entry, (), ("efficiency", "micro_batch_sizes"), where)
+    table = None
+    raw = fields_.get("micro_batch_sizes")
+    if raw is not None:
+        if not isinstance(raw, Mapping) or not raw:
+            raise ConfigError(f"'micro_batch_sizes' of {where} must map sizes to measured times")
+        table = {}
+        names = [f.name for f in fields(MeasuredTimes)]
+        for size, times in raw.items():
+            inner = f"micro batch size {size} of {where}"
+            values = check_keys(times, names[:2], names[2:], inner)
+            try:
+                table[positive_int(size, "profiled micro batch size")] = MeasuredTimes(**dict(values))
+            except ConfigError as exc:
+                raise ConfigError(f"{inner}: {exc}") from None
+    try:
+        return ChipProfile(fields_.get("efficiency"), table)
+    except ConfigError as exc:
+        raise ConfigError(f"{where}: {exc}") from None

@@ -1,0 +1,372 @@
+"""Two-stage plan search (HeteroAuto): structure by branch and bound, layer split exactly.
+
+Stage one chooses the *structure* of the pipeline: the micro-batch size ``b`` and DP degree
+``d`` (a "batch shape"), which chip types are used, in which order along the pipeline, and for
+each used chip type its TP degree and number of stages. Stage two (:mod:`.partition`) finds the
+exact best layer split of a structure, with each stage's recompute mode the fastest that fits.
+
+Stage one is a branch and bound over pipeline *suffixes*: starting from the last stage (which
+holds the head and keeps one micro-batch in flight), blocks of stages of one chip type are
+prepended until the pipeline is closed. A suffix fixes its stages' positions counted from the
+end, hence their in-flight micro-batches and memory caps, which keeps its bound tight
+(:mod:`.bounds` explains the bound). Short depth-first dives into the most promising batch shapes
+find good plans first; then suffixes of all batch shapes are expanded best bound first. An option
+whose bound is not below the K-th best step time found so far is pruned, and so is a batch shape
+whose root bound is not. Nothing else is pruned, so unless the time limit stops it the search is
+exhaustive over the plan space (the tests check it against brute-force enumeration); at the time
+limit, the lowest bound left is a proven lower bound on the optimum.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from megatron_h2.errors import ConfigError
+from megatron_h2.hetero_plan import ChipSpec, HeteroPlan, StageSpec, positive_int
+from megatron_h2.planner.bounds import BatchShape, Kind
+from megatron_h2.planner.cost_model import MODES, CostModel, PlanEstimate
+from megatron_h2.planner.partition import INF, Split, StageSlot, solve_split
+
+_SLACK = 1e-9  # relative tolerance when comparing a bound with the K-th best
+
+
+@dataclass(frozen=True)
+class SearchOptions:
+    """What to search over and for how long."""
+
+    global_batch_size: int
+    top_k: int = 5
+    micro_batch_sizes: tuple[int, ...] | None = None
+    max_micro_batch_size: int = 8
+    time_limit_s: float = 55.0
+    grid_points: int = 128
+    dive_shapes: int = 8
+    dive_nodes: int = 48
+
+    def __post_init__(self) -> None:
+        positive_int(self.global_batch_size, "global_batch_size")
+        positive_int(self.top_k, "top_k")
+        positive_int(self.max_micro_batch_size, "max_micro_batch_size")
+        positive_int(self.grid_points, "grid_points", minimum=8)
+        positive_int(self.dive_shapes, "dive_shapes", minimum=0)
+        positive_int(self.dive_nodes, "dive_nodes")
+        if self.micro_batch_sizes is not None:
+            for size in self.micro_batch_sizes:
+                positive_int(size, "micro_batch_size")
+                if self.global_batch_size % size:
+                    raise ConfigError(
+                        f"global batch size {self.global_batch_size} is not divisible by micro batch"
+                        f" size {size}; pick a micro batch size that divides it"
+                    )
+        if not self.time_limit_s > 0:
+            raise ConfigError(f"time limit must be positive, got {self.time_limit_s}")
+
+    def micro_batch_candidates(self) -> list[int]:
+        """Micro-batch sizes to try: the given ones, else powers of two dividing the global batch."""
+        if self.micro_batch_sizes is not None:
+            return sorted(set(self.micro_batch_sizes))
+        sizes, size = [], 1
+        while size <= self.max_micro_batch_size and self.global_batch_size % size == 0:
+            sizes.append(size)
+            size *= 2
+        return sizes
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """A searched plan with its cost-model estimate."""
+
+    plan: HeteroPlan
+    estimate: PlanEstimate
+
+
+@dataclass
+class SearchStats:
+    """Counters of one search, to show how much was pruned."""
+
+    batch_shapes: int = 0
+    batch_shapes_pruned: int = 0
+    nodes: int = 0
+    nodes_pruned: int = 0
+    splits_solved: int = 0
+    elapsed_s: float = 0.0
+    exhaustive: bool = True
+    lower_bound_s: float = INF
+
+
+@dataclass(frozen=True)
+class SearchResult:
+    """Best plans first, with search statistics."""
+
+    candidates: tuple[Candidate, ...]
+    stats: SearchStats
+
+    @property
+    def best(self) -> Candidate:
+        """The fastest plan found."""
+        return self.candidates[0]
+
+
+@dataclass(frozen=True)
+class _Found:
+    value: float
+    micro_batch_size: int
+    data_parallel_size: int
+    blocks: tuple[tuple[int, int], ...]  # (kind index, stages), pipeline order
+    split: Split
+    kinds: tuple[Kind, ...] = field(compare=False)
+
+
+_Suffix = tuple[tuple[int, int], ...]
+_Groups = tuple[tuple[float, np.ndarray, int], ...]  # (per-layer time, capacity, stages)
+
+
+class _Search:
+    """One run of the branch and bound (state lives here, not at module level)."""
+
+    def __init__(self, cost: CostModel, options: SearchOptions) -> None:
+        self.cost, self.options = cost, options
+        self.stats = SearchStats()
+        self.best: list[tuple[float, int, _Found]] = []  # max-heap by value via negation
+        self.counter = itertools.count()
+        self.deadline = time.monotonic() + options.time_limit_s
+        self.evaluated: set[tuple[int, int, tuple[tuple[int, int], ...]]] = set()
+
+    @property
+    def threshold(self) -> float:
+        """Step time to beat: the K-th best so far (inf until K plans are found)."""
+        if len(self.best) < self.options.top_k:
+            return INF
+        return -self.best[0][0]
+
+    def _abandon(self, bound: float) -> None:
+        self.stats.exhaustive = False
+        self.stats.lower_bound_s = min(self.stats.lower_bound_s, bound)
+
+    def run(self) -> list[_Found]:
+        shapes = []
+        largest = max(c.count for c in self.cost.cluster.chips)
+        for mbs in self.options.micro_batch_candidates():
+            per_dp = self.options.global_batch_size // mbs
+            for dp in range(1, min(per_dp, largest) + 1):
+                if per_dp % dp == 0:
+                    shape = BatchShape(self.cost, self.options.global_batch_size, mbs, dp)
+                    if shape.kinds:
+                        shapes.append(shape)
+        self.stats.batch_shapes = len(shapes)
+        shapes.sort(key=lambda s: s.root_bound())
+        for shape in shapes[: self.options.dive_shapes]:  # short dives: good incumbents early
+            if shape.root_bound() >= self.threshold * (1 - _SLACK) or time.monotonic() > self.deadline:
+                break
+            w_high = self.threshold / max(shape.micro_batches - 1, 1) if self.threshold < INF else shape.w_max
+            shape.build_grid(w_high, 64)
+            self._explore(shape, (), (), 0, (1 << len(shape.types)) - 1, 0.0, budget=self.options.dive_nodes)
+        refined = []  # (bound from the root's children, shape), for shapes that may still win
+        for shape in shapes:
+            if shape.root_bound() >= self.threshold * (1 - _SLACK):
+                self.stats.batch_shapes_pruned += 1
+                continue
+            if time.monotonic() > self.deadline:
+                self._abandon(shape.root_bound())
+                continue
+            self._prepare_shape(shape)
+            options = self._options(shape, (), (), 0, (1 << len(shape.types)) - 1, 0.0)
+            bound = options[0][0] if options else INF
+            if bound >= self.threshold * (1 - _SLACK):
+                self.stats.batch_shapes_pruned += 1
+            else:
+                refined.append((bound, shape))
+        self._best_first(refined)
+        return sorted((item[2] for item in self.best), key=lambda f: f.value)
+
+    def _best_first(self, roots: list[tuple[float, BatchShape]]) -> None:
+        """Expand pipeline suffixes of all batch shapes in order of their bounds.
+
+        The search is over when the lowest bound left cannot beat the K-th best plan (then it is
+        exhaustive) or at the time limit (then that lowest bound is the proven lower bound).
+        """
+        queue: list[tuple[float, int, BatchShape, int, int, _Suffix, _Groups, int, int, float]] = []
+        for bound, shape in roots:
+            self._prepare_shape(shape)
+            queue.append((bound, next(self.counter), shape, 0, 0, (), (), 0, (1 << len(shape.types)) - 1, 0.0))
+        heapq.heapify(queue)
+        while queue:
+            bound, _, shape, kind, count, suffix, groups, position, mask, links = heapq.heappop(queue)
+            if bound >= self.threshold * (1 - _SLACK):
+                self.stats.nodes_pruned += 1 + len(queue)
+                return
+            if time.monotonic() > self.deadline:
+                self._abandon(bound)
+                return
+            if kind < 0:
+                self._evaluate(shape, suffix)
+                continue
+            if count:  # a child: prepend its block
+                block = shape.block(kind, position, np.array([position + count]))[:, 0]
+                chip_bit = 1 << shape.types.index(shape.kinds[kind].chip)
+                links += self._block_links(shape, suffix, kind, count)
+                groups += ((float(shape.unit[kind, 0]), block, count),)
+                suffix = ((kind, count),) + suffix
+                position, mask = position + count, mask & ~chip_bit
+            self.stats.nodes += 1
+            for option, child, stages in self._options(shape, suffix, groups, position, mask, links):
+                if option >= self.threshold * (1 - _SLACK):
+                    self.stats.nodes_pruned += 1
+                    continue
+                heapq.heappush(queue, (option, next(self.counter), shape, child, stages, suffix, groups,
+                                       position, mask, links))
+
+    def _prepare_shape(self, shape: BatchShape) -> None:
+        """Build the probe grid up to what could still beat the K-th best (a dive finds one)."""
+        if self.threshold == INF:  # a short dive first, so that the probe grid can be narrow
+            shape.build_grid(shape.w_max, 64)
+            self._explore(shape, (), (), 0, (1 << len(shape.types)) - 1, 0.0, budget=self.options.dive_nodes)
+        factor = max(shape.micro_batches - 1, 1)
+        w_high = self.threshold / factor if self.threshold < INF else shape.w_max
+        shape.build_grid(w_high, self.options.grid_points)
+
+    def _explore(
+        self, shape: BatchShape, suffix: _Suffix, groups: _Groups, position: int, mask: int,
+        links: float, budget: int,
+    ) -> int:
+        """Depth-first dive below a suffix, best option first, visiting at most ``budget`` nodes."""
+        self.stats.nodes += 1
+        visited = 1
+        for bound, kind, count in self._options(shape, suffix, groups, position, mask, links):
+            if bound >= self.threshold * (1 - _SLACK):
+                continue
+            if visited >= budget or time.monotonic() > self.deadline:
+                break
+            if kind < 0:
+                self._evaluate(shape, suffix)
+                continue
+            block = shape.block(kind, position, np.array([position + count]))[:, 0]
+            unit = float(shape.unit[kind, 0])
+            chip_bit = 1 << shape.types.index(shape.kinds[kind].chip)
+            visited += self._explore(
+                shape, ((kind, count),) + suffix, groups + ((unit, block, count),), position + count,
+                mask & ~chip_bit, links + self._block_links(shape, suffix, kind, count), budget - visited,
+            )
+        return visited
+
+    def _options(
+        self, shape: BatchShape, suffix: _Suffix, groups: _Groups, position: int, mask: int,
+        links: float,
+    ) -> list[tuple[float, int, int]]:
+        """Children (kind, stages) and the close-here leaf (kind -1), with bounds, best first."""
+        options: list[tuple[float, int, int]] = []
+        fixed = [(u, caps[:, None], count) for u, caps, count in groups]
+        need = max((u for u, _, _ in groups), default=0.0)
+        if suffix:
+            edges = float(shape.head_time[suffix[-1][0]] + shape.embedding_time[suffix[0][0]])
+            sync = shape.sync_bound(suffix, 0)
+            leaf = shape.bound(fixed, 0, np.array([position]), links + sync, edges, need)
+            options.append((float(leaf[0]), -1, 0))
+        room = shape.positions - position
+        for t_index, chip in enumerate(shape.types):
+            if not mask >> t_index & 1:
+                continue
+            others = mask & ~(1 << t_index)
+            for kind in shape.kinds_of[chip]:
+                most = min(shape.kinds[kind].max_stages, room)
+                if most < 1:
+                    continue
+                counts = np.arange(1, most + 1)
+                ends = position + counts
+                unit = float(shape.unit[kind, 0])
+                parts = fixed + [(unit, shape.block(kind, position, ends), counts)]
+                last = suffix[-1][0] if suffix else kind
+                edges = float(shape.head_time[last]) + shape.embedding_min
+                child_links = links + self._block_links(shape, suffix, kind, counts)
+                sync = shape.sync_bound(suffix + ((kind, counts),), others)
+                bounds = shape.bound(parts, others, ends, child_links + sync, edges, max(need, unit))
+                options.extend((float(b), kind, int(n)) for n, b in zip(counts, bounds))
+        options.sort(key=lambda item: (item[0], -item[2]))
+        return options
+
+    def _block_links(self, shape: BatchShape, suffix: _Suffix, kind: int, count: Any) -> Any:
+        """Both-direction link time added by prepending ``count`` stages of ``kind``."""
+        name = shape.kinds[kind].name
+        total = (count - 1) * shape.link(name, name)
+        if suffix:
+            total = total + shape.link(name, shape.kinds[suffix[0][0]].name)
+        return 2.0 * total
+
+    def _evaluate(self, shape: BatchShape, suffix: _Suffix) -> None:
+        """Stage two for a closed pipeline (``suffix`` is in pipeline order from the front)."""
+        key = (shape.mbs, shape.dp, suffix)
+        if key in self.evaluated:
+            return
+        self.evaluated.add(key)
+        stages = [kind for kind, count in suffix for _ in range(count)]
+        p, m = len(stages), shape.micro_batches
+        slots, caps = [], []
+        for i, kind in enumerate(stages):
+            first, last, in_flight = i == 0, i == p - 1, min(p - i, m)
+            slots.append(StageSlot(shape.kinds[kind].costs, first, last, in_flight))
+            caps.append(shape.mode_caps(kind, in_flight, first, last))
+        names = [shape.kinds[k].name for k in stages]
+        links = 2.0 * sum(shape.link(a, b) for a, b in zip(names, names[1:]))
+        self.stats.splits_solved += 1
+        split = solve_split(slots, shape.layers, m, links, caps, cutoff=self.threshold)
+        if split is None:
+            return
+        found = _Found(split.step_time_s, shape.mbs, shape.dp, suffix, split, shape.kinds)
+        heapq.heappush(self.best, (-found.value, next(self.counter), found))
+        if len(self.best) > self.options.top_k:
+            heapq.heappop(self.best)
+
+
+def to_plan(found: _Found, cost: CostModel, global_batch_size: int) -> HeteroPlan:
+    """Turn a search result into the plan file object."""
+    stages, index = [], 0
+    chips: dict[str, ChipSpec] = {}
+    for kind_index, count in found.blocks:
+        kind = found.kinds[kind_index]
+        chip = cost.cluster.chip(kind.name)
+        chips[kind.name] = ChipSpec(chip.device, chip.emulate_slowdown)
+        for _ in range(count):
+            stages.append(StageSpec(kind.name, kind.tp, found.split.layers[index], MODES[found.split.modes[index]]))
+            index += 1
+    return HeteroPlan(found.data_parallel_size, found.micro_batch_size, global_batch_size, chips, stages)
+
+
+def search(cost: CostModel, options: SearchOptions) -> SearchResult:
+    """Find the ``options.top_k`` fastest plans that fit in memory (best first).
+
+    Raises ConfigError when no plan fits at all.
+    """
+    started = time.monotonic()
+    runner = _Search(cost, options)
+    found = runner.run()
+    stats = runner.stats
+    stats.elapsed_s = time.monotonic() - started
+    if not found:
+        raise ConfigError(_nothing_fits(cost, options))
+    candidates = []
+    for item in found:
+        plan = to_plan(item, cost, options.global_batch_size)
+        candidates.append(Candidate(plan, cost.evaluate(plan)))
+    candidates.sort(key=lambda c: c.estimate.step_time_s)
+    if stats.exhaustive:
+        stats.lower_bound_s = candidates[0].estimate.step_time_s
+    else:
+        stats.lower_bound_s = min(stats.lower_bound_s, candidates[0].estimate.step_time_s)
+    return SearchResult(tuple(candidates), stats)
+
+
+def _nothing_fits(cost: CostModel, options: SearchOptions) -> str:
+    model = cost.model
+    need = model.layer_params_per_chip(1) * cost.config.bytes_per_param(1) / 2**30
+    largest = max(cost.usable_bytes(chip) for chip in cost.cluster.chips) / 2**30
+    return (
+        f"no plan fits in memory: {model.num_layers} layers need about {need * model.num_layers:.1f} GiB"
+        f" of weights and optimizer state (plus activations) against at most {largest:.1f} GiB usable"
+        " per chip; add chips, use --use-distributed-optimizer, or plan a smaller model"
+    )
