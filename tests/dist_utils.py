@@ -58,3 +58,37 @@ def run_distributed(fn: Callable, world_size: int, *args: Any, timeout: float = 
                 if p.is_alive():
                     p.kill()
     return [results[r] for r in range(world_size)]
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on right now."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def torchrun(nproc: int, args: list[str], env_extra: dict | None = None,
+             timeout: float = 240):
+    """``python -m torch.distributed.run ... pretrain_gpt.py ARGS`` on this host, one thread per
+    process; returns the CompletedProcess (text output captured)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    env = dict(os.environ, OMP_NUM_THREADS="1", **(env_extra or {}))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
+           "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
+           str(root / "pretrain_gpt.py"), *args]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+
+
+def losses(path) -> dict[int, float]:
+    """``{iteration: lm_loss}`` from a ``--log-jsonl`` file."""
+    import json
+    from pathlib import Path
+
+    rows = [json.loads(line) for line in Path(path).read_text().splitlines()]
+    return {r["iteration"]: r["lm_loss"] for r in rows if "lm_loss" in r}

@@ -12,7 +12,7 @@ import yaml
 from megatron_h2.training.main import main
 
 sys.path.insert(0, str(Path(__file__).parent))
-from test_parallel_training import corpus, free_port, losses, torchrun  # noqa: E402,F401
+from dist_utils import losses, torchrun  # noqa: E402
 
 MODEL = ["--num-layers", "6", "--hidden-size", "64", "--num-attention-heads", "4",
          "--num-query-groups", "2", "--ffn-hidden-size", "128", "--seq-length", "32",

@@ -5,16 +5,14 @@ relative; checkpoints saved under one layout resume under others; bad layouts fa
 line before any process group starts; a failing rank ends the job instead of hanging it.
 """
 
-import json
 import os
-import random
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch.distributed as dist
+from dist_utils import free_port, losses, torchrun
 
 from megatron_h2.training.main import main
 
@@ -25,42 +23,6 @@ MODEL = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4
          "--lr", "3e-3", "--lr-warmup-iters", "2", "--seed", "11", "--train-iters", "10",
          "--log-interval", "1", "--eval-interval", "1000", "--eval-iters", "0",
          "--tokenizer-type", "NullTokenizer", "--vocab-size", "256", "--split", "90,10,0"]
-
-
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory) -> str:
-    d = tmp_path_factory.mktemp("corpus")
-    rng = random.Random(0)
-    with open(d / "docs.jsonl", "w") as fh:
-        for _ in range(300):
-            start, n = rng.randrange(250), rng.randrange(40, 120)
-            fh.write(json.dumps({"text": " ".join(str((start + i) % 250) for i in range(n))})
-                     + "\n")
-    subprocess.run([sys.executable, str(ROOT / "tools" / "preprocess_data.py"), "--input",
-                    str(d / "docs.jsonl"), "--output-prefix", str(d / "count"),
-                    "--tokenizer-type", "NullTokenizer", "--vocab-size", "256", "--append-eod"],
-                   check=True, capture_output=True)
-    return str(d / "count_text_document")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def torchrun(nproc: int, args: list[str], env_extra: dict | None = None,
-             timeout: float = 240) -> subprocess.CompletedProcess:
-    env = dict(os.environ, OMP_NUM_THREADS="1", **(env_extra or {}))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
-           "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
-           str(ROOT / "pretrain_gpt.py"), *args]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
-
-
-def losses(path: Path) -> dict[int, float]:
-    rows = [json.loads(line) for line in path.read_text().splitlines()]
-    return {r["iteration"]: r["lm_loss"] for r in rows if "lm_loss" in r}
 
 
 def assert_close(got: dict[int, float], want: dict[int, float]) -> None:

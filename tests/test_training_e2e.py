@@ -1,34 +1,14 @@
 """End to end through pretrain_gpt's main(): loss falls, exact resume, one-line errors."""
 
 import json
-import random
 import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-
 from megatron_h2.training.main import main
 
 ROOT = Path(__file__).resolve().parents[1]
-VOCAB = 256
-
-
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory) -> str:
-    """A tiny learnable corpus (counting sequences) in Megatron's format, made by the real tool."""
-    d = tmp_path_factory.mktemp("corpus")
-    rng = random.Random(0)
-    with open(d / "docs.jsonl", "w") as fh:
-        for _ in range(300):
-            start, n = rng.randrange(250), rng.randrange(40, 120)
-            fh.write(json.dumps({"text": " ".join(str((start + i) % 250) for i in range(n))})
-                     + "\n")
-    subprocess.run([sys.executable, str(ROOT / "tools" / "preprocess_data.py"), "--input",
-                    str(d / "docs.jsonl"), "--output-prefix", str(d / "count"),
-                    "--tokenizer-type", "NullTokenizer", "--vocab-size", str(VOCAB),
-                    "--append-eod", "--workers", "1"], check=True, capture_output=True)
-    return str(d / "count_text_document")
+VOCAB = 256  # as in conftest.corpus
 
 
 def flags(corpus: str, tmp: Path, *extra: str) -> list[str]:

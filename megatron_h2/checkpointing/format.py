@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 from safetensors import SafetensorError, safe_open
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
 from megatron_h2.errors import ConfigError
 
@@ -127,21 +127,6 @@ def find_latest_iteration(load_dir: str | os.PathLike) -> int | None:
     return int(text)
 
 
-def _load_parts(ckpt_dir: Path, kind: str, parts: dict[str, int]) -> dict[str, torch.Tensor]:
-    tensors: dict[str, torch.Tensor] = {}
-    for name in sorted(n for n in parts if n.startswith(kind + "_")):
-        try:
-            loaded = load_file(str(ckpt_dir / name))
-        except (SafetensorError, OSError, RuntimeError) as exc:
-            raise ConfigError(f"checkpoint part {ckpt_dir / name} is corrupt ({exc}); load an "
-                              "earlier iteration") from None
-        overlap = tensors.keys() & loaded.keys()
-        if overlap:
-            raise ConfigError(f"checkpoint {ckpt_dir} stores {sorted(overlap)[0]} in two parts")
-        tensors.update(loaded)
-    return tensors
-
-
 def read_metadata(ckpt_dir: Path) -> dict[str, Any]:
     """Metadata of one iteration directory, after checking that every part is complete."""
     meta_path = ckpt_dir / METADATA_FILE
@@ -166,27 +151,6 @@ def read_metadata(ckpt_dir: Path) -> dict[str, Any]:
     return meta
 
 
-def load_checkpoint(load_dir: str | os.PathLike, iteration: int | None = None,
-                    load_optimizer: bool = True) -> Checkpoint | None:
-    """Load the given (default: latest) iteration; None when ``load_dir`` has no checkpoint."""
-    path = Path(load_dir)
-    if not path.exists():
-        raise ConfigError(f"--load directory {path} does not exist")
-    if iteration is None:
-        iteration = find_latest_iteration(path)
-        if iteration is None:
-            return None
-    ckpt_dir = iteration_dir(path, iteration)
-    meta = read_metadata(ckpt_dir)
-    parts = meta.get("parts", {})
-    model = _load_parts(ckpt_dir, "model", parts)
-    if not model:
-        raise ConfigError(f"checkpoint {ckpt_dir} holds no model tensors")
-    optim = _load_parts(ckpt_dir, "optim", parts) if load_optimizer else {}
-    return Checkpoint(iteration=iteration, model=model, optimizer=optim, metadata=meta,
-                      path=ckpt_dir)
-
-
 class CheckpointReader:
     """Lazy access to one checkpoint: each rank reads only the tensors (or slices) it owns.
 
@@ -209,6 +173,10 @@ class CheckpointReader:
                 if key in self._where:
                     raise ConfigError(f"checkpoint {ckpt_dir} stores {key} in two parts")
                 self._where[key] = name
+
+    def load_all(self, kind: str) -> dict[str, torch.Tensor]:
+        """Every tensor of the ``model`` or ``optim`` parts."""
+        return {name: self.get(name, kind) for name in self._where if self.has(name, kind)}
 
     def has(self, name: str, kind: str = "model") -> bool:
         return self._where.get(name, "").startswith(kind + "_")
@@ -237,3 +205,18 @@ def open_checkpoint(load_dir: str | os.PathLike,
             return None
     ckpt_dir = iteration_dir(path, iteration)
     return CheckpointReader(ckpt_dir, read_metadata(ckpt_dir))
+
+
+def load_checkpoint(load_dir: str | os.PathLike, iteration: int | None = None,
+                    load_optimizer: bool = True) -> Checkpoint | None:
+    """Load every tensor of the given (default: latest) iteration; None when ``load_dir`` has
+    no checkpoint. (Training loads through :class:`CheckpointReader`, one rank's share.)"""
+    reader = open_checkpoint(load_dir, iteration)
+    if reader is None:
+        return None
+    model = reader.load_all("model")
+    if not model:
+        raise ConfigError(f"checkpoint {reader.path} holds no model tensors")
+    optim = reader.load_all("optim") if load_optimizer else {}
+    return Checkpoint(iteration=reader.iteration, model=model, optimizer=optim,
+                      metadata=reader.metadata, path=reader.path)
