@@ -68,6 +68,14 @@ class DataParallelOptimizer(Protocol):
     def set_lr(self, lr: float) -> None:
         """Learning rate for the next :meth:`step`."""
 
+    sharded: bool
+    """True when each DP rank applies only its shard of the gradient (ZeRO-1)."""
+
+    def owned_grads(self) -> list[tuple[nn.Parameter, torch.Tensor]]:
+        """(parameter, gradient piece) for every gradient element this rank applies, after
+        :meth:`GradBuckets.finish_sync`: whole reduced gradients when replicated, this rank's
+        reduced shard pieces under ZeRO-1. Shared by norm computation and TP reductions."""
+
     def local_grad_sq_norm(self) -> torch.Tensor:
         """Squared L2 norm (fp32 scalar tensor) of the gradient elements this rank applies.
 
@@ -143,10 +151,14 @@ class ReplicatedOptimizer:
             raise ValueError("the optimizer holds a parameter that GradBuckets does not")
         self.optimizer = optimizer
         self.grad_buckets = grad_buckets
+        self.sharded = False
 
     @property
     def param_groups(self) -> list[dict]:
         return self.optimizer.param_groups
+
+    def owned_grads(self) -> list[tuple[nn.Parameter, torch.Tensor]]:
+        return [(p, p.grad) for p in self.grad_buckets.params if p.grad is not None]
 
     def step(self) -> None:
         _check_synced(self.grad_buckets)
@@ -243,10 +255,14 @@ class DistributedOptimizer:
             [{"params": decay, "weight_decay": config.weight_decay},
              {"params": no_decay, "weight_decay": 0.0}], **_adamw_kwargs(config, kernels))
         self._has_state = False
+        self.sharded = True
 
     @property
     def param_groups(self) -> list[dict]:
         return self.optimizer.param_groups
+
+    def owned_grads(self) -> list[tuple[nn.Parameter, torch.Tensor]]:
+        return [(piece.param, piece.master.grad) for piece in self.pieces]
 
     def set_lr(self, lr: float) -> None:
         for group in self.optimizer.param_groups:

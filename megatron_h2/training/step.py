@@ -22,7 +22,7 @@ from megatron_h2.distributed.bridge import BridgeConfig
 from megatron_h2.distributed.p2p import PipeComm
 from megatron_h2.distributed.topology import Topology
 from megatron_h2.errors import TrainingError
-from megatron_h2.parallel import TPContext, allreduce_sequence_parallel_grads, get_tp_shard
+from megatron_h2.parallel import TPContext, get_tp_shard
 from megatron_h2.parallel.pipeline_schedule import forward_backward_1f1b, forward_only
 from megatron_h2.training.stage_clock import StageClock
 from megatron_h2.training.timeline import Timeline
@@ -113,32 +113,25 @@ class StepRunner:
 
         Runs after the DP sync: sums commute, and under ZeRO-1 every TP rank of a stage has the
         same bucket layout, so the DP-reduced shard pieces can be summed over TP directly.
+        Every TP rank joins the collective, even one that owns no such piece.
         """
         if not self.sp_params:
             return
-        if hasattr(self.optimizer, "pieces"):
-            grads = [pc.master.grad for pc in self.optimizer.pieces
-                     if getattr(pc.param, "sequence_parallel", False)]
-            # every TP rank must join the collective, even one that owns no such piece
-            flat = torch.cat([g.reshape(-1) for g in grads]) if grads else torch.zeros(0)
-            dist.all_reduce(flat, group=self.tp.group)
-            offset = 0
-            for g in grads:
-                g.copy_(flat[offset:offset + g.numel()].view_as(g))
-                offset += g.numel()
-        else:
-            allreduce_sequence_parallel_grads(self.sp_params, self.tp)
+        grads = [g for p, g in self.optimizer.owned_grads()
+                 if getattr(p, "sequence_parallel", False)]
+        flat = torch.cat([g.reshape(-1) for g in grads]) if grads else torch.zeros(0)
+        dist.all_reduce(flat, group=self.tp.group)
+        offset = 0
+        for g in grads:
+            g.copy_(flat[offset:offset + g.numel()].view_as(g))
+            offset += g.numel()
 
     def _grad_norm(self) -> float:
-        opt = self.optimizer
-        if hasattr(opt, "pieces"):  # ZeRO-1: this rank's shard of every bucket
-            local = sum(self.norm_weight[pc.param] * float(pc.master.grad.double().square().sum())
-                        for pc in opt.pieces)
-            replicas = 1
-        else:  # replicated: the full (all-reduced) gradient, identical on every DP rank
-            local = sum(self.norm_weight[p] * float(p.grad.double().square().sum())
-                        for p in opt.grad_buckets.params)
-            replicas = self.topo.dp_size
+        """L2 norm of the global gradient over every stage, TP shard and (ZeRO) DP shard."""
+        local = sum(self.norm_weight[p] * float(g.double().square().sum())
+                    for p, g in self.optimizer.owned_grads())
+        # replicated optimizers hold the same full gradient on every DP rank: count it once
+        replicas = 1 if self.optimizer.sharded else self.topo.dp_size
         return math.sqrt(world_sum([local], self.topo)[0] / replicas)
 
     def train_step(self, dataset, start: int, iteration: int, lr: float) -> StepResult:
