@@ -6,7 +6,7 @@ on chip type ``c`` with TP degree ``t``, micro-batch ``b`` (``T = b x seq`` toke
 
 * compute: FLOPs / (t x tflops_bf16 x efficiency) x emulate_slowdown, or measured times / t from
   a profile table; backward = 2 x forward; recompute adds a full forward (``full``) or the
-  attention core's forward (``selective``);
+  attention core's forward (``selective``; or the profile's measured ``selective_recompute_ms``);
 * TP: two ring all-reduces of ``T x h`` bf16 values per layer in forward and two in backward
   (two more in backward under full recompute), over ``intra_node_gb_per_s``;
 * memory: parameters x bytes per parameter (18 = 2 bf16 weight + 4 fp32 grad + 4 fp32 master +
@@ -15,7 +15,12 @@ on chip type ``c`` with TP degree ``t``, micro-batch ``b`` (``T = b x seq`` toke
   embedding on the first stage and the head (with its logits) on the last;
 * pipeline: per micro-batch, ``T x h`` bf16 values each way per stage boundary, at the chip type's
   ``inter_node_gb_per_s`` or at ``cross_chip_gb_per_s`` where the chip type changes;
-* DP: a ring all-reduce (or reduce-scatter + all-gather) of the stage's gradients once per step.
+* DP: a ring all-reduce (or reduce-scatter + all-gather) of the stage's gradients once per step;
+* optimizer: where the profile table measures it, ``optimizer_ns_per_param`` x the parameters a
+  chip holds (divided by DP under the distributed optimizer), once per step after the stage's
+  last backward. It is added to the stage's end-of-step term (``StageEstimate.dp_sync_s``) in
+  :meth:`CostModel.evaluate` and so in the simulator; the search's split solver and bounds leave
+  it out (they stay consistent with each other) and candidates are ranked by ``evaluate``.
 
 The step time of a plan with ``m`` micro-batches and per-stage work ``w_i`` (forward + backward of
 one micro-batch) under 1F1B is ``(m - 1) x max_i w_i + sum_i w_i + 2 x sum of link times +
@@ -102,6 +107,7 @@ class StageCosts:
     head_params: float
     sync_per_param: float
     sync_fixed: float
+    optimizer_per_param: float = 0.0
 
     def layer_time(self, mode: int) -> float:
         """Forward + backward of one layer for one micro-batch under recompute ``MODES[mode]``.
@@ -178,6 +184,10 @@ class StageCosts:
         edge = (self.embedding_params if first else 0.0) + (self.head_params if last else 0.0)
         return edge + layers * self.layer_params
 
+    def optimizer_step(self, layers: int, first: bool, last: bool) -> float:
+        """Seconds of the once-per-step optimizer work (0 unless the profile measures it)."""
+        return self.params(layers, first, last) * self.optimizer_per_param
+
     def dp_sync(self, layers: int, first: bool, last: bool) -> float:
         """Seconds of the once-per-step gradient synchronisation across the DP replicas."""
         if self.data_parallel_size == 1:
@@ -199,6 +209,9 @@ class StageEstimate:
     memory_bytes: float
     capacity_bytes: float
     dp_sync_s: float
+    """End-of-step work after the stage's last backward: DP gradient sync + optimizer step."""
+    optimizer_s: float = 0.0
+    """The optimizer's part of ``dp_sync_s`` (0 unless the profile table measures it)."""
 
     @property
     def work_s(self) -> float:
@@ -284,6 +297,16 @@ class CostModel:
         cfg = self.config
         return chip.memory_bytes * cfg.memory_usable_fraction - cfg.memory_reserved_gib * 2**30
 
+    def _selective_extra(self, chip: ChipType, tp: int, mbs: int, layer_forward: float) -> float:
+        """Extra backward seconds of one layer under selective recompute (no comm)."""
+        profile = self.profile.for_chip(chip.name) if self.profile else None
+        measured = profile.times(mbs) if profile else None
+        if measured is not None and measured.selective_recompute_ms is not None:
+            return measured.selective_recompute_ms / 1000.0 / tp * chip.emulate_slowdown
+        tokens = mbs * self.model.seq_length
+        core_share = self.model.attention_core_flops_per_token * tokens / self.model.layer_forward_flops(tokens)
+        return layer_forward * core_share
+
     def _compute_times(self, chip: ChipType, tp: int, mbs: int) -> tuple[float, float, float, float, float, float]:
         """(layer fwd, layer bwd, emb fwd, emb bwd, head fwd, head bwd) compute seconds, no comm."""
         model, tokens = self.model, mbs * self.model.seq_length
@@ -317,10 +340,9 @@ class CostModel:
         lf, lb, ef, eb, hf, hb = self._compute_times(chip, tp, mbs)
         hidden_bytes = tokens * h * BF16_BYTES
         tp_ar = self.allreduce_s(hidden_bytes, tp, chip.intra_node_gb_per_s)
-        core_share = model.attention_core_flops_per_token * tokens / model.layer_forward_flops(tokens)
         fwd = lf + 2 * tp_ar
         bwd_plain = lb + 2 * tp_ar
-        backward = (bwd_plain, bwd_plain + lf * core_share, bwd_plain + fwd)
+        backward = (bwd_plain, bwd_plain + self._selective_extra(chip, tp, mbs, lf), bwd_plain + fwd)
         vocab = model.padded_vocab(tp)
         bpp = cfg.bytes_per_param(dp)
         activation = (
@@ -332,7 +354,10 @@ class CostModel:
         sync_group_local = chip.chips_per_node % (tp * dp) == 0
         sync_bw = chip.intra_node_gb_per_s if sync_group_local else chip.inter_node_gb_per_s
         steps = dp - 1
+        profile = self.profile.for_chip(chip.name) if self.profile else None
+        optimizer = profile.optimizer_ns_per_param * 1e-9 if profile else 0.0
         if cfg.use_distributed_optimizer:  # reduce-scatter fp32 grads + all-gather bf16 params
+            optimizer /= dp  # each DP rank updates its shard only
             per_param, fixed_steps = 6.0 * steps / dp, 2 * steps
         else:  # all-reduce fp32 grads
             per_param, fixed_steps = 2.0 * 4.0 * steps / dp, 2 * steps
@@ -353,6 +378,7 @@ class CostModel:
             head_params=model.head_params_per_chip(tp),
             sync_per_param=per_param / self._bandwidth(sync_bw),
             sync_fixed=fixed_steps * cfg.collective_latency_s,
+            optimizer_per_param=optimizer,
         )
 
     # ------------------------------------------------------------------------------ whole plan
@@ -371,6 +397,7 @@ class CostModel:
             costs = self.stage_costs(spec.chip, spec.tensor_parallel_size, mbs, dp)
             first, last, mode = index == 0, index == p - 1, MODES.index(spec.recompute)
             in_flight = min(p - index, m)
+            optimizer = costs.optimizer_step(spec.num_layers, first, last)
             stages.append(StageEstimate(
                 chip=spec.chip, tensor_parallel_size=spec.tensor_parallel_size,
                 num_layers=spec.num_layers, recompute=spec.recompute,
@@ -379,7 +406,8 @@ class CostModel:
                 in_flight=in_flight,
                 memory_bytes=costs.memory(spec.num_layers, mode, in_flight, first, last),
                 capacity_bytes=costs.capacity,
-                dp_sync_s=costs.dp_sync(spec.num_layers, first, last),
+                dp_sync_s=costs.dp_sync(spec.num_layers, first, last) + optimizer,
+                optimizer_s=optimizer,
             ))
         links = tuple(
             self.link_s(a.chip, b.chip, mbs) for a, b in zip(plan.stages, plan.stages[1:])

@@ -17,7 +17,9 @@ one transformer layer, the embedding and the head on one chip; it can also be wr
           1: {layer_forward_ms: 1.2, layer_backward_ms: 2.4,
               embedding_forward_ms: 0.05, embedding_backward_ms: 0.08,
               head_forward_ms: 0.4, head_backward_ms: 0.8}
-          2: {layer_forward_ms: 2.3, layer_backward_ms: 4.6}
+          2: {layer_forward_ms: 2.3, layer_backward_ms: 4.6,
+              selective_recompute_ms: 0.9}   # optional: see below
+        optimizer_ns_per_param: 6.5  # optional: once-per-step optimizer work per parameter
 
 Times are measured on ONE chip at tensor-parallel size 1 without recompute and without
 ``emulate_slowdown``; the cost model divides them by the TP degree, adds the TP communication it
@@ -26,6 +28,21 @@ selective), and multiplies by the chip's ``emulate_slowdown``. For a micro-batch
 in the table the nearest measured one is scaled linearly. The embedding and head times default
 to 0 when left out. A chip with an ``efficiency`` but no timings uses the FLOP model with that
 efficiency; a chip missing from the table uses the default efficiency.
+
+``selective_recompute_ms`` (optional) is the measured extra backward time of one layer under
+selective recompute (backward with ``recompute: selective`` minus backward without). Without it
+the cost model charges the attention core's FLOP share of the layer forward, which fits GPUs,
+where the recomputed norms and activations are cheap; on a CPU they are memory-bound and cost
+several times that (about 35% of a layer forward instead of 8% for the bench model).
+
+``optimizer_ns_per_param`` (optional, default 0: not modelled) is the measured once-per-step
+work that follows the last backward on every rank, per parameter the chip holds: the gradient
+norm, clipping, the AdamW update and zeroing the gradient buffers. It is memory-bound, so it
+scales with the parameters a chip holds (divided by DP under the distributed optimizer) rather
+than with tokens. ``emulate_slowdown`` does not scale it: the runtime pads only forwards and
+backwards. ``tools/profile_chip.py`` measures neither of these two yet;
+``bench/bench_planner_accuracy.py`` measures both with the runtime's own model and optimizer and
+adds them to the table it writes.
 """
 
 from __future__ import annotations
@@ -53,17 +70,22 @@ class MeasuredTimes:
     embedding_backward_ms: float = 0.0
     head_forward_ms: float = 0.0
     head_backward_ms: float = 0.0
+    selective_recompute_ms: float | None = None
+    """Extra backward time of one layer under selective recompute; None: not measured."""
 
     def __post_init__(self) -> None:
         for field in fields(self):
             value = getattr(self, field.name)
+            if value is None and field.name == "selective_recompute_ms":
+                continue
             required = field.name.startswith("layer_")
             checked = positive_float(value, field.name, 0.0, inclusive=not required)
             object.__setattr__(self, field.name, checked)
 
     def scaled(self, factor: float) -> MeasuredTimes:
         """All times multiplied by ``factor`` (to move to another micro-batch size)."""
-        return MeasuredTimes(**{f.name: getattr(self, f.name) * factor for f in fields(self)})
+        return MeasuredTimes(**{f.name: None if getattr(self, f.name) is None
+                                else getattr(self, f.name) * factor for f in fields(self)})
 
 
 @dataclass(frozen=True)
@@ -72,8 +94,11 @@ class ChipProfile:
 
     efficiency: float | None = None
     micro_batch_sizes: Mapping[int, MeasuredTimes] | None = None
+    optimizer_ns_per_param: float = 0.0
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "optimizer_ns_per_param", positive_float(
+            self.optimizer_ns_per_param, "optimizer_ns_per_param", 0.0, inclusive=True))
         if self.efficiency is not None:
             value = positive_float(self.efficiency, "efficiency")
             if value > 1.0:
@@ -148,7 +173,7 @@ class ProfileTable:
 
 
 def _chip_profile(entry: Any, where: str) -> ChipProfile:
-    fields_ = check_keys(entry, (), ("efficiency", "micro_batch_sizes"), where)
+    fields_ = check_keys(entry, (), ("efficiency", "micro_batch_sizes", "optimizer_ns_per_param"), where)
     table = None
     raw = fields_.get("micro_batch_sizes")
     if raw is not None:
@@ -164,6 +189,6 @@ def _chip_profile(entry: Any, where: str) -> ChipProfile:
             except ConfigError as exc:
                 raise ConfigError(f"{inner}: {exc}") from None
     try:
-        return ChipProfile(fields_.get("efficiency"), table)
+        return ChipProfile(fields_.get("efficiency"), table, fields_.get("optimizer_ns_per_param", 0.0))
     except ConfigError as exc:
         raise ConfigError(f"{where}: {exc}") from None
