@@ -7,7 +7,6 @@ so the output is byte-identical for any worker count.
 
 from __future__ import annotations
 
-import json
 import multiprocessing
 import os
 import shutil
@@ -25,7 +24,7 @@ from megatron_h2.data.indexed_dataset import (
     get_idx_path,
     optimal_dtype,
 )
-from megatron_h2.data.tokenizer import Tokenizer, build_tokenizer
+from megatron_h2.data.tokenizer import Tokenizer, build_tokenizer, parse_json_object
 from megatron_h2.errors import ConfigError
 
 _COUNT_BLOCK = 1 << 24
@@ -96,14 +95,7 @@ def _document_texts(job: _Job, number: int, raw: bytes) -> dict[str, str] | None
         raise ConfigError(f"{where}: line is not valid UTF-8; re-encode the input as UTF-8") from None
     if not line.strip():
         return None
-    try:
-        record = json.loads(line)
-    except json.JSONDecodeError as error:
-        raise ConfigError(
-            f"{where}: not valid JSON ({error.msg}); --input must have one JSON object per line"
-        ) from None
-    if not isinstance(record, dict):
-        raise ConfigError(f"{where}: expected a JSON object, got {type(record).__name__}")
+    record = parse_json_object(line, where)
     texts = {}
     for key in job.json_keys:
         if key not in record:

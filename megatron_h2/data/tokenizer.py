@@ -226,15 +226,20 @@ def iter_input_texts(
                     yield from _json_line_texts(path, number, line, json_keys)
 
 
-def _json_line_texts(path: str, number: int, line: str, json_keys: Sequence[str]) -> Iterator[str]:
+def parse_json_object(line: str, where: str) -> dict:
+    """One line of a JSON-lines input as a dict; ``where`` (``path:line``) leads any error."""
     try:
         record = json.loads(line)
     except json.JSONDecodeError as error:
-        raise ConfigError(
-            f"{path}:{number}: not valid JSON ({error.msg}); fix or remove the line"
-        ) from None
+        raise ConfigError(f"{where}: not valid JSON ({error.msg}); each line of --input must be "
+                          "one JSON object") from None
     if not isinstance(record, dict):
-        raise ConfigError(f"{path}:{number}: expected a JSON object, got {type(record).__name__}")
+        raise ConfigError(f"{where}: expected a JSON object, got {type(record).__name__}")
+    return record
+
+
+def _json_line_texts(path: str, number: int, line: str, json_keys: Sequence[str]) -> Iterator[str]:
+    record = parse_json_object(line, f"{path}:{number}")
     for key in json_keys:
         if not isinstance(record.get(key), str):
             raise ConfigError(

@@ -17,6 +17,7 @@ from megatron_h2.parallel.mappings import (
 )
 from megatron_h2.parallel.sharding import (
     TPShard,
+    allreduce_coalesced_,
     allreduce_sequence_parallel_grads,
     gather_tp_tensor,
     get_tp_shard,
@@ -40,6 +41,7 @@ __all__ = [
     "TPContext",
     "TPShard",
     "VocabParallelEmbedding",
+    "allreduce_coalesced_",
     "allreduce_sequence_parallel_grads",
     "copy_to_tp_region",
     "gather_from_sequence_parallel_region",

@@ -147,22 +147,27 @@ def load_shard_(param: torch.Tensor, full: torch.Tensor, tp: TPContext) -> torch
 
 
 @torch.no_grad()
-def allreduce_sequence_parallel_grads(params: Iterable[torch.Tensor], tp: TPContext) -> None:
-    """Sum over the TP group the grads of parameters marked ``sequence_parallel``.
+def allreduce_coalesced_(tensors: Sequence[torch.Tensor], tp: TPContext) -> None:
+    """Sum ``tensors`` over the TP group in place, one collective per dtype.
 
-    Grads are coalesced into one buffer per dtype (one collective each). Every rank of the group
-    must call this with the same parameters in the same order. A no-op for ``tp.size == 1``.
+    Every rank of the group must call this, with matching tensors in the same order (an empty
+    list still joins the collective). A no-op for ``tp.size == 1``.
     """
     if tp.size == 1:
         return
-    grads = [p.grad for p in params if is_sequence_parallel(p) and p.grad is not None]
     by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
-    for grad in grads:
-        by_dtype.setdefault(grad.dtype, []).append(grad)
-    for group in by_dtype.values():
-        flat = torch.cat([g.reshape(-1) for g in group])
+    for t in tensors:
+        by_dtype.setdefault(t.dtype, []).append(t)
+    for group in by_dtype.values() or [[]]:
+        flat = torch.cat([t.reshape(-1) for t in group]) if group else torch.zeros(0)
         dist.all_reduce(flat, group=tp.group)
         offset = 0
-        for g in group:
-            g.copy_(flat[offset:offset + g.numel()].view_as(g))
-            offset += g.numel()
+        for t in group:
+            t.copy_(flat[offset:offset + t.numel()].view_as(t))
+            offset += t.numel()
+
+
+def allreduce_sequence_parallel_grads(params: Iterable[torch.Tensor], tp: TPContext) -> None:
+    """Sum over the TP group the grads of parameters marked ``sequence_parallel``."""
+    allreduce_coalesced_([p.grad for p in params if is_sequence_parallel(p)
+                          and p.grad is not None], tp)

@@ -22,7 +22,7 @@ from megatron_h2.distributed.bridge import BridgeConfig
 from megatron_h2.distributed.p2p import PipeComm
 from megatron_h2.distributed.topology import Topology
 from megatron_h2.errors import TrainingError
-from megatron_h2.parallel import TPContext, get_tp_shard
+from megatron_h2.parallel import TPContext, allreduce_coalesced_, get_tp_shard
 from megatron_h2.parallel.pipeline_schedule import forward_backward_1f1b, forward_only
 from megatron_h2.training.stage_clock import StageClock
 from megatron_h2.training.timeline import Timeline
@@ -117,14 +117,8 @@ class StepRunner:
         """
         if not self.sp_params:
             return
-        grads = [g for p, g in self.optimizer.owned_grads()
-                 if getattr(p, "sequence_parallel", False)]
-        flat = torch.cat([g.reshape(-1) for g in grads]) if grads else torch.zeros(0)
-        dist.all_reduce(flat, group=self.tp.group)
-        offset = 0
-        for g in grads:
-            g.copy_(flat[offset:offset + g.numel()].view_as(g))
-            offset += g.numel()
+        allreduce_coalesced_([g for p, g in self.optimizer.owned_grads()
+                              if getattr(p, "sequence_parallel", False)], self.tp)
 
     def _grad_norm(self) -> float:
         """L2 norm of the global gradient over every stage, TP shard and (ZeRO) DP shard."""
