@@ -67,7 +67,6 @@ from bench_parallel import LR, WORLD, Rank, build_rank, make_corpus, run_config 
 
 from megatron_h2.config import ParallelConfig  # noqa: E402
 from megatron_h2.distributed.p2p import PipeComm  # noqa: E402
-from megatron_h2.parallel import TPContext  # noqa: E402
 from megatron_h2.training.step import StepRunner  # noqa: E402
 from tests.dist_utils import run_distributed  # noqa: E402
 
@@ -189,7 +188,7 @@ def make_runner(r: Rank, a: argparse.Namespace, wire: str) -> StepRunner:
     cfg = dataclasses.replace(cfg, parallel=ParallelConfig(
         pipeline_model_parallel_size=topo.pp_size, force_bridge=True, bridge_dtype=wire,
         bridge_chunk_mb=a.chunk_mb))
-    tp = TPContext(group=topo.tp_group, rank=topo.tp_rank, size=topo.tp_size)
+    tp = topo.tp_context(cfg.parallel.sequence_parallel)
     return StepRunner(cfg, r.acc, topo, tp, r.model, r.optimizer)
 
 

@@ -48,12 +48,12 @@ from megatron_h2.config import ParallelConfig, RunConfig, TrainingConfig  # noqa
 from megatron_h2.data import GPTDataset, IndexedDatasetBuilder, build_gpt_datasets  # noqa: E402
 from megatron_h2.data import get_bin_path, get_idx_path  # noqa: E402
 from megatron_h2.devices import Accelerator, get_accelerator  # noqa: E402
-from megatron_h2.distributed.distributed_optimizer import DataParallelOptimizer  # noqa: E402
-from megatron_h2.distributed.distributed_optimizer import build_data_parallel_optimizer  # noqa
-from megatron_h2.distributed.topology import Topology, build_topology, uniform_plan  # noqa: E402
+from megatron_h2.optimizer.distributed_optimizer import DataParallelOptimizer  # noqa: E402
+from megatron_h2.optimizer.distributed_optimizer import build_data_parallel_optimizer  # noqa
+from megatron_h2.distributed.topology import Topology, build_topology  # noqa: E402
+from megatron_h2.training.layout import uniform_plan  # noqa: E402
 from megatron_h2.models.gpt import GPTModel, init_parameters  # noqa: E402
-from megatron_h2.parallel import TPContext  # noqa: E402
-from megatron_h2.parallel.pipeline_schedule import forward_backward_1f1b  # noqa: E402
+from megatron_h2.pipeline.schedules import forward_backward_1f1b  # noqa: E402
 from megatron_h2.training.step import StepRunner, stack_samples  # noqa: E402
 from tests.dist_utils import run_distributed  # noqa: E402
 
@@ -141,7 +141,7 @@ class Rank:
         """A StepRunner for steps of ``num_micro`` micro-batches per data-parallel replica."""
         a, topo = self.args, self.topo
         cfg = run_config(a, topo.pp_size, num_micro * a.micro_batch_size * topo.dp_size)
-        tp = TPContext(group=topo.tp_group, rank=topo.tp_rank, size=topo.tp_size)
+        tp = topo.tp_context(cfg.parallel.sequence_parallel)
         return StepRunner(cfg, self.acc, topo, tp, self.model, self.optimizer)
 
     def next_start(self, runner: StepRunner) -> int:
@@ -157,7 +157,7 @@ def build_rank(a: argparse.Namespace, rank: int, pp: int, prefix: str) -> Rank:
     acc = get_accelerator("cpu")
     topo = build_topology(uniform_plan(cfg.parallel, cfg.model, cfg.training, WORLD,
                                        acc.device_type), rank, WORLD)
-    tp = TPContext(group=topo.tp_group, rank=topo.tp_rank, size=topo.tp_size)
+    tp = topo.tp_context(cfg.parallel.sequence_parallel)
     model = GPTModel(cfg.model, acc.kernels, topo.layer_range, topo.is_first_stage,
                      topo.is_last_stage, tp)
     init_parameters(model, cfg.model, cfg.training.seed)

@@ -12,7 +12,9 @@ from typing import Any, Literal
 
 from megatron_h2.errors import ConfigError
 
-RecomputeMode = Literal["none", "selective", "full"]
+Recompute = Literal["none", "selective", "full"]
+RECOMPUTE_MODES: tuple[Recompute, ...] = ("none", "selective", "full")
+"""Activation recompute modes, fastest (and most memory-hungry) first."""
 LR_DECAY_STYLES = ("cosine", "linear", "constant")
 
 
@@ -46,7 +48,7 @@ class ModelConfig:
     init_method_std: float = 0.02
     hidden_dropout: float = 0.0
     attention_dropout: float = 0.0
-    recompute: RecomputeMode = "none"
+    recompute: Recompute = "none"
 
     def __post_init__(self) -> None:
         if self.num_query_groups is None:
@@ -76,7 +78,7 @@ class ModelConfig:
         for name in ("hidden_dropout", "attention_dropout"):
             if not 0.0 <= getattr(self, name) < 1.0:
                 raise ConfigError(f"--{name.replace('_', '-')} must be in [0, 1)")
-        if self.recompute not in ("none", "selective", "full"):
+        if self.recompute not in RECOMPUTE_MODES:
             raise ConfigError(f"recompute must be none, selective or full, got {self.recompute!r}")
 
     @property

@@ -39,14 +39,13 @@ import difflib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal, cast
+from typing import Any, cast
 
 import yaml
 
+from megatron_h2.config import RECOMPUTE_MODES, Recompute
 from megatron_h2.errors import ConfigError
 
-Recompute = Literal["none", "selective", "full"]
-RECOMPUTE_MODES: tuple[Recompute, ...] = ("none", "selective", "full")
 
 _PLAN_KEYS = ("data_parallel_size", "micro_batch_size", "global_batch_size", "chips", "stages")
 _CHIP_KEYS = ("device", "emulate_slowdown")

@@ -27,7 +27,7 @@ from megatron_h2.distributed.p2p import PipeComm
 from megatron_h2.distributed.topology import Topology
 from megatron_h2.errors import ConfigError
 from megatron_h2.hetero_plan import ChipSpec, HeteroPlan, StageSpec
-from megatron_h2.parallel.pipeline_schedule import forward_backward_1f1b
+from megatron_h2.pipeline.schedules import forward_backward_1f1b
 from tests.dist_utils import run_distributed
 
 WORLD = 6

@@ -14,16 +14,10 @@ import torch.distributed as dist
 from torch import nn
 
 from megatron_h2.config import OptimizerConfig
-from megatron_h2.distributed import (
-    DistributedOptimizer,
-    GradBuckets,
-    broadcast_params,
-    build_data_parallel_optimizer,
-    clip_grad_norm,
-)
-from megatron_h2.distributed import grad_sync
+from megatron_h2.distributed import GradBuckets, broadcast_params, grad_sync
+from megatron_h2.optimizer import DistributedOptimizer, build_data_parallel_optimizer, clip_grad_norm
 from megatron_h2.distributed.grad_sync import Bucket, partition_params
-from megatron_h2.training.optimizer import build_optimizer, optimizer_state_to_named
+from megatron_h2.optimizer.adamw import build_optimizer, optimizer_state_to_named
 from tests.dist_utils import run_distributed
 
 GLOBAL_BATCH = 12  # divisible by DP * micro-batches for DP 1, 2, 3

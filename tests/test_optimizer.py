@@ -8,7 +8,7 @@ import torch
 from megatron_h2.config import ModelConfig, OptimizerConfig
 from megatron_h2.errors import ConfigError
 from megatron_h2.models.gpt import GPTModel, init_parameters
-from megatron_h2.training.optimizer import (
+from megatron_h2.optimizer import (
     LRSchedule,
     build_optimizer,
     load_named_optimizer_state,

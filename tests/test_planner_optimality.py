@@ -14,7 +14,8 @@ import math
 
 import pytest
 
-from megatron_h2.hetero_plan import RECOMPUTE_MODES, ChipSpec, HeteroPlan, StageSpec
+from megatron_h2.config import RECOMPUTE_MODES
+from megatron_h2.hetero_plan import ChipSpec, HeteroPlan, StageSpec
 from megatron_h2.planner.cluster import ChipType, Cluster
 from megatron_h2.planner.cost_model import CostConfig, CostModel
 from megatron_h2.planner.model import ModelSpec

@@ -24,20 +24,10 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
-from megatron_h2.config import ModelConfig, ParallelConfig, RunConfig, TrainingConfig
 from megatron_h2.devices import ACCELERATORS, Accelerator, get_accelerator
 from megatron_h2.errors import ConfigError, RankConfigError
 from megatron_h2.hetero_plan import ChipSpec, HeteroPlan, StageSpec
 
-# Flags that a heterogeneous plan replaces: giving both is ambiguous, so it is an error.
-PLAN_OWNED_FLAGS = {"tensor_model_parallel_size": "--tensor-model-parallel-size",
-                    "pipeline_model_parallel_size": "--pipeline-model-parallel-size",
-                    "pipeline_layer_split": "--pipeline-layer-split",
-                    "decoder_first_pipeline_num_layers": "--decoder-first-pipeline-num-layers",
-                    "decoder_last_pipeline_num_layers": "--decoder-last-pipeline-num-layers",
-                    "recompute_granularity": "--recompute-granularity",
-                    "recompute_activations": "--recompute-activations",
-                    "device": "--device"}
 CHIP_ENV = "MEGATRON_H2_CHIP"
 
 
@@ -59,52 +49,6 @@ class LaunchEnv:
 
         return cls(rank=read("RANK", 0), world_size=read("WORLD_SIZE", 1),
                    local_rank=read("LOCAL_RANK", 0))
-
-
-def uniform_plan(parallel: ParallelConfig, model: ModelConfig, training: TrainingConfig,
-                 world_size: int, device: str) -> HeteroPlan:
-    """The plan for Megatron's uniform flags (one chip type, same TP on every stage).
-
-    DP is the world size divided by TP x PP; every check raises a one-line ConfigError.
-    """
-    tp, pp = parallel.tensor_model_parallel_size, parallel.pipeline_model_parallel_size
-    if world_size % (tp * pp):
-        raise ConfigError(f"world size {world_size} is not TP x PP x DP: it is not divisible by "
-                          f"--tensor-model-parallel-size {tp} x --pipeline-model-parallel-size "
-                          f"{pp} = {tp * pp}; launch a multiple of {tp * pp} processes")
-    dp = world_size // (tp * pp)
-    if training.global_batch_size % (training.micro_batch_size * dp):
-        raise ConfigError(f"--global-batch-size {training.global_batch_size} is not divisible by "
-                          f"--micro-batch-size {training.micro_batch_size} x data-parallel size "
-                          f"{dp}; make it a multiple of {training.micro_batch_size * dp}")
-    stages = [StageSpec(chip="default", tensor_parallel_size=tp, num_layers=n,
-                        recompute=model.recompute)
-              for n in parallel.stage_layers(model.num_layers)]
-    return HeteroPlan(data_parallel_size=dp, micro_batch_size=training.micro_batch_size,
-                      global_batch_size=training.global_batch_size,
-                      chips={"default": ChipSpec(device=device)}, stages=stages)
-
-
-def load_hetero_plan(cfg: RunConfig, explicit: frozenset[str]) -> HeteroPlan:
-    """Read ``--hetero-plan`` and reconcile it with the flags (the plan owns the layout and the
-    batch sizes; model-shape flags stay on the command line)."""
-    plan = HeteroPlan.from_yaml(cfg.parallel.hetero_plan)
-    for field_name, flag in PLAN_OWNED_FLAGS.items():
-        if field_name in explicit:
-            raise ConfigError(f"{flag} conflicts with --hetero-plan, which sets the layout per "
-                              f"stage; drop {flag} or edit the plan")
-    t = cfg.training
-    for name in ("micro_batch_size", "global_batch_size"):
-        if name in explicit and getattr(t, name) != getattr(plan, name):
-            raise ConfigError(f"--{name.replace('_', '-')} {getattr(t, name)} differs from the "
-                              f"plan's {name} {getattr(plan, name)}; drop the flag or edit the "
-                              "plan")
-        setattr(t, name, getattr(plan, name))
-    for name, chip in plan.chips.items():
-        if chip.device not in ACCELERATORS:
-            raise ConfigError(f"chip '{name}' has unknown device '{chip.device}'; supported: "
-                              f"{', '.join(ACCELERATORS)}")
-    return plan
 
 
 def accelerator_for_rank(plan: HeteroPlan, rank: int, local_rank: int) -> Accelerator:
@@ -129,25 +73,36 @@ def default_backend(plan: HeteroPlan) -> str:
     return ACCELERATORS[devices.pop()].dist_backend if len(devices) == 1 else "gloo"
 
 
-def check_plan_for_model(plan: HeteroPlan, model: ModelConfig, parallel: ParallelConfig,
-                         world_size: int) -> None:
-    """Everything about the layout that must hold before any process group starts."""
-    plan.validate(model.num_layers, model.num_attention_heads, model.num_query_groups,
-                  world_size=world_size)
-    for index, stage in enumerate(plan.stages):
-        tp = stage.tensor_parallel_size
-        if model.vocab_size % tp:
-            raise ConfigError(f"stage {index} tensor parallel size {tp} does not divide the "
-                              f"padded vocabulary {model.vocab_size}; set "
-                              "--make-vocab-size-divisible-by to a multiple of it")
-        if model.ffn_hidden_size % tp:
-            raise ConfigError(f"stage {index} tensor parallel size {tp} does not divide "
-                              f"--ffn-hidden-size {model.ffn_hidden_size}")
-        if parallel.sequence_parallel and model.seq_length % tp:
-            raise ConfigError(f"--sequence-parallel needs --seq-length {model.seq_length} "
-                              f"divisible by the tensor parallel size {tp} (stage {index})")
-    if len(plan.stages) == 1 and plan.stages[0].num_layers == 0:
-        raise ConfigError("the only pipeline stage has no transformer layer")
+@dataclass(frozen=True)
+class TPContext:
+    """The tensor-parallel group this rank belongs to.
+
+    ``rank`` and ``size`` are the rank within, and the size of, ``group``. With
+    ``sequence_parallel`` the activations outside the TP regions (norms, residuals, dropout) are
+    split along the sequence dimension across the group.
+    """
+
+    group: ProcessGroup | None
+    rank: int
+    size: int
+    sequence_parallel: bool = False
+
+    def __post_init__(self) -> None:
+        if self.size < 1 or not 0 <= self.rank < self.size:
+            raise ValueError(f"invalid TP rank {self.rank} of size {self.size}")
+        if self.size > 1 and self.group is None:
+            raise ValueError("a TP group of size > 1 needs an explicit process group")
+
+    @staticmethod
+    def single() -> TPContext:
+        """No tensor parallelism: one rank, no communication at all."""
+        return TPContext(group=None, rank=0, size=1)
+
+    @staticmethod
+    def from_group(group: ProcessGroup, sequence_parallel: bool = False) -> TPContext:
+        """The context of the calling rank in an initialised process group."""
+        return TPContext(group=group, rank=dist.get_rank(group),
+                         size=dist.get_world_size(group), sequence_parallel=sequence_parallel)
 
 
 @dataclass
@@ -208,6 +163,11 @@ class Topology:
         tp = self.plan.stages[stage].tensor_parallel_size
         start = self.plan.stage_ranks(stage).start + self.dp_rank * tp
         return list(range(start, start + tp))
+
+    def tp_context(self, sequence_parallel: bool = False) -> TPContext:
+        """This rank's tensor-parallel context; sequence parallelism only where TP > 1."""
+        return TPContext(group=self.tp_group, rank=self.tp_rank, size=self.tp_size,
+                         sequence_parallel=sequence_parallel and self.tp_size > 1)
 
     def describe(self) -> str:
         return (f"rank {self.rank}/{self.world_size}: stage {self.stage}/{self.pp_size} "

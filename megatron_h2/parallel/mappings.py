@@ -22,45 +22,13 @@ reduce_scatter_to_sequence_parallel...  reduce-scatter seq     all-gather seq
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
+from megatron_h2.distributed.topology import TPContext
+
 SEQ_DIM = 1  # sequence dimension of [b, s, h] activations
-
-
-@dataclass(frozen=True)
-class TPContext:
-    """The tensor-parallel group this rank belongs to.
-
-    ``rank`` and ``size`` are the rank within, and the size of, ``group``. With
-    ``sequence_parallel`` the activations outside the TP regions (norms, residuals, dropout) are
-    split along the sequence dimension across the group.
-    """
-
-    group: ProcessGroup | None
-    rank: int
-    size: int
-    sequence_parallel: bool = False
-
-    def __post_init__(self) -> None:
-        if self.size < 1 or not 0 <= self.rank < self.size:
-            raise ValueError(f"invalid TP rank {self.rank} of size {self.size}")
-        if self.size > 1 and self.group is None:
-            raise ValueError("a TP group of size > 1 needs an explicit process group")
-
-    @staticmethod
-    def single() -> TPContext:
-        """No tensor parallelism: one rank, no communication at all."""
-        return TPContext(group=None, rank=0, size=1)
-
-    @staticmethod
-    def from_group(group: ProcessGroup, sequence_parallel: bool = False) -> TPContext:
-        """The context of the calling rank in an initialised process group."""
-        return TPContext(group=group, rank=dist.get_rank(group),
-                         size=dist.get_world_size(group), sequence_parallel=sequence_parallel)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -37,7 +37,8 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from megatron_h2.errors import ConfigError
-from megatron_h2.hetero_plan import RECOMPUTE_MODES, HeteroPlan, Recompute, positive_float
+from megatron_h2.config import RECOMPUTE_MODES, Recompute
+from megatron_h2.hetero_plan import HeteroPlan, positive_float
 from megatron_h2.planner.cluster import ChipType, Cluster
 from megatron_h2.planner.model import ModelSpec
 

@@ -22,7 +22,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from megatron_h2.errors import ConfigError
-from megatron_h2.hetero_plan import RECOMPUTE_MODES, HeteroPlan
+from megatron_h2.config import RECOMPUTE_MODES
+from megatron_h2.hetero_plan import HeteroPlan
 from megatron_h2.planner.cost_model import CostModel, PlanEstimate
 
 

@@ -27,16 +27,14 @@ from megatron_h2.distributed.topology import (
     Topology,
     accelerator_for_rank,
     build_topology,
-    check_plan_for_model,
     default_backend,
     init_process_group,
-    load_hetero_plan,
-    uniform_plan,
 )
 from megatron_h2.errors import ConfigError, RankConfigError, TrainingError
 from megatron_h2.training.arguments import LaunchOptions, config_from_args
+from megatron_h2.training.layout import check_plan_for_model, load_hetero_plan, uniform_plan
 from megatron_h2.training.metrics import MetricsWriter, log
-from megatron_h2.training.state import TrainProgress, check_compatible
+from megatron_h2.checkpointing.distributed import TrainProgress, check_compatible
 
 DEFAULT_RUN_DIR = Path("runs") / "default"
 
@@ -166,10 +164,9 @@ def restore(cfg: RunConfig, launch: LaunchOptions, ckpt, say) -> TrainProgress:
 
 def train(cfg: RunConfig, launch: LaunchOptions, env: LaunchEnv) -> TrainProgress:
     """Build everything for ``cfg`` on this rank and train; returns the final progress."""
-    from megatron_h2.distributed.distributed_optimizer import build_data_parallel_optimizer
+    from megatron_h2.optimizer.distributed_optimizer import build_data_parallel_optimizer
     from megatron_h2.models.gpt import GPTModel, init_parameters, num_parameters
-    from megatron_h2.parallel import TPContext
-    from megatron_h2.training.state import CheckpointIO
+    from megatron_h2.checkpointing.distributed import CheckpointIO
     from megatron_h2.training.step import StepRunner
     from megatron_h2.training.timeline import Timeline, format_summary, gather_and_write
     from megatron_h2.training.trainer import Trainer
@@ -181,8 +178,7 @@ def train(cfg: RunConfig, launch: LaunchOptions, env: LaunchEnv) -> TrainProgres
     # ---- everything below may start process groups: all user input has been checked ----
     init_process_group(default_backend(plan), env, cfg.parallel.distributed_timeout_minutes)
     topo = build_topology(plan, env.rank, env.world_size)
-    tp = TPContext(group=topo.tp_group, rank=topo.tp_rank, size=topo.tp_size,
-                   sequence_parallel=cfg.parallel.sequence_parallel and topo.tp_size > 1)
+    tp = topo.tp_context(cfg.parallel.sequence_parallel)
     train_ds, valid_ds, _ = build_datasets(cfg, topo)
     if train_ds is None:
         raise ConfigError(f"--split {cfg.data.split} leaves no training data")

@@ -21,7 +21,7 @@ class Recorder(Protocol):
 
 
 class StageClock:
-    """A :class:`~megatron_h2.parallel.pipeline_schedule.ComputeObserver` for one rank.
+    """A :class:`~megatron_h2.pipeline.schedules.ComputeObserver` for one rank.
 
     ``slowdown`` > 1 makes each forward / backward take that many times as long (it sleeps for
     the difference), so a heterogeneous cluster can be rehearsed on one machine.

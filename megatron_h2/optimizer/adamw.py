@@ -1,9 +1,7 @@
-"""AdamW with Megatron's parameter groups, the learning-rate schedule, and optimizer state as
-named tensors (for layout-independent checkpoints)."""
+"""AdamW with Megatron's parameter groups, and optimizer state as named tensors (for
+layout-independent checkpoints)."""
 
 from __future__ import annotations
-
-import math
 
 import torch
 from torch import nn
@@ -27,42 +25,6 @@ def build_optimizer(model: nn.Module, config: OptimizerConfig,
     extra = {"fused": True} if kernels is not None and kernels.fused_adamw else {"foreach": True}
     return torch.optim.AdamW(groups, lr=config.lr, betas=(config.adam_beta1, config.adam_beta2),
                              eps=config.adam_eps, **extra)
-
-
-class LRSchedule:
-    """Linear warm-up to ``lr``, then cosine / linear / constant decay to ``min_lr``.
-
-    ``lr_at(it)`` gives the rate used by iteration ``it`` (1-based), so the first step already
-    moves the weights.
-    """
-
-    def __init__(self, config: OptimizerConfig, train_iters: int) -> None:
-        self.config = config
-        self.decay_iters = config.lr_decay_iters or train_iters
-        if self.decay_iters < config.lr_warmup_iters:
-            raise ConfigError(f"--lr-warmup-iters {config.lr_warmup_iters} exceeds the decay "
-                              f"length {self.decay_iters} (--lr-decay-iters or --train-iters)")
-
-    def lr_at(self, iteration: int) -> float:
-        c = self.config
-        if c.lr_warmup_iters > 0 and iteration <= c.lr_warmup_iters:
-            return c.lr * iteration / c.lr_warmup_iters
-        if c.lr_decay_style == "constant":
-            return c.lr
-        if iteration >= self.decay_iters:
-            return c.min_lr
-        ratio = (iteration - c.lr_warmup_iters) / max(1, self.decay_iters - c.lr_warmup_iters)
-        if c.lr_decay_style == "linear":
-            coeff = 1.0 - ratio
-        else:  # cosine
-            coeff = 0.5 * (1.0 + math.cos(math.pi * ratio))
-        return c.min_lr + coeff * (c.lr - c.min_lr)
-
-    def apply(self, optimizer: torch.optim.Optimizer, iteration: int) -> float:
-        lr = self.lr_at(iteration)
-        for group in optimizer.param_groups:
-            group["lr"] = lr
-        return lr
 
 
 def optimizer_state_to_named(optimizer: torch.optim.Optimizer,

@@ -35,7 +35,7 @@ from megatron_h2.config import OptimizerConfig
 from megatron_h2.devices.kernels import Kernels
 from megatron_h2.distributed.grad_sync import Bucket, GradBuckets, all_gather_flat
 from megatron_h2.errors import ConfigError
-from megatron_h2.training.optimizer import (
+from megatron_h2.optimizer.adamw import (
     ADAM_STATES,
     build_optimizer,
     load_named_optimizer_state,

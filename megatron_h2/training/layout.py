@@ -1,0 +1,87 @@
+"""The launch's layout: the plan a run trains, from Megatron's uniform flags or a
+``--hetero-plan`` file, reconciled with the command line and checked against the model before
+any process group starts."""
+
+from __future__ import annotations
+
+from megatron_h2.config import ModelConfig, ParallelConfig, RunConfig, TrainingConfig
+from megatron_h2.devices import ACCELERATORS
+from megatron_h2.errors import ConfigError
+from megatron_h2.hetero_plan import ChipSpec, HeteroPlan, StageSpec
+
+# Flags that a heterogeneous plan replaces: giving both is ambiguous, so it is an error.
+PLAN_OWNED_FLAGS = {"tensor_model_parallel_size": "--tensor-model-parallel-size",
+                    "pipeline_model_parallel_size": "--pipeline-model-parallel-size",
+                    "pipeline_layer_split": "--pipeline-layer-split",
+                    "decoder_first_pipeline_num_layers": "--decoder-first-pipeline-num-layers",
+                    "decoder_last_pipeline_num_layers": "--decoder-last-pipeline-num-layers",
+                    "recompute_granularity": "--recompute-granularity",
+                    "recompute_activations": "--recompute-activations",
+                    "device": "--device"}
+
+
+def uniform_plan(parallel: ParallelConfig, model: ModelConfig, training: TrainingConfig,
+                 world_size: int, device: str) -> HeteroPlan:
+    """The plan for Megatron's uniform flags (one chip type, same TP on every stage).
+
+    DP is the world size divided by TP x PP; every check raises a one-line ConfigError.
+    """
+    tp, pp = parallel.tensor_model_parallel_size, parallel.pipeline_model_parallel_size
+    if world_size % (tp * pp):
+        raise ConfigError(f"world size {world_size} is not TP x PP x DP: it is not divisible by "
+                          f"--tensor-model-parallel-size {tp} x --pipeline-model-parallel-size "
+                          f"{pp} = {tp * pp}; launch a multiple of {tp * pp} processes")
+    dp = world_size // (tp * pp)
+    if training.global_batch_size % (training.micro_batch_size * dp):
+        raise ConfigError(f"--global-batch-size {training.global_batch_size} is not divisible by "
+                          f"--micro-batch-size {training.micro_batch_size} x data-parallel size "
+                          f"{dp}; make it a multiple of {training.micro_batch_size * dp}")
+    stages = [StageSpec(chip="default", tensor_parallel_size=tp, num_layers=n,
+                        recompute=model.recompute)
+              for n in parallel.stage_layers(model.num_layers)]
+    return HeteroPlan(data_parallel_size=dp, micro_batch_size=training.micro_batch_size,
+                      global_batch_size=training.global_batch_size,
+                      chips={"default": ChipSpec(device=device)}, stages=stages)
+
+
+def load_hetero_plan(cfg: RunConfig, explicit: frozenset[str]) -> HeteroPlan:
+    """Read ``--hetero-plan`` and reconcile it with the flags (the plan owns the layout and the
+    batch sizes; model-shape flags stay on the command line)."""
+    plan = HeteroPlan.from_yaml(cfg.parallel.hetero_plan)
+    for field_name, flag in PLAN_OWNED_FLAGS.items():
+        if field_name in explicit:
+            raise ConfigError(f"{flag} conflicts with --hetero-plan, which sets the layout per "
+                              f"stage; drop {flag} or edit the plan")
+    t = cfg.training
+    for name in ("micro_batch_size", "global_batch_size"):
+        if name in explicit and getattr(t, name) != getattr(plan, name):
+            raise ConfigError(f"--{name.replace('_', '-')} {getattr(t, name)} differs from the "
+                              f"plan's {name} {getattr(plan, name)}; drop the flag or edit the "
+                              "plan")
+        setattr(t, name, getattr(plan, name))
+    for name, chip in plan.chips.items():
+        if chip.device not in ACCELERATORS:
+            raise ConfigError(f"chip '{name}' has unknown device '{chip.device}'; supported: "
+                              f"{', '.join(ACCELERATORS)}")
+    return plan
+
+
+def check_plan_for_model(plan: HeteroPlan, model: ModelConfig, parallel: ParallelConfig,
+                         world_size: int) -> None:
+    """Everything about the layout that must hold before any process group starts."""
+    plan.validate(model.num_layers, model.num_attention_heads, model.num_query_groups,
+                  world_size=world_size)
+    for index, stage in enumerate(plan.stages):
+        tp = stage.tensor_parallel_size
+        if model.vocab_size % tp:
+            raise ConfigError(f"stage {index} tensor parallel size {tp} does not divide the "
+                              f"padded vocabulary {model.vocab_size}; set "
+                              "--make-vocab-size-divisible-by to a multiple of it")
+        if model.ffn_hidden_size % tp:
+            raise ConfigError(f"stage {index} tensor parallel size {tp} does not divide "
+                              f"--ffn-hidden-size {model.ffn_hidden_size}")
+        if parallel.sequence_parallel and model.seq_length % tp:
+            raise ConfigError(f"--sequence-parallel needs --seq-length {model.seq_length} "
+                              f"divisible by the tensor parallel size {tp} (stage {index})")
+    if len(plan.stages) == 1 and plan.stages[0].num_layers == 0:
+        raise ConfigError("the only pipeline stage has no transformer layer")
