@@ -43,17 +43,30 @@ import torch.distributed as dist  # noqa: E402
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from megatron_h2.config import DataConfig, ModelConfig, OptimizerConfig  # noqa: E402
-from megatron_h2.config import ParallelConfig, RunConfig, TrainingConfig  # noqa: E402
-from megatron_h2.data import GPTDataset, IndexedDatasetBuilder, build_gpt_datasets  # noqa: E402
-from megatron_h2.data import get_bin_path, get_idx_path  # noqa: E402
+from megatron_h2.config import (  # noqa: E402  # noqa: E402
+    DataConfig,
+    ModelConfig,
+    OptimizerConfig,
+    ParallelConfig,
+    RunConfig,
+    TrainingConfig,
+)
+from megatron_h2.data import (  # noqa: E402  # noqa: E402
+    GPTDataset,
+    IndexedDatasetBuilder,
+    build_gpt_datasets,
+    get_bin_path,
+    get_idx_path,
+)
 from megatron_h2.devices import Accelerator, get_accelerator  # noqa: E402
-from megatron_h2.optimizer.distributed_optimizer import DataParallelOptimizer  # noqa: E402
-from megatron_h2.optimizer.distributed_optimizer import build_data_parallel_optimizer  # noqa
 from megatron_h2.distributed.topology import Topology, build_topology  # noqa: E402
-from megatron_h2.training.layout import uniform_plan  # noqa: E402
 from megatron_h2.models.gpt import GPTModel, init_parameters  # noqa: E402
+from megatron_h2.optimizer.distributed_optimizer import (
+    DataParallelOptimizer,  # noqa: E402
+    build_data_parallel_optimizer,  # noqa
+)
 from megatron_h2.pipeline.schedules import forward_backward_1f1b  # noqa: E402
+from megatron_h2.training.layout import uniform_plan  # noqa: E402
 from megatron_h2.training.step import StepRunner, stack_samples  # noqa: E402
 from tests.dist_utils import run_distributed  # noqa: E402
 

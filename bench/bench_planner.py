@@ -36,16 +36,24 @@ def main() -> int:
     print(f"model: examples/models/llama_100b.yaml, distributed optimizer, top {args.top}")
     for name, path, global_batch, target in CASES:
         started = time.perf_counter()
-        cost = CostModel(Cluster.from_yaml(ROOT / path), model, CostConfig(use_distributed_optimizer=True))
-        result = search(cost, SearchOptions(global_batch, top_k=args.top, time_limit_s=args.time_limit))
+        cost = CostModel(
+            Cluster.from_yaml(ROOT / path), model, CostConfig(use_distributed_optimizer=True)
+        )
+        result = search(
+            cost, SearchOptions(global_batch, top_k=args.top, time_limit_s=args.time_limit)
+        )
         elapsed = time.perf_counter() - started
         best = result.best
         verdict = "OK" if elapsed <= target else "SLOW"
-        print(f"\n{name} (global batch {global_batch}): planned in {elapsed:.1f} s"
-              f" (target {target:.0f} s: {verdict})")
-        print(f"  best: step {best.estimate.step_time_s:.3f} s, {best.estimate.tokens_per_s:,.0f} tokens/s,"
-              f" MFU {100 * best.estimate.mfu:.1f}%, DP {best.plan.data_parallel_size},"
-              f" micro-batch {best.plan.micro_batch_size}")
+        print(
+            f"\n{name} (global batch {global_batch}): planned in {elapsed:.1f} s"
+            f" (target {target:.0f} s: {verdict})"
+        )
+        print(
+            f"  best: step {best.estimate.step_time_s:.3f} s, {best.estimate.tokens_per_s:,.0f} tokens/s,"
+            f" MFU {100 * best.estimate.mfu:.1f}%, DP {best.plan.data_parallel_size},"
+            f" micro-batch {best.plan.micro_batch_size}"
+        )
         print(f"  stages: {stage_summary(best.plan)}")
         print(f"  {search_summary(result)}")
     return 0

@@ -226,8 +226,8 @@ def probe_extras(out: str, reps: int = 9) -> None:
 
     from megatron_h2.config import ModelConfig, OptimizerConfig
     from megatron_h2.devices import get_accelerator
-    from megatron_h2.optimizer.distributed_optimizer import build_data_parallel_optimizer
     from megatron_h2.models.gpt import GPTModel, init_parameters
+    from megatron_h2.optimizer.distributed_optimizer import build_data_parallel_optimizer
 
     acc = get_accelerator("cpu")
     cfg = ModelConfig(**{k: v for k, v in MODEL.items() if k != "global_batch_size"})

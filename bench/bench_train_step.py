@@ -38,8 +38,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from megatron_h2.config import ModelConfig, OptimizerConfig  # noqa: E402
 from megatron_h2.devices import get_accelerator  # noqa: E402
 from megatron_h2.errors import ConfigError  # noqa: E402
-from megatron_h2.models.gpt import GPTModel, flops_per_token, init_parameters  # noqa: E402
-from megatron_h2.models.gpt import num_parameters  # noqa: E402
+from megatron_h2.models.gpt import (  # noqa: E402
+    GPTModel,
+    flops_per_token,
+    init_parameters,
+    num_parameters,  # noqa: E402
+)
 
 PRESETS: dict[str, dict[str, int]] = {
     # Small enough for the whole default run (both models) to take about a minute on 2 CPU

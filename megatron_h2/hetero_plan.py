@@ -46,7 +46,6 @@ import yaml
 from megatron_h2.config import RECOMPUTE_MODES, Recompute
 from megatron_h2.errors import ConfigError
 
-
 _PLAN_KEYS = ("data_parallel_size", "micro_batch_size", "global_batch_size", "chips", "stages")
 _CHIP_KEYS = ("device", "emulate_slowdown")
 _STAGE_KEYS = ("chip", "tensor_parallel_size", "num_layers", "recompute")

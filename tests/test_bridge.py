@@ -401,6 +401,7 @@ def expected_bytes(case: Case, rank: int) -> int:
     return case.micro * sum(MBS * t.num_rows * HIDDEN * size for t in pieces)
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("case", TRANSFER_CASES, ids=lambda c: c.name)
 def test_transfer(world: list[dict], case: Case) -> None:
     """Every receiver gets exactly its slice (forward), every sender its gradient (backward)."""
@@ -442,6 +443,7 @@ def test_transfer(world: list[dict], case: Case) -> None:
             k: list(range(n)) for k, n in expect.items()}
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("case", PIPELINE_CASES, ids=lambda c: c.name)
 def test_1f1b_matches_single_process(world: list[dict], case: Case) -> None:
     """1F1B across different TP degrees completes and gives the single-process gradients

@@ -312,6 +312,7 @@ def test_missing_argument_is_one_line(capsys: pytest.CaptureFixture[str]) -> Non
     assert err == "error: the following arguments are required: --output\n"
 
 
+@pytest.mark.e2e
 def test_script_runs_from_any_directory(tmp_path: Path) -> None:
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     result = subprocess.run(

@@ -15,8 +15,12 @@ from torch import nn
 
 from megatron_h2.config import OptimizerConfig
 from megatron_h2.distributed import GradBuckets, broadcast_params, grad_sync
-from megatron_h2.optimizer import DistributedOptimizer, build_data_parallel_optimizer, clip_grad_norm
 from megatron_h2.distributed.grad_sync import Bucket, partition_params
+from megatron_h2.optimizer import (
+    DistributedOptimizer,
+    build_data_parallel_optimizer,
+    clip_grad_norm,
+)
 from megatron_h2.optimizer.adamw import build_optimizer, optimizer_state_to_named
 from tests.dist_utils import run_distributed
 
@@ -254,6 +258,7 @@ def assert_params_equal(actual: dict, expected: dict) -> None:
 
 
 # --------------------------------------------------------------------- tests
+@pytest.mark.e2e
 @pytest.mark.parametrize("dp,scenario", [(dp, s) for dp in (1, 2, 3) for s in SCENARIOS[dp]],
                          ids=lambda v: "-".join(map(str, v)) if isinstance(v, tuple) else f"dp{v}")
 def test_matches_single_process_reference(runs, reference, dp, scenario):
@@ -262,6 +267,7 @@ def test_matches_single_process_reference(runs, reference, dp, scenario):
             assert_params_equal(params, reference["params"][step])
 
 
+@pytest.mark.e2e
 def test_overlap_launches_during_backward(runs):
     for events in runs(2)[0]["overlap"].values():
         n_buckets = int(events[-1].split()[1])
@@ -277,6 +283,7 @@ def test_overlap_launches_during_backward(runs):
         assert last_backward[grads[-1]] == "grad 0.weight"  # backward order: first layer last
 
 
+@pytest.mark.e2e
 def test_named_state_matches_torch_format(runs, reference):
     ref_params, ref_state = reference["ckpt"]
     for result in runs(2):
@@ -288,6 +295,7 @@ def test_named_state_matches_torch_format(runs, reference):
             torch.testing.assert_close(state[key], ref, rtol=1e-5, atol=1e-9, msg=key)
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("dp", [1, 3])
 def test_resume_under_other_layout(runs, reference, dp):
     """Saved by ZeRO at DP=2; DP=1 replicated AdamW and DP=3 ZeRO continue identically."""
@@ -296,6 +304,7 @@ def test_resume_under_other_layout(runs, reference, dp):
             assert_params_equal(params, reference["params"][SAVE_AFTER + i])
 
 
+@pytest.mark.e2e
 def test_missing_grads_and_broadcast(runs):
     for rank, result in enumerate(runs(2)):
         misc = result["misc"]

@@ -7,7 +7,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import yaml
+
+pytestmark = pytest.mark.e2e  # every test here starts processes
 
 ROOT = Path(__file__).resolve().parents[1]
 

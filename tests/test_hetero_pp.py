@@ -53,6 +53,7 @@ THREE_STAGES = [{"chip": "fast", "tensor_parallel_size": 2, "num_layers": 2},
                  "recompute": "selective"}]
 
 
+@pytest.mark.e2e
 def test_three_stages_tp_2_1_2_through_the_bridge(corpus, reference, tmp_path):
     plan = write_plan(tmp_path / "plan.yaml", THREE_STAGES)
     out, trace = tmp_path / "log.jsonl", tmp_path / "trace.json"
@@ -68,6 +69,7 @@ def test_three_stages_tp_2_1_2_through_the_bridge(corpus, reference, tmp_path):
     assert {"forward", "backward", "send_forward", "recv_forward"} <= kinds
 
 
+@pytest.mark.e2e
 def test_two_stages_tp_2_1_with_dp_2(corpus, reference, tmp_path):
     plan = write_plan(tmp_path / "plan.yaml",
                       [{"chip": "fast", "tensor_parallel_size": 2, "num_layers": 4},
@@ -79,6 +81,7 @@ def test_two_stages_tp_2_1_with_dp_2(corpus, reference, tmp_path):
     close(losses(out), reference, 1e-5)
 
 
+@pytest.mark.e2e
 def test_bf16_bridge_and_emulated_slowdown(corpus, reference, tmp_path):
     chips = {"fast": {"device": "cpu"}, "slow": {"device": "cpu", "emulate_slowdown": 2.0}}
     plan = write_plan(tmp_path / "plan.yaml",

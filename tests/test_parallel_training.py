@@ -52,6 +52,7 @@ LAYOUTS = {  # name: (processes, flags); (TP, PP, DP) in the name
 }
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_layout_matches_single_process(name, corpus, reference, tmp_path):
     nproc, flags = LAYOUTS[name]
@@ -61,6 +62,7 @@ def test_layout_matches_single_process(name, corpus, reference, tmp_path):
     assert_close(losses(out), reference)
 
 
+@pytest.mark.e2e
 def test_checkpoint_moves_between_layouts(corpus, reference, tmp_path):
     """Saved at (TP, PP, DP) = (2, 2, 1) after 5 iterations; resumed at (1, 1, 1) and at
     (1, 2, 2) with the distributed optimizer: both continue with the uninterrupted losses."""
@@ -110,6 +112,7 @@ def test_bad_layout_is_one_line_before_any_process_group(world, flags, fragment,
     assert not dist.is_initialized()
 
 
+@pytest.mark.e2e
 def test_failing_rank_ends_the_job_with_one_error(corpus, tmp_path):
     proc = torchrun(2, [*MODEL, "--data-path", corpus, "--pipeline-model-parallel-size", "2",
                         "--train-iters", "50"], env_extra={"MEGATRON_H2_INJECT_FAULT": "1:3"},
@@ -123,6 +126,7 @@ def test_failing_rank_ends_the_job_with_one_error(corpus, tmp_path):
     assert "iteration       50/" not in proc.stdout
 
 
+@pytest.mark.e2e
 def test_slurm_script_launches_a_job(corpus, reference, tmp_path):
     """scripts/slurm_pretrain.sh under stand-in srun/scontrol (one node, two processes)."""
     shims = tmp_path / "bin"

@@ -37,14 +37,19 @@ def test_the_issue_example_and_the_shipped_examples_load(tmp_path: Path) -> None
         sizes[name] = Cluster.from_yaml(ROOT / f"examples/clusters/{name}.yaml").total_chips
     assert sizes == {"hetero_1024": 1024, "hetero_10k_6types": 10000, "cpu_2types": 6}
     emulated = Cluster.from_yaml(ROOT / "examples/clusters/cpu_2types.yaml")
-    assert emulated.chip("slow").emulate_slowdown == 2.0 and emulated.chip("fast").emulate_slowdown == 1.0
+    assert (
+        emulated.chip("slow").emulate_slowdown == 2.0
+        and emulated.chip("fast").emulate_slowdown == 1.0
+    )
 
 
 def test_tensor_parallel_options_stay_in_a_node_and_divide_heads() -> None:
     cluster = Cluster.from_dict(yaml.safe_load(ISSUE_CLUSTER))
     assert cluster.chip("A").tensor_parallel_options(72, 8) == [1, 2, 4, 8]
     assert cluster.chip("A").tensor_parallel_options(12, 6) == [1, 2]
-    assert cluster.subset(["B"]).names == ["B"] and cluster.subset(["B"]).cross_chip_gb_per_s is None
+    assert (
+        cluster.subset(["B"]).names == ["B"] and cluster.subset(["B"]).cross_chip_gb_per_s is None
+    )
 
 
 def cluster_error(change) -> str:  # type: ignore[no-untyped-def]
@@ -59,13 +64,24 @@ def cluster_error(change) -> str:  # type: ignore[no-untyped-def]
 @pytest.mark.parametrize(
     ("change", "message"),
     [
-        (lambda d: d["chips"]["A"].update(tflops_bf61=d["chips"]["A"].pop("tflops_bf16")),
-         "unknown key 'tflops_bf61' in chip type 'A' of cluster (did you mean 'tflops_bf16'?)"),
-        (lambda d: d.update(cross_chip_gbps=d.pop("cross_chip_gb_per_s")), "did you mean 'cross_chip_gb_per_s'"),
+        (
+            lambda d: d["chips"]["A"].update(tflops_bf61=d["chips"]["A"].pop("tflops_bf16")),
+            "unknown key 'tflops_bf61' in chip type 'A' of cluster (did you mean 'tflops_bf16'?)",
+        ),
+        (
+            lambda d: d.update(cross_chip_gbps=d.pop("cross_chip_gb_per_s")),
+            "did you mean 'cross_chip_gb_per_s'",
+        ),
         (lambda d: d.pop("cross_chip_gb_per_s"), "missing key 'cross_chip_gb_per_s'"),
         (lambda d: d["chips"]["B"].update(count=0), "chip type 'B': count must be positive, got 0"),
-        (lambda d: d["chips"]["A"].update(memory_gib=-80), "chip type 'A': memory_gib must be a finite number"),
-        (lambda d: d["chips"]["A"].pop("chips_per_node"), "missing key 'chips_per_node' in chip type 'A'"),
+        (
+            lambda d: d["chips"]["A"].update(memory_gib=-80),
+            "chip type 'A': memory_gib must be a finite number",
+        ),
+        (
+            lambda d: d["chips"]["A"].pop("chips_per_node"),
+            "missing key 'chips_per_node' in chip type 'A'",
+        ),
         (lambda d: d.update(chips={}), "'chips' in cluster must map chip type names"),
     ],
 )
@@ -82,7 +98,9 @@ def test_model_checks() -> None:
         ModelSpec(2, 64, 128, 7, 32, 100)
     with pytest.raises(ConfigError, match="not divisible by num_query_groups 3"):
         ModelSpec(2, 64, 128, 4, 32, 100, num_query_groups=3)
-    with pytest.raises(ConfigError, match=re.escape("seq_length 64 exceeds max_position_embeddings 32")):
+    with pytest.raises(
+        ConfigError, match=re.escape("seq_length 64 exceeds max_position_embeddings 32")
+    ):
         ModelSpec(2, 64, 128, 4, 64, 100, max_position_embeddings=32)
     with pytest.raises(ConfigError, match="did you mean 'hidden_size'"):
         ModelSpec.from_dict({"num_layers": 2, "hiden_size": 64})

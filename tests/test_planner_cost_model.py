@@ -15,18 +15,36 @@ from megatron_h2.planner.model import ModelSpec
 from megatron_h2.planner.profile import ProfileTable
 
 ROOT = Path(__file__).resolve().parent.parent
-MODEL = ModelSpec(num_layers=4, hidden_size=256, ffn_hidden_size=704, num_attention_heads=8,
-                  seq_length=256, vocab_size=4000, num_query_groups=4)
-CLUSTER = Cluster((
-    ChipType("fast", "cpu", 4, 4, 0.5, 0.25, 8.0, 2.0),
-    ChipType("slow", "cpu", 4, 2, 0.25, 0.5, 4.0, 1.0, emulate_slowdown=2.0),
-), cross_chip_gb_per_s=0.5)
+MODEL = ModelSpec(
+    num_layers=4,
+    hidden_size=256,
+    ffn_hidden_size=704,
+    num_attention_heads=8,
+    seq_length=256,
+    vocab_size=4000,
+    num_query_groups=4,
+)
+CLUSTER = Cluster(
+    (
+        ChipType("fast", "cpu", 4, 4, 0.5, 0.25, 8.0, 2.0),
+        ChipType("slow", "cpu", 4, 2, 0.25, 0.5, 4.0, 1.0, emulate_slowdown=2.0),
+    ),
+    cross_chip_gb_per_s=0.5,
+)
 
 PROFILE = {
     "model": {"hidden_size": 256, "seq_length": 256},
     "chips": {
-        "fast": {"micro_batch_sizes": {1: {"layer_forward_ms": 2.0, "layer_backward_ms": 5.0,
-                                           "head_forward_ms": 1.0, "head_backward_ms": 2.0}}},
+        "fast": {
+            "micro_batch_sizes": {
+                1: {
+                    "layer_forward_ms": 2.0,
+                    "layer_backward_ms": 5.0,
+                    "head_forward_ms": 1.0,
+                    "head_backward_ms": 2.0,
+                }
+            }
+        },
         "slow": {"efficiency": 0.25},
     },
 }
@@ -66,7 +84,11 @@ def test_memory_and_fastest_fitting_mode() -> None:
             top = costs.max_layers(mode, in_flight, True, False)
             assert costs.memory(top, mode, in_flight, True, False) <= costs.capacity
             assert costs.memory(top + 1, mode, in_flight, True, False) > costs.capacity
-    assert costs.max_layers(0, 4, False, False) <= costs.max_layers(1, 4, False, False) <= costs.max_layers(2, 4, False, False)
+    assert (
+        costs.max_layers(0, 4, False, False)
+        <= costs.max_layers(1, 4, False, False)
+        <= costs.max_layers(2, 4, False, False)
+    )
     layers = costs.max_layers(0, 4, False, False) + 1
     assert cost.fastest_fitting_mode(costs, layers, 4, False, False) in ("selective", "full")
     assert cost.fastest_fitting_mode(costs, 1, 1, False, False) == "none"
@@ -100,8 +122,13 @@ def test_links_and_dp_sync_bandwidths() -> None:
 
 
 def two_stage_plan(dp: int = 1) -> HeteroPlan:
-    return HeteroPlan(dp, 1, 4 * dp, {"fast": ChipSpec("cpu"), "slow": ChipSpec("cpu", 2.0)},
-                      [StageSpec("slow", 1, 1, "full"), StageSpec("fast", 2, 3)])
+    return HeteroPlan(
+        dp,
+        1,
+        4 * dp,
+        {"fast": ChipSpec("cpu"), "slow": ChipSpec("cpu", 2.0)},
+        [StageSpec("slow", 1, 1, "full"), StageSpec("fast", 2, 3)],
+    )
 
 
 def test_evaluate_matches_the_step_formula() -> None:
@@ -137,20 +164,37 @@ def test_profile_table_replaces_the_flop_model(tmp_path: Path) -> None:
     # micro-batch 2 is not in the table: the nearest size is scaled linearly
     assert measured.stage_costs("fast", 1, 2, 1).layer_forward == pytest.approx(4.0e-3)
     # an efficiency only: the FLOP model with that efficiency (0.25 instead of 0.5)
-    slow_plain, slow_measured = plain.stage_costs("slow", 1, 1, 1), measured.stage_costs("slow", 1, 1, 1)
+    slow_plain, slow_measured = (
+        plain.stage_costs("slow", 1, 1, 1),
+        measured.stage_costs("slow", 1, 1, 1),
+    )
     assert slow_measured.layer_forward == pytest.approx(2 * slow_plain.layer_forward)
-    assert measured.evaluate(two_stage_plan()).step_time_s != plain.evaluate(two_stage_plan()).step_time_s
+    assert (
+        measured.evaluate(two_stage_plan()).step_time_s
+        != plain.evaluate(two_stage_plan()).step_time_s
+    )
 
 
 @pytest.mark.parametrize(
     ("change", "message"),
     [
-        (lambda p: p["chips"].update(fsat=p["chips"].pop("fast")), "not in the cluster (did you mean 'fast'?)"),
-        (lambda p: p["model"].update(hidden_size=512), "measured for hidden_size 512 but the model has 256"),
+        (
+            lambda p: p["chips"].update(fsat=p["chips"].pop("fast")),
+            "not in the cluster (did you mean 'fast'?)",
+        ),
+        (
+            lambda p: p["model"].update(hidden_size=512),
+            "measured for hidden_size 512 but the model has 256",
+        ),
         (lambda p: p["chips"]["slow"].update(efficiency=1.5), "efficiency must be a fraction"),
-        (lambda p: p["chips"]["fast"]["micro_batch_sizes"][1].pop("layer_backward_ms"),
-         "missing key 'layer_backward_ms'"),
-        (lambda p: p["chips"]["fast"].update(micro_batch_size={}), "did you mean 'micro_batch_sizes'"),
+        (
+            lambda p: p["chips"]["fast"]["micro_batch_sizes"][1].pop("layer_backward_ms"),
+            "missing key 'layer_backward_ms'",
+        ),
+        (
+            lambda p: p["chips"]["fast"].update(micro_batch_size={}),
+            "did you mean 'micro_batch_sizes'",
+        ),
     ],
 )
 def test_profile_errors(change, message: str) -> None:  # type: ignore[no-untyped-def]

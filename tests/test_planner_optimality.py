@@ -9,8 +9,8 @@ every stage's recompute mode) and asks ``CostModel.evaluate`` for its step time.
 from __future__ import annotations
 
 import itertools
-import random
 import math
+import random
 
 import pytest
 
@@ -31,8 +31,16 @@ def compositions(total: int, parts: int) -> list[tuple[int, ...]]:
     ]
 
 
-def fastest_fitting(cost: CostModel, spec: tuple[str, int], layers: int, index: int, p: int,
-                    mbs: int, dp: int, m: int) -> str | None:
+def fastest_fitting(
+    cost: CostModel,
+    spec: tuple[str, int],
+    layers: int,
+    index: int,
+    p: int,
+    mbs: int,
+    dp: int,
+    m: int,
+) -> str | None:
     costs = cost.stage_costs(spec[0], spec[1], mbs, dp)
     return cost.fastest_fitting_mode(costs, layers, min(p - index, m), index == 0, index == p - 1)
 
@@ -45,9 +53,15 @@ def enumerate_plans(cost: CostModel, options: SearchOptions, all_modes: bool = F
         per_dp = options.global_batch_size // mbs
         for dp in (d for d in range(1, per_dp + 1) if per_dp % d == 0):
             m = per_dp // dp
-            choices = [[None] + [(c.name, t, n) for t in c.tensor_parallel_options(model.num_attention_heads,
-                                                                                 model.groups)
-                                 for n in range(1, c.count // (t * dp) + 1)] for c in chips]
+            choices = [
+                [None]
+                + [
+                    (c.name, t, n)
+                    for t in c.tensor_parallel_options(model.num_attention_heads, model.groups)
+                    for n in range(1, c.count // (t * dp) + 1)
+                ]
+                for c in chips
+            ]
             for combo in itertools.product(*choices):
                 used = [c for c in combo if c]
                 for order in itertools.permutations(used):
@@ -59,41 +73,90 @@ def enumerate_plans(cost: CostModel, options: SearchOptions, all_modes: bool = F
                         if all_modes:
                             mode_sets = itertools.product(RECOMPUTE_MODES, repeat=p)
                         else:
-                            modes = [fastest_fitting(cost, s, l, i, p, mbs, dp, m)
-                                     for i, (s, l) in enumerate(zip(stages, split))]
+                            modes = [
+                                fastest_fitting(cost, s, l, i, p, mbs, dp, m)
+                                for i, (s, l) in enumerate(zip(stages, split))
+                            ]
                             mode_sets = [] if None in modes else [modes]
                         for modes in mode_sets:
-                            plan = HeteroPlan(dp, mbs, options.global_batch_size, specs,
-                                              [StageSpec(n, t, l, r) for (n, t), l, r in zip(stages, split, modes)])
+                            plan = HeteroPlan(
+                                dp,
+                                mbs,
+                                options.global_batch_size,
+                                specs,
+                                [
+                                    StageSpec(n, t, l, r)
+                                    for (n, t), l, r in zip(stages, split, modes)
+                                ],
+                            )
                             estimate = cost.evaluate(plan)
                             if estimate.fits:
                                 yield estimate.step_time_s, (mbs, dp, tuple(stages)), plan
 
 
-def chip(name: str, count: int, per_node: int, tflops: float, memory_mib: float,
-         intra: float = 4.0, inter: float = 1.0) -> ChipType:
+def chip(
+    name: str,
+    count: int,
+    per_node: int,
+    tflops: float,
+    memory_mib: float,
+    intra: float = 4.0,
+    inter: float = 1.0,
+) -> ChipType:
     return ChipType(name, "cpu", count, per_node, tflops, memory_mib / 1024, intra, inter)
 
 
-TINY = ModelSpec(num_layers=5, hidden_size=64, ffn_hidden_size=176, num_attention_heads=4,
-                 seq_length=128, vocab_size=1000, num_query_groups=2)
+TINY = ModelSpec(
+    num_layers=5,
+    hidden_size=64,
+    ffn_hidden_size=176,
+    num_attention_heads=4,
+    seq_length=128,
+    vocab_size=1000,
+    num_query_groups=2,
+)
 
 CASES = {
     # two types, memory tight on the fast one: recompute and TP both matter
     "two-types-memory-tight": (
-        Cluster((chip("A", 4, 4, 0.4, 3.0), chip("B", 4, 2, 0.15, 9.0)), 0.5), TINY, 8, False),
+        Cluster((chip("A", 4, 4, 0.4, 3.0), chip("B", 4, 2, 0.15, 9.0)), 0.5),
+        TINY,
+        8,
+        False,
+    ),
     # three types, 16 chips, slow cross-type links
     "three-types-16-chips": (
-        Cluster((chip("A", 4, 2, 0.3, 6.0), chip("B", 4, 4, 0.2, 4.0, 8.0, 2.0),
-                 chip("C", 8, 4, 0.1, 12.0)), 0.2), TINY, 4, True),
+        Cluster(
+            (
+                chip("A", 4, 2, 0.3, 6.0),
+                chip("B", 4, 4, 0.2, 4.0, 8.0, 2.0),
+                chip("C", 8, 4, 0.1, 12.0),
+            ),
+            0.2,
+        ),
+        TINY,
+        4,
+        True,
+    ),
     # distributed optimizer and a batch with three DP degrees
     "three-types-distopt": (
-        Cluster((chip("A", 2, 2, 0.5, 4.0), chip("B", 6, 2, 0.2, 5.0), chip("C", 4, 4, 0.15, 10.0)), 0.5),
-        ModelSpec(6, 64, 176, 4, 128, 1000, 2), 12, True),
+        Cluster(
+            (chip("A", 2, 2, 0.5, 4.0), chip("B", 6, 2, 0.2, 5.0), chip("C", 4, 4, 0.15, 10.0)), 0.5
+        ),
+        ModelSpec(6, 64, 176, 4, 128, 1000, 2),
+        12,
+        True,
+    ),
     # one type much faster, the other memory-rich; emulate_slowdown counts
     "fast-small-vs-slow-big": (
-        Cluster((chip("F", 8, 4, 0.5, 2.6), ChipType("S", "cpu", 8, 4, 0.5, 16 / 1024, 4.0, 1.0, 3.0)), 1.0),
-        ModelSpec(6, 64, 176, 4, 128, 1000, 4), 8, False),
+        Cluster(
+            (chip("F", 8, 4, 0.5, 2.6), ChipType("S", "cpu", 8, 4, 0.5, 16 / 1024, 4.0, 1.0, 3.0)),
+            1.0,
+        ),
+        ModelSpec(6, 64, 176, 4, 128, 1000, 4),
+        8,
+        False,
+    ),
 }
 
 
@@ -117,7 +180,9 @@ def test_the_cases_exercise_recompute_tp_and_several_types() -> None:
     seen_modes, seen_tp, mixed = set(), set(), False
     for cluster, model, global_batch, distributed in CASES.values():
         cost = CostModel(cluster, model, CostConfig(use_distributed_optimizer=distributed))
-        result = search(cost, SearchOptions(global_batch_size=global_batch, top_k=3, max_micro_batch_size=4))
+        result = search(
+            cost, SearchOptions(global_batch_size=global_batch, top_k=3, max_micro_batch_size=4)
+        )
         for cand in result.candidates:
             seen_modes |= {s.recompute for s in cand.plan.stages}
             seen_tp |= {s.tensor_parallel_size for s in cand.plan.stages}
@@ -151,10 +216,18 @@ def test_layer_split_is_exact_for_fixed_stages() -> None:
     split = solve_split(slots, model.num_layers, m, links, caps)
     brute = math.inf
     for layers in compositions(model.num_layers, p):
-        modes = [fastest_fitting(cost, s, l, i, p, mbs, dp, m) for i, (s, l) in enumerate(zip(layout, layers))]
+        modes = [
+            fastest_fitting(cost, s, l, i, p, mbs, dp, m)
+            for i, (s, l) in enumerate(zip(layout, layers))
+        ]
         if None not in modes:
-            plan = HeteroPlan(dp, mbs, m * dp * mbs, specs,
-                              [StageSpec(n, t, l, r) for (n, t), l, r in zip(layout, layers, modes)])
+            plan = HeteroPlan(
+                dp,
+                mbs,
+                m * dp * mbs,
+                specs,
+                [StageSpec(n, t, l, r) for (n, t), l, r in zip(layout, layers, modes)],
+            )
             brute = min(brute, cost.evaluate(plan).step_time_s)
     assert split is not None and split.step_time_s == pytest.approx(brute, rel=1e-9)
 
@@ -167,11 +240,23 @@ def random_case(seed: int) -> tuple[CostModel, SearchOptions]:
     for index in range(types):
         count = rng.choice([c for c in (2, 4, 6, 8) if c <= remaining - 2 * (types - index - 1)])
         remaining -= count
-        chips.append(ChipType("ABC"[index], "cpu", count, rng.choice([1, 2, 4]), rng.uniform(0.05, 0.5),
-                              rng.uniform(2, 12) / 1024, rng.uniform(1, 10), rng.uniform(0.2, 2)))
+        chips.append(
+            ChipType(
+                "ABC"[index],
+                "cpu",
+                count,
+                rng.choice([1, 2, 4]),
+                rng.uniform(0.05, 0.5),
+                rng.uniform(2, 12) / 1024,
+                rng.uniform(1, 10),
+                rng.uniform(0.2, 2),
+            )
+        )
     model = ModelSpec(rng.choice([4, 5, 6, 7, 8]), 64, 176, 4, 128, 1000, 2)
     config = CostConfig(use_distributed_optimizer=rng.random() < 0.5)
-    options = SearchOptions(global_batch_size=rng.choice([4, 6, 8, 12]), top_k=2, max_micro_batch_size=4)
+    options = SearchOptions(
+        global_batch_size=rng.choice([4, 6, 8, 12]), top_k=2, max_micro_batch_size=4
+    )
     return CostModel(Cluster(tuple(chips), rng.uniform(0.1, 1)), model, config), options
 
 

@@ -77,6 +77,7 @@ def test_multiple_json_keys(tmp_path):
     assert [meta[i].tolist() for i in range(2)] == [[7, 10], [8, 9, 10]]
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("workers", [2, 3])
 def test_output_identical_for_any_worker_count(tmp_path, sp_model, workers):
     rng = random.Random(2)
@@ -106,6 +107,7 @@ def test_split_ranges_cover_file_on_line_starts(tmp_path):
             assert first_line == data[:start].count(b"\n") + 1
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("workers", [1, 2])
 def test_bad_line_reports_line_number(tmp_path, workers):
     records = _number_records(40)
@@ -147,6 +149,7 @@ def test_bad_arguments(tmp_path):
         preprocess_jsonl(source, out, "GPTSentencePieceTokenizer", str(tmp_path / "none.model"))
 
 
+@pytest.mark.e2e
 def test_cli_script(tmp_path, sp_model):
     source = _write_jsonl(tmp_path / "in.jsonl", [{"text": "alpha beta"}, {"text": "gamma"}])
     script = os.path.join(REPO, "tools", "preprocess_data.py")

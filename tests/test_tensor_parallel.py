@@ -264,31 +264,37 @@ def _check_case(tp_results: tuple[int, list[dict]], name: str,
             _close(torch.from_numpy(got[key]), want.detach())
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("blocks", [1, 2])
 @pytest.mark.parametrize("gather_output", [False, True])
 def test_column_parallel_matches_full_linear(tp_results, blocks, gather_output):
     _check_case(tp_results, f"column_b{blocks}_g{int(gather_output)}")
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("input_is_parallel", [True, False])
 def test_row_parallel_matches_full_linear(tp_results, input_is_parallel):
     _check_case(tp_results, f"row_parallel_in{int(input_is_parallel)}")
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("sp", [False, True])
 def test_vocab_parallel_embedding_matches_full_embedding(tp_results, sp):
     _check_case(tp_results, f"embedding_sp{int(sp)}")
 
 
+@pytest.mark.e2e
 def test_vocab_parallel_cross_entropy_matches_full(tp_results):
     _check_case(tp_results, "cross_entropy")
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("sp", [False, True])
 def test_column_row_mlp_chain(tp_results, sp):
     _check_case(tp_results, f"mlp_sp{int(sp)}")
 
 
+@pytest.mark.e2e
 def test_sequence_parallel_norm_grads_are_partial_before_allreduce(tp_results):
     _, per_rank = tp_results
     full = _ref_mlp(True)["grad_norm"]
@@ -297,6 +303,7 @@ def test_sequence_parallel_norm_grads_are_partial_before_allreduce(tp_results):
     assert not torch.allclose(partial[0], full, atol=1e-3)
 
 
+@pytest.mark.e2e
 def test_mappings_forward_and_backward(tp_results):
     size, per_rank = tp_results
     _check_case(tp_results, "mappings", _ref_mappings(size))

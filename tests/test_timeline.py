@@ -218,6 +218,7 @@ def _gather_worker(rank: int, world_size: int, path: str):
     return gather_and_write(timeline, path)
 
 
+@pytest.mark.e2e
 def test_gather_and_write_across_processes(tmp_path):
     path = tmp_path / "trace.json"
     results = run_distributed(_gather_worker, 2, str(path))

@@ -190,6 +190,7 @@ def test_train_tokenizer_cli(tmp_path, capsys):
     assert error.startswith("error: ") and error.count("\n") == 1
 
 
+@pytest.mark.e2e
 def test_train_tokenizer_script_runs_standalone(tmp_path):
     data = tmp_path / "corpus.txt"
     data.write_text("\n".join(_texts(100)))

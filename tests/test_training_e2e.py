@@ -5,6 +5,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from megatron_h2.training.main import main
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -105,6 +107,7 @@ def test_mismatched_model_shape_on_load(corpus, tmp_path, capsys):
     assert "hidden_size=64" in _run_error(argv, capsys)
 
 
+@pytest.mark.e2e
 def test_script_prints_one_line_without_traceback():
     proc = subprocess.run([sys.executable, str(ROOT / "pretrain_gpt.py"), "--hidden-size", "100",
                            "--num-attention-heads", "8"], capture_output=True, text=True)

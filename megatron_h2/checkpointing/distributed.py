@@ -29,9 +29,9 @@ from megatron_h2.checkpointing import (
 )
 from megatron_h2.config import RunConfig
 from megatron_h2.devices import Accelerator
-from megatron_h2.optimizer.distributed_optimizer import DataParallelOptimizer
 from megatron_h2.distributed.topology import Topology
 from megatron_h2.errors import ConfigError
+from megatron_h2.optimizer.distributed_optimizer import DataParallelOptimizer
 from megatron_h2.parallel import TPContext, gather_tp_tensor, get_tp_shard, shard_tensor
 
 # Config fields that must match for a checkpoint's weights to mean the same model.

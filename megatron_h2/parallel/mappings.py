@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-from torch.distributed import ProcessGroup
 
 from megatron_h2.distributed.topology import TPContext
 

@@ -19,7 +19,13 @@ profile formats, the cost model and the search are documented in ``docs/planner.
 
 from megatron_h2.planner.cluster import ChipType, Cluster
 from megatron_h2.planner.compare import Comparison, HomogeneousResult, compare_homogeneous
-from megatron_h2.planner.cost_model import CostConfig, CostModel, PlanEstimate, StageCosts, StageEstimate
+from megatron_h2.planner.cost_model import (
+    CostConfig,
+    CostModel,
+    PlanEstimate,
+    StageCosts,
+    StageEstimate,
+)
 from megatron_h2.planner.model import ModelSpec
 from megatron_h2.planner.partition import Split, StageSlot, solve_split
 from megatron_h2.planner.profile import ChipProfile, MeasuredTimes, ProfileTable
@@ -34,9 +40,32 @@ from megatron_h2.planner.simulator import (
 )
 
 __all__ = [
-    "Candidate", "ChipProfile", "ChipType", "Cluster", "Comparison", "CostConfig", "CostModel",
-    "Event", "HomogeneousResult", "MeasuredTimes", "ModelSpec", "PlanEstimate", "ProfileTable",
-    "SearchOptions", "SearchResult", "SearchStats", "SimulationResult", "Split", "StageCosts",
-    "StageEstimate", "StageSlot", "chrome_trace", "compare_homogeneous", "search", "simulate",
-    "solve_split", "write_chrome_trace", "write_timeline_png",
+    "Candidate",
+    "ChipProfile",
+    "ChipType",
+    "Cluster",
+    "Comparison",
+    "CostConfig",
+    "CostModel",
+    "Event",
+    "HomogeneousResult",
+    "MeasuredTimes",
+    "ModelSpec",
+    "PlanEstimate",
+    "ProfileTable",
+    "SearchOptions",
+    "SearchResult",
+    "SearchStats",
+    "SimulationResult",
+    "Split",
+    "StageCosts",
+    "StageEstimate",
+    "StageSlot",
+    "chrome_trace",
+    "compare_homogeneous",
+    "search",
+    "simulate",
+    "solve_split",
+    "write_chrome_trace",
+    "write_timeline_png",
 ]

@@ -37,7 +37,13 @@ class Kind:
     __slots__ = ("chip", "name", "tp", "max_stages", "costs")
 
     def __init__(self, chip: int, name: str, tp: int, max_stages: int, costs: StageCosts) -> None:
-        self.chip, self.name, self.tp, self.max_stages, self.costs = chip, name, tp, max_stages, costs
+        self.chip, self.name, self.tp, self.max_stages, self.costs = (
+            chip,
+            name,
+            tp,
+            max_stages,
+            costs,
+        )
 
 
 class BatchShape:
@@ -53,7 +59,9 @@ class BatchShape:
             for tp in chip.tensor_parallel_options(model.num_attention_heads, model.groups):
                 count = chip.count // (tp * dp)
                 if count:
-                    kinds.append(Kind(index, chip.name, tp, count, cost.stage_costs(chip.name, tp, mbs, dp)))
+                    kinds.append(
+                        Kind(index, chip.name, tp, count, cost.stage_costs(chip.name, tp, mbs, dp))
+                    )
         self.kinds = tuple(kinds)
         self.types = sorted({k.chip for k in kinds})
         self.kinds_of = {t: [i for i, k in enumerate(kinds) if k.chip == t] for t in self.types}
@@ -90,12 +98,17 @@ class BatchShape:
     # ------------------------------------------------------------------------------- bounds
     def _prepare(self) -> None:
         positions, layers = self.positions, self.layers
-        self.unit = np.array([[k.costs.layer_time(r) for r in range(len(MODES))] for k in self.kinds])
+        self.unit = np.array(
+            [[k.costs.layer_time(r) for r in range(len(MODES))] for k in self.kinds]
+        )
         in_flight = np.minimum(np.arange(positions) + 1, self.micro_batches)
-        self.mem_caps = np.array([
-            [k.costs.max_layers_many(r, in_flight, False, False) for r in range(len(MODES))]
-            for k in self.kinds
-        ], dtype=np.float64)  # kind x mode x position
+        self.mem_caps = np.array(
+            [
+                [k.costs.max_layers_many(r, in_flight, False, False) for r in range(len(MODES))]
+                for k in self.kinds
+            ],
+            dtype=np.float64,
+        )  # kind x mode x position
         self.head_time = np.array([k.costs.edge_time(False, True) for k in self.kinds])
         self.embedding_time = np.array([k.costs.edge_time(True, False) for k in self.kinds])
         self.embedding_min = float(self.embedding_time.min())
@@ -105,7 +118,8 @@ class BatchShape:
             self.sync_inverse = np.where(slope > 0, 1.0 / np.maximum(slope, 1e-300), INF)
         stages = np.array([k.max_stages for k in self.kinds], dtype=np.float64)
         self.type_sync_inverse = {
-            t: float(max(stages[i] * self.sync_inverse[i] for i in self.kinds_of[t])) for t in self.types
+            t: float(max(stages[i] * self.sync_inverse[i] for i in self.kinds_of[t]))
+            for t in self.types
         }
         full = [k.costs.edge_time(True, True) + layers * k.costs.layer_time(2) for k in self.kinds]
         self.w_max = max(full) * (1 + 1e-9)
@@ -124,9 +138,13 @@ class BatchShape:
         result = np.zeros((len(self.types), caps.shape[1], positions + 1))
         for t_index, chip in enumerate(self.types):
             for kind in self.kinds_of[chip]:
-                prefix = np.concatenate((np.zeros((caps.shape[1], 1)), caps[kind].cumsum(axis=1)), axis=1)
+                prefix = np.concatenate(
+                    (np.zeros((caps.shape[1], 1)), caps[kind].cumsum(axis=1)), axis=1
+                )
                 ends = np.minimum(starts + self.kinds[kind].max_stages, positions)
-                np.maximum(result[t_index], prefix[:, ends] - prefix[:, starts], out=result[t_index])
+                np.maximum(
+                    result[t_index], prefix[:, ends] - prefix[:, starts], out=result[t_index]
+                )
         return result
 
     def _root_w(self) -> float:
@@ -223,7 +241,9 @@ class BatchShape:
         self._rest[mask] = result
         return result
 
-    def sync_bound(self, blocks: Sequence[tuple[int, np.ndarray | int]], unused: int) -> np.ndarray | float:
+    def sync_bound(
+        self, blocks: Sequence[tuple[int, np.ndarray | int]], unused: int
+    ) -> np.ndarray | float:
         """Lower bound on the slowest DP synchronisation: the known blocks' one-layer syncs, and
         the L layers spread so that the largest sync is smallest over every stage that may exist.
         """
@@ -237,7 +257,9 @@ class BatchShape:
             if unused >> t_index & 1:
                 inverse = inverse + self.type_sync_inverse[chip]
         with np.errstate(divide="ignore", invalid="ignore"):
-            spread = np.where(np.isfinite(inverse), self.layers / np.asarray(inverse, dtype=np.float64), 0.0)
+            spread = np.where(
+                np.isfinite(inverse), self.layers / np.asarray(inverse, dtype=np.float64), 0.0
+            )
         return np.maximum(spread, floor)
 
     def bound(

@@ -33,7 +33,12 @@ from megatron_h2.planner.report import (
     stage_summary,
 )
 from megatron_h2.planner.search import SearchOptions, SearchResult, search
-from megatron_h2.planner.simulator import SimulationResult, simulate, write_chrome_trace, write_timeline_png
+from megatron_h2.planner.simulator import (
+    SimulationResult,
+    simulate,
+    write_chrome_trace,
+    write_timeline_png,
+)
 
 
 class _Parser(argparse.ArgumentParser):
@@ -47,23 +52,50 @@ def build_parser() -> argparse.ArgumentParser:
         prog="tools/plan.py",
         description="Find the fastest heterogeneous plan (HeteroPP) that fits in every chip's memory.",
     )
-    parser.add_argument("--cluster", required=True, metavar="FILE", help="cluster YAML (docs/planner.md)")
+    parser.add_argument(
+        "--cluster", required=True, metavar="FILE", help="cluster YAML (docs/planner.md)"
+    )
     add_model_arguments(parser)
-    parser.add_argument("--output", required=True, metavar="PLAN.yaml", help="where to write the best plan")
-    parser.add_argument("--launch-script", metavar="FILE", help="launch script (default: PLAN with .sh)")
+    parser.add_argument(
+        "--output", required=True, metavar="PLAN.yaml", help="where to write the best plan"
+    )
+    parser.add_argument(
+        "--launch-script", metavar="FILE", help="launch script (default: PLAN with .sh)"
+    )
     parser.add_argument("--top", type=int, default=5, metavar="K", help="plans to list (default 5)")
-    parser.add_argument("--timeline", metavar="FILE.png", help="draw the simulated step of the best plan")
-    parser.add_argument("--trace", metavar="FILE.json", help="Chrome/Perfetto trace of the simulated step")
+    parser.add_argument(
+        "--timeline", metavar="FILE.png", help="draw the simulated step of the best plan"
+    )
+    parser.add_argument(
+        "--trace", metavar="FILE.json", help="Chrome/Perfetto trace of the simulated step"
+    )
     parser.add_argument("--profile", metavar="FILE", help="profile table YAML (measured times)")
-    parser.add_argument("--compare-homogeneous", action="store_true",
-                        help="also plan each chip type alone and compare throughput")
-    parser.add_argument("--micro-batch-size", type=int, metavar="N", help="fix the micro-batch size")
-    parser.add_argument("--use-distributed-optimizer", action="store_true",
-                        help="shard optimizer state over DP (as pretrain_gpt.py's flag)")
-    parser.add_argument("--time-limit", type=float, default=55.0, metavar="S",
-                        help="stop the search after S seconds and report the proven gap (default 55)")
-    parser.add_argument("--compute-efficiency", type=float, metavar="F",
-                        help="fraction of peak TFLOPS reached where no profile says otherwise (default 0.5)")
+    parser.add_argument(
+        "--compare-homogeneous",
+        action="store_true",
+        help="also plan each chip type alone and compare throughput",
+    )
+    parser.add_argument(
+        "--micro-batch-size", type=int, metavar="N", help="fix the micro-batch size"
+    )
+    parser.add_argument(
+        "--use-distributed-optimizer",
+        action="store_true",
+        help="shard optimizer state over DP (as pretrain_gpt.py's flag)",
+    )
+    parser.add_argument(
+        "--time-limit",
+        type=float,
+        default=55.0,
+        metavar="S",
+        help="stop the search after S seconds and report the proven gap (default 55)",
+    )
+    parser.add_argument(
+        "--compute-efficiency",
+        type=float,
+        metavar="F",
+        help="fraction of peak TFLOPS reached where no profile says otherwise (default 0.5)",
+    )
     return parser
 
 
@@ -116,17 +148,21 @@ def _write_outputs(
     best = result.best
     est = best.estimate
     script_path = args.launch_script or str(Path(args.output).with_suffix(".sh"))
-    header = "\n".join([
-        "Written by tools/plan.py (megatron_h2 HeteroAuto).",
-        f"model: {describe(cost.model)}",
-        f"cluster: {args.cluster}",
-        f"predicted step {est.step_time_s:.3f} s (1F1B simulation {simulation.step_time_s:.3f} s),"
-        f" {est.tokens_per_s:,.0f} tokens/s, MFU {100 * est.mfu:.1f}%",
-        f"stages: {stage_summary(best.plan)}",
-        f"run with: {script_path}",
-    ])
+    header = "\n".join(
+        [
+            "Written by tools/plan.py (megatron_h2 HeteroAuto).",
+            f"model: {describe(cost.model)}",
+            f"cluster: {args.cluster}",
+            f"predicted step {est.step_time_s:.3f} s (1F1B simulation {simulation.step_time_s:.3f} s),"
+            f" {est.tokens_per_s:,.0f} tokens/s, MFU {100 * est.mfu:.1f}%",
+            f"stages: {stage_summary(best.plan)}",
+            f"run with: {script_path}",
+        ]
+    )
     best.plan.to_yaml(args.output, header=header)
-    kind, text = launch_script(best.plan, cost.cluster, cost.model, args.output, args.use_distributed_optimizer)
+    kind, text = launch_script(
+        best.plan, cost.cluster, cost.model, args.output, args.use_distributed_optimizer
+    )
     Path(script_path).write_text(text)
     Path(script_path).chmod(0o755)
     print(f"\nwrote {args.output} and {script_path} ({kind})")

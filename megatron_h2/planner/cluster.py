@@ -40,8 +40,13 @@ from megatron_h2.hetero_plan import (
 
 _NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_.\-]*$")
 _REQUIRED_CHIP_KEYS = (
-    "device", "count", "chips_per_node", "tflops_bf16", "memory_gib",
-    "intra_node_gb_per_s", "inter_node_gb_per_s",
+    "device",
+    "count",
+    "chips_per_node",
+    "tflops_bf16",
+    "memory_gib",
+    "intra_node_gb_per_s",
+    "inter_node_gb_per_s",
 )
 _OPTIONAL_CHIP_KEYS = ("emulate_slowdown",)
 
@@ -63,14 +68,18 @@ class ChipType:
     def __post_init__(self) -> None:
         where = f"chip type '{self.name}'"
         if not isinstance(self.name, str) or not _NAME.match(self.name):
-            raise ConfigError(f"chip type name {self.name!r} must be a word of letters, digits, _ . -")
+            raise ConfigError(
+                f"chip type name {self.name!r} must be a word of letters, digits, _ . -"
+            )
         if not isinstance(self.device, str) or not self.device.strip():
             raise ConfigError(f"{where}: device must be a torch device type such as 'cuda'")
         _wrap(where, positive_int, self.count, "count")
         _wrap(where, positive_int, self.chips_per_node, "chips_per_node")
         for name in ("tflops_bf16", "memory_gib", "intra_node_gb_per_s", "inter_node_gb_per_s"):
             object.__setattr__(self, name, _wrap(where, positive_float, getattr(self, name), name))
-        slowdown = _wrap(where, positive_float, self.emulate_slowdown, "emulate_slowdown", 1.0, True)
+        slowdown = _wrap(
+            where, positive_float, self.emulate_slowdown, "emulate_slowdown", 1.0, True
+        )
         object.__setattr__(self, "emulate_slowdown", slowdown)
 
     @property
@@ -86,9 +95,12 @@ class ChipType:
     def tensor_parallel_options(self, num_attention_heads: int, num_query_groups: int) -> list[int]:
         """TP degrees this chip can run: divisors of its node size that divide heads and groups."""
         return [
-            tp for tp in range(1, self.chips_per_node + 1)
-            if self.chips_per_node % tp == 0 and num_attention_heads % tp == 0
-            and num_query_groups % tp == 0 and tp <= self.count
+            tp
+            for tp in range(1, self.chips_per_node + 1)
+            if self.chips_per_node % tp == 0
+            and num_attention_heads % tp == 0
+            and num_query_groups % tp == 0
+            and tp <= self.count
         ]
 
 
@@ -131,7 +143,9 @@ class Cluster:
         for chip in self.chips:
             if chip.name == name:
                 return chip
-        raise ConfigError(f"unknown chip type '{name}'{closest(name, self.names)}; known: {', '.join(self.names)}")
+        raise ConfigError(
+            f"unknown chip type '{name}'{closest(name, self.names)}; known: {', '.join(self.names)}"
+        )
 
     def link_gb_per_s(self, first: str, second: str) -> float:
         """Per-chip bandwidth of a pipeline link between stages on chip types ``first``, ``second``."""

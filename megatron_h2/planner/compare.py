@@ -58,7 +58,9 @@ def compare_homogeneous(
     results = []
     per_type = replace(options, top_k=1, time_limit_s=max(options.time_limit_s / 4, 1.0))
     for chip in cost.cluster.chips:
-        alone = CostModel(cost.cluster.subset([chip.name]), cost.model, cost.config, _profile_for(cost, chip.name))
+        alone = CostModel(
+            cost.cluster.subset([chip.name]), cost.model, cost.config, _profile_for(cost, chip.name)
+        )
         try:
             found = search(alone, per_type)
         except ConfigError as exc:

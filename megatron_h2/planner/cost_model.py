@@ -36,8 +36,8 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from megatron_h2.errors import ConfigError
 from megatron_h2.config import RECOMPUTE_MODES, Recompute
+from megatron_h2.errors import ConfigError
 from megatron_h2.hetero_plan import HeteroPlan, positive_float
 from megatron_h2.planner.cluster import ChipType, Cluster
 from megatron_h2.planner.model import ModelSpec
@@ -160,11 +160,16 @@ class StageCosts:
         guess = max(int(room // per_layer), 0) if per_layer > 0 else 1 << 20
         while guess > 0 and self.memory(guess, mode, in_flight, first, last) > self.capacity:
             guess -= 1
-        while self.memory(guess + 1, mode, in_flight, first, last) <= self.capacity and guess < 1 << 20:
+        while (
+            self.memory(guess + 1, mode, in_flight, first, last) <= self.capacity
+            and guess < 1 << 20
+        ):
             guess += 1
         return guess
 
-    def max_layers_many(self, mode: int, in_flight: np.ndarray, first: bool, last: bool) -> np.ndarray:
+    def max_layers_many(
+        self, mode: int, in_flight: np.ndarray, first: bool, last: bool
+    ) -> np.ndarray:
         """:meth:`max_layers` for many in-flight counts at once (same arithmetic, vectorised)."""
         k = np.asarray(in_flight, dtype=np.float64)
         edge = np.zeros_like(k)
@@ -177,7 +182,9 @@ class StageCosts:
         guess = np.maximum(np.floor((self.capacity - fixed) / per_layer), 0.0)
         guess = np.where(fixed + guess * per_layer > self.capacity, np.maximum(guess - 1, 0), guess)
         guess = np.where(fixed + (guess + 1) * per_layer <= self.capacity, guess + 1, guess)
-        guess = np.where((guess > 0) & (fixed + guess * per_layer > self.capacity), guess - 1, guess)
+        guess = np.where(
+            (guess > 0) & (fixed + guess * per_layer > self.capacity), guess - 1, guess
+        )
         return np.where(edge > self.capacity, -1, guess).astype(np.int64)
 
     def params(self, layers: int, first: bool, last: bool) -> float:
@@ -285,7 +292,9 @@ class CostModel:
         if group <= 1:
             return 0.0
         steps = 2 * (group - 1)
-        return steps * self.config.collective_latency_s + steps / group * nbytes / self._bandwidth(gb_per_s)
+        return steps * self.config.collective_latency_s + steps / group * nbytes / self._bandwidth(
+            gb_per_s
+        )
 
     def link_s(self, sender: str, receiver: str, micro_batch_size: int) -> float:
         """One pipeline point-to-point transfer (one direction, one micro-batch)."""
@@ -305,18 +314,30 @@ class CostModel:
         if measured is not None and measured.selective_recompute_ms is not None:
             return measured.selective_recompute_ms / 1000.0 / tp * chip.emulate_slowdown
         tokens = mbs * self.model.seq_length
-        core_share = self.model.attention_core_flops_per_token * tokens / self.model.layer_forward_flops(tokens)
+        core_share = (
+            self.model.attention_core_flops_per_token
+            * tokens
+            / self.model.layer_forward_flops(tokens)
+        )
         return layer_forward * core_share
 
-    def _compute_times(self, chip: ChipType, tp: int, mbs: int) -> tuple[float, float, float, float, float, float]:
+    def _compute_times(
+        self, chip: ChipType, tp: int, mbs: int
+    ) -> tuple[float, float, float, float, float, float]:
         """(layer fwd, layer bwd, emb fwd, emb bwd, head fwd, head bwd) compute seconds, no comm."""
         model, tokens = self.model, mbs * self.model.seq_length
         profile = self.profile.for_chip(chip.name) if self.profile else None
         measured = profile.times(mbs) if profile else None
         slow = chip.emulate_slowdown
         if measured is not None:
-            ms = (measured.layer_forward_ms, measured.layer_backward_ms, measured.embedding_forward_ms,
-                  measured.embedding_backward_ms, measured.head_forward_ms, measured.head_backward_ms)
+            ms = (
+                measured.layer_forward_ms,
+                measured.layer_backward_ms,
+                measured.embedding_forward_ms,
+                measured.embedding_backward_ms,
+                measured.head_forward_ms,
+                measured.head_backward_ms,
+            )
             lf, lb, ef, eb, hf, hb = (value / 1000.0 / tp * slow for value in ms)
             return lf, lb, ef, eb, hf, hb
         efficiency = self.config.compute_efficiency
@@ -336,14 +357,23 @@ class CostModel:
 
     def _build(self, chip: ChipType, tp: int, mbs: int, dp: int) -> StageCosts:
         model, cfg = self.model, self.config
-        h, f, kv, a = model.hidden_size, model.ffn_hidden_size, model.kv_size, model.num_attention_heads
+        h, f, kv, a = (
+            model.hidden_size,
+            model.ffn_hidden_size,
+            model.kv_size,
+            model.num_attention_heads,
+        )
         tokens = mbs * model.seq_length
         lf, lb, ef, eb, hf, hb = self._compute_times(chip, tp, mbs)
         hidden_bytes = tokens * h * BF16_BYTES
         tp_ar = self.allreduce_s(hidden_bytes, tp, chip.intra_node_gb_per_s)
         fwd = lf + 2 * tp_ar
         bwd_plain = lb + 2 * tp_ar
-        backward = (bwd_plain, bwd_plain + self._selective_extra(chip, tp, mbs, lf), bwd_plain + fwd)
+        backward = (
+            bwd_plain,
+            bwd_plain + self._selective_extra(chip, tp, mbs, lf),
+            bwd_plain + fwd,
+        )
         vocab = model.padded_vocab(tp)
         bpp = cfg.bytes_per_param(dp)
         activation = (
@@ -363,10 +393,16 @@ class CostModel:
         else:  # all-reduce fp32 grads
             per_param, fixed_steps = 2.0 * 4.0 * steps / dp, 2 * steps
         return StageCosts(
-            chip=chip.name, tensor_parallel_size=tp, micro_batch_size=mbs, data_parallel_size=dp,
-            layer_forward=fwd, layer_backward=backward,
-            embedding_forward=ef + tp_ar, embedding_backward=eb,
-            head_forward=hf, head_backward=hb + tp_ar,
+            chip=chip.name,
+            tensor_parallel_size=tp,
+            micro_batch_size=mbs,
+            data_parallel_size=dp,
+            layer_forward=fwd,
+            layer_backward=backward,
+            embedding_forward=ef + tp_ar,
+            embedding_backward=eb,
+            head_forward=hf,
+            head_backward=hb + tp_ar,
             layer_static=layer_params * bpp,
             embedding_static=model.embedding_params_per_chip(tp) * bpp,
             head_static=model.head_params_per_chip(tp) * bpp,
@@ -399,17 +435,21 @@ class CostModel:
             first, last, mode = index == 0, index == p - 1, MODES.index(spec.recompute)
             in_flight = min(p - index, m)
             optimizer = costs.optimizer_step(spec.num_layers, first, last)
-            stages.append(StageEstimate(
-                chip=spec.chip, tensor_parallel_size=spec.tensor_parallel_size,
-                num_layers=spec.num_layers, recompute=spec.recompute,
-                forward_s=costs.forward(spec.num_layers, first, last),
-                backward_s=costs.backward(spec.num_layers, mode, first, last),
-                in_flight=in_flight,
-                memory_bytes=costs.memory(spec.num_layers, mode, in_flight, first, last),
-                capacity_bytes=costs.capacity,
-                dp_sync_s=costs.dp_sync(spec.num_layers, first, last) + optimizer,
-                optimizer_s=optimizer,
-            ))
+            stages.append(
+                StageEstimate(
+                    chip=spec.chip,
+                    tensor_parallel_size=spec.tensor_parallel_size,
+                    num_layers=spec.num_layers,
+                    recompute=spec.recompute,
+                    forward_s=costs.forward(spec.num_layers, first, last),
+                    backward_s=costs.backward(spec.num_layers, mode, first, last),
+                    in_flight=in_flight,
+                    memory_bytes=costs.memory(spec.num_layers, mode, in_flight, first, last),
+                    capacity_bytes=costs.capacity,
+                    dp_sync_s=costs.dp_sync(spec.num_layers, first, last) + optimizer,
+                    optimizer_s=optimizer,
+                )
+            )
         links = tuple(
             self.link_s(a.chip, b.chip, mbs) for a, b in zip(plan.stages, plan.stages[1:])
         )
@@ -421,22 +461,40 @@ class CostModel:
         return self._finish(plan, tuple(stages), links, pipeline, link_total, sync, step)
 
     def _finish(
-        self, plan: HeteroPlan, stages: tuple[StageEstimate, ...], links: tuple[float, ...],
-        pipeline: float, link_total: float, sync: float, step: float,
+        self,
+        plan: HeteroPlan,
+        stages: tuple[StageEstimate, ...],
+        links: tuple[float, ...],
+        pipeline: float,
+        link_total: float,
+        sync: float,
+        step: float,
     ) -> PlanEstimate:
         used: dict[str, int] = {}
         for spec in plan.stages:
-            used[spec.chip] = used.get(spec.chip, 0) + spec.tensor_parallel_size * plan.data_parallel_size
+            used[spec.chip] = (
+                used.get(spec.chip, 0) + spec.tensor_parallel_size * plan.data_parallel_size
+            )
         tokens = plan.global_batch_size * self.model.seq_length
         peak = sum(
-            count * self.cluster.chip(name).tflops_bf16 * 1e12 / self.cluster.chip(name).emulate_slowdown
+            count
+            * self.cluster.chip(name).tflops_bf16
+            * 1e12
+            / self.cluster.chip(name).emulate_slowdown
             for name, count in used.items()
         )
         mfu = tokens * self.model.model_flops_per_token() / step / peak
         return PlanEstimate(
-            step_time_s=step, pipeline_s=pipeline, link_s=link_total, dp_sync_s=sync,
-            num_micro_batches=plan.num_micro_batches, stages=stages, link_times_s=links,
-            tokens_per_s=tokens / step, mfu=mfu, chips_used=used,
+            step_time_s=step,
+            pipeline_s=pipeline,
+            link_s=link_total,
+            dp_sync_s=sync,
+            num_micro_batches=plan.num_micro_batches,
+            stages=stages,
+            link_times_s=links,
+            tokens_per_s=tokens / step,
+            mfu=mfu,
+            chips_used=used,
         )
 
     def fastest_fitting_mode(

@@ -36,8 +36,14 @@ class ModelSpec:
     max_position_embeddings: int | None = None
 
     def __post_init__(self) -> None:
-        for name in ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads",
-                     "seq_length", "vocab_size"):
+        for name in (
+            "num_layers",
+            "hidden_size",
+            "ffn_hidden_size",
+            "num_attention_heads",
+            "seq_length",
+            "vocab_size",
+        ):
             positive_int(getattr(self, name), name)
         if self.num_query_groups is None:
             object.__setattr__(self, "num_query_groups", self.num_attention_heads)
@@ -105,7 +111,9 @@ class ModelSpec:
     def total_params(self) -> int:
         """All parameters of the unpadded model (layers, embedding, final norm, head)."""
         per_layer = self.layer_matrix_params + 2 * self.hidden_size
-        return self.num_layers * per_layer + 2 * self.vocab_size * self.hidden_size + self.hidden_size
+        return (
+            self.num_layers * per_layer + 2 * self.vocab_size * self.hidden_size + self.hidden_size
+        )
 
     # --------------------------------------------------------------------------------- FLOPs
     def layer_forward_flops(self, tokens: int) -> float:
@@ -151,13 +159,24 @@ class ModelSpec:
 
 
 MODEL_FLAGS: tuple[str, ...] = (
-    "num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
-    "seq_length", "max_position_embeddings", "vocab_size",
+    "num_layers",
+    "hidden_size",
+    "ffn_hidden_size",
+    "num_attention_heads",
+    "num_query_groups",
+    "seq_length",
+    "max_position_embeddings",
+    "vocab_size",
 )
 
 
 REQUIRED_MODEL_FLAGS: tuple[str, ...] = (
-    "num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "seq_length", "vocab_size",
+    "num_layers",
+    "hidden_size",
+    "ffn_hidden_size",
+    "num_attention_heads",
+    "seq_length",
+    "vocab_size",
 )
 
 
@@ -184,10 +203,16 @@ def model_from_arguments(args: argparse.Namespace) -> tuple[ModelSpec, int]:
     missing = [n for n in REQUIRED_MODEL_FLAGS if n not in data]
     if missing:
         flag = "--" + missing[0].replace("_", "-")
-        raise ConfigError(f"model flag {flag} is missing; give it on the command line or in --model FILE")
+        raise ConfigError(
+            f"model flag {flag} is missing; give it on the command line or in --model FILE"
+        )
     if global_batch is None:
-        raise ConfigError("--global-batch-size is missing; give it on the command line or in --model FILE")
-    return ModelSpec.from_dict(data, source="model flags"), positive_int(global_batch, "global_batch_size")
+        raise ConfigError(
+            "--global-batch-size is missing; give it on the command line or in --model FILE"
+        )
+    return ModelSpec.from_dict(data, source="model flags"), positive_int(
+        global_batch, "global_batch_size"
+    )
 
 
 def describe(model: ModelSpec) -> str:

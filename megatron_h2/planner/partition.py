@@ -51,7 +51,9 @@ class Split:
 class StageTable:
     """Per stage and layer count: work, DP sync time and recompute mode (index into MODES)."""
 
-    def __init__(self, slots: list[StageSlot], num_layers: int, mode_caps: list[tuple[int, int, int]]):
+    def __init__(
+        self, slots: list[StageSlot], num_layers: int, mode_caps: list[tuple[int, int, int]]
+    ):
         p, size = len(slots), num_layers + 1
         layers = np.arange(size, dtype=np.float64)
         self.work = np.full((p, size), INF)
@@ -122,9 +124,11 @@ class StageTable:
             high = int(min(caps[i], self.num_layers))
             if high < 1:
                 return None
-            row = self.work[i, 1: high + 1]
+            row = self.work[i, 1 : high + 1]
             padded = np.concatenate((np.full(high, INF), total))
-            windows = sliding_window_view(padded, high)[:size]  # windows[k, x] = total[k - high + x]
+            windows = sliding_window_view(padded, high)[
+                :size
+            ]  # windows[k, x] = total[k - high + x]
             sums = windows + row[::-1]  # column x holds l = high - x
             arg = sums.argmin(axis=1)
             total = sums[np.arange(size), arg]

@@ -53,11 +53,25 @@ from pathlib import Path
 from typing import Any
 
 from megatron_h2.errors import ConfigError
-from megatron_h2.hetero_plan import check_keys, closest, load_yaml_mapping, positive_float, positive_int
+from megatron_h2.hetero_plan import (
+    check_keys,
+    closest,
+    load_yaml_mapping,
+    positive_float,
+    positive_int,
+)
 from megatron_h2.planner.model import ModelSpec
 
-_MODEL_KEYS = ("hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
-               "seq_length", "vocab_size", "num_layers", "max_position_embeddings")
+_MODEL_KEYS = (
+    "hidden_size",
+    "ffn_hidden_size",
+    "num_attention_heads",
+    "num_query_groups",
+    "seq_length",
+    "vocab_size",
+    "num_layers",
+    "max_position_embeddings",
+)
 
 
 @dataclass(frozen=True)
@@ -84,8 +98,12 @@ class MeasuredTimes:
 
     def scaled(self, factor: float) -> MeasuredTimes:
         """All times multiplied by ``factor`` (to move to another micro-batch size)."""
-        return MeasuredTimes(**{f.name: None if getattr(self, f.name) is None
-                                else getattr(self, f.name) * factor for f in fields(self)})
+        return MeasuredTimes(
+            **{
+                f.name: None if getattr(self, f.name) is None else getattr(self, f.name) * factor
+                for f in fields(self)
+            }
+        )
 
 
 @dataclass(frozen=True)
@@ -97,8 +115,13 @@ class ChipProfile:
     optimizer_ns_per_param: float = 0.0
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "optimizer_ns_per_param", positive_float(
-            self.optimizer_ns_per_param, "optimizer_ns_per_param", 0.0, inclusive=True))
+        object.__setattr__(
+            self,
+            "optimizer_ns_per_param",
+            positive_float(
+                self.optimizer_ns_per_param, "optimizer_ns_per_param", 0.0, inclusive=True
+            ),
+        )
         if self.efficiency is not None:
             value = positive_float(self.efficiency, "efficiency")
             if value > 1.0:
@@ -163,7 +186,10 @@ class ProfileTable:
         raw = top["chips"]
         if not isinstance(raw, Mapping):
             raise ConfigError(f"'chips' in {source} must map chip type names to profiles")
-        chips = {str(name): _chip_profile(entry, f"chip '{name}' of {source}") for name, entry in raw.items()}
+        chips = {
+            str(name): _chip_profile(entry, f"chip '{name}' of {source}")
+            for name, entry in raw.items()
+        }
         return cls(chips, model)
 
     @classmethod
@@ -173,7 +199,9 @@ class ProfileTable:
 
 
 def _chip_profile(entry: Any, where: str) -> ChipProfile:
-    fields_ = check_keys(entry, (), ("efficiency", "micro_batch_sizes", "optimizer_ns_per_param"), where)
+    fields_ = check_keys(
+        entry, (), ("efficiency", "micro_batch_sizes", "optimizer_ns_per_param"), where
+    )
     table = None
     raw = fields_.get("micro_batch_sizes")
     if raw is not None:
@@ -185,10 +213,14 @@ def _chip_profile(entry: Any, where: str) -> ChipProfile:
             inner = f"micro batch size {size} of {where}"
             values = check_keys(times, names[:2], names[2:], inner)
             try:
-                table[positive_int(size, "profiled micro batch size")] = MeasuredTimes(**dict(values))
+                table[positive_int(size, "profiled micro batch size")] = MeasuredTimes(
+                    **dict(values)
+                )
             except ConfigError as exc:
                 raise ConfigError(f"{inner}: {exc}") from None
     try:
-        return ChipProfile(fields_.get("efficiency"), table, fields_.get("optimizer_ns_per_param", 0.0))
+        return ChipProfile(
+            fields_.get("efficiency"), table, fields_.get("optimizer_ns_per_param", 0.0)
+        )
     except ConfigError as exc:
         raise ConfigError(f"{where}: {exc}") from None

@@ -40,7 +40,9 @@ def stage_summary(plan: HeteroPlan) -> str:
             blocks[-1][2].append(stage.num_layers)
             blocks[-1][3].append(stage.recompute)
         else:
-            blocks.append((stage.chip, stage.tensor_parallel_size, [stage.num_layers], [stage.recompute]))
+            blocks.append(
+                (stage.chip, stage.tensor_parallel_size, [stage.num_layers], [stage.recompute])
+            )
     parts = []
     for chip, tp, layers, modes in blocks:
         used = sorted({m for m in modes if m != "none"})
@@ -53,21 +55,45 @@ def memory_use(estimate: PlanEstimate) -> str:
     """Peak memory over usable memory, worst stage per chip type, e.g. ``H100 91%``."""
     worst: dict[str, float] = {}
     for stage in estimate.stages:
-        worst[stage.chip] = max(worst.get(stage.chip, 0.0), stage.memory_bytes / stage.capacity_bytes)
+        worst[stage.chip] = max(
+            worst.get(stage.chip, 0.0), stage.memory_bytes / stage.capacity_bytes
+        )
     return " ".join(f"{chip} {100 * share:.0f}%" for chip, share in worst.items())
 
 
 def candidates_table(result: SearchResult) -> str:
     """The top plans, best first."""
-    header = ["#", "step s", "tokens/s", "MFU", "DP", "mbs", "m", "PP", "chips", "memory (peak/usable)", "stages"]
+    header = [
+        "#",
+        "step s",
+        "tokens/s",
+        "MFU",
+        "DP",
+        "mbs",
+        "m",
+        "PP",
+        "chips",
+        "memory (peak/usable)",
+        "stages",
+    ]
     rows = []
     for rank, cand in enumerate(result.candidates, 1):
         plan, est = cand.plan, cand.estimate
-        rows.append([
-            str(rank), f"{est.step_time_s:.3f}", f"{est.tokens_per_s:,.0f}", f"{100 * est.mfu:.1f}%",
-            str(plan.data_parallel_size), str(plan.micro_batch_size), str(plan.num_micro_batches),
-            str(plan.pipeline_parallel_size), str(plan.world_size), memory_use(est), stage_summary(plan),
-        ])
+        rows.append(
+            [
+                str(rank),
+                f"{est.step_time_s:.3f}",
+                f"{est.tokens_per_s:,.0f}",
+                f"{100 * est.mfu:.1f}%",
+                str(plan.data_parallel_size),
+                str(plan.micro_batch_size),
+                str(plan.num_micro_batches),
+                str(plan.pipeline_parallel_size),
+                str(plan.world_size),
+                memory_use(est),
+                stage_summary(plan),
+            ]
+        )
     return _table(header, rows)
 
 
@@ -76,22 +102,46 @@ def plan_detail(candidate: Candidate, simulation: SimulationResult | None) -> st
     plan, est = candidate.plan, candidate.estimate
     small = min(stage.capacity_bytes for stage in est.stages) < 4 * GIB
     unit, scale = ("MiB", 2**20) if small else ("GiB", GIB)
-    header = ["stage", "chip", "TP", "ranks", "layers", "recompute", "in flight", "F+B ms",
-              "sync ms", f"peak {unit}", f"usable {unit}", "busy"]
+    header = [
+        "stage",
+        "chip",
+        "TP",
+        "ranks",
+        "layers",
+        "recompute",
+        "in flight",
+        "F+B ms",
+        "sync ms",
+        f"peak {unit}",
+        f"usable {unit}",
+        "busy",
+    ]
     rows = []
     for index, stage in enumerate(est.stages):
         ranks = plan.stage_ranks(index)
         busy = f"{100 * simulation.utilization[index]:.0f}%" if simulation else "-"
-        rows.append([
-            str(index), stage.chip, str(stage.tensor_parallel_size), f"{ranks.start}-{ranks.stop - 1}",
-            str(stage.num_layers), stage.recompute, str(stage.in_flight), f"{1e3 * stage.work_s:.1f}",
-            f"{1e3 * stage.dp_sync_s:.1f}", f"{stage.memory_bytes / scale:.1f}",
-            f"{stage.capacity_bytes / scale:.1f}", busy,
-        ])
+        rows.append(
+            [
+                str(index),
+                stage.chip,
+                str(stage.tensor_parallel_size),
+                f"{ranks.start}-{ranks.stop - 1}",
+                str(stage.num_layers),
+                stage.recompute,
+                str(stage.in_flight),
+                f"{1e3 * stage.work_s:.1f}",
+                f"{1e3 * stage.dp_sync_s:.1f}",
+                f"{stage.memory_bytes / scale:.1f}",
+                f"{stage.capacity_bytes / scale:.1f}",
+                busy,
+            ]
+        )
     return _table(header, rows)
 
 
-def explain(candidate: Candidate, simulation: SimulationResult | None, cluster: Cluster) -> list[str]:
+def explain(
+    candidate: Candidate, simulation: SimulationResult | None, cluster: Cluster
+) -> list[str]:
     """Plain-language reasons: what bounds the step time, what memory forced, what is unused."""
     plan, est = candidate.plan, candidate.estimate
     m, p = plan.num_micro_batches, plan.pipeline_parallel_size
@@ -113,20 +163,26 @@ def explain(candidate: Candidate, simulation: SimulationResult | None, cluster: 
     recomputed = [i for i, s in enumerate(est.stages) if s.recompute != "none"]
     tight = [i for i, s in enumerate(est.stages) if s.memory_bytes > 0.9 * s.capacity_bytes]
     if recomputed:
-        lines.append(f"memory forces recompute on stages {_ranges(recomputed)}"
-                     f" (early stages hold up to {min(p, m)} micro-batches of activations)")
+        lines.append(
+            f"memory forces recompute on stages {_ranges(recomputed)}"
+            f" (early stages hold up to {min(p, m)} micro-batches of activations)"
+        )
     if tight:
         lines.append(f"stages {_ranges(tight)} use over 90% of their usable memory")
     if not recomputed and not tight:
         lines.append("memory is not binding: no stage recomputes or is above 90% of its memory")
     crossings = sum(1 for a, b in zip(plan.stages, plan.stages[1:]) if a.chip != b.chip)
     if crossings:
-        lines.append(f"{crossings} pipeline link(s) cross chip types at {cluster.cross_chip_gb_per_s:g} GB/s")
+        lines.append(
+            f"{crossings} pipeline link(s) cross chip types at {cluster.cross_chip_gb_per_s:g} GB/s"
+        )
     for chip in cluster.chips:
         used = est.chips_used.get(chip.name, 0)
         if used < chip.count:
             what = "unused" if used == 0 else f"{used} of {chip.count} used"
-            lines.append(f"{chip.name}: {what} (using more would not make the step faster under this batch)")
+            lines.append(
+                f"{chip.name}: {what} (using more would not make the step faster under this batch)"
+            )
     return lines
 
 
@@ -146,13 +202,17 @@ def search_summary(result: SearchResult) -> str:
     """How much was searched and whether the best plan is proven optimal."""
     s = result.stats
     best = result.best.estimate.step_time_s
-    line = (f"searched {s.batch_shapes} (micro-batch, DP) shapes ({s.batch_shapes_pruned} pruned whole),"
-            f" {s.nodes:,} pipeline prefixes ({s.nodes_pruned:,} options pruned by bound),"
-            f" {s.splits_solved:,} layer splits in {s.elapsed_s:.1f} s")
+    line = (
+        f"searched {s.batch_shapes} (micro-batch, DP) shapes ({s.batch_shapes_pruned} pruned whole),"
+        f" {s.nodes:,} pipeline prefixes ({s.nodes_pruned:,} options pruned by bound),"
+        f" {s.splits_solved:,} layer splits in {s.elapsed_s:.1f} s"
+    )
     if s.exhaustive:
         return line + "; the best plan is optimal for the cost model"
     gap = 100 * (best / s.lower_bound_s - 1) if s.lower_bound_s > 0 else float("inf")
-    return line + f"; time limit hit: the best plan is within {gap:.1f}% of the optimum (proven bound)"
+    return (
+        line + f"; time limit hit: the best plan is within {gap:.1f}% of the optimum (proven bound)"
+    )
 
 
 def comparison_text(comparison: Comparison) -> str:
@@ -164,9 +224,17 @@ def comparison_text(comparison: Comparison) -> str:
             rows.append([result.chip, "0", f"does not fit ({result.reason[:60]})"])
         else:
             cand = result.candidate
-            rows.append([result.chip, f"{result.tokens_per_s:,.0f}",
-                         f"DP{cand.plan.data_parallel_size} mbs{cand.plan.micro_batch_size} {stage_summary(cand.plan)}"])
+            rows.append(
+                [
+                    result.chip,
+                    f"{result.tokens_per_s:,.0f}",
+                    f"DP{cand.plan.data_parallel_size} mbs{cand.plan.micro_batch_size} {stage_summary(cand.plan)}",
+                ]
+            )
     rows.append(["sum", f"{comparison.homogeneous_sum:,.0f}", ""])
     rows.append(["heterogeneous", f"{comparison.heterogeneous_tokens_per_s:,.0f}", ""])
     verdict = "superlinear" if comparison.ratio > 1 else "not superlinear"
-    return _table(header, rows) + f"\nratio heterogeneous / sum of homogeneous = {comparison.ratio:.3f} ({verdict})"
+    return (
+        _table(header, rows)
+        + f"\nratio heterogeneous / sum of homogeneous = {comparison.ratio:.3f} ({verdict})"
+    )

@@ -162,11 +162,20 @@ class _Search:
         self.stats.batch_shapes = len(shapes)
         shapes.sort(key=lambda s: s.root_bound())
         for shape in shapes[: self.options.dive_shapes]:  # short dives: good incumbents early
-            if shape.root_bound() >= self.threshold * (1 - _SLACK) or time.monotonic() > self.deadline:
+            if (
+                shape.root_bound() >= self.threshold * (1 - _SLACK)
+                or time.monotonic() > self.deadline
+            ):
                 break
-            w_high = self.threshold / max(shape.micro_batches - 1, 1) if self.threshold < INF else shape.w_max
+            w_high = (
+                self.threshold / max(shape.micro_batches - 1, 1)
+                if self.threshold < INF
+                else shape.w_max
+            )
             shape.build_grid(w_high, 64)
-            self._explore(shape, (), (), 0, (1 << len(shape.types)) - 1, 0.0, budget=self.options.dive_nodes)
+            self._explore(
+                shape, (), (), 0, (1 << len(shape.types)) - 1, 0.0, budget=self.options.dive_nodes
+            )
         refined = []  # (bound from the root's children, shape), for shapes that may still win
         for shape in shapes:
             if shape.root_bound() >= self.threshold * (1 - _SLACK):
@@ -194,10 +203,25 @@ class _Search:
         queue: list[tuple[float, int, BatchShape, int, int, _Suffix, _Groups, int, int, float]] = []
         for bound, shape in roots:
             self._prepare_shape(shape)
-            queue.append((bound, next(self.counter), shape, 0, 0, (), (), 0, (1 << len(shape.types)) - 1, 0.0))
+            queue.append(
+                (
+                    bound,
+                    next(self.counter),
+                    shape,
+                    0,
+                    0,
+                    (),
+                    (),
+                    0,
+                    (1 << len(shape.types)) - 1,
+                    0.0,
+                )
+            )
         heapq.heapify(queue)
         while queue:
-            bound, _, shape, kind, count, suffix, groups, position, mask, links = heapq.heappop(queue)
+            bound, _, shape, kind, count, suffix, groups, position, mask, links = heapq.heappop(
+                queue
+            )
             if bound >= self.threshold * (1 - _SLACK):
                 self.stats.nodes_pruned += 1 + len(queue)
                 return
@@ -215,25 +239,48 @@ class _Search:
                 suffix = ((kind, count),) + suffix
                 position, mask = position + count, mask & ~chip_bit
             self.stats.nodes += 1
-            for option, child, stages in self._options(shape, suffix, groups, position, mask, links):
+            for option, child, stages in self._options(
+                shape, suffix, groups, position, mask, links
+            ):
                 if option >= self.threshold * (1 - _SLACK):
                     self.stats.nodes_pruned += 1
                     continue
-                heapq.heappush(queue, (option, next(self.counter), shape, child, stages, suffix, groups,
-                                       position, mask, links))
+                heapq.heappush(
+                    queue,
+                    (
+                        option,
+                        next(self.counter),
+                        shape,
+                        child,
+                        stages,
+                        suffix,
+                        groups,
+                        position,
+                        mask,
+                        links,
+                    ),
+                )
 
     def _prepare_shape(self, shape: BatchShape) -> None:
         """Build the probe grid up to what could still beat the K-th best (a dive finds one)."""
         if self.threshold == INF:  # a short dive first, so that the probe grid can be narrow
             shape.build_grid(shape.w_max, 64)
-            self._explore(shape, (), (), 0, (1 << len(shape.types)) - 1, 0.0, budget=self.options.dive_nodes)
+            self._explore(
+                shape, (), (), 0, (1 << len(shape.types)) - 1, 0.0, budget=self.options.dive_nodes
+            )
         factor = max(shape.micro_batches - 1, 1)
         w_high = self.threshold / factor if self.threshold < INF else shape.w_max
         shape.build_grid(w_high, self.options.grid_points)
 
     def _explore(
-        self, shape: BatchShape, suffix: _Suffix, groups: _Groups, position: int, mask: int,
-        links: float, budget: int,
+        self,
+        shape: BatchShape,
+        suffix: _Suffix,
+        groups: _Groups,
+        position: int,
+        mask: int,
+        links: float,
+        budget: int,
     ) -> int:
         """Depth-first dive below a suffix, best option first, visiting at most ``budget`` nodes."""
         self.stats.nodes += 1
@@ -250,13 +297,23 @@ class _Search:
             unit = float(shape.unit[kind, 0])
             chip_bit = 1 << shape.types.index(shape.kinds[kind].chip)
             visited += self._explore(
-                shape, ((kind, count),) + suffix, groups + ((unit, block, count),), position + count,
-                mask & ~chip_bit, links + self._block_links(shape, suffix, kind, count), budget - visited,
+                shape,
+                ((kind, count),) + suffix,
+                groups + ((unit, block, count),),
+                position + count,
+                mask & ~chip_bit,
+                links + self._block_links(shape, suffix, kind, count),
+                budget - visited,
             )
         return visited
 
     def _options(
-        self, shape: BatchShape, suffix: _Suffix, groups: _Groups, position: int, mask: int,
+        self,
+        shape: BatchShape,
+        suffix: _Suffix,
+        groups: _Groups,
+        position: int,
+        mask: int,
         links: float,
     ) -> list[tuple[float, int, int]]:
         """Children (kind, stages) and the close-here leaf (kind -1), with bounds, best first."""
@@ -285,7 +342,9 @@ class _Search:
                 edges = float(shape.head_time[last]) + shape.embedding_min
                 child_links = links + self._block_links(shape, suffix, kind, counts)
                 sync = shape.sync_bound(suffix + ((kind, counts),), others)
-                bounds = shape.bound(parts, others, ends, child_links + sync, edges, max(need, unit))
+                bounds = shape.bound(
+                    parts, others, ends, child_links + sync, edges, max(need, unit)
+                )
                 options.extend((float(b), kind, int(n)) for n, b in zip(counts, bounds))
         options.sort(key=lambda item: (item[0], -item[2]))
         return options
@@ -332,9 +391,15 @@ def to_plan(found: _Found, cost: CostModel, global_batch_size: int) -> HeteroPla
         chip = cost.cluster.chip(kind.name)
         chips[kind.name] = ChipSpec(chip.device, chip.emulate_slowdown)
         for _ in range(count):
-            stages.append(StageSpec(kind.name, kind.tp, found.split.layers[index], MODES[found.split.modes[index]]))
+            stages.append(
+                StageSpec(
+                    kind.name, kind.tp, found.split.layers[index], MODES[found.split.modes[index]]
+                )
+            )
             index += 1
-    return HeteroPlan(found.data_parallel_size, found.micro_batch_size, global_batch_size, chips, stages)
+    return HeteroPlan(
+        found.data_parallel_size, found.micro_batch_size, global_batch_size, chips, stages
+    )
 
 
 def search(cost: CostModel, options: SearchOptions) -> SearchResult:

@@ -21,8 +21,8 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from megatron_h2.errors import ConfigError
 from megatron_h2.config import RECOMPUTE_MODES
+from megatron_h2.errors import ConfigError
 from megatron_h2.hetero_plan import HeteroPlan
 from megatron_h2.planner.cost_model import CostModel, PlanEstimate
 
@@ -120,8 +120,14 @@ def simulate(plan: HeteroPlan, cost: CostModel) -> SimulationResult:
     return SimulationResult(plan, estimate, step, tuple(events), busy, peaks, memory)
 
 
-def _ready(kind: str, s: int, i: int, p: int, ends: dict[tuple[str, int, int], float],
-           links: tuple[float, ...]) -> float | None:
+def _ready(
+    kind: str,
+    s: int,
+    i: int,
+    p: int,
+    ends: dict[tuple[str, int, int], float],
+    links: tuple[float, ...],
+) -> float | None:
     """When the input of (kind, stage s, micro-batch i) has arrived, or None if not yet known."""
     if kind == "F":
         if s == 0:
@@ -153,7 +159,9 @@ def _peak_in_flight(events: list[Event], stages: int) -> tuple[int, ...]:
 
 def _stage_memory(plan: HeteroPlan, cost: CostModel, s: int, in_flight: int) -> float:
     spec, p = plan.stages[s], plan.pipeline_parallel_size
-    costs = cost.stage_costs(spec.chip, spec.tensor_parallel_size, plan.micro_batch_size, plan.data_parallel_size)
+    costs = cost.stage_costs(
+        spec.chip, spec.tensor_parallel_size, plan.micro_batch_size, plan.data_parallel_size
+    )
     mode = RECOMPUTE_MODES.index(spec.recompute)
     return costs.memory(spec.num_layers, mode, in_flight, s == 0, s == p - 1)
 
@@ -161,19 +169,35 @@ def _stage_memory(plan: HeteroPlan, cost: CostModel, s: int, in_flight: int) -> 
 def chrome_trace(result: SimulationResult) -> dict[str, object]:
     """The simulated step as Chrome / Perfetto trace events (microseconds; one track per stage)."""
     events: list[dict[str, object]] = [
-        {"name": "process_name", "ph": "M", "pid": 0, "args": {"name": "megatron_h2 plan (simulated)"}},
+        {
+            "name": "process_name",
+            "ph": "M",
+            "pid": 0,
+            "args": {"name": "megatron_h2 plan (simulated)"},
+        },
     ]
     for s, spec in enumerate(result.plan.stages):
         label = f"stage {s}: {spec.chip} TP{spec.tensor_parallel_size} {spec.num_layers} layers"
-        events.append({"name": "thread_name", "ph": "M", "pid": 0, "tid": s, "args": {"name": label}})
-        events.append({"name": "thread_sort_index", "ph": "M", "pid": 0, "tid": s, "args": {"sort_index": s}})
+        events.append(
+            {"name": "thread_name", "ph": "M", "pid": 0, "tid": s, "args": {"name": label}}
+        )
+        events.append(
+            {"name": "thread_sort_index", "ph": "M", "pid": 0, "tid": s, "args": {"sort_index": s}}
+        )
     for e in result.events:
         name = "DP sync" if e.kind == "sync" else f"{e.kind}{e.micro_batch}"
-        events.append({
-            "name": name, "cat": e.kind, "ph": "X", "pid": 0, "tid": e.stage,
-            "ts": e.start_s * 1e6, "dur": (e.end_s - e.start_s) * 1e6,
-            "args": {"micro_batch": e.micro_batch, "chip": result.plan.stages[e.stage].chip},
-        })
+        events.append(
+            {
+                "name": name,
+                "cat": e.kind,
+                "ph": "X",
+                "pid": 0,
+                "tid": e.stage,
+                "ts": e.start_s * 1e6,
+                "dur": (e.end_s - e.start_s) * 1e6,
+                "args": {"micro_batch": e.micro_batch, "chip": result.plan.stages[e.stage].chip},
+            }
+        )
     return {"traceEvents": events, "displayTimeUnit": "ms"}
 
 
@@ -191,7 +215,9 @@ def write_timeline_png(result: SimulationResult, path: str | Path) -> None:
         import matplotlib.pyplot as plt
         from matplotlib.patches import Patch
     except ImportError:
-        raise ConfigError("--timeline needs matplotlib; pip install matplotlib (or use --trace FILE.json)") from None
+        raise ConfigError(
+            "--timeline needs matplotlib; pip install matplotlib (or use --trace FILE.json)"
+        ) from None
     chips = list(dict.fromkeys(stage.chip for stage in result.plan.stages))
     palette = plt.get_cmap("tab10")
     colours = {chip: palette(i % 10) for i, chip in enumerate(chips)}
@@ -201,16 +227,32 @@ def write_timeline_png(result: SimulationResult, path: str | Path) -> None:
         chip = result.plan.stages[e.stage].chip
         colour = "0.55" if e.kind == "sync" else colours[chip]
         alpha = 0.55 if e.kind == "F" else 1.0
-        ax.broken_barh([(e.start_s, e.end_s - e.start_s)], (e.stage - 0.4, 0.8), facecolors=colour,
-                       alpha=alpha, edgecolor="white", linewidth=0.2)
+        ax.broken_barh(
+            [(e.start_s, e.end_s - e.start_s)],
+            (e.stage - 0.4, 0.8),
+            facecolors=colour,
+            alpha=alpha,
+            edgecolor="white",
+            linewidth=0.2,
+        )
     ax.set_yticks(range(p))
-    ax.set_yticklabels([f"{s}: {st.chip} TP{st.tensor_parallel_size} L{st.num_layers}"
-                        for s, st in enumerate(result.plan.stages)], fontsize=7)
+    ax.set_yticklabels(
+        [
+            f"{s}: {st.chip} TP{st.tensor_parallel_size} L{st.num_layers}"
+            for s, st in enumerate(result.plan.stages)
+        ],
+        fontsize=7,
+    )
     ax.invert_yaxis()
     ax.set_xlabel("time in the step (s)")
-    ax.set_title(f"1F1B step {result.step_time_s:.3f} s, bubble {100 * result.bubble_fraction:.1f}%"
-                 f" (light: forward, dark: backward, grey: DP sync)", fontsize=9)
-    handles = [Patch(color=colours[c], label=c) for c in chips] + [Patch(color="0.55", label="DP sync")]
+    ax.set_title(
+        f"1F1B step {result.step_time_s:.3f} s, bubble {100 * result.bubble_fraction:.1f}%"
+        f" (light: forward, dark: backward, grey: DP sync)",
+        fontsize=9,
+    )
+    handles = [Patch(color=colours[c], label=c) for c in chips] + [
+        Patch(color="0.55", label="DP sync")
+    ]
     ax.legend(handles=handles, fontsize=7, loc="lower right")
     fig.tight_layout()
     fig.savefig(path, dpi=120)

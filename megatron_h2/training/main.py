@@ -20,6 +20,7 @@ import numpy as np
 import torch.distributed as dist
 
 from megatron_h2.checkpointing import find_latest_iteration, iteration_dir, read_metadata
+from megatron_h2.checkpointing.distributed import TrainProgress, check_compatible
 from megatron_h2.config import RunConfig
 from megatron_h2.devices import Accelerator, detect_device_type, get_accelerator
 from megatron_h2.distributed.topology import (
@@ -34,7 +35,6 @@ from megatron_h2.errors import ConfigError, RankConfigError, TrainingError
 from megatron_h2.training.arguments import LaunchOptions, config_from_args
 from megatron_h2.training.layout import check_plan_for_model, load_hetero_plan, uniform_plan
 from megatron_h2.training.metrics import MetricsWriter, log
-from megatron_h2.checkpointing.distributed import TrainProgress, check_compatible
 
 DEFAULT_RUN_DIR = Path("runs") / "default"
 
@@ -164,9 +164,9 @@ def restore(cfg: RunConfig, launch: LaunchOptions, ckpt, say) -> TrainProgress:
 
 def train(cfg: RunConfig, launch: LaunchOptions, env: LaunchEnv) -> TrainProgress:
     """Build everything for ``cfg`` on this rank and train; returns the final progress."""
-    from megatron_h2.optimizer.distributed_optimizer import build_data_parallel_optimizer
-    from megatron_h2.models.gpt import GPTModel, init_parameters, num_parameters
     from megatron_h2.checkpointing.distributed import CheckpointIO
+    from megatron_h2.models.gpt import GPTModel, init_parameters, num_parameters
+    from megatron_h2.optimizer.distributed_optimizer import build_data_parallel_optimizer
     from megatron_h2.training.step import StepRunner
     from megatron_h2.training.timeline import Timeline, format_summary, gather_and_write
     from megatron_h2.training.trainer import Trainer

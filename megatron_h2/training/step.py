@@ -17,11 +17,11 @@ from torch import nn
 
 from megatron_h2.config import RunConfig
 from megatron_h2.devices import Accelerator
-from megatron_h2.optimizer.distributed_optimizer import DataParallelOptimizer
 from megatron_h2.distributed.bridge import BridgeConfig
 from megatron_h2.distributed.p2p import PipeComm
 from megatron_h2.distributed.topology import Topology
 from megatron_h2.errors import TrainingError
+from megatron_h2.optimizer.distributed_optimizer import DataParallelOptimizer
 from megatron_h2.parallel import TPContext, allreduce_coalesced_, get_tp_shard
 from megatron_h2.pipeline.schedules import forward_backward_1f1b, forward_only
 from megatron_h2.training.stage_clock import StageClock

@@ -7,12 +7,12 @@ import signal
 import time
 from types import FrameType
 
+from megatron_h2.checkpointing.distributed import CheckpointIO, TrainProgress
 from megatron_h2.config import RunConfig
 from megatron_h2.models.gpt import flops_per_token
-from megatron_h2.training.metrics import MetricsWriter
 from megatron_h2.optimizer.lr_schedule import LRSchedule
+from megatron_h2.training.metrics import MetricsWriter
 from megatron_h2.training.stage_clock import stage_report
-from megatron_h2.checkpointing.distributed import CheckpointIO, TrainProgress
 from megatron_h2.training.step import StepResult, StepRunner, world_sum
 
 
