@@ -19,6 +19,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from megatron_h2.data.build_lock import build_once
 from megatron_h2.errors import ConfigError
 
 logger = logging.getLogger(__name__)
@@ -70,30 +71,54 @@ def cached_arrays(
 
     Files are ``{hash}-{stem}-{name}.npy`` plus ``{hash}-{stem}-description.json``, where the
     hash covers ``description``. Every file is written atomically and the description is
-    written last, so a crash never leaves something that looks like a finished cache.
+    written last, so a crash never leaves something that looks like a finished cache. The build
+    runs under a file lock (``{hash}-{stem}.lock``): processes of several jobs sharing the cache
+    folder build the same arrays once, the others wait and load them.
     """
     base = os.path.join(cache_dir, f"{description_hash(description)}-{stem}")
     marker = f"{base}-description.json"
     paths = {name: f"{base}-{name}.npy" for name in names}
-    if os.path.isfile(marker) and all(os.path.isfile(p) for p in paths.values()):
+
+    def ready() -> bool:
+        return os.path.isfile(marker) and all(os.path.isfile(p) for p in paths.values())
+
+    def load() -> dict[str, np.ndarray] | None:
         try:
-            return {name: np.load(path, mmap_mode="r") for name, path in paths.items()}, True
+            return {name: np.load(path, mmap_mode="r") for name, path in paths.items()}
         except (OSError, ValueError) as error:
             logger.warning("rebuilding unreadable index cache %s (%s)", base, error)
-    arrays = build()
-    try:
-        os.makedirs(cache_dir, exist_ok=True)
+            return None
+
+    if ready() and (arrays := load()) is not None:
+        return arrays, True
+    built: dict[str, np.ndarray] = {}
+
+    def build_and_save() -> None:
+        built.update(build())
         for name, path in paths.items():
-            array = arrays[name]
+            array = built[name]
             _atomic_write(path, lambda stream, a=array: np.save(stream, a, allow_pickle=False))
         text = json.dumps(description, sort_keys=True, indent=2)
         _atomic_write(marker, lambda stream: stream.write(text), mode="w")
+
+    try:
+        os.makedirs(cache_dir, exist_ok=True)
+        if os.path.isfile(marker):  # unreadable: rebuild whatever another process may do
+            os.unlink(marker)
+        build_once(f"{base}.lock", ready, build_and_save, f"the index cache {base}",
+                   say=logger.warning)
     except OSError as error:
         raise ConfigError(
             f"cannot write the dataset index cache in {cache_dir} ({error.strerror or error}); "
             f"pass a writable cache_dir (--data-cache-path)"
         ) from None
-    return arrays, False
+    if built:
+        return built, False
+    arrays = load()  # another process built it while this one waited
+    if arrays is None:
+        raise ConfigError(f"the dataset index cache {base} written by another process is "
+                          "unreadable; delete it and start again")
+    return arrays, True
 
 
 def build_blending_indices(weights: Sequence[float], size: int) -> tuple[np.ndarray, np.ndarray]:
