@@ -1,8 +1,13 @@
-"""Typed configuration for a training run.
+"""Typed configuration for a training run, and the one description of the model.
 
 Each dataclass validates its own fields in ``__post_init__`` and raises
 :class:`~megatron_h2.errors.ConfigError` with one line that says what to fix. The command line
 (``megatron_h2/training/arguments.py``) only maps Megatron-style flags onto these classes.
+
+:class:`ModelConfig` is what both the runtime builds (``megatron_h2.models``) and the planner
+plans for (``megatron_h2.planner``): its parameter counts, FLOPs, vocabulary padding
+(:func:`pad_vocab_size`), activation bytes and :func:`state_bytes_per_param` are the only ones in
+the project.
 """
 
 from __future__ import annotations
@@ -24,6 +29,32 @@ def _positive(obj: object, *names: str) -> None:
         if value is None or value <= 0:
             flag = "--" + name.replace("_", "-")
             raise ConfigError(f"{flag} must be a positive number, got {value}")
+
+
+def pad_vocab_size(vocab_size: int, multiple: int) -> int:
+    """The vocabulary rounded up to a multiple of ``multiple`` (``--make-vocab-size-divisible-by``).
+
+    Unlike Megatron the TP degree is not folded in, so the model (and its checkpoints) is the
+    same under every layout, heterogeneous ones included; every stage's TP must divide the result.
+    """
+    return -(-vocab_size // multiple) * multiple
+
+
+def state_bytes_per_param(bf16_params: bool, data_parallel_size: int = 1,
+                          distributed_optimizer: bool = False) -> float:
+    """Bytes of model state per parameter: weight, fp32 gradient, optimizer.
+
+    The optimizer keeps Adam's two fp32 moments (8 bytes) and, with bf16 weights (Megatron's
+    mixed precision) or under the distributed optimizer (ZeRO-1), an fp32 main copy of the
+    weights (4 bytes); the distributed optimizer shards both over DP. bf16 replicated:
+    2 + 4 + 12 = 18; bf16 ZeRO-1: 6 + 12/DP; fp32 replicated: 4 + 4 + 8 = 16; fp32 ZeRO-1:
+    8 + 12/DP.
+    """
+    weight = 2.0 if bf16_params else 4.0
+    optimizer = 12.0 if bf16_params or distributed_optimizer else 8.0
+    if distributed_optimizer:
+        optimizer /= data_parallel_size
+    return weight + 4.0 + optimizer
 
 
 def swiglu_ffn_size(hidden_size: int) -> int:
@@ -86,6 +117,88 @@ class ModelConfig:
         """Dimension of one attention head."""
         return self.hidden_size // self.num_attention_heads
 
+    # ------------------------------------------------------------------ parameters and FLOPs
+    # Counted for the architecture the runtime builds (megatron_h2.models.gpt), on the padded
+    # vocabulary: ``vocab_size`` is the size of the embedding and output layer.
+    @property
+    def kv_size(self) -> int:
+        """Width of the K (and of the V) projection: query groups x head dimension."""
+        return self.num_query_groups * self.kv_channels
+
+    @property
+    def layer_matrix_params(self) -> int:
+        """Weights of one layer's matrices: fused QKV, output projection, SwiGLU [gate|up], down."""
+        h = self.hidden_size
+        return h * (self.num_attention_heads * self.kv_channels + 2 * self.kv_size) \
+            + self.num_attention_heads * self.kv_channels * h + 3 * h * self.ffn_hidden_size
+
+    @property
+    def layer_params(self) -> int:
+        """All parameters of one layer (matrices and the two norm scales)."""
+        return self.layer_matrix_params + 2 * self.hidden_size
+
+    def layer_params_per_chip(self, tp: int) -> float:
+        """Parameters of one layer on one TP rank (matrices split, norm scales replicated)."""
+        return self.layer_matrix_params / tp + 2 * self.hidden_size
+
+    def embedding_params_per_chip(self, tp: int) -> float:
+        """Vocabulary-parallel input embedding on one TP rank."""
+        return self.vocab_size * self.hidden_size / tp
+
+    def head_params_per_chip(self, tp: int) -> float:
+        """Final norm plus vocabulary-parallel output layer on one TP rank."""
+        return self.vocab_size * self.hidden_size / tp + self.hidden_size
+
+    def num_parameters(self) -> int:
+        """Parameters of the whole model (layers, embedding, final norm, output layer)."""
+        return self.num_layers * self.layer_params + 2 * self.vocab_size * self.hidden_size \
+            + self.hidden_size
+
+    def attention_core_flops_per_token(self, causal: bool = True) -> float:
+        """QK^T and AV of one layer per token: 4 x seq x (heads x head dim) over the full square,
+        half of it with the causal mask (the work a chip does)."""
+        full = 4.0 * self.seq_length * self.num_attention_heads * self.kv_channels
+        return full / 2 if causal else full
+
+    def layer_forward_flops(self, tokens: int, causal: bool = True) -> float:
+        """Forward FLOPs of one layer over ``tokens`` tokens (matrix multiplies + attention)."""
+        return tokens * (2.0 * self.layer_matrix_params
+                         + self.attention_core_flops_per_token(causal))
+
+    def head_forward_flops(self, tokens: int) -> float:
+        """Forward FLOPs of the output layer (logits over the padded vocabulary)."""
+        return tokens * 2.0 * self.hidden_size * self.vocab_size
+
+    def flops_per_token(self, causal: bool = False) -> float:
+        """Training FLOPs of one token, forward + backward = 3 x forward, no recompute.
+
+        ``causal=False`` counts attention over the full square, as Megatron's model-TFLOP/s
+        accounting does (the runtime's log line); the planner's MFU counts the causal half.
+        """
+        forward = self.num_layers * self.layer_forward_flops(1, causal) \
+            + self.head_forward_flops(1)
+        return 3.0 * forward
+
+    # ----------------------------------------------------------------------------- memory
+    def layer_activation_bytes(self, tokens: int, tp: int, recompute: Recompute) -> float:
+        """Bytes one layer keeps for backward per micro-batch of ``tokens`` tokens (bf16).
+
+        ``none``: the inputs of every matrix multiply, the norms, the attention core and the
+        SwiGLU activation; ``selective``: the attention core and the activation are recomputed;
+        ``full``: only the layer input is kept. Sharded parts are divided by TP.
+        """
+        h, f, kv, a = (self.hidden_size, self.ffn_hidden_size, self.kv_size,
+                       self.num_attention_heads)
+        if recompute == "none":
+            return tokens * (8 * h + (4 * h + 4 * kv + 6 * f + 4 * a) / tp)
+        if recompute == "selective":
+            return tokens * (4 * h + (2 * h + 4 * kv + 4 * f) / tp)
+        return tokens * 2.0 * h
+
+    def head_activation_bytes(self, tokens: int, tp: int) -> float:
+        """Bytes the final norm, output layer and loss keep per micro-batch (bf16 in, fp32 logits)."""
+        return tokens * (4 * self.hidden_size + 6 * self.vocab_size / tp)
+
 
 @dataclass
 class DataConfig:
@@ -108,13 +221,8 @@ class DataConfig:
             raise ConfigError("--data-path needs --tokenizer-type (and usually --tokenizer-model)")
 
     def padded_vocab_size(self, vocab_size: int) -> int:
-        """Round up to a multiple of ``make_vocab_size_divisible_by``.
-
-        Unlike Megatron the TP degree is not folded in, so the model (and its checkpoints) is
-        the same under every layout; TP must divide the result.
-        """
-        multiple = self.make_vocab_size_divisible_by
-        return -(-vocab_size // multiple) * multiple
+        """The model's vocabulary for a tokenizer of ``vocab_size`` (see :func:`pad_vocab_size`)."""
+        return pad_vocab_size(vocab_size, self.make_vocab_size_divisible_by)
 
 
 @dataclass

@@ -165,7 +165,7 @@ def restore(cfg: RunConfig, launch: LaunchOptions, ckpt, say) -> TrainProgress:
 def train(cfg: RunConfig, launch: LaunchOptions, env: LaunchEnv) -> TrainProgress:
     """Build everything for ``cfg`` on this rank and train; returns the final progress."""
     from megatron_h2.checkpointing.distributed import CheckpointIO
-    from megatron_h2.models.gpt import GPTModel, init_parameters, num_parameters
+    from megatron_h2.models.gpt import GPTModel, init_parameters
     from megatron_h2.optimizer.distributed_optimizer import build_data_parallel_optimizer
     from megatron_h2.training.step import StepRunner
     from megatron_h2.training.timeline import Timeline, format_summary, gather_and_write
@@ -196,7 +196,7 @@ def train(cfg: RunConfig, launch: LaunchOptions, env: LaunchEnv) -> TrainProgres
     progress = restore(cfg, launch, ckpt, say)
     m = cfg.model
     say(f"device: {accelerator.describe()} | bf16: {cfg.training.bf16}")
-    say(f"model: {num_parameters(m) / 1e6:.2f}M parameters | layers {m.num_layers} | hidden "
+    say(f"model: {m.num_parameters() / 1e6:.2f}M parameters | layers {m.num_layers} | hidden "
         f"{m.hidden_size} | heads {m.num_attention_heads} (query groups {m.num_query_groups}) | "
         f"ffn {m.ffn_hidden_size} | seq {m.seq_length} | vocab {tokenizer.vocab_size} "
         f"(padded {m.vocab_size}) | recompute {m.recompute}")

@@ -9,7 +9,6 @@ from types import FrameType
 
 from megatron_h2.checkpointing.distributed import CheckpointIO, TrainProgress
 from megatron_h2.config import RunConfig
-from megatron_h2.models.gpt import flops_per_token
 from megatron_h2.optimizer.lr_schedule import LRSchedule
 from megatron_h2.training.metrics import MetricsWriter
 from megatron_h2.training.stage_clock import stage_report
@@ -137,7 +136,7 @@ class Trainer:
                   "grad_norm": window[-1].grad_norm,
                   "iteration_ms": seconds * 1000.0,
                   "tokens_per_sec": tokens / seconds,
-                  "tflops": flops_per_token(cfg.model) * tokens / seconds / 1e12,
+                  "tflops": cfg.model.flops_per_token() * tokens / seconds / 1e12,
                   "global_batch_size": cfg.training.global_batch_size}
         if val_loss is not None:
             record["val_loss"] = val_loss
