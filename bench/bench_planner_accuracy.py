@@ -230,7 +230,8 @@ def probe_extras(out: str, reps: int = 9) -> None:
     from megatron_h2.optimizer.distributed_optimizer import build_data_parallel_optimizer
 
     acc = get_accelerator("cpu")
-    cfg = ModelConfig(**{k: v for k, v in MODEL.items() if k != "global_batch_size"})
+    cfg = ModelConfig(**{k: v for k, v in MODEL.items() if k != "global_batch_size"},
+                      hidden_dropout=0.0, attention_dropout=0.0)
     selective = {}
     layers = {}
     for mode in ("none", "selective"):
@@ -388,7 +389,8 @@ def train_flags(data: str, iters: int) -> list[str]:
             "--tokenizer-type", "NullTokenizer", "--vocab-size", str(TOKENIZER_VOCAB),
             "--data-path", data, "--split", "100,0,0", "--train-iters", str(iters),
             "--log-interval", "1", "--eval-interval", "1000000", "--eval-iters", "0",
-            "--lr", "1e-4", "--lr-warmup-iters", "1"]
+            "--lr", "1e-4", "--lr-warmup-iters", "1", "--hidden-dropout", "0",
+            "--attention-dropout", "0"]
 
 
 def measure(plan_path: Path, nproc: int, data: str, iters: int, skip: int, out: Path) -> dict:

@@ -247,7 +247,8 @@ def main(argv: list[str] | None = None) -> int:
             num_layers=args.num_layers, hidden_size=args.hidden_size,
             num_attention_heads=args.num_attention_heads, num_query_groups=args.num_query_groups,
             ffn_hidden_size=args.ffn_hidden_size, seq_length=args.seq_length,
-            max_position_embeddings=args.seq_length, vocab_size=args.vocab_size)
+            max_position_embeddings=args.seq_length, vocab_size=args.vocab_size,
+            hidden_dropout=0.0, attention_dropout=0.0)
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -32,7 +32,7 @@ from megatron_h2.distributed.topology import (
     init_process_group,
 )
 from megatron_h2.errors import ConfigError, RankConfigError, TrainingError
-from megatron_h2.training.arguments import LaunchOptions, config_from_args
+from megatron_h2.training.arguments import LaunchOptions, config_from_args, describe_no_effect
 from megatron_h2.training.layout import check_plan_for_model, load_hetero_plan, uniform_plan
 from megatron_h2.training.metrics import MetricsWriter, log
 
@@ -174,6 +174,12 @@ def train(cfg: RunConfig, launch: LaunchOptions, env: LaunchEnv) -> TrainProgres
     start = time.perf_counter()
     say = log if env.rank == 0 else quiet
     demo = apply_demo_defaults(cfg)
+    if launch.demo_flags:
+        say("embedded demo (no --data-path): " + " ".join(launch.demo_flags)
+            + " (Megatron's defaults otherwise)")
+    no_effect = describe_no_effect(launch)
+    if no_effect:
+        say(no_effect)
     plan, accelerator, tokenizer = validate_launch(cfg, launch, env, say)
     # ---- everything below may start process groups: all user input has been checked ----
     init_process_group(default_backend(plan), env, cfg.parallel.distributed_timeout_minutes)
@@ -191,7 +197,8 @@ def train(cfg: RunConfig, launch: LaunchOptions, env: LaunchEnv) -> TrainProgres
     optimizer = build_data_parallel_optimizer(
         model, cfg.optimizer, topo.dp_group,
         use_distributed_optimizer=cfg.parallel.use_distributed_optimizer,
-        bucket_size_mb=cfg.parallel.ddp_bucket_size_mb, kernels=accelerator.kernels)
+        bucket_size_mb=cfg.parallel.bucket_size_mb(topo.dp_size),
+        overlap=cfg.parallel.overlap_grad_reduce, kernels=accelerator.kernels)
     ckpt = CheckpointIO(cfg, accelerator, topo, tp, model, optimizer)
     progress = restore(cfg, launch, ckpt, say)
     m = cfg.model
