@@ -82,7 +82,7 @@ class TPContext:
     split along the sequence dimension across the group.
     """
 
-    group: ProcessGroup | None
+    group: dist.ProcessGroup | None
     rank: int
     size: int
     sequence_parallel: bool = False
@@ -99,7 +99,7 @@ class TPContext:
         return TPContext(group=None, rank=0, size=1)
 
     @staticmethod
-    def from_group(group: ProcessGroup, sequence_parallel: bool = False) -> TPContext:
+    def from_group(group: dist.ProcessGroup, sequence_parallel: bool = False) -> TPContext:
         """The context of the calling rank in an initialised process group."""
         return TPContext(group=group, rank=dist.get_rank(group),
                          size=dist.get_world_size(group), sequence_parallel=sequence_parallel)

@@ -73,7 +73,8 @@ class CostConfig:
             raise ConfigError("use_distributed_optimizer must be true or false")
 
     def bytes_per_param(self, data_parallel_size: int) -> float:
-        """Static bytes per parameter: bf16 weight, fp32 grad, fp32 master + Adam (maybe sharded)."""
+        """Static bytes per parameter: bf16 weight, fp32 grad, fp32 master + Adam (maybe
+        sharded)."""
         optimizer = 12.0 / data_parallel_size if self.use_distributed_optimizer else 12.0
         return 2.0 + 4.0 + optimizer
 
@@ -118,7 +119,8 @@ class StageCosts:
         return self.layer_forward + self.layer_backward[mode]
 
     def edge_time(self, first: bool, last: bool) -> float:
-        """Forward + backward of the embedding (first stage) and head (last stage) per micro-batch."""
+        """Forward + backward of the embedding (first stage) and head (last stage), per
+        micro-batch."""
         time = 0.0
         if first:
             time += self.embedding_forward + self.embedding_backward

@@ -97,7 +97,8 @@ class ModelSpec:
         return 2 * h * h + 2 * h * self.kv_size + 3 * h * f
 
     def layer_params_per_chip(self, tp: int) -> float:
-        """Parameters of one layer held by one TP rank (matrices split, the two norms replicated)."""
+        """Parameters of one layer held by one TP rank (matrices split, the two norms
+        replicated)."""
         return self.layer_matrix_params / tp + 2 * self.hidden_size
 
     def embedding_params_per_chip(self, tp: int) -> float:
