@@ -10,7 +10,6 @@ bytes and seconds.
 from __future__ import annotations
 
 import argparse
-from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
@@ -225,8 +224,3 @@ def describe(model: ModelSpec) -> str:
         f" {model.num_attention_heads} heads / {model.groups} query groups, seq {model.seq_length},"
         f" vocab {model.vocab_size} ({size} parameters)"
     )
-
-
-def model_flags_mapping(model: ModelSpec) -> Mapping[str, int]:
-    """The model as a flag-name -> value mapping (for YAML model files)."""
-    return {f.name: getattr(model, f.name) for f in fields(model)}
