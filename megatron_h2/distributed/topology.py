@@ -197,8 +197,20 @@ def build_topology(plan: HeteroPlan, rank: int, world_size: int) -> Topology:
     return topo
 
 
-def init_process_group(backend: str, env: LaunchEnv, timeout_minutes: float) -> None:
-    """Join the job's default process group (env:// rendezvous set up by torchrun / srun)."""
-    if env.world_size > 1 and not dist.is_initialized():
-        dist.init_process_group(backend=backend, rank=env.rank, world_size=env.world_size,
-                                timeout=timedelta(minutes=timeout_minutes))
+def init_process_group(backend: str, env: LaunchEnv,
+                       timeout_minutes: float) -> dist.Store | None:
+    """Join the job's default process group (env:// rendezvous set up by torchrun / srun).
+
+    Returns the job's rendezvous store under a ``megatron_h2/`` prefix, for
+    :class:`~megatron_h2.distributed.failures.JobFailures` (None when there is one process or the
+    group already exists).
+    """
+    if env.world_size == 1 or dist.is_initialized():
+        return None
+    timeout = timedelta(minutes=timeout_minutes)
+    # The rendezvous torch's init_process_group would do itself, done here to keep the store.
+    store, _, _ = next(dist.rendezvous("env://", env.rank, env.world_size, timeout=timeout))
+    store.set_timeout(timeout)
+    dist.init_process_group(backend=backend, store=dist.PrefixStore("default_pg", store),
+                            rank=env.rank, world_size=env.world_size, timeout=timeout)
+    return dist.PrefixStore("megatron_h2", store)
