@@ -3,7 +3,9 @@
 Everything the user can get wrong is checked before any process group starts and before the
 model is built: flags (in the config dataclasses), the parallel layout, data files, the
 tokenizer, the checkpoint to load. A rank that fails later takes the job down at once: it
-prints its error, exits, and the other ranks' collectives fail instead of waiting.
+records its failure in the job's store, prints its error and exits; the other ranks'
+collectives fail instead of waiting, and they say only that they stop
+(:class:`~megatron_h2.distributed.failures.JobFailures`).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from megatron_h2.checkpointing import find_latest_iteration, iteration_dir, read
 from megatron_h2.checkpointing.distributed import TrainProgress, check_compatible
 from megatron_h2.config import RunConfig
 from megatron_h2.devices import Accelerator, detect_device_type, get_accelerator
+from megatron_h2.distributed.failures import JobFailures
 from megatron_h2.distributed.topology import (
     LaunchEnv,
     Topology,
@@ -162,8 +165,12 @@ def restore(cfg: RunConfig, launch: LaunchOptions, ckpt, say) -> TrainProgress:
     return progress
 
 
-def train(cfg: RunConfig, launch: LaunchOptions, env: LaunchEnv) -> TrainProgress:
-    """Build everything for ``cfg`` on this rank and train; returns the final progress."""
+def train(cfg: RunConfig, launch: LaunchOptions, env: LaunchEnv,
+          failures: JobFailures) -> TrainProgress:
+    """Build everything for ``cfg`` on this rank and train; returns the final progress.
+
+    ``failures`` is given the job's store once the process group starts.
+    """
     from megatron_h2.checkpointing.distributed import CheckpointIO
     from megatron_h2.models.gpt import GPTModel, init_parameters
     from megatron_h2.optimizer.distributed_optimizer import build_data_parallel_optimizer
@@ -182,7 +189,8 @@ def train(cfg: RunConfig, launch: LaunchOptions, env: LaunchEnv) -> TrainProgres
         say(no_effect)
     plan, accelerator, tokenizer = validate_launch(cfg, launch, env, say)
     # ---- everything below may start process groups: all user input has been checked ----
-    init_process_group(default_backend(plan), env, cfg.parallel.distributed_timeout_minutes)
+    failures.attach(init_process_group(default_backend(plan), env,
+                                       cfg.parallel.distributed_timeout_minutes))
     topo = build_topology(plan, env.rank, env.world_size)
     tp = topo.tp_context(cfg.parallel.sequence_parallel)
     train_ds, valid_ds, _ = build_datasets(cfg, topo)
@@ -268,20 +276,23 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {exc}", file=sys.stderr, flush=True)
         return 2
     prefix = f"[rank {env.rank}] " if env.world_size > 1 else ""
+    failures = JobFailures()
     try:
         cfg, launch = config_from_args(argv)
-        train(cfg, launch, env)
+        train(cfg, launch, env, failures)
     except (ConfigError, TrainingError) as exc:
         # Before the process groups start every rank fails alike (rank 0 speaks for all),
         # except on what only this rank can see (its own chip).
         own = isinstance(exc, RankConfigError) or dist.is_initialized()
         if own:
+            failures.record_own_failure()
             return _fail(env, f"error: {prefix}{exc}", 2)
         return _fail(env, f"error: {exc}" if env.rank == 0 else "", 2)
     except Exception as exc:  # noqa: BLE001 - a crash on one rank must end the whole job
-        if env.world_size > 1 and _is_comm_failure(exc):
+        if env.world_size > 1 and failures.is_fallout(exc):
             return _fail(env, f"{prefix}stopping: another rank failed or the connection was lost"
                          f" ({type(exc).__name__})", 1)
+        failures.record_own_failure()
         return _fail(env, f"error: {prefix}{type(exc).__name__}: {exc}\n"
                      f"{traceback.format_exc()}", 1)
     if env.world_size > 1 and dist.is_initialized():
@@ -293,9 +304,3 @@ def main(argv: list[str] | None = None) -> int:
         sys.stderr.flush()
         os._exit(0)
     return 0
-
-
-def _is_comm_failure(exc: BaseException) -> bool:
-    text = f"{type(exc).__name__} {exc}".lower()
-    return isinstance(exc, dist.DistError) or any(
-        k in text for k in ("gloo", "nccl", "connection", "timed out", "broken pipe"))
