@@ -48,6 +48,7 @@ class StepResult:
     loss: float
     grad_norm: float
     lr: float
+    global_batch_size: int = 0
 
 
 class StepRunner:
@@ -74,16 +75,18 @@ class StepRunner:
                             for p in model.parameters()}
         self.needs_data = topo.is_first_stage or topo.is_last_stage
 
-    def _replica_samples(self, dataset, start: int) -> torch.Tensor | None:
-        """This DP replica's slice of the global batch that starts at sample ``start``."""
+    def _replica_samples(self, dataset, start: int, per_replica: int) -> torch.Tensor | None:
+        """This DP replica's ``per_replica`` samples of the global batch that starts at sample
+        ``start``."""
         if not self.needs_data:
             return None
-        first = start + self.topo.dp_rank * self.per_replica
-        return stack_samples(dataset, first, self.per_replica)
+        first = start + self.topo.dp_rank * per_replica
+        return stack_samples(dataset, first, per_replica)
 
-    def _forward_step(self, samples: torch.Tensor | None, losses: list[torch.Tensor]):
+    def _forward_step(self, samples: torch.Tensor | None, losses: list[torch.Tensor],
+                      global_batch_size: int):
         mbs = self.cfg.training.micro_batch_size
-        total_tokens = self.cfg.training.global_batch_size * self.cfg.model.seq_length
+        total_tokens = global_batch_size * self.cfg.model.seq_length
 
         def step(i: int, inp: torch.Tensor | None) -> torch.Tensor:
             tokens = labels = None
@@ -128,15 +131,24 @@ class StepRunner:
         replicas = 1 if self.optimizer.sharded else self.topo.dp_size
         return math.sqrt(world_sum([local], self.topo)[0] / replicas)
 
-    def train_step(self, dataset, start: int, iteration: int, lr: float) -> StepResult:
-        """Forward and backward of one global batch starting at sample ``start``, then update."""
+    def train_step(self, dataset, start: int, iteration: int, lr: float,
+                   global_batch_size: int | None = None) -> StepResult:
+        """Forward and backward of one global batch starting at sample ``start``, then update.
+
+        The caller has set each parameter group's learning rate (``lr`` is the one reported);
+        ``global_batch_size`` (default ``--global-batch-size``) may change between steps under
+        a batch-size schedule, and with it the number of micro-batches.
+        """
+        batch = global_batch_size or self.cfg.training.global_batch_size
+        per_replica = batch // self.topo.dp_size
         self.model.train()
         self.optimizer.zero_grad()
         losses: list[torch.Tensor] = []
-        samples = self._replica_samples(dataset, start)
+        samples = self._replica_samples(dataset, start, per_replica)
         if self.timeline is not None:
             self.timeline.set_iteration(iteration)
-        forward_backward_1f1b(self._forward_step(samples, losses), self.num_micro, self.comm,
+        forward_backward_1f1b(self._forward_step(samples, losses, batch),
+                              per_replica // self.cfg.training.micro_batch_size, self.comm,
                               self.topo.stage, self.topo.pp_size,
                               before_last_backward=self.optimizer.grad_buckets.start_sync,
                               observer=self.clock)
@@ -152,9 +164,8 @@ class StepRunner:
         clip = self.cfg.optimizer.clip_grad
         if clip > 0:
             self.optimizer.clip_(min(1.0, clip / (grad_norm + 1e-6)))
-        self.optimizer.set_lr(lr)
         self.optimizer.step()
-        return StepResult(loss=loss, grad_norm=grad_norm, lr=lr)
+        return StepResult(loss=loss, grad_norm=grad_norm, lr=lr, global_batch_size=batch)
 
     @torch.no_grad()
     def eval_loss(self, dataset, num_batches: int) -> float:
@@ -163,8 +174,9 @@ class StepRunner:
         total = 0.0
         for b in range(num_batches):
             losses: list[torch.Tensor] = []
-            samples = self._replica_samples(dataset, b * self.cfg.training.global_batch_size)
-            forward_only(self._forward_step(samples, losses), self.num_micro, self.comm)
+            batch = self.cfg.training.global_batch_size
+            samples = self._replica_samples(dataset, b * batch, self.per_replica)
+            forward_only(self._forward_step(samples, losses, batch), self.num_micro, self.comm)
             self.comm.wait_sends()
             total += self._reported_loss(losses)
         self.model.train()
