@@ -322,6 +322,8 @@ class DataConfig:
         128, "Pad the vocabulary to be divisible by this value (not multiplied by the TP size, "
         "so every layout builds the same model).")
     data_cache_path: str | None = flag(None, "Directory to hold cached index files.")
+    eod_mask_loss: bool = flag(False, "Mask loss for the end of document tokens (positions "
+                               "whose input token is the tokenizer's eod).")
 
     def __post_init__(self) -> None:
         _positive(self, "make_vocab_size_divisible_by")

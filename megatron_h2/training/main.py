@@ -238,7 +238,8 @@ def train(cfg: RunConfig, launch: LaunchOptions, env: LaunchEnv) -> TrainProgres
     metrics = MetricsWriter(iterations, cfg.training.log_jsonl,
                             cfg.training.tensorboard_dir, enabled=env.rank == 0)
     timeline = Timeline.for_plan(plan, env.rank, enabled=bool(cfg.training.timeline_trace))
-    runner = StepRunner(cfg, accelerator, topo, tp, model, optimizer, timeline)
+    runner = StepRunner(cfg, accelerator, topo, tp, model, optimizer, timeline,
+                        eod_mask=tokenizer.eod if cfg.data.eod_mask_loss else None)
     try:
         progress = Trainer(cfg, runner, train_ds, valid_ds, metrics, progress, ckpt, say,
                            started=start).run()
