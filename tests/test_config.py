@@ -39,6 +39,19 @@ REQUIRED = ("--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-lengt
             "--micro-batch-size 1 --train-iters 1 --lr 1e-3")
 
 
+def test_data_source_and_tokenizer_defaults_as_megatron():
+    cfg, launch = config_from_args(f"--data-path foo {REQUIRED}".split())
+    assert cfg.data.tokenizer_type == "GPT2BPETokenizer"  # pretrain_gpt.py's default
+    assert cfg.data.effective_split() == "969, 30, 1" and launch.demo_flags == ()
+    mock, launch = config_from_args(f"--mock-data --split 99,1,0 {REQUIRED}".split())
+    assert mock.data.effective_split() == "1,1,1" and launch.demo_flags == ()
+    cfg, _ = config_from_args(f"--train-data-path 2 a 1 b --valid-data-path c {REQUIRED}".split())
+    assert cfg.data.per_split_paths and cfg.data.train_data_path == ["2", "a", "1", "b"]
+    cfg, _ = config_from_args([*REQUIRED.split(), "--data-path", "x", "--split", "'99,1,0'",
+                               "--no-mmap-bin-files"])
+    assert not cfg.data.mmap_bin_files and cfg.data.split == "'99,1,0'"
+
+
 @pytest.mark.parametrize("flags, fragment", [
     ("--hidden-size 100 --num-attention-heads 8", "not divisible by --num-attention-heads"),
     ("--num-attention-heads 8 --num-query-groups 3", "does not divide --num-attention-heads"),
@@ -69,8 +82,16 @@ REQUIRED = ("--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-lengt
     ("--step-batch-size-schedule 0:16 --global-batch-size 32", "differs from the last batch"),
     ("--step-batch-size-schedule 0:16 --rampup-batch-size 4 4 10", "not both"),
     ("--exit-duration-in-mins 0", "--exit-duration-in-mins must be a positive"),
-    ("--data-path foo " + REQUIRED, "needs --tokenizer-type"),
     ("--data-path foo --tokenizer-type NullTokenizer", "--num-layers is required"),
+    ("--mock-data --tokenizer-type NullTokenizer", "--num-layers is required"),
+    ("--data-path foo " + REQUIRED.replace("--train-iters 1 ", ""),
+     "--train-iters (or --train-samples) is required"),
+    ("--data-path foo --mock-data " + REQUIRED, "give one data source, not --data-path and "
+                                                "--mock-data"),
+    ("--train-data-path a --split 9,1,0 " + REQUIRED, "drop --split"),
+    ("--valid-data-path a " + REQUIRED, "need --train-data-path"),
+    ("--tokenizer-type BertWordPieceCase", "invalid choice: 'BertWordPieceCase'"),
+    ("--tiktoken-pattern v3", "invalid choice: 'v3'"),
 ])
 def test_bad_flags_raise_one_line(flags, fragment):
     with pytest.raises(ConfigError) as err:

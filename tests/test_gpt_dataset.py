@@ -143,9 +143,14 @@ def test_parse_split():
     assert parse_split(" 99, 1 ") == pytest.approx([0.99, 0.01, 0.0])
     assert parse_split("1") == [1.0, 0.0, 0.0]
     assert parse_split("0.8,0.2,0") == pytest.approx([0.8, 0.2, 0.0])
+    # as Megatron's parser only the numbers count: quotes that reached the program (from
+    # "--split '99,1,0'" inside a shell string), spaces, Megatron's legacy default
+    assert parse_split("'99,1,0'") == parse_split('"99, 1, 0"') == pytest.approx([0.99, 0.01, 0])
+    assert parse_split("969, 30, 1") == pytest.approx([0.969, 0.03, 0.001])
+    assert parse_split("949 50 1") == parse_split("949/50/1") == parse_split("949,50,1")
 
 
-@pytest.mark.parametrize("bad", ["", "a,b", "1,2,3,4", "-1,2", "0,0,0", "nan,1", "1,,2", "949 50 1"])
+@pytest.mark.parametrize("bad", ["", "a,b", "1,2,3,4", "-1,2", "0,0,0", "nan,1", "1..2", "9x,1"])
 def test_bad_split_strings(bad):
     with pytest.raises(ConfigError, match="--split") as info:
         parse_split(bad)

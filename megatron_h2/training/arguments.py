@@ -60,6 +60,8 @@ COMPAT_FLAGS: dict[str, tuple[bool, str]] = {
     "--no-masked-softmax-fusion": (False, "attention runs through torch's SDPA"),
     "--distributed-backend": (True, "each chip type's backend comes from the device layer"),
     "--num-workers": (True, "samples are read from memory-mapped files in the training process"),
+    "--no-create-attention-mask-in-dataloader": (False, "attention is causal inside SDPA; no "
+                                                 "mask tensor is ever built"),
     "--group-query-attention": (False, "grouped-query attention follows --num-query-groups"),
     "--use-rotary-position-embeddings": (False, "rotary positions are always used"),
     "--swiglu": (False, "the MLP is always SwiGLU"),
@@ -150,6 +152,22 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def add_config_flags(group: argparse._ArgumentGroup, cls: type, names: tuple[str, ...]) -> None:
+    """Add the flags of the fields ``names`` of config class ``cls`` to ``group``, for tools
+    that share flags with ``pretrain_gpt.py``; read them back with :func:`config_values`."""
+    hints = typing.get_type_hints(cls)
+    for f in cli_fields(cls):
+        if f.name in names:
+            _add_field(group, cls, f, hints[f.name])
+
+
+def config_values(ns: argparse.Namespace, cls: type) -> dict[str, Any]:
+    """``{field: value}`` of the flags of ``cls`` given on a command line parsed with
+    :func:`add_config_flags`."""
+    prefix = f"{cls.__name__}."
+    return {k[len(prefix):]: v for k, v in vars(ns).items() if k.startswith(prefix)}
+
+
 def _known_flags(parser: argparse.ArgumentParser) -> list[str]:
     return [s for action in parser._actions for s in action.option_strings]
 
@@ -187,6 +205,10 @@ DEMO_OVERRIDES: dict[str, dict[str, Any]] = {
 }
 
 
+# Flags that name the training data; without any of them the run is the embedded demo.
+DATA_SOURCES = ("data_path", "mock_data", "train_data_path", "valid_data_path", "test_data_path")
+
+
 def _check_required(given: dict[str, dict[str, Any]]) -> None:
     plan_owned = {"micro_batch_size"} if given["ParallelConfig"].get("hetero_plan") else set()
     for _, cls in GROUPS:
@@ -199,8 +221,8 @@ def _check_required(given: dict[str, dict[str, Any]]) -> None:
                 alternatives = "".join(f" (or {flag_name(g)})" for g in fields(cls)
                                        if g.name in meta["unless"])
                 raise ConfigError(f"{flag_name(f)}{alternatives} is required with --data-path "
-                                  "(only the embedded demo, without --data-path, has defaults "
-                                  "for it)")
+                                  "or --mock-data (only the embedded demo, without them, has "
+                                  "defaults for it)")
 
 
 def _alternative_given(f, given: dict[str, dict[str, Any]]) -> bool:
@@ -232,7 +254,7 @@ def demo_settings(given: dict[str, dict[str, Any]]) -> list[str]:
 def config_from_args(argv: list[str] | None = None) -> tuple[RunConfig, LaunchOptions]:
     """Parse Megatron-style flags into a validated :class:`RunConfig`."""
     given, compat = parse_flags(argv)
-    if given["DataConfig"].get("data_path"):
+    if any(given["DataConfig"].get(name) for name in DATA_SOURCES):
         _check_required(given)
         values = given
         demo = ()
@@ -258,5 +280,6 @@ def describe_no_effect(launch: LaunchOptions) -> str | None:
     return "accepted, no effect: " + "; ".join(parts)
 
 
-__all__ = ["COMPAT_FLAGS", "GROUPS", "LaunchOptions", "build_parser", "config_from_args",
-           "demo_settings", "describe_no_effect", "parse_flags"]
+__all__ = ["COMPAT_FLAGS", "GROUPS", "LaunchOptions", "add_config_flags", "build_parser",
+           "config_from_args", "config_values", "demo_settings", "describe_no_effect",
+           "parse_flags"]
