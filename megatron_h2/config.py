@@ -319,9 +319,9 @@ class DataConfig:
     is the embedded demo (its own corpus and tokenizer)."""
 
     data_path: list[str] = flag(
-        [], "PREFIX [PREFIX ...] or W1 PREFIX1 W2 PREFIX2 ... of Megatron .bin/.idx files, cut "
-        "into training / validation / test documents by --split; default: the embedded demo "
-        "corpus built from the Python standard library.", metavar="PATH")
+        [], "PREFIX [PREFIX ...] (blended by size) or W1 PREFIX1 W2 PREFIX2 ... of Megatron "
+        ".bin/.idx files, cut into training / validation / test documents by --split; default: "
+        "the embedded demo corpus built from the Python standard library.", metavar="PATH")
     split: str | None = flag(
         None, "Comma-separated proportions for training, validation and test documents, e.g. "
         "99,1,0 (quotes and spaces are ignored); default with --data-path: '969, 30, 1'.")

@@ -94,7 +94,8 @@ def _is_number(text: str) -> bool:
 def parse_data_path(data_path: Sequence[str]) -> list[tuple[float, str]]:
     """Parse Megatron's ``--data-path`` list into ``[(normalised_weight, prefix), ...]``.
 
-    Accepts ``["prefixA", "prefixB"]`` (equal weights) or ``["0.3", "prefixA", "0.7", "prefixB"]``.
+    Accepts ``["prefixA", "prefixB"]`` (equal weights here; the datasets weigh them by size, see
+    :func:`weights_given`) or ``["0.3", "prefixA", "0.7", "prefixB"]``.
     """
     hint = "use 'PREFIX [PREFIX ...]' or 'WEIGHT PREFIX [WEIGHT PREFIX ...]'"
     if isinstance(data_path, str) or not data_path:
@@ -113,6 +114,12 @@ def parse_data_path(data_path: Sequence[str]) -> list[tuple[float, str]]:
         raise ConfigError(f"--data-path weights {weights} must be positive numbers; {hint}")
     total = sum(weights)
     return [(w / total, prefix) for w, prefix in zip(weights, items[1::2])]
+
+
+def weights_given(data_path: Sequence[str]) -> bool:
+    """Whether a ``--data-path``-style list gives weights; without them Megatron blends the
+    prefixes by their sizes (the samples of one epoch of each prefix's split)."""
+    return any(_is_number(str(item).strip()) for item in data_path)
 
 
 def index_fingerprint(path_prefix: str) -> str:
@@ -312,9 +319,15 @@ def _open_blend(data_path: Sequence[str], mmap_bin_files: bool
 def _split_dataset(blend: list[tuple[float, str]],
                    opened: dict[str, tuple[IndexedDataset, str]],
                    ranges: dict[str, tuple[int, int]], name: str, count: int, seq_length: int,
-                   seed: int, cache_dir: str | None) -> GPTDataset | BlendedDataset:
-    """One split: a GPTDataset per prefix over its document range, blended by weight."""
+                   seed: int, cache_dir: str | None, by_size: bool) -> GPTDataset | BlendedDataset:
+    """One split: a GPTDataset per prefix over its document range, blended by weight, or with
+    ``by_size`` by the samples one epoch of each prefix's range holds (Megatron's blend of
+    prefixes given without weights)."""
     weights = [w for w, _ in blend]
+    if by_size and len(blend) > 1:
+        samples = [max(1, (int(opened[prefix][0].sequence_lengths[slice(*ranges[prefix])]
+                                .sum(dtype=np.int64)) - 1) // seq_length) for _, prefix in blend]
+        weights = [n / sum(samples) for n in samples]
     sizes = [count] if len(blend) == 1 else component_sizes(weights, count)
     parts = [GPTDataset(opened[prefix][0], ranges[prefix], seq_length, seed, size, name,
                         cache_dir, opened[prefix][1])
@@ -356,7 +369,7 @@ def build_gpt_datasets(
                     )
     return tuple(
         _split_dataset(blend, opened, {p: r[i] for p, r in ranges.items()}, name, counts[i],
-                       seq_length, seed, cache_dir)
+                       seq_length, seed, cache_dir, not weights_given(data_path))
         if counts[i] and shares[i] > 0 else None
         for i, name in enumerate(SPLIT_NAMES))
 
@@ -381,5 +394,5 @@ def build_per_split_datasets(
         blend, opened = _open_blend(path, mmap_bin_files)
         whole = {prefix: (0, len(ds)) for prefix, (ds, _) in opened.items()}
         results.append(_split_dataset(blend, opened, whole, name, count, seq_length, seed,
-                                      cache_dir))
+                                      cache_dir, not weights_given(path)))
     return results[0], results[1], results[2]
