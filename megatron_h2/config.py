@@ -335,8 +335,8 @@ class DataConfig:
     mock_data: bool = flag(False, "Train on synthetic documents instead of files (Megatron's "
                            "MockGPTDataset); the split is then 1,1,1.")
     mmap_bin_files: bool = flag(True, "Read the .bin files with file reads instead of "
-                                "memory-mapping them.", name="--no-mmap-bin-files",
-                                negative=True)
+                                "memory-mapping them; default: memory-mapped.",
+                                name="--no-mmap-bin-files", negative=True)
     tokenizer_type: str = flag("GPT2BPETokenizer", "What type of tokenizer to use.",
                                choices=TOKENIZER_TYPES)
     tokenizer_model: str | None = flag(
