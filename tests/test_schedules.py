@@ -75,6 +75,11 @@ def test_step_schedule_thresholds_are_tokens():
     assert steps.iterations_for(44) == 7 and steps.samples_for(3) == 12
     with pytest.raises(ConfigError, match="at least one sequence"):
         _batch(step_batch_size_schedule="0:4 10:8", train_iters=5)
+    planned = TrainingConfig(micro_batch_size=1, step_batch_size_schedule="0:4 320:8",
+                             train_iters=5)
+    planned.global_batch_size = 16  # as a --hetero-plan with another batch would set it
+    with pytest.raises(ConfigError, match="16 differs from the last one"):
+        BatchSchedule.from_config(planned, 32)
 
 
 def test_sample_based_rampup_run(corpus, tmp_path):

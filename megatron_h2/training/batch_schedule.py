@@ -54,6 +54,10 @@ class BatchSchedule:
             if any(a[0] >= b[0] for a, b in zip(steps, steps[1:])):
                 raise ConfigError("--step-batch-size-schedule thresholds must be at least one "
                                   f"sequence ({seq_length} tokens) apart")
+            if steps[-1][1] != training.global_batch_size:  # e.g. a --hetero-plan's batch
+                raise ConfigError(f"the global batch size {training.global_batch_size} differs "
+                                  f"from the last one of --step-batch-size-schedule "
+                                  f"({steps[-1][1]}); make them equal")
         rampup = tuple(training.rampup_batch_size) if training.rampup_batch_size else None
         return cls(training.global_batch_size, rampup, steps)
 
