@@ -138,3 +138,19 @@ def test_norms_get_no_weight_decay_and_state_round_trips():
     del named["output_layer.weight.exp_avg"]
     with pytest.raises(ConfigError, match="lacks output_layer.weight.exp_avg"):
         load_named_optimizer_state(build_optimizer(model, OptimizerConfig()), names, named)
+
+
+def test_distributed_optimizer_groups_decoupled_pieces():
+    from megatron_h2.optimizer import build_data_parallel_optimizer
+
+    model = _model()
+    cfg = OptimizerConfig(lr=1.0, decoupled_lr=5.0, weight_decay=0.1)
+    opt = build_data_parallel_optimizer(model, cfg, None, use_distributed_optimizer=True)
+    names = {p: n for n, p in model.named_parameters()}
+    piece_of = {id(piece.master): names[piece.param] for piece in opt.pieces}
+    special = [piece_of[id(t)] for g in opt.param_groups if "max_lr" in g for t in g["params"]]
+    assert sorted(special) == sorted(EMBEDDING_OR_OUTPUT)
+    training = TrainingConfig(micro_batch_size=1, global_batch_size=1, train_iters=10)
+    OptimizerParamScheduler.from_config(cfg, training).apply(opt)
+    assert {g["lr"] for g in opt.param_groups if "max_lr" in g} == {5.0}
+    assert {g["lr"] for g in opt.param_groups if "max_lr" not in g} == {1.0}
