@@ -1,7 +1,7 @@
 """Data pipeline: Megatron indexed datasets, tokenizers, preprocessing, GPT/blended datasets."""
 
-from megatron_h2.data.bpe_tokenizers import GPT2BPETokenizer, TikTokenizer
 from megatron_h2.data.blended_dataset import BlendedDataset, build_blending_indices, component_sizes
+from megatron_h2.data.bpe_tokenizers import GPT2BPETokenizer, TikTokenizer
 from megatron_h2.data.default_corpus import TOKENIZER_TYPE as DEFAULT_CORPUS_TOKENIZER_TYPE
 from megatron_h2.data.default_corpus import ensure_default_corpus
 from megatron_h2.data.gpt_dataset import (
