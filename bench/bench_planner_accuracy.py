@@ -67,9 +67,9 @@ from megatron_h2.planner.simulator import simulate  # noqa: E402
 MODEL = {"num_layers": 8, "hidden_size": 256, "ffn_hidden_size": 704, "num_attention_heads": 8,
          "num_query_groups": 4, "seq_length": 256, "max_position_embeddings": 256,
          "vocab_size": 4096, "global_batch_size": 8}
-# NullTokenizer(V) has V + 1 tokens (V is the end-of-document id): 4095 + 1 = 4096 = the
-# planner's vocabulary, already a multiple of 128, so the runtime pads nothing.
-TOKENIZER_VOCAB = MODEL["vocab_size"] - 1
+# NullTokenizer(V) has V tokens (V - 1 is the end-of-document id): 4096 = the planner's
+# vocabulary, already a multiple of 128, so the runtime pads nothing.
+TOKENIZER_VOCAB = MODEL["vocab_size"]
 SLOWDOWN = 2.0
 CHIPS = {"fast": {"device": "cpu"}, "slow": {"device": "cpu", "emulate_slowdown": SLOWDOWN}}
 PROFILE_SIZES = (1, 2, 4)

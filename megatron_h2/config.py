@@ -14,6 +14,7 @@ the project.
 
 from __future__ import annotations
 
+import signal
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Literal
@@ -23,22 +24,29 @@ from megatron_h2.errors import ConfigError
 Recompute = Literal["none", "selective", "full"]
 RECOMPUTE_MODES: tuple[Recompute, ...] = ("none", "selective", "full")
 """Activation recompute modes, fastest (and most memory-hungry) first."""
-LR_DECAY_STYLES = ("cosine", "linear", "constant")
+LR_DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root", "WSD")
+WSD_DECAY_STYLES = ("exponential", "linear", "cosine", "minus_sqrt")
+WD_INCR_STYLES = ("constant", "linear", "cosine")
 
 
 def flag(default: Any = None, help: str = "", *, name: str | None = None,
          choices: tuple | None = None, negative: bool = False, required: bool = False,
          parse: Callable[[str], Any] | None = None, metavar: str | None = None,
-         shortcuts: tuple[tuple[str, Any, str], ...] = ()) -> Any:
+         shortcuts: tuple[tuple[str, Any, str], ...] = (), unless: tuple[str, ...] = (),
+         nargs: int | None = None) -> Any:
     """A dataclass field that is also a command-line flag.
 
     ``name`` overrides the flag (default ``--field-name``); ``negative`` makes a bool flag that
     sets the field to False (Megatron's ``--disable-...`` / ``--no-...`` flags); ``required``
-    flags must be given unless the run is the embedded demo; ``parse`` converts the text;
-    ``shortcuts`` are extra flags ``(flag, value, help)`` that set the field to a fixed value.
+    flags must be given unless the run is the embedded demo, or one of the fields in ``unless``
+    (the alternatives, e.g. ``--train-samples`` for ``--train-iters``; the embedded demo's value
+    for the field is dropped when one of them is given) is given; ``parse``
+    converts the text; ``shortcuts`` are extra flags ``(flag, value, help)`` that set the field
+    to a fixed value; ``nargs`` fixes the number of values of a list flag.
     """
     meta = {"help": help, "name": name, "choices": choices, "negative": negative,
-            "required": required, "parse": parse, "metavar": metavar, "shortcuts": shortcuts}
+            "required": required, "parse": parse, "metavar": metavar, "shortcuts": shortcuts,
+            "unless": unless, "nargs": nargs}
     if isinstance(default, list):
         return field(default_factory=lambda: list(default), metadata={"cli": meta})
     return field(default=default, metadata={"cli": meta})
@@ -60,6 +68,44 @@ def int_list(text: str) -> list[int]:
         return [int(x) for x in text.split(",")]
     except ValueError:
         raise ConfigError(f"expected comma-separated integers such as 3,1, got {text!r}") from None
+
+
+_SUFFIXES = {"K": 10**3, "M": 10**6, "B": 10**9, "T": 10**12}
+
+
+def _count(text: str) -> int:
+    """``"2.4B"`` -> 2400000000 (Megatron's K / M / B / T suffixes)."""
+    text = text.strip().upper()
+    scale = _SUFFIXES.get(text[-1:], 1)
+    number = text[:-1] if text[-1:] in _SUFFIXES else text
+    value = float(number)
+    if not value >= 0 or value != value:
+        raise ValueError(text)
+    return int(value * scale)
+
+
+def parse_batch_size_schedule(text: str) -> list[tuple[int, int]]:
+    """``"0:16 2.4B:320"`` -> ``[(0, 16), (2400000000, 320)]`` (threshold, global batch size),
+    sorted by threshold, as Megatron's ``--step-batch-size-schedule`` (thresholds are tokens)."""
+    hint = "use \"THRESHOLD:BATCH ...\" such as \"0:16 2.4B:320 12B:1536\""
+    steps = []
+    for entry in text.strip().strip("'\"").replace(",", " ").split():
+        threshold, sep, batch = entry.partition(":")
+        try:
+            if not sep:
+                raise ValueError(entry)
+            steps.append((_count(threshold), _count(batch)))
+        except ValueError:
+            raise ConfigError(f"--step-batch-size-schedule entry {entry!r} is not "
+                              f"THRESHOLD:BATCH; {hint}") from None
+    steps.sort()
+    if not steps or steps[0][0] != 0:
+        raise ConfigError(f"--step-batch-size-schedule must start at threshold 0; {hint}")
+    if any(a[0] == b[0] for a, b in zip(steps, steps[1:])):
+        raise ConfigError("--step-batch-size-schedule repeats a threshold; give each once")
+    if any(batch <= 0 for _, batch in steps):
+        raise ConfigError("--step-batch-size-schedule batch sizes must be positive")
+    return steps
 
 
 def _required(obj: object, *names: str) -> None:
@@ -260,28 +306,114 @@ class ModelConfig:
         return tokens * (4 * self.hidden_size + 6 * self.vocab_size / tp)
 
 
+TOKENIZER_TYPES = ("GPT2BPETokenizer", "GPTSentencePieceTokenizer", "HuggingFaceTokenizer",
+                   "Llama2Tokenizer", "NullTokenizer", "SentencePieceTokenizer", "TikTokenizer")
+LEGACY_SPLIT = "969, 30, 1"
+"""Megatron's split when --data-path comes without --split."""
+MOCK_SPLIT = "1,1,1"
+"""Megatron's split of --mock-data (it ignores --split)."""
+
+
 @dataclass
 class DataConfig:
-    """Where the tokens come from. An empty ``data_path`` means the embedded default corpus."""
+    """Where the tokens come from and how text becomes tokens. Without any data source the run
+    is the embedded demo (its own corpus and tokenizer)."""
 
     data_path: list[str] = flag(
-        [], "PREFIX [PREFIX ...] or W1 PREFIX1 W2 PREFIX2 ... of Megatron .bin/.idx files; "
-        "default: the embedded demo corpus built from the Python standard library.",
+        [], "PREFIX [PREFIX ...] (blended by size) or W1 PREFIX1 W2 PREFIX2 ... of Megatron "
+        ".bin/.idx files, cut into training / validation / test documents by --split; default: "
+        "the embedded demo corpus built from the Python standard library.", metavar="PATH")
+    split: str | None = flag(
+        None, "Comma-separated proportions for training, validation and test documents, e.g. "
+        "99,1,0 (quotes and spaces are ignored); default with --data-path: '969, 30, 1'.")
+    train_data_path: list[str] = flag(
+        [], "Weights and prefixes (as --data-path) of a separate training dataset, used whole.",
         metavar="PATH")
-    split: str = flag("969, 30, 1", "Comma-separated proportions for training, validation and "
-                      "test documents.")
-    tokenizer_type: str | None = flag(None, "What type of tokenizer to use.")
-    tokenizer_model: str | None = flag(None, "Tokenizer model file or directory.")
-    vocab_size: int | None = flag(None, "Size of the vocabulary without padding (NullTokenizer).")
+    valid_data_path: list[str] = flag(
+        [], "Weights and prefixes of a separate validation dataset, used whole.", metavar="PATH")
+    test_data_path: list[str] = flag(
+        [], "Weights and prefixes of a separate test dataset, used whole.", metavar="PATH")
+    mock_data: bool = flag(False, "Train on synthetic documents instead of files (Megatron's "
+                           "MockGPTDataset); the split is then 1,1,1.")
+    mmap_bin_files: bool = flag(True, "Read the .bin files with file reads instead of "
+                                "memory-mapping them; default: memory-mapped.",
+                                name="--no-mmap-bin-files", negative=True)
+    tokenizer_type: str = flag("GPT2BPETokenizer", "What type of tokenizer to use.",
+                               choices=TOKENIZER_TYPES)
+    tokenizer_model: str | None = flag(
+        None, "Tokenizer model: SentencePiece .model file (SentencePieceTokenizer, "
+        "GPTSentencePieceTokenizer, Llama2Tokenizer), tiktoken .json vocabulary (TikTokenizer) "
+        "or Hugging Face tokenizer directory (HuggingFaceTokenizer).")
+    vocab_file: str | None = flag(None, "Path to the vocab file (GPT2BPETokenizer: vocab.json).")
+    merge_file: str | None = flag(None, "Path to the BPE merge file (GPT2BPETokenizer: "
+                                  "merges.txt).")
+    vocab_size: int | None = flag(
+        None, "Size of the vocabulary before padding: NullTokenizer's ids are 0..N-1 with eod "
+        "N-1; TikTokenizer's vocabulary (default 131072).")
+    tiktoken_pattern: str | None = flag(None, "Pre-tokenization pattern of TikTokenizer; "
+                                        "default: v2.", choices=("v1", "v2"))
+    tiktoken_num_special_tokens: int = flag(
+        1000, "Number of special tokens at the start of TikTokenizer's vocabulary.")
+    tokenizer_special_tokens: list[str] | None = flag(
+        None, "TikTokenizer's special tokens (must include <unk> <s> </s> <mask> <pad> <cls> "
+        "<sep>); default: those seven.", metavar="TOKEN")
+    null_tokenizer_eod_id: int | None = flag(
+        None, "EOD token id of NullTokenizer; default: --vocab-size - 1.")
+    tokenizer_hf_no_include_special_tokens: bool = flag(
+        False, "HuggingFaceTokenizer: do not add the tokenizer's special tokens (e.g. BOS) when "
+        "converting text to ids.")
     make_vocab_size_divisible_by: int = flag(
         128, "Pad the vocabulary to be divisible by this value (not multiplied by the TP size, "
         "so every layout builds the same model).")
     data_cache_path: str | None = flag(None, "Directory to hold cached index files.")
+    eod_mask_loss: bool = flag(False, "Mask loss for the end of document tokens (positions "
+                               "whose input token is the tokenizer's eod).")
 
     def __post_init__(self) -> None:
         _positive(self, "make_vocab_size_divisible_by")
-        if self.data_path and self.tokenizer_type is None:
-            raise ConfigError("--data-path needs --tokenizer-type (and usually --tokenizer-model)")
+        per_split = self.per_split_paths
+        sources = [name for name, used in (("--data-path", self.data_path),
+                                           ("--mock-data", self.mock_data),
+                                           ("--train/valid/test-data-path", per_split))
+                   if used]
+        if len(sources) > 1:
+            raise ConfigError(f"give one data source, not {' and '.join(sources)}")
+        if per_split and self.split is not None:
+            raise ConfigError("--split applies to --data-path; the --train/valid/test-data-path "
+                              "datasets are used whole, so drop --split")
+        if per_split and not self.train_data_path:
+            raise ConfigError("--valid-data-path / --test-data-path need --train-data-path")
+        if self.tiktoken_num_special_tokens < 0:
+            raise ConfigError("--tiktoken-num-special-tokens must be >= 0")
+        if self.vocab_size is not None:
+            _positive(self, "vocab_size")
+
+    @property
+    def per_split_paths(self) -> bool:
+        """Whether separate --train/valid/test-data-path datasets are given."""
+        return bool(self.train_data_path or self.valid_data_path or self.test_data_path)
+
+    @property
+    def has_source(self) -> bool:
+        """Whether the run names its data (otherwise it is the embedded demo)."""
+        return bool(self.data_path or self.mock_data or self.per_split_paths)
+
+    def effective_split(self) -> str:
+        """The split the datasets are cut by: 1,1,1 for --mock-data (Megatron), --split, or
+        Megatron's legacy default."""
+        if self.mock_data:
+            return MOCK_SPLIT
+        return self.split if self.split is not None else LEGACY_SPLIT
+
+    def tokenizer_options(self) -> dict[str, Any]:
+        """The keyword arguments of ``megatron_h2.data.build_tokenizer`` beyond type, model and
+        vocabulary size."""
+        return {"vocab_file": self.vocab_file, "merge_file": self.merge_file,
+                "tiktoken_pattern": self.tiktoken_pattern,
+                "tiktoken_num_special_tokens": self.tiktoken_num_special_tokens,
+                "special_tokens": self.tokenizer_special_tokens,
+                "null_tokenizer_eod_id": self.null_tokenizer_eod_id,
+                "hf_include_special_tokens": not self.tokenizer_hf_no_include_special_tokens}
 
     def padded_vocab_size(self, vocab_size: int) -> int:
         """The model's vocabulary for a tokenizer of ``vocab_size`` (see :func:`pad_vocab_size`)."""
@@ -290,17 +422,56 @@ class DataConfig:
 
 @dataclass
 class OptimizerConfig:
-    """AdamW with warm-up then decay to ``min_lr``."""
+    """AdamW and Megatron's optimizer-parameter schedule: learning rate (warm-up from
+    ``--lr-warmup-init``, then decay to ``--min-lr``) and weight decay (constant or increasing
+    from ``--start-weight-decay`` to ``--end-weight-decay``), counted in samples as in
+    Megatron (``megatron_h2.optimizer.lr_schedule``)."""
 
     optimizer: str = flag("adam", "Optimizer function (Adam with decoupled weight decay).",
                           choices=("adam",))
     lr: float = flag(1e-3, "Initial learning rate (the peak after warm-up).", required=True)
     min_lr: float = flag(0.0, "Minimum value for learning rate.")
-    lr_warmup_iters: int = flag(0, "Number of iterations to linearly warm up the learning rate.")
+    lr_warmup_iters: int = flag(0, "Number of iterations to linearly warm up the learning rate.",
+                                unless=("train_samples", "lr_warmup_fraction"))
+    lr_warmup_samples: int = flag(0, "Number of samples to linearly warm up the learning rate "
+                                  "(sample-based training, --train-samples).")
+    lr_warmup_fraction: float | None = flag(
+        None, "Fraction of the decay length (--lr-decay-iters / --lr-decay-samples) to warm up "
+        "over, instead of --lr-warmup-iters / --lr-warmup-samples.")
+    lr_warmup_init: float = flag(0.0, "Initial value for learning rate warm-up; the scheduler "
+                                 "starts warm-up from this value.")
     lr_decay_style: str = flag("linear", "Learning rate decay function.", choices=LR_DECAY_STYLES)
     lr_decay_iters: int | None = flag(None, "Iterations to decay the learning rate over; "
                                       "default: --train-iters.")
+    lr_decay_samples: int | None = flag(None, "Samples to decay the learning rate over; "
+                                        "default: --train-samples.")
+    lr_wsd_decay_style: str = flag("exponential", "Decay style of the annealing phase of WSD.",
+                                   choices=WSD_DECAY_STYLES)
+    lr_wsd_decay_iters: int | None = flag(None, "Iterations of the annealing phase of WSD.")
+    lr_wsd_decay_samples: int | None = flag(None, "Samples of the annealing phase of WSD.")
+    decoupled_lr: float | None = flag(
+        None, "Separate learning rate for the input embedding and output layer weights.")
+    decoupled_min_lr: float | None = flag(
+        None, "Minimum learning rate for the input embedding and output layer weights "
+        "(with --decoupled-lr); default: --min-lr.")
+    override_opt_param_scheduler: bool = flag(
+        False, "On resume, take the schedule (learning rates, warm-up, decay length and style, "
+        "weight decay) from this command line instead of the checkpoint.",
+        name="--override-opt_param-scheduler", shortcuts=(
+            ("--override-opt-param-scheduler", True, "Same as --override-opt_param-scheduler."),))
+    use_checkpoint_opt_param_scheduler: bool = flag(
+        False, "On resume, take the schedule from the checkpoint and ignore the command line's.",
+        name="--use-checkpoint-opt_param-scheduler", shortcuts=(
+            ("--use-checkpoint-opt-param-scheduler", True,
+             "Same as --use-checkpoint-opt_param-scheduler."),))
     weight_decay: float = flag(0.01, "Weight decay coefficient for L2 regularization.")
+    start_weight_decay: float | None = flag(
+        None, "Initial weight decay coefficient (with --weight-decay-incr-style linear|cosine).")
+    end_weight_decay: float | None = flag(
+        None, "End-of-run weight decay coefficient (with --weight-decay-incr-style "
+        "linear|cosine).")
+    weight_decay_incr_style: str = flag("constant", "Weight decay increment function.",
+                                        choices=WD_INCR_STYLES)
     adam_beta1: float = flag(0.9, "First coefficient for computing running averages of gradient "
                              "and its square.")
     adam_beta2: float = flag(0.999, "Second coefficient for computing running averages of "
@@ -313,13 +484,71 @@ class OptimizerConfig:
         _positive(self, "lr")
         if not 0.0 <= self.min_lr <= self.lr:
             raise ConfigError(f"--min-lr {self.min_lr} must be between 0 and --lr {self.lr}")
-        if self.lr_warmup_iters < 0:
-            raise ConfigError("--lr-warmup-iters must be >= 0")
-        if self.lr_decay_style not in LR_DECAY_STYLES:
-            raise ConfigError(f"--lr-decay-style must be one of {', '.join(LR_DECAY_STYLES)}, "
-                              f"got {self.lr_decay_style!r}")
+        if not 0.0 <= self.lr_warmup_init <= self.lr:
+            raise ConfigError(f"--lr-warmup-init {self.lr_warmup_init} must be between 0 and "
+                              f"--lr {self.lr}")
+        if self.lr_warmup_iters < 0 or self.lr_warmup_samples < 0:
+            raise ConfigError("--lr-warmup-iters and --lr-warmup-samples must be >= 0")
+        for name in ("lr_decay_iters", "lr_decay_samples", "lr_wsd_decay_iters",
+                     "lr_wsd_decay_samples"):
+            if getattr(self, name) is not None:
+                _positive(self, name)
+        if self.lr_warmup_fraction is not None and not 0.0 <= self.lr_warmup_fraction < 1.0:
+            raise ConfigError(f"--lr-warmup-fraction {self.lr_warmup_fraction} must be in [0, 1)")
+        for value, choices, name in ((self.lr_decay_style, LR_DECAY_STYLES, "lr-decay-style"),
+                                     (self.lr_wsd_decay_style, WSD_DECAY_STYLES,
+                                      "lr-wsd-decay-style"),
+                                     (self.weight_decay_incr_style, WD_INCR_STYLES,
+                                      "weight-decay-incr-style")):
+            if value not in choices:
+                raise ConfigError(f"--{name} must be one of {', '.join(choices)}, got {value!r}")
         if self.weight_decay < 0 or self.clip_grad < 0:
             raise ConfigError("--weight-decay and --clip-grad must be >= 0 (0 disables clipping)")
+        self._check_decoupled()
+        self._check_weight_decay_schedule()
+        if self.override_opt_param_scheduler and self.use_checkpoint_opt_param_scheduler:
+            raise ConfigError("--override-opt_param-scheduler and "
+                              "--use-checkpoint-opt_param-scheduler exclude each other; give one")
+
+    def _check_decoupled(self) -> None:
+        if self.decoupled_lr is None:
+            if self.decoupled_min_lr is not None:
+                raise ConfigError("--decoupled-min-lr needs --decoupled-lr (the embedding and "
+                                  "output layer otherwise follow --lr / --min-lr)")
+            return
+        low = self.min_lr if self.decoupled_min_lr is None else self.decoupled_min_lr
+        if not 0.0 <= low <= self.decoupled_lr:
+            raise ConfigError(f"the embedding/output layer minimum learning rate {low} "
+                              "(--decoupled-min-lr, default --min-lr) must be between 0 and "
+                              f"--decoupled-lr {self.decoupled_lr}")
+        if self.lr_warmup_init > self.decoupled_lr:
+            raise ConfigError(f"--lr-warmup-init {self.lr_warmup_init} exceeds --decoupled-lr "
+                              f"{self.decoupled_lr}")
+
+    def _check_weight_decay_schedule(self) -> None:
+        start, end = self.start_weight_decay, self.end_weight_decay
+        if self.weight_decay_incr_style == "constant":
+            if start is not None or end is not None:
+                raise ConfigError("--start-weight-decay / --end-weight-decay need "
+                                  "--weight-decay-incr-style linear or cosine (the constant "
+                                  "style uses --weight-decay)")
+            return
+        if start is None or end is None:
+            raise ConfigError(f"--weight-decay-incr-style {self.weight_decay_incr_style} needs "
+                              "both --start-weight-decay and --end-weight-decay")
+        if not 0.0 <= start <= end:
+            raise ConfigError(f"weight decay must increase: need 0 <= --start-weight-decay "
+                              f"{start} <= --end-weight-decay {end}")
+
+    @property
+    def start_wd(self) -> float:
+        """Weight decay at the first step (``--weight-decay`` unless it increases)."""
+        return self.weight_decay if self.start_weight_decay is None else self.start_weight_decay
+
+    @property
+    def end_wd(self) -> float:
+        """Weight decay at the end of training."""
+        return self.weight_decay if self.end_weight_decay is None else self.end_weight_decay
 
 
 @dataclass
@@ -329,9 +558,22 @@ class TrainingConfig:
     micro_batch_size: int = flag(4, "Batch size per model instance (local batch size).",
                                  required=True)
     global_batch_size: int | None = flag(
-        None, "Training batch size; default: --micro-batch-size x data-parallel size.")
-    train_iters: int = flag(200, "Total number of iterations to train over all training runs.",
-                            required=True)
+        None, "Training batch size (after any ramp-up); default: --micro-batch-size x "
+        "data-parallel size, or the last batch size of --step-batch-size-schedule.",
+        unless=("step_batch_size_schedule",))
+    rampup_batch_size: list[int] | None = flag(
+        None, "Batch size ramp-up START INCREMENT SAMPLES: start at global batch START and grow "
+        "it by INCREMENT in equal shares of the first SAMPLES samples up to --global-batch-size "
+        "(sample-based training, --train-samples).", nargs=3, metavar="N")
+    step_batch_size_schedule: str | None = flag(
+        None, "Global batch size by consumed tokens, \"THRESHOLD:BATCH ...\" with K/M/B/T "
+        "suffixes, e.g. \"0:16 2.4B:320 12B:1536\" (a threshold is tokens, converted to samples "
+        "with --seq-length).", metavar="SCHEDULE")
+    train_iters: int | None = flag(None, "Total number of iterations to train over all training "
+                                   "runs.", required=True, unless=("train_samples",))
+    train_samples: int | None = flag(
+        None, "Total number of samples to train over all training runs (instead of "
+        "--train-iters; the iterations follow from the batch sizes).")
     seed: int = flag(1234, "Random seed used for python, numpy, torch and the data order.")
     bf16: bool = flag(False, "Run the model in bfloat16 mixed precision.")
     fp16: bool = flag(False, "Run the model in fp16 mixed precision (not supported yet: use "
@@ -351,13 +593,24 @@ class TrainingConfig:
         "per micro-batch.")
     exit_interval: int | None = flag(
         None, "Exit the program (after saving) when the iteration is divisible by this value.")
+    exit_duration_in_mins: float | None = flag(
+        None, "Exit the program (after saving) once it has run this many minutes.")
+    exit_signal_handler: bool = flag(
+        False, "On --exit-signal (SIGTERM), save a checkpoint and shut down after the current "
+        "iteration; without this flag the signal ends the process at once.")
+    exit_signal: str = flag("SIGTERM", "Signal for --exit-signal-handler.", choices=tuple(
+        s.name for s in signal.Signals if s.name not in ("SIGKILL", "SIGSTOP")))
+    calculate_per_token_loss: bool = flag(
+        False, "Average the loss over all tokens of the global batch instead of over each "
+        "micro-batch's tokens first (they differ when --eod-mask-loss masks tokens).")
 
     def __post_init__(self) -> None:
-        _required(self, "micro_batch_size", "train_iters")
+        _required(self, "micro_batch_size")
         if self.fp16:
             raise ConfigError("--fp16 is not supported; use --bf16 (fp32 master weights, no loss "
                               "scaling needed)")
-        _positive(self, "micro_batch_size", "train_iters", "log_interval", "eval_interval")
+        _positive(self, "micro_batch_size", "log_interval", "eval_interval")
+        self._check_length_and_batch()
         if self.global_batch_size is not None:
             _positive(self, "global_batch_size")
         if self.eval_iters < 0:
@@ -370,6 +623,34 @@ class TrainingConfig:
             raise ConfigError("--save-interval must be a positive number of iterations")
         if self.exit_interval is not None and self.exit_interval <= 0:
             raise ConfigError("--exit-interval must be a positive number of iterations")
+        if self.exit_duration_in_mins is not None and self.exit_duration_in_mins <= 0:
+            raise ConfigError("--exit-duration-in-mins must be a positive number of minutes")
+
+    def _check_length_and_batch(self) -> None:
+        """Iteration- or sample-based length, and at most one batch-size schedule (as Megatron)."""
+        if self.train_iters is not None and self.train_samples is not None:
+            raise ConfigError("give either --train-iters or --train-samples, not both")
+        for name in ("train_iters", "train_samples"):
+            if getattr(self, name) is not None:
+                _positive(self, name)
+        if self.rampup_batch_size is not None:
+            if self.step_batch_size_schedule is not None:
+                raise ConfigError("give either --rampup-batch-size or --step-batch-size-schedule, "
+                                  "not both")
+            if self.train_iters is not None:
+                raise ConfigError("--rampup-batch-size needs sample-based training: use "
+                                  "--train-samples instead of --train-iters")
+            start, increment, samples = self.rampup_batch_size
+            if min(start, increment, samples) <= 0:
+                raise ConfigError(f"--rampup-batch-size {start} {increment} {samples} needs a "
+                                  "positive start batch, increment and number of samples")
+        if self.step_batch_size_schedule is not None:
+            final = parse_batch_size_schedule(self.step_batch_size_schedule)[-1][1]
+            if self.global_batch_size not in (None, final):
+                raise ConfigError(f"--global-batch-size {self.global_batch_size} differs from "
+                                  f"the last batch size {final} of --step-batch-size-schedule; "
+                                  "drop --global-batch-size")
+            self.global_batch_size = final
 
     @property
     def num_micro_batches(self) -> int:
@@ -467,6 +748,32 @@ class ParallelConfig:
         return [n if n is not None else rest // free for n in fixed]
 
 
+def check_schedule_units(opt: OptimizerConfig, training: TrainingConfig) -> None:
+    """Iteration-based runs (``--train-iters``) count the schedule in iterations, sample-based
+    runs (``--train-samples``) in samples; mixing them is an error, as in Megatron. Warm-up must
+    end before the decay does."""
+    if training.train_iters is not None:
+        unit, other, length = "iters", "samples", training.train_iters
+    elif training.train_samples is not None:
+        unit, other, length = "samples", "iters", training.train_samples
+    else:
+        return  # the length is checked at launch (--train-iters or --train-samples)
+    for name in (f"lr_decay_{other}", f"lr_warmup_{other}", f"lr_wsd_decay_{other}"):
+        if getattr(opt, name):
+            kind = "sample" if other == "samples" else "iteration"
+            raise ConfigError(f"--{name.replace('_', '-')} needs {kind}-based training "
+                              f"(--train-{other}); with --train-{unit} use the -{unit} flag")
+    warmup = getattr(opt, f"lr_warmup_{unit}")
+    decay = getattr(opt, f"lr_decay_{unit}") or length
+    if opt.lr_warmup_fraction is not None:
+        if warmup:
+            raise ConfigError(f"give either --lr-warmup-fraction or --lr-warmup-{unit}, not both")
+        return
+    if warmup and warmup >= decay:
+        raise ConfigError(f"--lr-warmup-{unit} {warmup} must be shorter than the decay length "
+                          f"{decay} (--lr-decay-{unit} or --train-{unit}); shorten the warm-up")
+
+
 @dataclass
 class RunConfig:
     """Everything one training run needs."""
@@ -478,11 +785,7 @@ class RunConfig:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
 
     def __post_init__(self) -> None:
-        decay = self.optimizer.lr_decay_iters or self.training.train_iters
-        if self.optimizer.lr_warmup_iters > decay:
-            raise ConfigError(f"--lr-warmup-iters {self.optimizer.lr_warmup_iters} exceeds the "
-                              f"decay length {decay} (--lr-decay-iters or --train-iters); "
-                              "shorten the warm-up")
+        check_schedule_units(self.optimizer, self.training)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -13,7 +13,7 @@ if [ -z "${PYTHON:-}" ]; then
 fi
 OUT=${OUT:-runs/demo}
 ITERS=${ITERS:-20}
-WARMUP=$(( ITERS < 5 ? ITERS : 5 ))
+WARMUP=$(( ITERS < 10 ? ITERS / 2 : 5 ))  # warm-up ends before the decay does (Megatron)
 CLUSTER=${CLUSTER:-examples/clusters/cpu_2types.yaml}
 MODEL=${MODEL:-examples/models/tiny.yaml}
 mkdir -p "$OUT"

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-VOCAB = 256  # NullTokenizer ids 0..255 (eod = 256)
+VOCAB = 256  # NullTokenizer ids 0..255 (eod = 255); the documents use 0..249
 
 
 @pytest.fixture(scope="session")

@@ -3,7 +3,14 @@ closest flag, compatibility flags reported, every default in --help."""
 
 import pytest
 
-from megatron_h2.config import ModelConfig, OptimizerConfig, TrainingConfig, cli_fields, flag_name
+from megatron_h2.config import (
+    DataConfig,
+    ModelConfig,
+    OptimizerConfig,
+    TrainingConfig,
+    cli_fields,
+    flag_name,
+)
 from megatron_h2.errors import ConfigError
 from megatron_h2.training.arguments import (
     build_parser,
@@ -55,7 +62,7 @@ def test_compatibility_flags_are_reported_once():
 
 def test_help_shows_every_flag_with_its_default():
     text = build_parser().format_help()
-    for cls in (ModelConfig, OptimizerConfig, TrainingConfig):
+    for cls in (ModelConfig, DataConfig, OptimizerConfig, TrainingConfig):
         for f in cli_fields(cls):
             assert flag_name(f) in text
     assert "(default: 0.999)" in text and "(required)" in text

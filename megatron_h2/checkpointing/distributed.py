@@ -43,6 +43,7 @@ MODEL_FIELDS = ("num_layers", "hidden_size", "num_attention_heads", "num_query_g
 class TrainProgress:
     iteration: int = 0
     consumed_samples: int = 0
+    scheduler: dict[str, Any] | None = None  # optimizer-parameter schedule state, if resumed
 
 
 def _b64(t: torch.Tensor) -> str:
@@ -146,6 +147,8 @@ class CheckpointIO:
             meta = {"iteration": it, "consumed_samples": progress.consumed_samples,
                     "config": self.cfg.to_dict(), "rng": rng[0], "rng_per_rank": rng,
                     "layout": topo.plan.to_dict()}
+            if progress.scheduler is not None:
+                meta["opt_param_scheduler"] = progress.scheduler
             path = commit_save(save_dir, incomplete_dir(save_dir, it), it, meta)
         self._barrier()
         return path
@@ -190,7 +193,8 @@ class CheckpointIO:
         if load_rng:
             self._restore_rng(meta, log)
         return TrainProgress(iteration=reader.iteration,
-                             consumed_samples=int(meta.get("consumed_samples", 0)))
+                             consumed_samples=int(meta.get("consumed_samples", 0)),
+                             scheduler=meta.get("opt_param_scheduler") if load_optim else None)
 
     def _restore_rng(self, meta: dict[str, Any], log) -> None:
         per_rank = meta.get("rng_per_rank")

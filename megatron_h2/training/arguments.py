@@ -14,7 +14,7 @@ import argparse
 import difflib
 import types
 import typing
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any
 
 from megatron_h2.config import (
@@ -60,6 +60,8 @@ COMPAT_FLAGS: dict[str, tuple[bool, str]] = {
     "--no-masked-softmax-fusion": (False, "attention runs through torch's SDPA"),
     "--distributed-backend": (True, "each chip type's backend comes from the device layer"),
     "--num-workers": (True, "samples are read from memory-mapped files in the training process"),
+    "--no-create-attention-mask-in-dataloader": (False, "attention is causal inside SDPA; no "
+                                                 "mask tensor is ever built"),
     "--group-query-attention": (False, "grouped-query attention follows --num-query-groups"),
     "--use-rotary-position-embeddings": (False, "rotary positions are always used"),
     "--swiglu": (False, "the MLP is always SwiGLU"),
@@ -89,7 +91,8 @@ def _add_field(group: argparse._ArgumentGroup, cls: type, f, hint: Any) -> None:
     default = f.default_factory() if callable(f.default_factory) else f.default
     text = meta["help"]
     if meta["required"]:
-        text += " (required)"
+        alternatives = " or ".join(flag_name(g) for g in fields(cls) if g.name in meta["unless"])
+        text += f" (required, or {alternatives})" if alternatives else " (required)"
     elif "default:" not in text:
         text += f" (default: {default!r})"
     kind = _base_type(hint)
@@ -100,7 +103,7 @@ def _add_field(group: argparse._ArgumentGroup, cls: type, f, hint: Any) -> None:
     else:
         if typing.get_origin(kind) is list and meta["parse"] is None:
             item = typing.get_args(kind)[0]
-            common["nargs"] = "+"
+            common["nargs"] = meta["nargs"] or "+"
             kind = item
         if typing.get_origin(kind) is typing.Literal:
             kind = str
@@ -149,6 +152,22 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def add_config_flags(group: argparse._ArgumentGroup, cls: type, names: tuple[str, ...]) -> None:
+    """Add the flags of the fields ``names`` of config class ``cls`` to ``group``, for tools
+    that share flags with ``pretrain_gpt.py``; read them back with :func:`config_values`."""
+    hints = typing.get_type_hints(cls)
+    for f in cli_fields(cls):
+        if f.name in names:
+            _add_field(group, cls, f, hints[f.name])
+
+
+def config_values(ns: argparse.Namespace, cls: type) -> dict[str, Any]:
+    """``{field: value}`` of the flags of ``cls`` given on a command line parsed with
+    :func:`add_config_flags`."""
+    prefix = f"{cls.__name__}."
+    return {k[len(prefix):]: v for k, v in vars(ns).items() if k.startswith(prefix)}
+
+
 def _known_flags(parser: argparse.ArgumentParser) -> list[str]:
     return [s for action in parser._actions for s in action.option_strings]
 
@@ -181,9 +200,13 @@ DEMO_OVERRIDES: dict[str, dict[str, Any]] = {
     "ModelConfig": {"hidden_dropout": 0.0, "attention_dropout": 0.0},
     "OptimizerConfig": {"lr_warmup_iters": 20, "lr_decay_style": "cosine", "min_lr": 1e-4,
                         "weight_decay": 0.1, "adam_beta2": 0.95},
-    "TrainingConfig": {"global_batch_size": 8, "log_interval": 10, "eval_interval": 100,
-                       "eval_iters": 5},
+    "TrainingConfig": {"global_batch_size": 8, "train_iters": 200, "log_interval": 10,
+                       "eval_interval": 100, "eval_iters": 5},
 }
+
+
+# Flags that name the training data; without any of them the run is the embedded demo.
+DATA_SOURCES = ("data_path", "mock_data", "train_data_path", "valid_data_path", "test_data_path")
 
 
 def _check_required(given: dict[str, dict[str, Any]]) -> None:
@@ -192,9 +215,25 @@ def _check_required(given: dict[str, dict[str, Any]]) -> None:
         for f in cli_fields(cls):
             if f.name in plan_owned:
                 continue
-            if f.metadata["cli"]["required"] and f.name not in given[cls.__name__]:
-                raise ConfigError(f"{flag_name(f)} is required with --data-path (only the "
-                                  "embedded demo, without --data-path, has defaults for it)")
+            meta = f.metadata["cli"]
+            if meta["required"] and f.name not in given[cls.__name__] \
+                    and not _alternative_given(f, given):
+                alternatives = "".join(f" (or {flag_name(g)})" for g in fields(cls)
+                                       if g.name in meta["unless"])
+                raise ConfigError(f"{flag_name(f)}{alternatives} is required with --data-path "
+                                  "or --mock-data (only the embedded demo, without them, has "
+                                  "defaults for it)")
+
+
+def _alternative_given(f, given: dict[str, dict[str, Any]]) -> bool:
+    """Whether a flag that replaces the field ``f`` (its ``unless``) was given."""
+    return any(name in mine for mine in given.values() for name in f.metadata["cli"]["unless"])
+
+
+def _demo_overrides(cls: type, given: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """The demo's values for ``cls`` minus those whose alternative flag the user gave."""
+    skip = {f.name for f in cli_fields(cls) if _alternative_given(f, given)}
+    return {k: v for k, v in DEMO_OVERRIDES.get(cls.__name__, {}).items() if k not in skip}
 
 
 def demo_settings(given: dict[str, dict[str, Any]]) -> list[str]:
@@ -203,8 +242,7 @@ def demo_settings(given: dict[str, dict[str, Any]]) -> list[str]:
     for _, cls in GROUPS:
         overrides = DEMO_OVERRIDES.get(cls.__name__, {})
         for f in cli_fields(cls):
-            mine = given[cls.__name__]
-            if f.name in mine:
+            if f.name in given[cls.__name__] or _alternative_given(f, given):
                 continue
             if f.name in overrides:
                 out.append(f"{flag_name(f)} {overrides[f.name]}")
@@ -216,12 +254,13 @@ def demo_settings(given: dict[str, dict[str, Any]]) -> list[str]:
 def config_from_args(argv: list[str] | None = None) -> tuple[RunConfig, LaunchOptions]:
     """Parse Megatron-style flags into a validated :class:`RunConfig`."""
     given, compat = parse_flags(argv)
-    if given["DataConfig"].get("data_path"):
+    if any(given["DataConfig"].get(name) for name in DATA_SOURCES):
         _check_required(given)
         values = given
         demo = ()
     else:  # the embedded demo
-        values = {name: {**DEMO_OVERRIDES.get(name, {}), **mine} for name, mine in given.items()}
+        values = {cls.__name__: {**_demo_overrides(cls, given), **given[cls.__name__]}
+                  for _, cls in GROUPS}
         demo = tuple(demo_settings(given))
     parts = {cls.__name__: cls(**values[cls.__name__]) for _, cls in GROUPS}
     explicit = frozenset(name for mine in given.values() for name in mine)
@@ -241,5 +280,6 @@ def describe_no_effect(launch: LaunchOptions) -> str | None:
     return "accepted, no effect: " + "; ".join(parts)
 
 
-__all__ = ["COMPAT_FLAGS", "GROUPS", "LaunchOptions", "build_parser", "config_from_args",
-           "demo_settings", "describe_no_effect", "parse_flags"]
+__all__ = ["COMPAT_FLAGS", "GROUPS", "LaunchOptions", "add_config_flags", "build_parser",
+           "config_from_args", "config_values", "demo_settings", "describe_no_effect",
+           "parse_flags"]
