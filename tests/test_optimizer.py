@@ -46,12 +46,14 @@ def _model():
     return model
 
 
-def test_norms_get_no_weight_decay_and_state_round_trips():
-    model = _model()
+def test_norms_and_biases_get_no_weight_decay_and_state_round_trips():
+    model = _model()  # Megatron's GPT: LayerNorms and linear layers with biases
     opt = build_optimizer(model, OptimizerConfig(weight_decay=0.1))
     decay, no_decay = opt.param_groups
     assert decay["weight_decay"] == 0.1 and no_decay["weight_decay"] == 0.0
-    assert all(p.ndim == 1 for p in no_decay["params"]) and len(no_decay["params"]) == 3
+    # per layer two LayerNorms (scale, bias) and four linear biases; the final LayerNorm
+    assert all(p.ndim == 1 for p in no_decay["params"]) and len(no_decay["params"]) == 8 + 2
+    assert any(p is model.embedding.position_embeddings.weight for p in decay["params"])
     tokens = torch.randint(0, 64, (2, 9))
     model(tokens=tokens[:, :-1], labels=tokens[:, 1:]).mean().backward()
     opt.step()
@@ -63,6 +65,6 @@ def test_norms_get_no_weight_decay_and_state_round_trips():
     assert optimizer_state_to_named(fresh, names).keys() == named.keys()
     for key, value in optimizer_state_to_named(fresh, names).items():
         assert torch.equal(value, named[key])
-    del named["output_layer.weight.exp_avg"]
-    with pytest.raises(ConfigError, match="lacks output_layer.weight.exp_avg"):
+    del named["embedding.word_embeddings.weight.exp_avg"]
+    with pytest.raises(ConfigError, match="lacks embedding.word_embeddings.weight.exp_avg"):
         load_named_optimizer_state(build_optimizer(model, OptimizerConfig()), names, named)
