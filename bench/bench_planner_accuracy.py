@@ -224,14 +224,14 @@ def probe_extras(out: str, reps: int = 9) -> None:
     torch.set_num_threads(1)
     from dataclasses import replace
 
-    from megatron_h2.config import ModelConfig, OptimizerConfig
+    from megatron_h2.config import LLAMA_ARCHITECTURE, ModelConfig, OptimizerConfig
     from megatron_h2.devices import get_accelerator
     from megatron_h2.models.gpt import GPTModel, init_parameters
     from megatron_h2.optimizer.distributed_optimizer import build_data_parallel_optimizer
 
     acc = get_accelerator("cpu")
     cfg = ModelConfig(**{k: v for k, v in MODEL.items() if k != "global_batch_size"},
-                      hidden_dropout=0.0, attention_dropout=0.0)
+                      hidden_dropout=0.0, attention_dropout=0.0, **LLAMA_ARCHITECTURE)
     selective = {}
     layers = {}
     for mode in ("none", "selective"):
