@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 from dist_utils import free_port, losses, torchrun
+from safetensors import safe_open
 
 from megatron_h2.training.main import main
 
@@ -98,6 +99,10 @@ def test_checkpoint_moves_between_layouts(corpus, reference, tmp_path):
     parts = sorted(p.name for p in (ckpt / "iter_0000005").iterdir())
     assert parts == ["metadata.json", "model_00000.safetensors", "model_00001.safetensors",
                      "optim_00000.safetensors", "optim_00001.safetensors"]
+    keys = [set(safe_open(str(ckpt / "iter_0000005" / f"model_0000{i}.safetensors"),
+                          "pt").keys()) for i in (0, 1)]
+    tied = "embedding.word_embeddings.weight"  # stored once, by the first stage
+    assert tied in keys[0] and tied not in keys[1] and "output_layer.weight" not in keys[1]
     assert main([*MODEL, "--data-path", corpus, "--load", str(ckpt),
                  "--log-jsonl", str(tmp_path / "b.jsonl")]) == 0
     third = torchrun(4, [*MODEL, "--data-path", corpus, "--pipeline-model-parallel-size", "2",
