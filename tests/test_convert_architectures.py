@@ -153,7 +153,8 @@ def save_ours(path: Path, extra: str = "") -> ModelConfig:
 
 
 @pytest.mark.parametrize("extra, activation", [("", "gelu_new"),
-                                               ("--no-bias-gelu-fusion", "gelu")])
+                                               ("--no-bias-gelu-fusion", "gelu"),
+                                               ("--apply-layernorm-1p", "gelu_new")])
 def test_megatron_gpt_loads_as_gpt2(extra, activation, tmp_path):
     """Megatron's default GPT (no architecture flags) written for GPT2LMHeadModel."""
     save_ours(tmp_path / "ours", extra)
@@ -163,6 +164,27 @@ def test_megatron_gpt_loads_as_gpt2(extra, activation, tmp_path):
     assert hf_config["architectures"] == ["GPT2LMHeadModel"]
     assert hf_config["activation_function"] == activation and hf_config["tie_word_embeddings"]
     hf = GPT2LMHeadModel.from_pretrained(tmp_path / "hf").eval()
+    with torch.no_grad():
+        want = hf(TOKENS).logits
+    assert (our_logits(tmp_path / "ours") - want).abs().max().item() < 1e-5
+
+
+LLAMA3_FLAGS = ("--swiglu --normalization RMSNorm --position-embedding-type rope "
+                "--disable-bias-linear --untie-embeddings-and-output-weights "
+                "--group-query-attention --num-query-groups 2 --kv-channels 24 "
+                "--rotary-base 500000 --apply-layernorm-1p --use-rope-scaling "
+                "--rope-scaling-factor 32")
+
+
+def test_megatron_llama3_flags_load_as_llama(tmp_path):
+    """Megatron's Llama 3 recipe flags (zero-centred RMSNorm, head size 128-style --kv-channels,
+    rope scaling) written for LlamaForCausalLM."""
+    save_ours(tmp_path / "ours", LLAMA3_FLAGS)
+    assert convert("--from", "megatron_h2", "--to", "hf", "--input", tmp_path / "ours",
+                   "--output", tmp_path / "hf") == 0
+    hf_config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert hf_config["rope_parameters"]["rope_type"] == "llama3" and hf_config["head_dim"] == 24
+    hf = LlamaForCausalLM.from_pretrained(tmp_path / "hf").eval()
     with torch.no_grad():
         want = hf(TOKENS).logits
     assert (our_logits(tmp_path / "ours") - want).abs().max().item() < 1e-5

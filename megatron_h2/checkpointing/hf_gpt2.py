@@ -19,7 +19,8 @@ matrix is transposed)::
 The activation must match: GPT-2's ``gelu_new`` (and ``gelu_pytorch_tanh``, ``gelu_fast``) is
 the tanh approximation Megatron's fused bias-GeLU computes, ``gelu`` the exact one
 (``--no-bias-gelu-fusion``), ``relu2`` is ``--squared-relu``. GPT-2 has one key/value head per
-query head, head size hidden / heads and biases everywhere.
+query head, head size hidden / heads and biases everywhere. Zero-centred norm scales
+(``--apply-layernorm-1p``) are written as the plain scales they mean.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ from megatron_h2.checkpointing.hf_tensors import (
     pad_rows,
     split_qkv,
     truncate_rows,
+    unfold_norm,
 )
 from megatron_h2.config import ModelConfig
 from megatron_h2.errors import ConfigError
@@ -90,7 +92,6 @@ def model_fields(hf_config: dict[str, Any]) -> dict[str, Any]:
 def unsupported(config: ModelConfig) -> str | None:
     """Why ``config`` cannot be written as a GPT2LMHeadModel (None when it can)."""
     reasons = {"normalization": config.normalization != "LayerNorm",
-               "--apply-layernorm-1p": config.apply_layernorm_1p,
                f"activation {config.activation}": config.activation not in _ACTIVATIONS,
                f"position embedding {config.position_embedding_type}":
                    config.position_embedding_type != "learned_absolute",
@@ -195,7 +196,7 @@ def to_hf(state: dict[str, torch.Tensor], config: ModelConfig,
     """Our tensors (checked by the caller) -> HF GPT-2 tensors with ``vocab`` rows."""
     vocab = check_vocab(vocab, config)
     out = {EMBED: truncate_rows(state["embedding.word_embeddings.weight"], vocab)}
-    out.update({theirs: _copy(state[ours], transposed)
+    out.update({theirs: _copy(unfold_norm(state[ours], ours, config), transposed)
                 for ours, theirs, transposed in _direct_names(config)})
     for i in range(config.num_layers):
         for kind in ("weight", "bias"):

@@ -14,6 +14,7 @@ names are under ``model.layers.{i}.`` on the HF side and ``decoder.layers.{i}.``
     mlp.{gate,up}_proj.{weight,bias}         <-> mlp.linear_fc1.{weight,bias} (fused [gate; up])
 
 Biases exist with ``attention_bias`` and ``mlp_bias`` (both: our biases in every linear layer).
+Zero-centred norm scales (``--apply-layernorm-1p``) are written as the plain scales they mean.
 Both sides use the rotate-half RoPE convention, so no head permutation is needed. RoPE scaling
 maps to Megatron's flags: ``llama3`` (with Megatron's fixed constants) to ``--use-rope-scaling
 --rope-scaling-factor``, ``linear`` (an integral factor) to
@@ -37,6 +38,7 @@ from megatron_h2.checkpointing.hf_tensors import (
     pad_rows,
     split_qkv,
     truncate_rows,
+    unfold_norm,
 )
 from megatron_h2.config import LLAMA_ARCHITECTURE, ModelConfig
 from megatron_h2.errors import ConfigError
@@ -137,7 +139,6 @@ def model_fields(hf_config: dict[str, Any]) -> dict[str, Any]:
 def unsupported(config: ModelConfig) -> str | None:
     """Why ``config`` cannot be written as a LlamaForCausalLM (None when it can)."""
     reasons = {"normalization": config.normalization != "RMSNorm",
-               "--apply-layernorm-1p": config.apply_layernorm_1p,
                f"activation {config.activation}": config.activation != "swiglu",
                f"position embedding {config.position_embedding_type}":
                    config.position_embedding_type != "rope",
@@ -253,7 +254,8 @@ def to_hf(state: dict[str, torch.Tensor], config: ModelConfig,
     """Our tensors (checked by the caller) -> HF Llama tensors with ``vocab`` rows."""
     vocab = check_vocab(vocab, config)
     out = {EMBED: truncate_rows(state["embedding.word_embeddings.weight"], vocab)}
-    out.update({theirs: state[ours] for ours, theirs in _direct_names(config)})
+    out.update({theirs: unfold_norm(state[ours], ours, config)
+                for ours, theirs in _direct_names(config)})
     for i in range(config.num_layers):
         src, dst = f"decoder.layers.{i}.", f"model.layers.{i}."
         for kind in _kinds(config):

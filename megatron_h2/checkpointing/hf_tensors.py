@@ -89,6 +89,14 @@ def drop_tied_head(hf_state: dict[str, torch.Tensor], head: str,
     return {k: v for k, v in hf_state.items() if k != head}
 
 
+def unfold_norm(t: torch.Tensor, name: str, config: ModelConfig) -> torch.Tensor:
+    """Our tensor ``name`` as a plain norm scale: a zero-centred one (``--apply-layernorm-1p``)
+    stores scale - 1, which Hugging Face models do not."""
+    if config.apply_layernorm_1p and name.endswith("layernorm.weight"):
+        return t + 1.0
+    return t
+
+
 def pad_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
     """``t`` with zero rows appended up to ``rows`` (the padded vocabulary)."""
     if t.shape[0] == rows:
