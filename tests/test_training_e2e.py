@@ -115,4 +115,4 @@ def test_script_prints_one_line_without_traceback():
     assert proc.returncode == 2
     assert proc.stderr.strip() == ("error: --hidden-size 100 is not divisible by "
                                    "--num-attention-heads 8; choose a hidden size that is a "
-                                   "multiple of the heads")
+                                   "multiple of the heads or set --kv-channels")
