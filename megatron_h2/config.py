@@ -7,9 +7,9 @@ parser from these declarations (name, help, choices), so the defaults here are t
 line's, and they are Megatron-LM's wherever Megatron has the flag.
 
 :class:`ModelConfig` is what both the runtime builds (``megatron_h2.models``) and the planner
-plans for (``megatron_h2.planner``): its parameter counts, FLOPs, vocabulary padding
-(:func:`pad_vocab_size`), activation bytes and :func:`state_bytes_per_param` are the only ones in
-the project.
+plans for (``megatron_h2.planner``): its parameter counts, FLOPs and activation bytes (from its
+base :class:`~megatron_h2.model_counts.ModelCounts`), the vocabulary padding
+(:func:`pad_vocab_size`) and :func:`state_bytes_per_param` are the only ones in the project.
 """
 
 from __future__ import annotations
@@ -20,10 +20,8 @@ from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Literal
 
 from megatron_h2.errors import ConfigError
+from megatron_h2.model_counts import RECOMPUTE_MODES, ModelCounts, Recompute
 
-Recompute = Literal["none", "selective", "full"]
-RECOMPUTE_MODES: tuple[Recompute, ...] = ("none", "selective", "full")
-"""Activation recompute modes, fastest (and most memory-hungry) first."""
 LR_DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root", "WSD")
 WSD_DECAY_STYLES = ("exponential", "linear", "cosine", "minus_sqrt")
 WD_INCR_STYLES = ("constant", "linear", "cosine")
@@ -150,32 +148,95 @@ def state_bytes_per_param(bf16_params: bool, data_parallel_size: int = 1,
 
 def swiglu_ffn_size(hidden_size: int) -> int:
     """Megatron's default SwiGLU width: 2/3 of 4h, rounded down to a multiple of 64."""
-    return max(64, int(4 * hidden_size * 2 / 3) // 64 * 64)
+    return int((4 * hidden_size * 2 / 3) / 64) * 64
+
+
+NORMALIZATIONS = ("LayerNorm", "RMSNorm")
+POSITION_EMBEDDING_TYPES = ("learned_absolute", "rope", "none")
+Activation = Literal["gelu", "gelu_tanh", "swiglu", "squared_relu"]
+
+LLAMA_ARCHITECTURE: dict[str, Any] = {
+    "normalization": "RMSNorm", "swiglu": True, "position_embedding_type": "rope",
+    "add_bias_linear": False, "untie_embeddings_and_output_weights": True}
+"""The :class:`ModelConfig` fields of a LLaMA-style model (Megatron's LLaMA flags ``--swiglu
+--normalization RMSNorm --position-embedding-type rope --disable-bias-linear
+--untie-embeddings-and-output-weights``); grouped-query attention is set separately."""
+
+ARCHITECTURE_FIELDS: tuple[str, ...] = (
+    "group_query_attention", "num_query_groups", "kv_channels", "ffn_hidden_size",
+    "normalization", "apply_layernorm_1p", "norm_epsilon", "swiglu", "squared_relu",
+    "bias_gelu_fusion", "add_bias_linear", "add_qkv_bias", "untie_embeddings_and_output_weights",
+    "position_embedding_type", "rotary_percent", "rotary_base",
+    "rotary_seq_len_interpolation_factor", "use_rope_scaling", "rope_scaling_factor")
+"""Fields beyond the shape (layers, hidden size, heads, vocabulary) that change the weights or
+what they compute: a checkpoint's must equal the run's, and the planner's model files and
+launch scripts carry them (``max_position_embeddings``, the size of a learned position table, is
+checked by the tensor shapes)."""
 
 
 @dataclass
-class ModelConfig:
-    """Shape of a LLaMA-style decoder (RMSNorm, RoPE, SwiGLU, grouped-query attention)."""
+class ModelConfig(ModelCounts):
+    """The decoder Megatron builds for the same flags (Megatron's defaults are a GPT: LayerNorm
+    with bias, GeLU MLP of 4h with biases, learned absolute positions, embedding tied to the
+    output layer); Megatron's LLaMA flags (:data:`LLAMA_ARCHITECTURE`) give a LLaMA."""
 
     # The shape flags are required on the command line (as in Megatron) except for the embedded
     # demo, which uses these defaults.
     num_layers: int = flag(4, "Number of transformer layers.", required=True)
     hidden_size: int = flag(256, "Transformer hidden size.", required=True)
     num_attention_heads: int = flag(8, "Number of transformer attention heads.", required=True)
+    group_query_attention: bool = flag(
+        False, "Use grouped-query attention (--num-query-groups key/value heads); without it "
+        "every head has its own key and value, whatever --num-query-groups says (as Megatron).")
     num_query_groups: int | None = flag(
-        None, "Number of query groups (key/value heads) for grouped-query attention; default: "
-        "one per head.")
+        None, "Number of query groups (key/value heads) with --group-query-attention; default: "
+        "1 with --group-query-attention, else one per head.")
+    kv_channels: int | None = flag(
+        None, "Projection weights dimension in multi-head attention (the head dimension); "
+        "default: --hidden-size / --num-attention-heads.")
     ffn_hidden_size: int | None = flag(
-        None, "Transformer feed-forward network hidden size; default: Megatron's SwiGLU size "
-        "(2/3 of 4h, rounded down to a multiple of 64).")
+        None, "Transformer feed-forward network hidden size; default: 4 x --hidden-size, or "
+        "with --swiglu 2/3 of that rounded down to a multiple of 64.")
     seq_length: int = flag(128, "Maximum sequence length to process.", required=True)
     max_position_embeddings: int | None = flag(
-        None, "Maximum number of position embeddings; default: --seq-length.")
+        None, "Maximum number of position embeddings (the size of the learned position table); "
+        "default: --seq-length.")
+    normalization: str = flag("LayerNorm", "Normalization layer (LayerNorm has a bias).",
+                              choices=NORMALIZATIONS)
+    apply_layernorm_1p: bool = flag(
+        False, "Zero-centred norm scales: weights start at 0 and the norm multiplies by "
+        "(1 + weight).")
     norm_epsilon: float = flag(1e-5, "Epsilon for layer norm and RMS norm.")
+    swiglu: bool = flag(False, "Use gated linear units and SiLU activation instead of GeLU.")
+    squared_relu: bool = flag(False, "Use squared ReLU activation instead of GeLU.")
+    bias_gelu_fusion: bool = flag(
+        True, "Megatron's fused bias + GeLU, which computes the tanh approximation of GeLU; "
+        "--no-bias-gelu-fusion (or --disable-bias-linear) gives the exact (erf) GeLU.",
+        name="--no-bias-gelu-fusion", negative=True)
+    add_bias_linear: bool = flag(
+        True, "Biases in every linear layer (QKV, attention output, both MLP layers); "
+        "--disable-bias-linear removes them.", name="--disable-bias-linear", negative=True)
+    add_qkv_bias: bool = flag(False, "Add a bias to the QKV projection only (implied by the "
+                              "biases of every linear layer).")
+    untie_embeddings_and_output_weights: bool = flag(
+        False, "Separate weights for the input embedding and the output layer (default: one "
+        "tied weight).")
+    position_embedding_type: str = flag(
+        "learned_absolute", "Position embedding type.", choices=POSITION_EMBEDDING_TYPES,
+        shortcuts=(("--use-rotary-position-embeddings", "rope",
+                    "Megatron's older spelling of --position-embedding-type rope."),))
+    rotary_percent: float = flag(1.0, "Fraction of each head's dimensions that rotary "
+                                 "embeddings rotate.")
     rotary_base: float = flag(10000.0, "Base to use for rotary positional embeddings.")
+    rotary_seq_len_interpolation_factor: int | None = flag(
+        None, "Divide positions by this factor before the rotary embedding (linear position "
+        "interpolation).")
+    use_rope_scaling: bool = flag(False, "Apply Llama 3.x rope scaling to the rotary "
+                                  "frequencies.")
+    rope_scaling_factor: float = flag(8.0, "Rope scaling factor in Llama 3.x models.")
     init_method_std: float = flag(
         0.02, "Standard deviation of the zero mean normal distribution used for weight "
-        "initialization.")
+        "initialization (scaled by 1/sqrt(2 x layers) for each layer's output projections).")
     hidden_dropout: float = flag(0.1, "Dropout probability for hidden state transformer.")
     attention_dropout: float = flag(0.1, "Post attention dropout probability.")
     recompute: Recompute = flag(
@@ -187,25 +248,14 @@ class ModelConfig:
     vocab_size: int = 0  # padded vocabulary size; filled in from the tokenizer at start-up
 
     def __post_init__(self) -> None:
-        if self.num_query_groups is None:
-            self.num_query_groups = self.num_attention_heads
-        if self.ffn_hidden_size is None:
-            self.ffn_hidden_size = swiglu_ffn_size(self.hidden_size)
-        if self.max_position_embeddings is None:
-            self.max_position_embeddings = self.seq_length
+        self._fill_defaults()
         _positive(self, "num_layers", "hidden_size", "num_attention_heads", "num_query_groups",
-                  "ffn_hidden_size", "seq_length", "max_position_embeddings")
-        if self.hidden_size % self.num_attention_heads:
-            raise ConfigError(
-                f"--hidden-size {self.hidden_size} is not divisible by --num-attention-heads "
-                f"{self.num_attention_heads}; choose a hidden size that is a multiple of the heads")
+                  "kv_channels", "ffn_hidden_size", "seq_length", "max_position_embeddings",
+                  "norm_epsilon", "rotary_base", "rope_scaling_factor")
         if self.num_attention_heads % self.num_query_groups:
             raise ConfigError(
                 f"--num-query-groups {self.num_query_groups} does not divide --num-attention-heads "
                 f"{self.num_attention_heads}; use a divisor of the head count")
-        if self.kv_channels % 2:
-            raise ConfigError(f"head dimension {self.kv_channels} (hidden/heads) must be even "
-                              "for rotary embeddings")
         if self.seq_length > self.max_position_embeddings:
             raise ConfigError(
                 f"--seq-length {self.seq_length} exceeds --max-position-embeddings "
@@ -216,94 +266,90 @@ class ModelConfig:
                 raise ConfigError(f"--{name.replace('_', '-')} must be in [0, 1)")
         if self.recompute not in RECOMPUTE_MODES:
             raise ConfigError(f"recompute must be none, selective or full, got {self.recompute!r}")
+        self._check_architecture()
+
+    def _fill_defaults(self) -> None:
+        """Megatron's rules for the sizes left unset."""
+        if not self.group_query_attention:
+            self.num_query_groups = self.num_attention_heads
+        elif self.num_query_groups is None:
+            self.num_query_groups = 1
+        if self.kv_channels is None:
+            if self.num_attention_heads > 0 and self.hidden_size % self.num_attention_heads:
+                raise ConfigError(
+                    f"--hidden-size {self.hidden_size} is not divisible by --num-attention-heads "
+                    f"{self.num_attention_heads}; choose a hidden size that is a multiple of the "
+                    "heads or set --kv-channels")
+            self.kv_channels = self.hidden_size // max(self.num_attention_heads, 1)
+        if self.ffn_hidden_size is None:
+            self.ffn_hidden_size = (swiglu_ffn_size(self.hidden_size) if self.swiglu
+                                    else 4 * self.hidden_size)
+        if self.max_position_embeddings is None:
+            self.max_position_embeddings = self.seq_length
+        if self.add_bias_linear:
+            self.add_qkv_bias = True  # Megatron keeps the two in sync
+
+    def _check_architecture(self) -> None:
+        if self.normalization not in NORMALIZATIONS:
+            raise ConfigError(f"--normalization must be LayerNorm or RMSNorm, got "
+                              f"{self.normalization!r}")
+        if self.position_embedding_type not in POSITION_EMBEDDING_TYPES:
+            raise ConfigError(f"--position-embedding-type must be one of "
+                              f"{', '.join(POSITION_EMBEDDING_TYPES)}, got "
+                              f"{self.position_embedding_type!r}")
+        if self.swiglu and self.squared_relu:
+            raise ConfigError("--swiglu and --squared-relu are different activations; give one")
+        if not 0.0 < self.rotary_percent <= 1.0:
+            raise ConfigError(f"--rotary-percent must be in (0, 1], got {self.rotary_percent}")
+        if self.position_embedding_type == "rope" and (self.rotary_dim < 2 or self.rotary_dim % 2):
+            raise ConfigError(
+                f"rotary embeddings need an even number of rotated dimensions, got "
+                f"{self.rotary_dim} (--kv-channels {self.kv_channels} x --rotary-percent "
+                f"{self.rotary_percent:g})")
+        factor = self.rotary_seq_len_interpolation_factor
+        if factor is not None and factor < 1:
+            raise ConfigError(f"--rotary-seq-len-interpolation-factor must be >= 1, got {factor}")
+
+    # ------------------------------------------------------------------ derived architecture
+    @property
+    def activation(self) -> Activation:
+        """The MLP's activation as Megatron computes it for these flags: SwiGLU, squared ReLU, or
+        GeLU - the tanh approximation of Megatron's fused bias-GeLU when the MLP has biases and
+        the fusion is on (the default), else the exact erf GeLU."""
+        if self.swiglu:
+            return "swiglu"
+        if self.squared_relu:
+            return "squared_relu"
+        return "gelu_tanh" if self.add_bias_linear and self.bias_gelu_fusion else "gelu"
 
     @property
-    def kv_channels(self) -> int:
-        """Dimension of one attention head."""
-        return self.hidden_size // self.num_attention_heads
-
-    # ------------------------------------------------------------------ parameters and FLOPs
-    # Counted for the architecture the runtime builds (megatron_h2.models.gpt), on the padded
-    # vocabulary: ``vocab_size`` is the size of the embedding and output layer.
-    @property
-    def kv_size(self) -> int:
-        """Width of the K (and of the V) projection: query groups x head dimension."""
-        return self.num_query_groups * self.kv_channels
+    def tied_embeddings(self) -> bool:
+        """True when the output layer uses the input embedding's weight."""
+        return not self.untie_embeddings_and_output_weights
 
     @property
-    def layer_matrix_params(self) -> int:
-        """Weights of one layer's matrices: fused QKV, output projection, SwiGLU [gate|up], down."""
-        h = self.hidden_size
-        return h * (self.num_attention_heads * self.kv_channels + 2 * self.kv_size) \
-            + self.num_attention_heads * self.kv_channels * h + 3 * h * self.ffn_hidden_size
+    def rotary_dim(self) -> int:
+        """Dimensions of each head that rotary embeddings rotate (Megatron's rounding)."""
+        dim = self.kv_channels
+        return int(dim * self.rotary_percent) if self.rotary_percent < 1.0 else dim
 
-    @property
-    def layer_params(self) -> int:
-        """All parameters of one layer (matrices and the two norm scales)."""
-        return self.layer_matrix_params + 2 * self.hidden_size
-
-    def layer_params_per_chip(self, tp: int) -> float:
-        """Parameters of one layer on one TP rank (matrices split, norm scales replicated)."""
-        return self.layer_matrix_params / tp + 2 * self.hidden_size
-
-    def embedding_params_per_chip(self, tp: int) -> float:
-        """Vocabulary-parallel input embedding on one TP rank."""
-        return self.vocab_size * self.hidden_size / tp
-
-    def head_params_per_chip(self, tp: int) -> float:
-        """Final norm plus vocabulary-parallel output layer on one TP rank."""
-        return self.vocab_size * self.hidden_size / tp + self.hidden_size
-
-    def num_parameters(self) -> int:
-        """Parameters of the whole model (layers, embedding, final norm, output layer)."""
-        return self.num_layers * self.layer_params + 2 * self.vocab_size * self.hidden_size \
-            + self.hidden_size
-
-    def attention_core_flops_per_token(self, causal: bool = True) -> float:
-        """QK^T and AV of one layer per token: 4 x seq x (heads x head dim) over the full square,
-        half of it with the causal mask (the work a chip does)."""
-        full = 4.0 * self.seq_length * self.num_attention_heads * self.kv_channels
-        return full / 2 if causal else full
-
-    def layer_forward_flops(self, tokens: int, causal: bool = True) -> float:
-        """Forward FLOPs of one layer over ``tokens`` tokens (matrix multiplies + attention)."""
-        return tokens * (2.0 * self.layer_matrix_params
-                         + self.attention_core_flops_per_token(causal))
-
-    def head_forward_flops(self, tokens: int) -> float:
-        """Forward FLOPs of the output layer (logits over the padded vocabulary)."""
-        return tokens * 2.0 * self.hidden_size * self.vocab_size
-
-    def flops_per_token(self, causal: bool = False) -> float:
-        """Training FLOPs of one token, forward + backward = 3 x forward, no recompute.
-
-        ``causal=False`` counts attention over the full square, as Megatron's model-TFLOP/s
-        accounting does (the runtime's log line); the planner's MFU counts the causal half.
-        """
-        forward = self.num_layers * self.layer_forward_flops(1, causal) \
-            + self.head_forward_flops(1)
-        return 3.0 * forward
-
-    # ----------------------------------------------------------------------------- memory
-    def layer_activation_bytes(self, tokens: int, tp: int, recompute: Recompute) -> float:
-        """Bytes one layer keeps for backward per micro-batch of ``tokens`` tokens (bf16).
-
-        ``none``: the inputs of every matrix multiply, the norms, the attention core and the
-        SwiGLU activation; ``selective``: the attention core and the activation are recomputed;
-        ``full``: only the layer input is kept. Sharded parts are divided by TP.
-        """
-        h, f, kv, a = (self.hidden_size, self.ffn_hidden_size, self.kv_size,
-                       self.num_attention_heads)
-        if recompute == "none":
-            return tokens * (8 * h + (4 * h + 4 * kv + 6 * f + 4 * a) / tp)
-        if recompute == "selective":
-            return tokens * (4 * h + (2 * h + 4 * kv + 4 * f) / tp)
-        return tokens * 2.0 * h
-
-    def head_activation_bytes(self, tokens: int, tp: int) -> float:
-        """Bytes the final norm, output layer and loss keep per micro-batch (bf16 input, fp32
-        logits)."""
-        return tokens * (4 * self.hidden_size + 6 * self.vocab_size / tp)
+    def describe_architecture(self) -> str:
+        """One phrase such as ``LayerNorm, GeLU (tanh) MLP with biases, learned positions, tied
+        embedding``."""
+        norm = self.normalization + (" (1p)" if self.apply_layernorm_1p else "")
+        act = {"gelu": "GeLU", "gelu_tanh": "GeLU (tanh)", "swiglu": "SwiGLU",
+               "squared_relu": "squared-ReLU"}[self.activation]
+        bias = ("with biases" if self.add_bias_linear
+                else "QKV bias only" if self.add_qkv_bias else "no biases")
+        pos = {"learned_absolute": "learned positions", "none": "no positions",
+               "rope": f"rotary positions (base {self.rotary_base:g})",
+               }[self.position_embedding_type]
+        if self.position_embedding_type == "rope" and self.rotary_percent < 1.0:
+            pos += f" on {self.rotary_percent:g} of each head"
+        if self.position_embedding_type == "rope" and self.use_rope_scaling:
+            pos += f", Llama 3 scaling x{self.rope_scaling_factor:g}"
+        tied = "tied embedding" if self.tied_embeddings else "untied embedding and output"
+        return f"{norm}, {act} MLP {bias}, {pos}, {tied}"
 
 
 TOKENIZER_TYPES = ("GPT2BPETokenizer", "GPTSentencePieceTokenizer", "HuggingFaceTokenizer",

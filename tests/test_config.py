@@ -20,6 +20,9 @@ def test_megatron_llama_flags_map_onto_configs():
     m, t, o = cfg.model, cfg.training, cfg.optimizer
     assert (m.num_layers, m.hidden_size, m.ffn_hidden_size, m.num_query_groups) == (6, 128, 344, 2)
     assert (m.seq_length, m.max_position_embeddings, m.recompute) == (64, 128, "selective")
+    assert (m.normalization, m.activation, m.position_embedding_type) == ("RMSNorm", "swiglu",
+                                                                         "rope")
+    assert not m.add_bias_linear and not m.add_qkv_bias and not m.tied_embeddings
     assert m.vocab_size == 0  # --vocab-size is the tokenizer's, padded later
     assert (t.micro_batch_size, t.global_batch_size, t.num_micro_batches) == (2, 8, 4)
     assert t.bf16 and t.seed == 7 and t.train_iters == 30
@@ -54,7 +57,12 @@ def test_data_source_and_tokenizer_defaults_as_megatron():
 
 @pytest.mark.parametrize("flags, fragment", [
     ("--hidden-size 100 --num-attention-heads 8", "not divisible by --num-attention-heads"),
-    ("--num-attention-heads 8 --num-query-groups 3", "does not divide --num-attention-heads"),
+    ("--num-attention-heads 8 --group-query-attention --num-query-groups 3",
+     "does not divide --num-attention-heads"),
+    ("--swiglu --squared-relu", "--swiglu and --squared-relu"),
+    ("--position-embedding-type rope --rotary-percent 0.3", "even number of rotated dim"),
+    ("--rotary-percent 1.5", "--rotary-percent must be in (0, 1]"),
+    ("--normalization LayerNorm1p", "invalid choice: 'LayerNorm1p'"),
     ("--global-batch-size 10 --micro-batch-size 4", "not divisible by --micro-batch-size"),
     ("--seq-length 512 --max-position-embeddings 256", "exceeds --max-position-embeddings"),
     ("--micro-batch-size 0", "--micro-batch-size must be a positive"),

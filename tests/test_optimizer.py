@@ -112,18 +112,20 @@ def test_resuming_with_another_schedule_names_both_values():
 
 def _model():
     cfg = ModelConfig(num_layers=1, hidden_size=32, num_attention_heads=4, seq_length=8,
-                      vocab_size=64, ffn_hidden_size=64)
+                      vocab_size=64, ffn_hidden_size=64, untie_embeddings_and_output_weights=True)
     model = GPTModel(cfg)
     init_parameters(model, cfg, 0)
     return model
 
 
-def test_norms_get_no_weight_decay_and_state_round_trips():
-    model = _model()
+def test_norms_and_biases_get_no_weight_decay_and_state_round_trips():
+    model = _model()  # Megatron's GPT: LayerNorms and linear layers with biases
     opt = build_optimizer(model, OptimizerConfig(weight_decay=0.1))
     decay, no_decay = opt.param_groups
     assert decay["weight_decay"] == 0.1 and no_decay["weight_decay"] == 0.0
-    assert all(p.ndim == 1 for p in no_decay["params"]) and len(no_decay["params"]) == 3
+    # per layer two LayerNorms (scale, bias) and four linear biases; the final LayerNorm
+    assert all(p.ndim == 1 for p in no_decay["params"]) and len(no_decay["params"]) == 8 + 2
+    assert any(p is model.embedding.position_embeddings.weight for p in decay["params"])
     tokens = torch.randint(0, 64, (2, 9))
     model(tokens=tokens[:, :-1], labels=tokens[:, 1:]).mean().backward()
     opt.step()
@@ -135,8 +137,8 @@ def test_norms_get_no_weight_decay_and_state_round_trips():
     assert optimizer_state_to_named(fresh, names).keys() == named.keys()
     for key, value in optimizer_state_to_named(fresh, names).items():
         assert torch.equal(value, named[key])
-    del named["output_layer.weight.exp_avg"]
-    with pytest.raises(ConfigError, match="lacks output_layer.weight.exp_avg"):
+    del named["embedding.word_embeddings.weight.exp_avg"]
+    with pytest.raises(ConfigError, match="lacks embedding.word_embeddings.weight.exp_avg"):
         load_named_optimizer_state(build_optimizer(model, OptimizerConfig()), names, named)
 
 

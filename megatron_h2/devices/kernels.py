@@ -14,11 +14,18 @@ import torch
 import torch.nn.functional as F
 
 RMSNormFn = Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor]
+LayerNormFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, float], torch.Tensor]
 
 
 def native_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm in fp32 accumulation, output in the input dtype. x: [..., h], weight: [h]."""
     return F.rms_norm(x, (x.shape[-1],), weight, eps)
+
+
+def native_layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,
+                      eps: float) -> torch.Tensor:
+    """LayerNorm with scale and bias. x: [..., h], weight and bias: [h]."""
+    return F.layer_norm(x, (x.shape[-1],), weight, bias, eps)
 
 
 def native_swiglu(x: torch.Tensor) -> torch.Tensor:
@@ -32,9 +39,11 @@ class Kernels:
     """The kernels the model and optimizer call, chosen once per accelerator."""
 
     rms_norm: RMSNormFn = native_rms_norm
+    layer_norm: LayerNormFn = native_layer_norm
     swiglu: Callable[[torch.Tensor], torch.Tensor] = native_swiglu
     fused_adamw: bool = False  # torch.optim.AdamW(fused=True) supported on this device
     names: dict[str, str] = field(default_factory=lambda: {"rms_norm": "native",
+                                                            "layer_norm": "native",
                                                             "swiglu": "native",
                                                             "adamw": "foreach"})
 
@@ -56,7 +65,8 @@ def build_kernels(device_type: str) -> Kernels:
     """Pick the best available kernels for ``device_type`` (``cpu``, ``cuda``, ...)."""
     if device_type == "cuda":
         apex_norm = _apex_rms_norm()
-        names = {"rms_norm": "apex" if apex_norm else "native", "swiglu": "native",
+        names = {"rms_norm": "apex" if apex_norm else "native", "layer_norm": "native",
+                 "swiglu": "native",
                  "adamw": "fused"}
         return Kernels(rms_norm=apex_norm or native_rms_norm, fused_adamw=True, names=names)
     return Kernels()

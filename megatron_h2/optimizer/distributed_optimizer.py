@@ -24,6 +24,7 @@ A training step with either::
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
@@ -379,11 +380,13 @@ def build_data_parallel_optimizer(model: nn.Module, config: OptimizerConfig,
                                   dp_group: dist.ProcessGroup | None, *,
                                   use_distributed_optimizer: bool = False,
                                   bucket_size_mb: float = 25.0, overlap: bool = True,
-                                  kernels: Kernels | None = None) -> DataParallelOptimizer:
-    """GradBuckets over ``model``'s trainable parameters plus the matching optimizer."""
+                                  kernels: Kernels | None = None,
+                                  deferred: Sequence[nn.Parameter] = ()) -> DataParallelOptimizer:
+    """GradBuckets over ``model``'s trainable parameters plus the matching optimizer
+    (``deferred``: see :class:`GradBuckets`)."""
     params = [p for p in model.parameters() if p.requires_grad]
     buckets = GradBuckets(params, dp_group, bucket_size_mb, overlap,
-                          reduce_scatter=use_distributed_optimizer)
+                          reduce_scatter=use_distributed_optimizer, deferred=deferred)
     if use_distributed_optimizer:
         names = {p: n for n, p in model.named_parameters()}
         return DistributedOptimizer(buckets, config, kernels, names)

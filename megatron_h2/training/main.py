@@ -36,7 +36,12 @@ from megatron_h2.distributed.topology import (
 )
 from megatron_h2.errors import ConfigError, RankConfigError, TrainingError
 from megatron_h2.optimizer.lr_schedule import OptimizerParamScheduler
-from megatron_h2.training.arguments import LaunchOptions, config_from_args, describe_no_effect
+from megatron_h2.training.arguments import (
+    LaunchOptions,
+    config_from_args,
+    describe_demo,
+    describe_no_effect,
+)
 from megatron_h2.training.batch_schedule import check_run_schedule
 from megatron_h2.training.data_setup import (
     build_split_datasets,
@@ -187,9 +192,9 @@ def train(cfg: RunConfig, launch: LaunchOptions, env: LaunchEnv,
     start = time.perf_counter()
     say = log if env.rank == 0 else quiet
     demo = apply_demo_defaults(cfg)
-    if launch.demo_flags:
-        say("embedded demo (no --data-path): " + " ".join(launch.demo_flags)
-            + " (Megatron's defaults otherwise)")
+    demo_line = describe_demo(launch, cfg.model)
+    if demo_line:
+        say(demo_line)
     no_effect = describe_no_effect(launch)
     if no_effect:
         say(no_effect)
@@ -209,11 +214,13 @@ def train(cfg: RunConfig, launch: LaunchOptions, env: LaunchEnv,
                      topo.is_last_stage, tp)
     init_parameters(model, cfg.model, cfg.training.seed)
     model.to(accelerator.device)
+    tied = model.tied_embedding_weight()  # its gradient is summed across stages before DP sync
     optimizer = build_data_parallel_optimizer(
         model, cfg.optimizer, topo.dp_group,
         use_distributed_optimizer=cfg.parallel.use_distributed_optimizer,
         bucket_size_mb=cfg.parallel.bucket_size_mb(topo.dp_size),
-        overlap=cfg.parallel.overlap_grad_reduce, kernels=accelerator.kernels)
+        overlap=cfg.parallel.overlap_grad_reduce, kernels=accelerator.kernels,
+        deferred=[tied] if tied is not None else [])
     ckpt = CheckpointIO(cfg, accelerator, topo, tp, model, optimizer)
     progress = restore(cfg, launch, ckpt, say)
     m = cfg.model
@@ -222,6 +229,7 @@ def train(cfg: RunConfig, launch: LaunchOptions, env: LaunchEnv,
         f"{m.hidden_size} | heads {m.num_attention_heads} (query groups {m.num_query_groups}) | "
         f"ffn {m.ffn_hidden_size} | seq {m.seq_length} | vocab {tokenizer.vocab_size} "
         f"(padded {m.vocab_size}) | recompute {m.recompute}")
+    say(f"architecture: {m.describe_architecture()}")
     say(f"parallel: world {env.world_size} | DP {plan.data_parallel_size} | distributed "
         f"optimizer {cfg.parallel.use_distributed_optimizer} | sequence parallel "
         f"{cfg.parallel.sequence_parallel}")

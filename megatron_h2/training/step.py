@@ -19,8 +19,10 @@ from megatron_h2.config import RunConfig
 from megatron_h2.devices import Accelerator
 from megatron_h2.distributed.bridge import BridgeConfig
 from megatron_h2.distributed.p2p import PipeComm
+from megatron_h2.distributed.tied_embedding import tied_embedding_sync
 from megatron_h2.distributed.topology import Topology
 from megatron_h2.errors import TrainingError
+from megatron_h2.models.gpt.model import TIED_COPY_ATTR
 from megatron_h2.optimizer.distributed_optimizer import DataParallelOptimizer
 from megatron_h2.parallel import TPContext, allreduce_coalesced_, get_tp_shard
 from megatron_h2.pipeline.schedules import forward_backward_1f1b, forward_only
@@ -72,9 +74,12 @@ class StepRunner:
                              par.sequence_parallel, torch.float32, acc.device, bridge,
                              topo.cpu_group, observer=self.timeline)
         self.sp_params = [p for p in model.parameters() if getattr(p, "sequence_parallel", False)]
-        # Norm weights: a parameter replicated over TP counts once in the global norm.
-        self.norm_weight = {p: (1.0 if get_tp_shard(p) is not None else 1.0 / tp.size)
+        # Norm weights: a parameter replicated over TP counts once in the global norm, the last
+        # stage's copy of a tied embedding not at all (the first stage counts it).
+        self.norm_weight = {p: (0.0 if getattr(p, TIED_COPY_ATTR, False)
+                                else 1.0 if get_tp_shard(p) is not None else 1.0 / tp.size)
                             for p in model.parameters()}
+        self.tied = tied_embedding_sync(topo, model.tied_embedding_weight(), m.vocab_size)
         self.needs_data = topo.is_first_stage or topo.is_last_stage
 
     def _replica_samples(self, dataset, start: int, per_replica: int) -> torch.Tensor | None:
@@ -181,6 +186,8 @@ class StepRunner:
                               before_last_backward=self.optimizer.grad_buckets.start_sync,
                               observer=self.clock)
         self.comm.wait_sends()
+        if self.tied is not None:  # before the DP sync, which defers the tied weight's bucket
+            self.tied.sum_grads()
         self.optimizer.grad_buckets.finish_sync()
         self._reduce_sequence_parallel_grads()
         grad_norm = self._grad_norm()
