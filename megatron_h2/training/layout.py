@@ -5,7 +5,7 @@ any process group starts."""
 from __future__ import annotations
 
 from megatron_h2.config import ModelConfig, ParallelConfig, RunConfig, TrainingConfig
-from megatron_h2.devices import ACCELERATORS
+from megatron_h2.devices import ACCELERATORS, PLUGINS_ENV
 from megatron_h2.errors import ConfigError
 from megatron_h2.hetero_plan import ChipSpec, HeteroPlan, StageSpec
 
@@ -62,7 +62,8 @@ def load_hetero_plan(cfg: RunConfig, explicit: frozenset[str]) -> HeteroPlan:
     for name, chip in plan.chips.items():
         if chip.device not in ACCELERATORS:
             raise ConfigError(f"chip '{name}' has unknown device '{chip.device}'; supported: "
-                              f"{', '.join(ACCELERATORS)}")
+                              f"{', '.join(ACCELERATORS)} (vendor plug-ins load from "
+                              f"${PLUGINS_ENV}, see docs/devices.md)")
     return plan
 
 

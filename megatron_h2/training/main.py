@@ -22,7 +22,12 @@ import torch.distributed as dist
 from megatron_h2.checkpointing import find_latest_iteration, iteration_dir, read_metadata
 from megatron_h2.checkpointing.distributed import TrainProgress, check_compatible
 from megatron_h2.config import RunConfig
-from megatron_h2.devices import Accelerator, detect_device_type, get_accelerator
+from megatron_h2.devices import (
+    Accelerator,
+    detect_device_type,
+    get_accelerator,
+    load_plugins,
+)
 from megatron_h2.distributed.topology import (
     LaunchEnv,
     Topology,
@@ -262,6 +267,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     prefix = f"[rank {env.rank}] " if env.world_size > 1 else ""
     try:
+        load_plugins()  # vendor accelerators named by entry points / $MEGATRON_H2_PLUGINS
         cfg, launch = config_from_args(argv)
         train(cfg, launch, env)
     except (ConfigError, TrainingError) as exc:
