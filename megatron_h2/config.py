@@ -167,6 +167,9 @@ class TrainingConfig:
     log_jsonl: str | None = None
     timeline_trace: str | None = None  # Chrome / Perfetto trace of every rank's schedule
     exit_interval: int | None = None  # stop (after saving) once iteration % exit_interval == 0
+    # every N iterations replay one micro-batch of each stage on the CPU (fp64) and log the
+    # worst operator error per stage (None: off); see megatron_h2/training/precision.py
+    precision_check_interval: int | None = None
 
     def __post_init__(self) -> None:
         _positive(self, "micro_batch_size", "global_batch_size", "train_iters", "log_interval",
@@ -181,6 +184,9 @@ class TrainingConfig:
             raise ConfigError("--save-interval must be a positive number of iterations")
         if self.exit_interval is not None and self.exit_interval <= 0:
             raise ConfigError("--exit-interval must be a positive number of iterations")
+        if self.precision_check_interval is not None and self.precision_check_interval <= 0:
+            raise ConfigError("--precision-check-interval must be a positive number of "
+                              "iterations (leave it out to turn the check off)")
 
     @property
     def num_micro_batches(self) -> int:

@@ -72,6 +72,13 @@ def _add_training(p: argparse.ArgumentParser) -> None:
     g.add_argument("--exit-interval", type=int)
     g.add_argument("--tensorboard-dir")
     g.add_argument("--log-jsonl", help="append one JSON object per logged iteration")
+    g.add_argument("--precision-check-interval", type=int,
+                   help="every N iterations, re-run the last micro-batch of each pipeline "
+                        "stage with every operator replayed on the CPU in fp64 and log the "
+                        "worst operator error per stage (off by default; each check costs one "
+                        "forward and backward of a micro-batch plus its replay on the CPU in "
+                        "fp64: 3-7 training iterations of CPU time on small CPU models, see "
+                        "bench/bench_precision_check.py; overhead about that / N)")
     g = p.add_argument_group("optimizer")
     g.add_argument("--optimizer", choices=["adam"], help="AdamW (decoupled weight decay)")
     g.add_argument("--lr", type=float)

@@ -170,8 +170,10 @@ def restore(cfg: RunConfig, launch: LaunchOptions, ckpt, say) -> TrainProgress:
 def train(cfg: RunConfig, launch: LaunchOptions, env: LaunchEnv) -> TrainProgress:
     """Build everything for ``cfg`` on this rank and train; returns the final progress."""
     from megatron_h2.checkpointing.distributed import CheckpointIO
+    from megatron_h2.devices.precision import KernelProbe
     from megatron_h2.models.gpt import GPTModel, init_parameters, num_parameters
     from megatron_h2.optimizer.distributed_optimizer import build_data_parallel_optimizer
+    from megatron_h2.training.precision import PrecisionMonitor
     from megatron_h2.training.step import StepRunner
     from megatron_h2.training.timeline import Timeline, format_summary, gather_and_write
     from megatron_h2.training.trainer import Trainer
@@ -189,8 +191,9 @@ def train(cfg: RunConfig, launch: LaunchOptions, env: LaunchEnv) -> TrainProgres
         raise ConfigError(f"--split {cfg.data.split} leaves no training data")
     seed_everything(cfg.training.seed + 100 * topo.stage, accelerator)
     stage_cfg = replace(cfg.model, recompute=topo.stage_spec.recompute)
-    model = GPTModel(stage_cfg, accelerator.kernels, topo.layer_range, topo.is_first_stage,
-                     topo.is_last_stage, tp)
+    probe = KernelProbe(accelerator.kernels) if cfg.training.precision_check_interval else None
+    model = GPTModel(stage_cfg, probe.kernels if probe else accelerator.kernels,
+                     topo.layer_range, topo.is_first_stage, topo.is_last_stage, tp)
     init_parameters(model, cfg.model, cfg.training.seed)
     model.to(accelerator.device)
     optimizer = build_data_parallel_optimizer(
@@ -225,8 +228,14 @@ def train(cfg: RunConfig, launch: LaunchOptions, env: LaunchEnv) -> TrainProgres
                             cfg.training.tensorboard_dir, enabled=env.rank == 0)
     timeline = Timeline.for_plan(plan, env.rank, enabled=bool(cfg.training.timeline_trace))
     runner = StepRunner(cfg, accelerator, topo, tp, model, optimizer, timeline)
+    precision = None if probe is None else PrecisionMonitor(
+        model, probe, accelerator, topo, cfg.training.bf16, cfg.training.seed)
+    if precision is not None:
+        say(f"precision check every {cfg.training.precision_check_interval} iterations: one "
+            "micro-batch per stage replayed on cpu fp64")
     try:
-        progress = Trainer(cfg, runner, train_ds, valid_ds, metrics, progress, ckpt, say).run()
+        progress = Trainer(cfg, runner, train_ds, valid_ds, metrics, progress, ckpt, say,
+                           precision).run()
     finally:
         metrics.close()
     if cfg.training.timeline_trace:  # collective: every rank sends its events to rank 0

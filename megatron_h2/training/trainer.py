@@ -12,6 +12,7 @@ from megatron_h2.config import RunConfig
 from megatron_h2.models.gpt import flops_per_token
 from megatron_h2.optimizer.lr_schedule import LRSchedule
 from megatron_h2.training.metrics import MetricsWriter
+from megatron_h2.training.precision import PrecisionMonitor
 from megatron_h2.training.stage_clock import stage_report
 from megatron_h2.training.step import StepResult, StepRunner, world_sum
 
@@ -61,8 +62,8 @@ class Trainer:
 
     def __init__(self, cfg: RunConfig, runner: StepRunner, train_ds, valid_ds,
                  metrics: MetricsWriter, progress: TrainProgress, ckpt: CheckpointIO,
-                 log) -> None:
-        self.cfg, self.runner = cfg, runner
+                 log, precision: PrecisionMonitor | None = None) -> None:
+        self.cfg, self.runner, self.precision = cfg, runner, precision
         self.schedule = LRSchedule(cfg.optimizer, cfg.training.train_iters)
         self.train_ds, self.valid_ds = train_ds, valid_ds
         self.metrics, self.progress, self.ckpt, self.log = metrics, progress, ckpt, log
@@ -103,6 +104,10 @@ class Trainer:
                                                      it, self.schedule.lr_at(it)))
                 self.progress.iteration = it
                 self.progress.consumed_samples += t.global_batch_size
+                if self.precision is not None and it % t.precision_check_interval == 0:
+                    check_start = time.perf_counter()
+                    self.log(self.precision.run(it))  # collective: every rank checks its stage
+                    window_start += time.perf_counter() - check_start  # not iteration time
                 val_loss = self.evaluate() if it % t.eval_interval == 0 else None
                 if it % t.log_interval == 0 or val_loss is not None or it == t.train_iters:
                     self.runner.acc.synchronize()
