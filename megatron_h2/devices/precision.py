@@ -482,3 +482,30 @@ def _autocast_state(device_type: str) -> tuple[bool, torch.dtype]:
     if not torch.is_autocast_enabled(device_type):
         return False, torch.float32
     return True, torch.get_autocast_dtype(device_type)
+
+
+def check_kernels(kernels: Kernels, device: torch.device | str, dtype: torch.dtype,
+                  reference: torch.device | str | None = None,
+                  reference_dtype: torch.dtype | None = None, seed: int = 0) -> list[OpRecord]:
+    """Every function of a kernel table against its native fallback, forward and backward, on
+    seeded random inputs: ``rms_norm(x [4, 16, 64], weight [64], 1e-5)`` and
+    ``swiglu(x [4, 16, 128])``. The native kernels run on ``reference`` in ``reference_dtype``
+    (default: the same device and dtype: kernel against kernel). Two records per slot."""
+    device = torch.device(device)
+    capture = PrecisionCapture(reference or device, reference_dtype or dtype)
+    probe = KernelProbe(kernels)
+    gen = torch.Generator().manual_seed(seed)
+
+    def rand(*shape: int, shift: float = 0.0) -> torch.Tensor:
+        return (torch.randn(*shape, generator=gen) + shift).to(device, dtype).requires_grad_()
+
+    inputs = {"rms_norm": (rand(4, 16, 64), rand(64, shift=1.0), 1e-5),
+              "swiglu": (rand(4, 16, 128),)}
+    probe.capture = capture
+    try:
+        for slot, fn in probe.kernels.functions().items():
+            out = fn(*inputs[slot])
+            out.backward(torch.randn(out.shape, generator=gen).to(device, out.dtype))
+    finally:
+        probe.capture = None
+    return capture.records
