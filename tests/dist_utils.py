@@ -97,3 +97,14 @@ def losses(path) -> dict[int, float]:
 
     rows = [json.loads(line) for line in Path(path).read_text().splitlines()]
     return {r["iteration"]: r["lm_loss"] for r in rows if "lm_loss" in r}
+
+
+def tiny_model_flags(num_layers: int = 4, seed: int = 5, train_iters: int = 10) -> list[str]:
+    """pretrain_gpt.py flags of a tiny GPT on the NullTokenizer corpus (tests/conftest.py),
+    logging every iteration and never evaluating: runs to compare with one process."""
+    return ["--num-layers", str(num_layers), "--hidden-size", "64", "--num-attention-heads",
+            "4", "--num-query-groups", "2", "--ffn-hidden-size", "128", "--seq-length", "32",
+            "--max-position-embeddings", "32", "--lr", "3e-3", "--lr-warmup-iters", "2",
+            "--seed", str(seed), "--train-iters", str(train_iters), "--log-interval", "1",
+            "--eval-interval", "1000", "--eval-iters", "0", "--tokenizer-type",
+            "NullTokenizer", "--vocab-size", "256", "--split", "90,10,0"]

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from megatron_h2.config import ModelConfig, ParallelConfig, RunConfig, TrainingConfig
 from megatron_h2.devices import ACCELERATORS, PLUGINS_ENV
+from megatron_h2.distributed.transport import check_transport
 from megatron_h2.errors import ConfigError
 from megatron_h2.hetero_plan import ChipSpec, HeteroPlan, StageSpec
 
@@ -59,6 +60,8 @@ def load_hetero_plan(cfg: RunConfig, explicit: frozenset[str]) -> HeteroPlan:
                               f"plan's {name} {getattr(plan, name)}; drop the flag or edit the "
                               "plan")
         setattr(t, name, getattr(plan, name))
+    for link in plan.transports:
+        check_transport(link.transport)  # its library must be installed on every rank
     for name, chip in plan.chips.items():
         if chip.device not in ACCELERATORS:
             raise ConfigError(f"chip '{name}' has unknown device '{chip.device}'; supported: "

@@ -218,6 +218,12 @@ def train(cfg: RunConfig, launch: LaunchOptions, env: LaunchEnv) -> TrainProgres
         say(f"stage {index}: chip {spec.chip} ({chip.device}) | TP {spec.tensor_parallel_size} |"
             f" layers {layers.start}-{layers.stop - 1} ({spec.num_layers}) | recompute "
             f"{spec.recompute}{slow}")
+    for index in range(len(plan.stages) - 1):
+        a, b = plan.stages[index].chip, plan.stages[index + 1].chip
+        if cfg.parallel.force_bridge or plan.chips[a].device != plan.chips[b].device:
+            say(f"boundary {index}-{index + 1}: bridge over {plan.transport_between(a, b)} "
+                f"(chunks of {cfg.parallel.bridge_chunk_mb:g} MiB, {cfg.parallel.bridge_dtype} "
+                "on the wire)")
     say(f"data: {' '.join(cfg.data.data_path)} | split {cfg.data.split} | "
         f"{len(train_ds)} training samples | setup took {time.perf_counter() - start:.1f} s")
     if progress.iteration >= cfg.training.train_iters:

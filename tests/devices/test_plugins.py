@@ -24,14 +24,9 @@ from megatron_h2.errors import ConfigError
 from megatron_h2.training.main import main
 from tests.devices.conftest import CPU2_PLUGIN
 from tests.devices.cpu2_plugin import CPU2Accelerator
-from tests.dist_utils import losses, torchrun
+from tests.dist_utils import losses, tiny_model_flags, torchrun
 
-MODEL = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4",
-         "--num-query-groups", "2", "--ffn-hidden-size", "128", "--seq-length", "32",
-         "--max-position-embeddings", "32", "--lr", "3e-3", "--lr-warmup-iters", "2",
-         "--seed", "5", "--train-iters", "10", "--log-interval", "1", "--eval-interval",
-         "1000", "--eval-iters", "0", "--tokenizer-type", "NullTokenizer", "--vocab-size",
-         "256", "--split", "90,10,0"]
+MODEL = tiny_model_flags(seed=5)
 
 
 class Elsewhere(CPUAccelerator):

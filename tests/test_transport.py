@@ -1,0 +1,145 @@
+"""Transports under the bridge: gloo (default) and NIXL (optional), through the same Bridge
+(staging, chunking, bf16 on the wire), and the plan's per-chip-pair selection."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch
+
+from megatron_h2.distributed import transport as transport_module
+from megatron_h2.distributed.bridge import Bridge, BridgeConfig
+from megatron_h2.distributed.transport import GlooTransport, check_transport, make_transport
+from megatron_h2.errors import ConfigError
+from megatron_h2.hetero_plan import HeteroPlan
+from tests.dist_utils import run_distributed, tiny_model_flags
+
+HAS_NIXL = importlib.util.find_spec("nixl") is not None
+needs_nixl = pytest.mark.skipif(not HAS_NIXL, reason="nixl is not installed "
+                                "(pip install 'megatron_h2[nixl]')")
+
+
+def _plan(transports: list | None) -> dict:
+    plan = {"data_parallel_size": 1, "micro_batch_size": 1, "global_batch_size": 2,
+            "chips": {"a": {"device": "cpu"}, "b": {"device": "cpu"}},
+            "stages": [{"chip": "a", "tensor_parallel_size": 1, "num_layers": 1},
+                       {"chip": "b", "tensor_parallel_size": 1, "num_layers": 1}]}
+    if transports is not None:
+        plan["transports"] = transports
+    return plan
+
+
+def test_plan_selects_a_transport_per_chip_pair(tmp_path):
+    plan = HeteroPlan.from_dict(_plan([{"chips": ["b", "a"], "transport": "nixl"}]))
+    assert plan.transport_between("a", "b") == plan.transport_between("b", "a") == "nixl"
+    assert plan.transport_between("a", "a") == "gloo"
+    assert HeteroPlan.from_dict(_plan(None)).transport_between("a", "b") == "gloo"
+    plan.to_yaml(tmp_path / "plan.yaml")
+    assert HeteroPlan.from_yaml(tmp_path / "plan.yaml") == plan
+
+
+@pytest.mark.parametrize("links, fragment", [
+    ([{"chips": ["a", "c"], "transport": "nixl"}], "unknown chip 'c'"),
+    ([{"chips": ["a", "b"], "transport": "nixel"}], "did you mean 'nixl'"),
+    ([{"chips": ["a", "b"], "transport": "mooncake"}], "mooncake was evaluated but is not"),
+    ([{"chips": ["a"], "transport": "nixl"}], "needs chips: [chip_a, chip_b]"),
+    ([{"chips": ["a", "b"]}], "missing key 'transport'"),
+    ([{"chips": ["a", "b"], "transport": "gloo"}, {"chips": ["b", "a"], "transport": "nixl"}],
+     "twice"),
+    ({"a": "b"}, "must be a list"),
+])
+def test_bad_transports_are_one_line_errors(links, fragment):
+    with pytest.raises(ConfigError) as info:
+        HeteroPlan.from_dict(_plan(links))
+    assert fragment in str(info.value) and "\n" not in str(info.value)
+
+
+def test_missing_library_is_reported_before_anything_starts(monkeypatch):
+    check_transport("gloo")
+    with pytest.raises(ConfigError, match="unknown transport 'rdma'"):
+        check_transport("rdma")
+    monkeypatch.setitem(transport_module.TRANSPORT_PACKAGES, "nixl", "no_such_nixl_package")
+    with pytest.raises(ConfigError, match=r"needs the 'no_such_nixl_package' package.*"
+                                          r"pip install 'megatron_h2\[nixl\]'"):
+        check_transport("nixl")
+    assert isinstance(make_transport("gloo", None, 0, [1], 64, "b0", 1.0), GlooTransport)
+
+
+SHAPES = [(3, 5, 7), (2, 64, 16), (1,)]
+
+
+def _transfer_worker(rank: int, world: int, name: str, chunk_mb: float, staged: bool) -> dict:
+    """Both ranks send each other several tensors at once (more pieces than the ring holds),
+    in fp32 and with the bf16 wire; returns what arrived and whether it is exact."""
+    import torch.distributed as dist
+
+    group = dist.new_group(backend="gloo")
+    peer = 1 - rank
+    cfg = BridgeConfig(chunk_mb=chunk_mb, timeout_s=60)
+    results = []
+    for wire in (None, torch.bfloat16):
+        transport = make_transport(name, group, rank, [peer], cfg.chunk_elements(1), "t", 60)
+        bridge = Bridge(group, torch.device("cpu"), BridgeConfig(dtype=wire, chunk_mb=chunk_mb),
+                        staged=staged, transport=transport)
+        for repeat in range(3):
+            tensors = [torch.randn(*s, generator=torch.Generator().manual_seed(
+                100 * repeat + 10 * i + rank)) for i, s in enumerate(SHAPES)]
+            sends, recvs = bridge.post([(t, peer) for t in tensors],
+                                       [(s, torch.float32, peer) for s in SHAPES])
+            got = [h.wait() for h in recvs]
+            for h in sends:
+                h.wait()
+            for i, (s, g) in enumerate(zip(SHAPES, got)):
+                want = torch.randn(*s, generator=torch.Generator().manual_seed(
+                    100 * repeat + 10 * i + peer))
+                if wire is not None:
+                    want = want.to(wire).float()
+                results.append(torch.equal(g, want))
+        results.append(bridge.stats.chunks)
+        bridge.close()
+    return {"results": results}
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("name", ["gloo", pytest.param("nixl", marks=needs_nixl)])
+@pytest.mark.parametrize("chunk_mb, staged", [(1e-4, False), (2e-3, True)],
+                         ids=["tiny-chunks", "staged"])
+def test_bridge_over_transport_delivers_exactly(name, chunk_mb, staged):
+    for res in run_distributed(_transfer_worker, 2, name, chunk_mb, staged, timeout=120):
+        flags = [r for r in res["results"] if isinstance(r, bool)]
+        chunks = [r for r in res["results"] if not isinstance(r, bool)]
+        assert flags and all(flags), res
+        assert all(c >= 9 for c in chunks)  # every tensor went as several chunks
+
+
+MODEL = tiny_model_flags(seed=3)
+
+
+@pytest.mark.e2e
+@needs_nixl
+def test_hetero_run_over_nixl_equals_one_process(corpus, tmp_path):
+    """Stage 0 at TP 2, stage 1 at TP 1: the boundary has three ranks and two peers per
+    transport; tiny chunks so every activation is many NIXL writes through the ring."""
+    import yaml
+
+    from megatron_h2.training.main import main
+    from tests.dist_utils import losses, torchrun
+
+    ref_log, log = tmp_path / "ref.jsonl", tmp_path / "log.jsonl"
+    assert main([*MODEL, "--data-path", corpus, "--micro-batch-size", "2",
+                 "--global-batch-size", "8", "--log-jsonl", str(ref_log)]) == 0
+    plan = _plan([{"chips": ["a", "b"], "transport": "nixl"}])
+    plan.update(micro_batch_size=2, global_batch_size=8)
+    plan["stages"] = [{"chip": "a", "tensor_parallel_size": 2, "num_layers": 3},
+                      {"chip": "b", "tensor_parallel_size": 1, "num_layers": 1}]
+    (tmp_path / "plan.yaml").write_text(yaml.safe_dump(plan))
+    proc = torchrun(3, [*MODEL, "--data-path", corpus, "--hetero-plan",
+                        str(tmp_path / "plan.yaml"), "--force-bridge", "--bridge-chunk-mb",
+                        "0.01", "--log-jsonl", str(log)])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "boundary 0-1: bridge over nixl" in proc.stdout
+    got, want = losses(log), losses(ref_log)
+    assert sorted(got) == sorted(want) == list(range(1, 11))
+    for it, value in want.items():
+        assert abs(got[it] - value) <= 1e-5 * abs(value), (it, got[it], value)
