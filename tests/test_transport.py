@@ -69,48 +69,49 @@ def test_missing_library_is_reported_before_anything_starts(monkeypatch):
 SHAPES = [(3, 5, 7), (2, 64, 16), (1,)]
 
 
-def _transfer_worker(rank: int, world: int, name: str, chunk_mb: float, staged: bool) -> dict:
+def _transfer_worker(rank: int, world: int, name: str) -> list:
     """Both ranks send each other several tensors at once (more pieces than the ring holds),
-    in fp32 and with the bf16 wire; returns what arrived and whether it is exact."""
+    in fp32 and with the bf16 wire, with tiny chunks and through the staged path; returns,
+    per case, whether what arrived is exact and how many chunks went."""
     import torch.distributed as dist
 
     group = dist.new_group(backend="gloo")
     peer = 1 - rank
-    cfg = BridgeConfig(chunk_mb=chunk_mb, timeout_s=60)
     results = []
-    for wire in (None, torch.bfloat16):
-        transport = make_transport(name, group, rank, [peer], cfg.chunk_elements(1), "t", 60)
-        bridge = Bridge(group, torch.device("cpu"), BridgeConfig(dtype=wire, chunk_mb=chunk_mb),
-                        staged=staged, transport=transport)
-        for repeat in range(3):
-            tensors = [torch.randn(*s, generator=torch.Generator().manual_seed(
-                100 * repeat + 10 * i + rank)) for i, s in enumerate(SHAPES)]
-            sends, recvs = bridge.post([(t, peer) for t in tensors],
-                                       [(s, torch.float32, peer) for s in SHAPES])
-            got = [h.wait() for h in recvs]
-            for h in sends:
-                h.wait()
-            for i, (s, g) in enumerate(zip(SHAPES, got)):
-                want = torch.randn(*s, generator=torch.Generator().manual_seed(
-                    100 * repeat + 10 * i + peer))
-                if wire is not None:
-                    want = want.to(wire).float()
-                results.append(torch.equal(g, want))
-        results.append(bridge.stats.chunks)
-        bridge.close()
-    return {"results": results}
+    for chunk_mb, staged in ((1e-4, False), (2e-3, True)):
+        for wire in (None, torch.bfloat16):
+            slot = BridgeConfig(chunk_mb=chunk_mb).chunk_elements(1)
+            transport = make_transport(name, group, rank, [peer], slot, "t", 60)
+            bridge = Bridge(group, torch.device("cpu"),
+                            BridgeConfig(dtype=wire, chunk_mb=chunk_mb), staged=staged,
+                            transport=transport)
+            exact = []
+            for repeat in range(3):
+                tensors = [torch.randn(*s, generator=torch.Generator().manual_seed(
+                    100 * repeat + 10 * i + rank)) for i, s in enumerate(SHAPES)]
+                sends, recvs = bridge.post([(t, peer) for t in tensors],
+                                           [(s, torch.float32, peer) for s in SHAPES])
+                got = [h.wait() for h in recvs]
+                for h in sends:
+                    h.wait()
+                for i, (s, g) in enumerate(zip(SHAPES, got)):
+                    want = torch.randn(*s, generator=torch.Generator().manual_seed(
+                        100 * repeat + 10 * i + peer))
+                    exact.append(torch.equal(g, want if wire is None
+                                             else want.to(wire).float()))
+            results.append((chunk_mb, staged, str(wire), all(exact), bridge.stats.chunks))
+            bridge.close()
+    return results
 
 
 @pytest.mark.e2e
-@pytest.mark.parametrize("name", ["gloo", pytest.param("nixl", marks=needs_nixl)])
-@pytest.mark.parametrize("chunk_mb, staged", [(1e-4, False), (2e-3, True)],
-                         ids=["tiny-chunks", "staged"])
-def test_bridge_over_transport_delivers_exactly(name, chunk_mb, staged):
-    for res in run_distributed(_transfer_worker, 2, name, chunk_mb, staged, timeout=120):
-        flags = [r for r in res["results"] if isinstance(r, bool)]
-        chunks = [r for r in res["results"] if not isinstance(r, bool)]
-        assert flags and all(flags), res
-        assert all(c >= 9 for c in chunks)  # every tensor went as several chunks
+@needs_nixl
+def test_bridge_over_nixl_delivers_exactly():
+    for cases in run_distributed(_transfer_worker, 2, "nixl", timeout=120):
+        assert len(cases) == 4
+        for chunk_mb, staged, wire, exact, chunks in cases:
+            assert exact, (chunk_mb, staged, wire)
+            assert chunks > 3 * len(SHAPES)  # tensors were cut into several chunks
 
 
 MODEL = tiny_model_flags(seed=3)
