@@ -17,7 +17,7 @@ def _flags(corpus: str, tmp: Path, *extra: str) -> list[str]:
             "--max-position-embeddings", "32", "--micro-batch-size", "4",
             "--global-batch-size", "8", "--lr", "3e-3", "--lr-warmup-iters", "2",
             "--data-path", corpus, "--split", "90,10,0", "--tokenizer-type", "NullTokenizer",
-            "--vocab-size", "256", "--seed", "7", "--train-iters", "6", "--log-interval", "1",
+            "--vocab-size", "256", "--seed", "7", "--train-iters", "4", "--log-interval", "1",
             "--eval-interval", "1000", "--eval-iters", "0", "--hidden-dropout", "0.1",
             "--data-cache-path", str(tmp / "idx"), "--log-jsonl", str(tmp / "log.jsonl"),
             *extra]
@@ -31,10 +31,10 @@ def test_check_logs_each_stage_and_leaves_training_unchanged(corpus, tmp_path, c
     plain, checked = tmp_path / "plain", tmp_path / "checked"
     assert main(_flags(corpus, plain)) == 0
     capsys.readouterr()
-    assert main(_flags(corpus, checked, "--precision-check-interval", "3")) == 0
+    assert main(_flags(corpus, checked, "--precision-check-interval", "2")) == 0
     out = capsys.readouterr().out
     assert _losses(checked) == _losses(plain)  # dropout on: the check used no training RNG
-    for it in (3, 6):
+    for it in (2, 4):
         assert f"precision check at iteration {it} " in out
     lines = [x for x in out.splitlines() if x.strip().startswith("stage 0 (chip default, cpu)")]
     assert len(lines) == 2 and "0 of " in lines[0] and "worst (rank 0): #" in lines[0]
