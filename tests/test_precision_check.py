@@ -192,3 +192,26 @@ def test_fused_attention_replays_through_the_math_kernel(causal):
     got = sdpa_reference_backward(backward, (grad, q, k, v, out, lse, 0.0, causal), {})
     for g, w in zip(got, want):
         torch.testing.assert_close(g, w)
+
+
+def test_cuda_attention_schemas_bind_to_the_math_replay():
+    """CUDA's fused attention operators cannot run here, but their replay only reads their
+    schemas: the efficient kernel's (grad_out_, attn_bias) and flash's argument names."""
+    gen = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(1, 2, 6, 8, generator=gen, dtype=torch.float64) for _ in range(3))
+    want = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    efficient = torch.ops.aten._scaled_dot_product_efficient_attention.default
+    (got,) = sdpa_reference_forward(efficient, (q, k, v, None, True, 0.0, True), {})
+    torch.testing.assert_close(got, want)
+    flash = torch.ops.aten._scaled_dot_product_flash_attention.default
+    (got,) = sdpa_reference_forward(flash, (q, k, v, 0.0, True, False), {"scale": None})
+    torch.testing.assert_close(got, want)
+    grad = torch.randn(want.shape, generator=gen, dtype=torch.float64)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    expected = torch.autograd.grad(F.scaled_dot_product_attention(*leaves, is_causal=True),
+                                   leaves, grad)
+    backward = torch.ops.aten._scaled_dot_product_efficient_attention_backward.default
+    args = (grad, q, k, v, None, want, torch.empty(0), torch.empty(0), torch.empty(0), 0.0,
+            [True, True, True, False], True)
+    for g, e in zip(sdpa_reference_backward(backward, args, {}), expected):
+        torch.testing.assert_close(g, e)

@@ -393,7 +393,8 @@ def sdpa_reference_backward(func, args: tuple, kwargs: dict) -> tuple[torch.Tens
     with torch.enable_grad(), torch.nn.attention.sdpa_kernel(
             torch.nn.attention.SDPBackend.MATH):
         out = _sdpa_math(q, k, v, bound)
-        return torch.autograd.grad(out, (q, k, v), bound["grad_out"])
+        grad = bound["grad_out"] if "grad_out" in bound else bound["grad_out_"]  # efficient
+        return torch.autograd.grad(out, (q, k, v), grad)
 
 
 def _replay(func, args: tuple, kwargs: dict) -> Any:
