@@ -144,3 +144,17 @@ def test_hetero_run_over_nixl_equals_one_process(corpus, tmp_path):
     assert sorted(got) == sorted(want) == list(range(1, 11))
     for it, value in want.items():
         assert abs(got[it] - value) <= 1e-5 * abs(value), (it, got[it], value)
+
+
+def test_start_up_names_each_bridged_boundary_and_unused_entries():
+    from megatron_h2.config import ParallelConfig
+    from megatron_h2.training.main import say_bridges
+
+    plan = HeteroPlan.from_dict(_plan([{"chips": ["b", "a"], "transport": "nixl"}]))
+    lines: list[str] = []
+    say_bridges(plan, ParallelConfig(), lines.append)  # both chips are cpu: no bridge
+    assert len(lines) == 1 and lines[0].startswith("note: transports entry b/a (nixl) has no "
+                                                   "effect")
+    lines.clear()
+    say_bridges(plan, ParallelConfig(force_bridge=True, bridge_dtype="bf16"), lines.append)
+    assert lines == ["boundary 0-1: bridge over nixl (chunks of 4 MiB, bf16 on the wire)"]

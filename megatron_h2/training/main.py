@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 from megatron_h2.checkpointing import find_latest_iteration, iteration_dir, read_metadata
 from megatron_h2.checkpointing.distributed import TrainProgress, check_compatible
-from megatron_h2.config import RunConfig
+from megatron_h2.config import ParallelConfig, RunConfig
 from megatron_h2.devices import (
     Accelerator,
     detect_device_type,
@@ -37,6 +37,7 @@ from megatron_h2.distributed.topology import (
     init_process_group,
 )
 from megatron_h2.errors import ConfigError, RankConfigError, TrainingError
+from megatron_h2.hetero_plan import HeteroPlan
 from megatron_h2.training.arguments import LaunchOptions, config_from_args
 from megatron_h2.training.layout import check_plan_for_model, load_hetero_plan, uniform_plan
 from megatron_h2.training.metrics import MetricsWriter, log
@@ -167,6 +168,24 @@ def restore(cfg: RunConfig, launch: LaunchOptions, ckpt, say) -> TrainProgress:
     return progress
 
 
+def say_bridges(plan: HeteroPlan, parallel: ParallelConfig, say) -> None:
+    """Log the transport of every boundary that crosses the bridge, and any plan
+    ``transports`` entry that no such boundary uses (it has no effect)."""
+    bridged = set()
+    for index in range(len(plan.stages) - 1):
+        a, b = plan.stages[index].chip, plan.stages[index + 1].chip
+        if parallel.force_bridge or plan.chips[a].device != plan.chips[b].device:
+            bridged.add(frozenset((a, b)))
+            say(f"boundary {index}-{index + 1}: bridge over {plan.transport_between(a, b)} "
+                f"(chunks of {parallel.bridge_chunk_mb:g} MiB, {parallel.bridge_dtype} "
+                "on the wire)")
+    for link in plan.transports:
+        if frozenset(link.chips) not in bridged:
+            say(f"note: transports entry {'/'.join(link.chips)} ({link.transport}) has no "
+                "effect: no boundary between these chip types crosses the bridge (it is used "
+                "between different device types, or everywhere with --force-bridge)")
+
+
 def train(cfg: RunConfig, launch: LaunchOptions, env: LaunchEnv) -> TrainProgress:
     """Build everything for ``cfg`` on this rank and train; returns the final progress."""
     from megatron_h2.checkpointing.distributed import CheckpointIO
@@ -218,12 +237,7 @@ def train(cfg: RunConfig, launch: LaunchOptions, env: LaunchEnv) -> TrainProgres
         say(f"stage {index}: chip {spec.chip} ({chip.device}) | TP {spec.tensor_parallel_size} |"
             f" layers {layers.start}-{layers.stop - 1} ({spec.num_layers}) | recompute "
             f"{spec.recompute}{slow}")
-    for index in range(len(plan.stages) - 1):
-        a, b = plan.stages[index].chip, plan.stages[index + 1].chip
-        if cfg.parallel.force_bridge or plan.chips[a].device != plan.chips[b].device:
-            say(f"boundary {index}-{index + 1}: bridge over {plan.transport_between(a, b)} "
-                f"(chunks of {cfg.parallel.bridge_chunk_mb:g} MiB, {cfg.parallel.bridge_dtype} "
-                "on the wire)")
+    say_bridges(plan, cfg.parallel, say)
     say(f"data: {' '.join(cfg.data.data_path)} | split {cfg.data.split} | "
         f"{len(train_ds)} training samples | setup took {time.perf_counter() - start:.1f} s")
     if progress.iteration >= cfg.training.train_iters:
