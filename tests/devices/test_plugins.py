@@ -26,7 +26,7 @@ from tests.devices.conftest import CPU2_PLUGIN
 from tests.devices.cpu2_plugin import CPU2Accelerator
 from tests.dist_utils import losses, tiny_model_flags, torchrun
 
-MODEL = tiny_model_flags(seed=5)
+MODEL = tiny_model_flags()
 
 
 class Elsewhere(CPUAccelerator):
@@ -114,16 +114,14 @@ def test_plugin_errors_are_one_line(corpus, tmp_path, monkeypatch, capsys, witho
 
 
 @pytest.mark.e2e
-def test_stage_on_cpu2_and_stage_on_cpu_train_as_one_process(corpus, tmp_path):
-    ref_log, log = tmp_path / "ref.jsonl", tmp_path / "log.jsonl"
-    assert main([*MODEL, "--data-path", corpus, "--micro-batch-size", "2",
-                 "--global-batch-size", "8", "--log-jsonl", str(ref_log)]) == 0
+def test_stage_on_cpu2_and_stage_on_cpu_train_as_one_process(corpus, tiny_reference, tmp_path):
+    log = tmp_path / "log.jsonl"
     plan = _plan(tmp_path / "plan.yaml", CHIPS)
     proc = torchrun(2, [*MODEL, "--data-path", corpus, "--hetero-plan", plan, "--log-jsonl",
                         str(log), "--precision-check-interval", "5"],
                     env_extra={PLUGINS_ENV: CPU2_PLUGIN})
     assert proc.returncode == 0, proc.stderr[-3000:]
-    got, want = losses(log), losses(ref_log)
+    got, want = losses(log), tiny_reference
     assert sorted(got) == list(range(1, 11)) == sorted(want)
     for it, value in want.items():
         assert abs(got[it] - value) <= 1e-5 * abs(value), (it, got[it], value)
