@@ -51,30 +51,24 @@ def _swapped_swiglu(x):
     return F.silu(gate) * up
 
 
-class WrongNormAccelerator(CPUAccelerator):
-    name = "wrongnorm"
-    auto_detect = False
+def _vendor(name: str, slot: str, kernel, label: str) -> type[CPUAccelerator]:
+    """A CPU accelerator plug-in whose kernel table has ``kernel`` in ``slot``."""
+    names = {"rms_norm": "native", "swiglu": "native", "adamw": "foreach", slot: label}
+    table = Kernels(**{slot: kernel}, names=names)
+    return type(f"{name}Accelerator", (CPUAccelerator,),
+                {"name": name, "auto_detect": False, "build_kernels": lambda self: table})
 
-    def build_kernels(self) -> Kernels:
-        return Kernels(rms_norm=_wrong_eps_rms_norm,
-                       names={"rms_norm": "wrong-eps", "swiglu": "native", "adamw": "foreach"})
 
-
-class SwappedSwiGLUAccelerator(CPUAccelerator):
-    name = "swappedswiglu"
-    auto_detect = False
-
-    def build_kernels(self) -> Kernels:
-        return Kernels(swiglu=_swapped_swiglu,
-                       names={"rms_norm": "native", "swiglu": "swapped", "adamw": "foreach"})
+WRONG_VENDORS = (_vendor("wrongnorm", "rms_norm", _wrong_eps_rms_norm, "wrong-eps"),
+                 _vendor("swappedswiglu", "swiglu", _swapped_swiglu, "swapped"))
 
 
 @pytest.fixture
 def wrong_vendors():
-    for cls in (WrongNormAccelerator, SwappedSwiGLUAccelerator):
+    for cls in WRONG_VENDORS:
         register_accelerator(cls)
     yield
-    for cls in (WrongNormAccelerator, SwappedSwiGLUAccelerator):
+    for cls in WRONG_VENDORS:
         unregister_accelerator(cls.name)
 
 
