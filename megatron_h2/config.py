@@ -649,6 +649,12 @@ class TrainingConfig:
     calculate_per_token_loss: bool = flag(
         False, "Average the loss over all tokens of the global batch instead of over each "
         "micro-batch's tokens first (they differ when --eod-mask-loss masks tokens).")
+    precision_check_interval: int | None = flag(
+        None, "Every N iterations, re-run the last micro-batch of each pipeline stage with every "
+        "operator replayed on the CPU in fp64 and log the worst operator error per stage (off by "
+        "default; each check costs a forward and backward of a micro-batch plus its fp64 replay: "
+        "3-7 training iterations of CPU time on small CPU models, see "
+        "bench/bench_precision_check.py; overhead about that / N).")
 
     def __post_init__(self) -> None:
         _required(self, "micro_batch_size")
@@ -697,6 +703,9 @@ class TrainingConfig:
                                   f"the last batch size {final} of --step-batch-size-schedule; "
                                   "drop --global-batch-size")
             self.global_batch_size = final
+        if self.precision_check_interval is not None and self.precision_check_interval <= 0:
+            raise ConfigError("--precision-check-interval must be a positive number of "
+                              "iterations (leave it out to turn the check off)")
 
     @property
     def num_micro_batches(self) -> int:

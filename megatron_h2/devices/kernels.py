@@ -34,9 +34,20 @@ def native_swiglu(x: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
+NATIVE_KERNELS: dict[str, Callable[..., torch.Tensor]] = {"rms_norm": native_rms_norm,
+                                                          "swiglu": native_swiglu}
+"""The native torch fallback of every kernel slot of :class:`Kernels` (the reference that
+vendor kernels are checked against: tests/devices/, tools/precision_check.py)."""
+
+
 @dataclass(frozen=True)
 class Kernels:
-    """The kernels the model and optimizer call, chosen once per accelerator."""
+    """The kernels the model and optimizer call, chosen once per accelerator.
+
+    ``rms_norm(x, weight, eps)`` and ``swiglu(x)`` must compute what their native fallbacks in
+    :data:`NATIVE_KERNELS` compute, forward and backward (autograd), within the tolerance of the
+    input dtype; ``names`` says which implementation fills each slot (for logs).
+    """
 
     rms_norm: RMSNormFn = native_rms_norm
     layer_norm: LayerNormFn = native_layer_norm
@@ -46,6 +57,10 @@ class Kernels:
                                                             "layer_norm": "native",
                                                             "swiglu": "native",
                                                             "adamw": "foreach"})
+
+    def functions(self) -> dict[str, Callable[..., torch.Tensor]]:
+        """``{slot: this table's function}`` for every slot of :data:`NATIVE_KERNELS`."""
+        return {name: getattr(self, name) for name in NATIVE_KERNELS}
 
 
 def _apex_rms_norm() -> RMSNormFn | None:

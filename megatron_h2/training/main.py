@@ -23,8 +23,13 @@ import torch.distributed as dist
 
 from megatron_h2.checkpointing import find_latest_iteration, iteration_dir, read_metadata
 from megatron_h2.checkpointing.distributed import TrainProgress, check_compatible
-from megatron_h2.config import RunConfig
-from megatron_h2.devices import Accelerator, detect_device_type, get_accelerator
+from megatron_h2.config import ParallelConfig, RunConfig
+from megatron_h2.devices import (
+    Accelerator,
+    detect_device_type,
+    get_accelerator,
+    load_plugins,
+)
 from megatron_h2.distributed.failures import JobFailures
 from megatron_h2.distributed.topology import (
     LaunchEnv,
@@ -35,6 +40,7 @@ from megatron_h2.distributed.topology import (
     init_process_group,
 )
 from megatron_h2.errors import ConfigError, RankConfigError, TrainingError
+from megatron_h2.hetero_plan import HeteroPlan
 from megatron_h2.optimizer.lr_schedule import OptimizerParamScheduler
 from megatron_h2.training.arguments import (
     LaunchOptions,
@@ -176,6 +182,24 @@ def restore(cfg: RunConfig, launch: LaunchOptions, ckpt, say) -> TrainProgress:
     return progress
 
 
+def say_bridges(plan: HeteroPlan, parallel: ParallelConfig, say) -> None:
+    """Log the transport of every boundary that crosses the bridge, and any plan
+    ``transports`` entry that no such boundary uses (it has no effect)."""
+    bridged = set()
+    for index in range(len(plan.stages) - 1):
+        a, b = plan.stages[index].chip, plan.stages[index + 1].chip
+        if parallel.force_bridge or plan.chips[a].device != plan.chips[b].device:
+            bridged.add(frozenset((a, b)))
+            say(f"boundary {index}-{index + 1}: bridge over {plan.transport_between(a, b)} "
+                f"(chunks of {parallel.bridge_chunk_mb:g} MiB, {parallel.bridge_dtype} "
+                "on the wire)")
+    for link in plan.transports:
+        if frozenset(link.chips) not in bridged:
+            say(f"note: transports entry {'/'.join(link.chips)} ({link.transport}) has no "
+                "effect: no boundary between these chip types crosses the bridge (it is used "
+                "between different device types, or everywhere with --force-bridge)")
+
+
 def train(cfg: RunConfig, launch: LaunchOptions, env: LaunchEnv,
           failures: JobFailures) -> TrainProgress:
     """Build everything for ``cfg`` on this rank and train; returns the final progress.
@@ -183,8 +207,10 @@ def train(cfg: RunConfig, launch: LaunchOptions, env: LaunchEnv,
     ``failures`` is given the job's store once the process group starts.
     """
     from megatron_h2.checkpointing.distributed import CheckpointIO
+    from megatron_h2.devices.precision import KernelProbe
     from megatron_h2.models.gpt import GPTModel, init_parameters
     from megatron_h2.optimizer.distributed_optimizer import build_data_parallel_optimizer
+    from megatron_h2.training.precision import PrecisionMonitor
     from megatron_h2.training.step import StepRunner
     from megatron_h2.training.timeline import Timeline, format_summary, gather_and_write
     from megatron_h2.training.trainer import Trainer
@@ -210,8 +236,9 @@ def train(cfg: RunConfig, launch: LaunchOptions, env: LaunchEnv,
         raise ConfigError(f"--split {cfg.data.effective_split()} leaves no training data")
     seed_everything(cfg.training.seed + 100 * topo.stage, accelerator)
     stage_cfg = replace(cfg.model, recompute=topo.stage_spec.recompute)
-    model = GPTModel(stage_cfg, accelerator.kernels, topo.layer_range, topo.is_first_stage,
-                     topo.is_last_stage, tp)
+    probe = KernelProbe(accelerator.kernels) if cfg.training.precision_check_interval else None
+    model = GPTModel(stage_cfg, probe.kernels if probe else accelerator.kernels,
+                     topo.layer_range, topo.is_first_stage, topo.is_last_stage, tp)
     init_parameters(model, cfg.model, cfg.training.seed)
     model.to(accelerator.device)
     tied = model.tied_embedding_weight()  # its gradient is summed across stages before DP sync
@@ -240,6 +267,7 @@ def train(cfg: RunConfig, launch: LaunchOptions, env: LaunchEnv,
         say(f"stage {index}: chip {spec.chip} ({chip.device}) | TP {spec.tensor_parallel_size} |"
             f" layers {layers.start}-{layers.stop - 1} ({spec.num_layers}) | recompute "
             f"{spec.recompute}{slow}")
+    say_bridges(plan, cfg.parallel, say)
     say(f"data: {describe_source(cfg.data)} | {len(train_ds)} training samples | setup took "
         f"{time.perf_counter() - start:.1f} s")
     say(f"training: {iterations} iterations | global batch size {batch.describe()}")
@@ -252,9 +280,14 @@ def train(cfg: RunConfig, launch: LaunchOptions, env: LaunchEnv,
     timeline = Timeline.for_plan(plan, env.rank, enabled=bool(cfg.training.timeline_trace))
     runner = StepRunner(cfg, accelerator, topo, tp, model, optimizer, timeline,
                         eod_mask=tokenizer.eod if cfg.data.eod_mask_loss else None)
+    precision = None if probe is None else PrecisionMonitor(
+        model, probe, accelerator, topo, cfg.training.bf16, cfg.training.seed)
+    if precision is not None:
+        say(f"precision check every {cfg.training.precision_check_interval} iterations: one "
+            "micro-batch per stage replayed on cpu fp64")
     try:
         progress = Trainer(cfg, runner, train_ds, valid_ds, metrics, progress, ckpt, say,
-                           started=start).run()
+                           started=start, precision=precision).run()
     finally:
         metrics.close()
     if cfg.training.timeline_trace:  # collective: every rank sends its events to rank 0
@@ -296,6 +329,8 @@ def main(argv: list[str] | None = None) -> int:
     prefix = f"[rank {env.rank}] " if env.world_size > 1 else ""
     failures = JobFailures()
     try:
+        load_plugins()  # vendor accelerators named by entry points / $MEGATRON_H2_PLUGINS
+        load_plugins()  # vendor accelerators named by entry points / $MEGATRON_H2_PLUGINS
         cfg, launch = config_from_args(argv)
         train(cfg, launch, env, failures)
     except (ConfigError, TrainingError) as exc:

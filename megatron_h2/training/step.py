@@ -69,7 +69,8 @@ class StepRunner:
         self.timeline = timeline if timeline is not None and timeline.recording else None
         self.clock = StageClock(acc, topo.chip.emulate_slowdown, self.timeline)
         bridge = BridgeConfig(force=par.force_bridge, chunk_mb=par.bridge_chunk_mb,
-                              dtype=torch.bfloat16 if par.bridge_dtype == "bf16" else None)
+                              dtype=torch.bfloat16 if par.bridge_dtype == "bf16" else None,
+                              timeout_s=par.distributed_timeout_minutes * 60)
         self.comm = PipeComm(topo, t.micro_batch_size, m.seq_length, m.hidden_size,
                              par.sequence_parallel, torch.float32, acc.device, bridge,
                              topo.cpu_group, observer=self.timeline)

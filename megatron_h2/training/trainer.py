@@ -12,6 +12,7 @@ from megatron_h2.config import RunConfig
 from megatron_h2.optimizer.lr_schedule import OptimizerParamScheduler
 from megatron_h2.training.batch_schedule import BatchSchedule
 from megatron_h2.training.metrics import MetricsWriter
+from megatron_h2.training.precision import PrecisionMonitor
 from megatron_h2.training.stage_clock import stage_report
 from megatron_h2.training.step import StepResult, StepRunner, world_sum
 
@@ -66,10 +67,11 @@ class Trainer:
 
     def __init__(self, cfg: RunConfig, runner: StepRunner, train_ds, valid_ds,
                  metrics: MetricsWriter, progress: TrainProgress, ckpt: CheckpointIO,
-                 log, started: float | None = None) -> None:
+                 log, started: float | None = None,
+                 precision: PrecisionMonitor | None = None) -> None:
         """``started`` (``time.perf_counter()``) is when the program started, for
         ``--exit-duration-in-mins``; default: now."""
-        self.cfg, self.runner = cfg, runner
+        self.cfg, self.runner, self.precision = cfg, runner, precision
         self.started = time.perf_counter() if started is None else started
         self.batch = BatchSchedule.from_config(cfg.training, cfg.model.seq_length)
         self.train_iters = self.batch.train_iterations(cfg.training)
@@ -136,6 +138,10 @@ class Trainer:
                 self.schedule.step(batch)
                 self.progress.iteration = it
                 self.progress.consumed_samples += batch
+                if self.precision is not None and it % t.precision_check_interval == 0:
+                    check_start = time.perf_counter()
+                    self.log(self.precision.run(it))  # collective: every rank checks its stage
+                    window_start += time.perf_counter() - check_start  # not iteration time
                 val_loss = self.evaluate() if it % t.eval_interval == 0 else None
                 if it % t.log_interval == 0 or val_loss is not None or it == self.train_iters:
                     self.runner.acc.synchronize()
