@@ -6,6 +6,7 @@ from megatron_h2.data.default_corpus import ensure_default_corpus
 from megatron_h2.data.gpt_dataset import (
     GPTDataset,
     build_gpt_datasets,
+    check_token_ids,
     parse_data_path,
     parse_split,
     split_document_ranges,
@@ -48,6 +49,7 @@ __all__ = [
     "build_gpt_datasets",
     "build_tokenizer",
     "check_data_prefix",
+    "check_token_ids",
     "component_sizes",
     "ensure_default_corpus",
     "get_bin_path",
