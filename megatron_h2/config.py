@@ -167,6 +167,16 @@ class TrainingConfig:
     log_jsonl: str | None = None
     timeline_trace: str | None = None  # Chrome / Perfetto trace of every rank's schedule
     exit_interval: int | None = None  # stop (after saving) once iteration % exit_interval == 0
+    # Checkpoint integrity and retention (--save-retain-interval as in Megatron)
+    verify_checkpoint: bool = True  # check every part's checksum on load (--no-verify-checkpoint)
+    save_retain_interval: int | None = None  # keep the newest and every multiple of this only
+    most_recent_k: int = -1  # also keep the K newest checkpoints; -1 keeps all
+    # Numerical health (Megatron's --no-check-for-nan-in-loss-and-grad, --check-for-spiky-loss)
+    check_for_nan_in_loss_and_grad: bool = True  # NaN / Inf found before the optimizer step
+    check_for_spiky_loss: bool = False  # a loss above spiky_loss_factor x the running median
+    spiky_loss_factor: float = 10.0
+    flat_line_iters: int = 5  # grad norm 0 or loss at ln(vocab) this many iterations; 0: off
+    skip_bad_steps: int = 0  # skip up to this many bad steps (no update), then stop
 
     def __post_init__(self) -> None:
         _positive(self, "micro_batch_size", "global_batch_size", "train_iters", "log_interval",
@@ -181,6 +191,21 @@ class TrainingConfig:
             raise ConfigError("--save-interval must be a positive number of iterations")
         if self.exit_interval is not None and self.exit_interval <= 0:
             raise ConfigError("--exit-interval must be a positive number of iterations")
+        self._check_health_and_retention()
+
+    def _check_health_and_retention(self) -> None:
+        if self.save_retain_interval is not None:
+            if self.save_retain_interval <= 0:
+                raise ConfigError("--save-retain-interval must be a positive number of iterations")
+            if self.save_interval and self.save_retain_interval % self.save_interval:
+                raise ConfigError(f"--save-retain-interval {self.save_retain_interval} must be a "
+                                  f"multiple of --save-interval {self.save_interval}")
+        if self.most_recent_k == 0 or self.most_recent_k < -1:
+            raise ConfigError("--most-recent-k must be a positive count, or -1 to keep all")
+        if not self.spiky_loss_factor > 1.0:
+            raise ConfigError(f"--spiky-loss-factor must be above 1, got {self.spiky_loss_factor}")
+        if self.flat_line_iters < 0 or self.skip_bad_steps < 0:
+            raise ConfigError("--flat-line-iters and --skip-bad-steps must be >= 0")
 
     @property
     def num_micro_batches(self) -> int:
