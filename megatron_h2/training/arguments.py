@@ -72,6 +72,21 @@ def _add_training(p: argparse.ArgumentParser) -> None:
     g.add_argument("--exit-interval", type=int)
     g.add_argument("--tensorboard-dir")
     g.add_argument("--log-jsonl", help="append one JSON object per logged iteration")
+    # numerical health
+    g.add_argument("--no-check-for-nan-in-loss-and-grad", dest="check_for_nan_in_loss_and_grad",
+                   action="store_false", default=None,
+                   help="do not stop on NaN / Inf in the loss or the gradients (checked before "
+                        "every optimizer step by default)")
+    g.add_argument("--check-for-spiky-loss", action="store_true", default=None,
+                   help="treat a loss above --spiky-loss-factor x the running median as a bad "
+                        "step")
+    g.add_argument("--spiky-loss-factor", type=float, help="default 10 (as Megatron's check)")
+    g.add_argument("--flat-line-iters", type=int,
+                   help="a run whose grad norm is 0 or whose loss sits at ln(vocab) for this many "
+                        "iterations has stalled (default 5; 0 disables)")
+    g.add_argument("--skip-bad-steps", type=int,
+                   help="skip up to N bad steps (NaN / Inf, spike, flat line) without updating, "
+                        "then stop (default 0: stop at the first)")
     g = p.add_argument_group("optimizer")
     g.add_argument("--optimizer", choices=["adam"], help="AdamW (decoupled weight decay)")
     g.add_argument("--lr", type=float)
@@ -107,6 +122,13 @@ def _add_data_and_checkpoint(p: argparse.ArgumentParser) -> None:
     g.add_argument("--no-load-rng", action="store_true")
     g.add_argument("--finetune", action="store_true",
                    help="load weights only and start at iteration 0")
+    # integrity and retention
+    g.add_argument("--no-verify-checkpoint", dest="verify_checkpoint", action="store_false",
+                   default=None, help="load without checking the parts' checksums")
+    g.add_argument("--save-retain-interval", type=int,
+                   help="keep only the newest checkpoint and those at multiples of this")
+    g.add_argument("--most-recent-k", type=int,
+                   help="also keep the K newest checkpoints (default -1: keep all)")
 
 
 def _int_list(text: str) -> list[int]:

@@ -8,6 +8,7 @@ so every rank sees the same numbers; with one process all of it reduces to the p
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -48,6 +49,11 @@ class StepResult:
     loss: float
     grad_norm: float
     lr: float
+    skipped: bool = False  # the judge rejected the step: no update was applied
+
+
+Judge = Callable[[int, float, float], bool]
+"""``judge(iteration, loss, grad_norm)``: True to update, False to skip; raises to stop."""
 
 
 class StepRunner:
@@ -128,8 +134,11 @@ class StepRunner:
         replicas = 1 if self.optimizer.sharded else self.topo.dp_size
         return math.sqrt(world_sum([local], self.topo)[0] / replicas)
 
-    def train_step(self, dataset, start: int, iteration: int, lr: float) -> StepResult:
-        """Forward and backward of one global batch starting at sample ``start``, then update."""
+    def train_step(self, dataset, start: int, iteration: int, lr: float,
+                   judge: Judge | None = None) -> StepResult:
+        """Forward and backward of one global batch starting at sample ``start``, then update
+        unless ``judge`` rejects the step (without a judge, a non-finite loss or gradient norm
+        raises TrainingError)."""
         self.model.train()
         self.optimizer.zero_grad()
         losses: list[torch.Tensor] = []
@@ -145,7 +154,10 @@ class StepRunner:
         self._reduce_sequence_parallel_grads()
         grad_norm = self._grad_norm()
         loss = self._reported_loss(losses)
-        if not (math.isfinite(loss) and math.isfinite(grad_norm)):
+        if judge is not None:
+            if not judge(iteration, loss, grad_norm):
+                return StepResult(loss=loss, grad_norm=grad_norm, lr=lr, skipped=True)
+        elif not (math.isfinite(loss) and math.isfinite(grad_norm)):
             raise TrainingError(f"loss {loss} / grad norm {grad_norm} is not finite at "
                                 f"iteration {iteration}; lower --lr or resume from the last "
                                 "checkpoint")
