@@ -112,7 +112,8 @@ def make_corpus(directory: str, vocab: int, seed: int, num_tokens: int = 400_000
 def run_config(a: argparse.Namespace, pp: int, global_batch: int) -> RunConfig:
     model = ModelConfig(num_layers=a.num_layers, hidden_size=a.hidden_size,
                         num_attention_heads=a.num_attention_heads, seq_length=a.seq_length,
-                        vocab_size=DataConfig().padded_vocab_size(a.vocab_size))
+                        vocab_size=DataConfig().padded_vocab_size(a.vocab_size),
+                        hidden_dropout=0.0, attention_dropout=0.0)
     training = TrainingConfig(micro_batch_size=a.micro_batch_size, global_batch_size=global_batch,
                               train_iters=10**6, seed=a.seed, device="cpu")
     return RunConfig(model=model, optimizer=OptimizerConfig(lr=LR, lr_warmup_iters=0),

@@ -18,7 +18,14 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from megatron_h2.planner import Cluster, CostConfig, CostModel, ModelSpec, SearchOptions, search  # noqa: E402
+from megatron_h2.planner import (  # noqa: E402
+    Cluster,
+    CostConfig,
+    CostModel,
+    SearchOptions,
+    model_from_yaml,
+    search,
+)
 from megatron_h2.planner.report import search_summary, stage_summary  # noqa: E402
 
 CASES = (
@@ -32,7 +39,7 @@ def main() -> int:
     parser.add_argument("--time-limit", type=float, default=55.0)
     parser.add_argument("--top", type=int, default=5)
     args = parser.parse_args()
-    model = ModelSpec.from_yaml(ROOT / "examples/models/llama_100b.yaml")
+    model = model_from_yaml(ROOT / "examples/models/llama_100b.yaml")
     print(f"model: examples/models/llama_100b.yaml, distributed optimizer, top {args.top}")
     for name, path, global_batch, target in CASES:
         started = time.perf_counter()

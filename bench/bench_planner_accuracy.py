@@ -58,7 +58,7 @@ sys.path.insert(0, str(ROOT))
 from megatron_h2.hetero_plan import HeteroPlan  # noqa: E402
 from megatron_h2.planner.cluster import Cluster  # noqa: E402
 from megatron_h2.planner.cost_model import CostConfig, CostModel  # noqa: E402
-from megatron_h2.planner.model import ModelSpec  # noqa: E402
+from megatron_h2.planner.model import model_from_dict  # noqa: E402
 from megatron_h2.planner.profile import ProfileTable  # noqa: E402
 from megatron_h2.planner.simulator import simulate  # noqa: E402
 
@@ -230,7 +230,8 @@ def probe_extras(out: str, reps: int = 9) -> None:
     from megatron_h2.optimizer.distributed_optimizer import build_data_parallel_optimizer
 
     acc = get_accelerator("cpu")
-    cfg = ModelConfig(**{k: v for k, v in MODEL.items() if k != "global_batch_size"})
+    cfg = ModelConfig(**{k: v for k, v in MODEL.items() if k != "global_batch_size"},
+                      hidden_dropout=0.0, attention_dropout=0.0)
     selective = {}
     layers = {}
     for mode in ("none", "selective"):
@@ -388,7 +389,8 @@ def train_flags(data: str, iters: int) -> list[str]:
             "--tokenizer-type", "NullTokenizer", "--vocab-size", str(TOKENIZER_VOCAB),
             "--data-path", data, "--split", "100,0,0", "--train-iters", str(iters),
             "--log-interval", "1", "--eval-interval", "1000000", "--eval-iters", "0",
-            "--lr", "1e-4", "--lr-warmup-iters", "1"]
+            "--lr", "1e-4", "--lr-warmup-iters", "1", "--hidden-dropout", "0",
+            "--attention-dropout", "0"]
 
 
 def measure(plan_path: Path, nproc: int, data: str, iters: int, skip: int, out: Path) -> dict:
@@ -465,16 +467,16 @@ def main(argv: list[str] | None = None) -> int:
     work.mkdir(parents=True, exist_ok=True)
     log(f"planner accuracy on this machine: {os.cpu_count()} cores, load average "
         f"{load_average():.2f}; files in {work}")
-    model = ModelSpec.from_dict({k: v for k, v in MODEL.items() if k != "global_batch_size"})
+    model = model_from_dict({k: v for k, v in MODEL.items() if k != "global_batch_size"})
     log(f"model: {model.num_layers} layers, hidden {model.hidden_size}, ffn "
-        f"{model.ffn_hidden_size}, heads {model.num_attention_heads}/{model.groups}, seq "
-        f"{model.seq_length}, vocab {model.vocab_size}, {model.total_params() / 1e6:.1f}M "
+        f"{model.ffn_hidden_size}, heads {model.num_attention_heads}/{model.num_query_groups}, seq "
+        f"{model.seq_length}, vocab {model.vocab_size}, {model.num_parameters() / 1e6:.1f}M "
         f"params; global batch {MODEL['global_batch_size']}; OMP_NUM_THREADS=1 per process")
     (work / "model.yaml").write_text(yaml.safe_dump(MODEL, sort_keys=False))
     data = write_corpus(work)
 
     # ---- calibration: gloo loopback and the optimizer step
-    dp_bytes = int(model.total_params()) * 4  # fp32 gradients of the whole model
+    dp_bytes = int(model.num_parameters()) * 4  # fp32 gradients of the whole model
     act_bytes = MODEL["seq_length"] * MODEL["hidden_size"] * 4  # one micro-batch, fp32
     run(torchrun_cmd(2, Path(__file__).resolve(),
                      ["--probe-gloo", str(work / "gloo.json"), str(dp_bytes), str(act_bytes)]))

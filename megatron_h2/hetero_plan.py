@@ -16,9 +16,18 @@ YAML schema (every key is required unless a default is given)::
     stages:                      # pipeline order: stage 0 holds the embedding, the last the head
       - {chip: fast, tensor_parallel_size: 2, num_layers: 3}
       - {chip: slow, tensor_parallel_size: 1, num_layers: 1, recompute: full}
+    schedule: 1f1b               # optional: 1f1b | interleaved | zero-bubble (see below)
 
 ``recompute`` is ``none`` (default), ``selective`` (norms, core attention and the SwiGLU
 activation are recomputed in backward) or ``full`` (whole layers are recomputed from their input).
+
+Virtual pipeline stages (interleaving): a stage's ``num_layers`` may be a list, one layer count
+per model chunk, e.g. ``num_layers: [2, 1]``; every stage then has the same number of chunks
+``V`` (:attr:`HeteroPlan.virtual_pipeline_size`). Layers are assigned chunk-major, as Megatron's
+interleaved schedule orders them: chunk 0 of stage 0, chunk 0 of stage 1, ..., chunk 0 of the
+last stage, then chunk 1 of stage 0, ... (:meth:`HeteroPlan.chunk_layer_ranges`). Only chunk 0
+of the first stage and the last chunk of the last stage (which hold the embedding and the head)
+may be empty. ``schedule`` defaults to ``interleaved`` when ``V > 1`` and to ``1f1b`` otherwise.
 
 Rank layout (what the runtime must build its process groups from):
 
@@ -30,7 +39,8 @@ Rank layout (what the runtime must build its process groups from):
 * The pipeline of DP replica ``r`` is made of its ``tp`` ranks in every stage; pipeline
   point-to-point traffic goes between stage ``s`` and ``s + 1`` of the same replica, even where
   the two stages have different TP degrees.
-* Layers are numbered globally; stage ``s`` runs ``layer_ranges()[s]`` (0-based, contiguous).
+* Layers are numbered globally; stage ``s`` runs ``layer_ranges()[s]`` (0-based, contiguous)
+  when it has one chunk, and ``chunk_layer_ranges()[s]`` in general.
 """
 
 from __future__ import annotations
@@ -46,7 +56,10 @@ import yaml
 from megatron_h2.config import RECOMPUTE_MODES, Recompute
 from megatron_h2.errors import ConfigError
 
-_PLAN_KEYS = ("data_parallel_size", "micro_batch_size", "global_batch_size", "chips", "stages")
+_PLAN_KEYS = ("data_parallel_size", "micro_batch_size", "global_batch_size", "chips", "stages",
+              "schedule")
+SCHEDULES = ("1f1b", "interleaved", "zero-bubble")
+"""Pipeline schedules a plan may name (``schedule``)."""
 _CHIP_KEYS = ("device", "emulate_slowdown")
 _STAGE_KEYS = ("chip", "tensor_parallel_size", "num_layers", "recompute")
 
@@ -148,23 +161,39 @@ class ChipSpec:
 
 @dataclass(frozen=True)
 class StageSpec:
-    """One pipeline stage: the chip type it runs on, its TP degree, layer count and recompute."""
+    """One pipeline stage: the chip type it runs on, its TP degree, layer count and recompute.
+
+    ``num_layers`` is the stage's total; ``chunk_layers`` splits it over model chunks (virtual
+    pipeline stages, see the module docstring), empty for one chunk.
+    """
 
     chip: str
     tensor_parallel_size: int
     num_layers: int
     recompute: Recompute = "none"
+    chunk_layers: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if not isinstance(self.chip, str) or not self.chip:
             raise ConfigError(f"stage chip must be a chip name, got {self.chip!r}")
         positive_int(self.tensor_parallel_size, "tensor_parallel_size")
         positive_int(self.num_layers, "num_layers", minimum=0)
+        object.__setattr__(self, "chunk_layers", tuple(self.chunk_layers))
+        for count in self.chunk_layers:
+            positive_int(count, "num_layers of a chunk", minimum=0)
+        if self.chunk_layers and sum(self.chunk_layers) != self.num_layers:
+            raise ConfigError(f"chunk layers {list(self.chunk_layers)} add up to "
+                              f"{sum(self.chunk_layers)}, not the stage's {self.num_layers}")
         if self.recompute not in RECOMPUTE_MODES:
             raise ConfigError(
                 f"recompute must be one of {', '.join(RECOMPUTE_MODES)}, got {self.recompute!r}"
                 f"{closest(str(self.recompute), RECOMPUTE_MODES)}"
             )
+
+    @property
+    def chunks(self) -> tuple[int, ...]:
+        """Layer count of each model chunk of the stage (one entry without interleaving)."""
+        return self.chunk_layers or (self.num_layers,)
 
 
 @dataclass(frozen=True)
@@ -182,6 +211,7 @@ class HeteroPlan:
     global_batch_size: int
     chips: Mapping[str, ChipSpec]
     stages: Sequence[StageSpec]
+    schedule: str | None = None  # None: "interleaved" with virtual stages, else "1f1b"
 
     def __post_init__(self) -> None:
         positive_int(self.data_parallel_size, "data_parallel_size")
@@ -203,6 +233,36 @@ class HeteroPlan:
         if not self.stages:
             raise ConfigError("stages is empty; a plan needs at least one pipeline stage")
         self._check_stages()
+        self._check_chunks()
+        if self.schedule is None:
+            default = "interleaved" if self.virtual_pipeline_size > 1 else "1f1b"
+            object.__setattr__(self, "schedule", default)
+        if self.schedule not in SCHEDULES:
+            raise ConfigError(f"schedule must be one of {', '.join(SCHEDULES)}, got "
+                              f"{self.schedule!r}{closest(str(self.schedule), SCHEDULES)}")
+        if self.schedule == "interleaved" and self.virtual_pipeline_size == 1:
+            raise ConfigError("the interleaved schedule needs virtual pipeline stages: give "
+                              "every stage's num_layers as a list with one count per chunk")
+        if self.schedule == "1f1b" and self.virtual_pipeline_size > 1:
+            raise ConfigError("the stages have several model chunks, which the 1f1b schedule "
+                              "cannot run; use schedule: interleaved")
+
+    def _check_chunks(self) -> None:
+        counts = {len(stage.chunks) for stage in self.stages}
+        if len(counts) > 1:
+            per_stage = ", ".join(str(len(stage.chunks)) for stage in self.stages)
+            raise ConfigError(f"every stage needs the same number of model chunks, got {per_stage};"
+                              " give each stage's num_layers as a list of the same length")
+        v, last = counts.pop(), len(self.stages) - 1
+        if v == 1:
+            return
+        for index, stage in enumerate(self.stages):
+            for chunk, count in enumerate(stage.chunks):
+                edge = (index, chunk) in ((0, 0), (last, v - 1))
+                if count == 0 and not edge:
+                    raise ConfigError(
+                        f"chunk {chunk} of stage {index} has no layer; only the first chunk of "
+                        "the first stage and the last chunk of the last stage may be empty")
 
     def _check_stages(self) -> None:
         last = len(self.stages) - 1
@@ -222,7 +282,7 @@ class HeteroPlan:
 
     def __hash__(self) -> int:
         return hash((self.data_parallel_size, self.micro_batch_size, self.global_batch_size,
-                     tuple(sorted(self.chips.items())), tuple(self.stages)))
+                     tuple(sorted(self.chips.items())), tuple(self.stages), self.schedule))
 
     # ----------------------------------------------------------------------------- derived sizes
     @property
@@ -239,6 +299,11 @@ class HeteroPlan:
     def num_layers(self) -> int:
         """Total transformer layers over all stages."""
         return sum(stage.num_layers for stage in self.stages)
+
+    @property
+    def virtual_pipeline_size(self) -> int:
+        """Model chunks per stage (V; 1 without interleaving)."""
+        return len(self.stages[0].chunks)
 
     @property
     def world_size(self) -> int:
@@ -264,8 +329,23 @@ class HeteroPlan:
                 return index, offset // tp, offset % tp
         raise AssertionError("unreachable: rank inside world size but in no stage")
 
+    def chunk_layer_ranges(self) -> list[list[range]]:
+        """``[stage][chunk]``: the global layers of every model chunk, numbered chunk-major
+        (chunk 0 of every stage in pipeline order, then chunk 1, ...)."""
+        out: list[list[range]] = [[] for _ in self.stages]
+        start = 0
+        for chunk in range(self.virtual_pipeline_size):
+            for index, stage in enumerate(self.stages):
+                out[index].append(range(start, start + stage.chunks[chunk]))
+                start += stage.chunks[chunk]
+        return out
+
     def layer_ranges(self) -> list[range]:
-        """Global (0-based) layer indices run by each stage, in pipeline order."""
+        """Global (0-based) layer indices run by each stage, in pipeline order (one chunk per
+        stage; see :meth:`chunk_layer_ranges` for interleaved plans)."""
+        if self.virtual_pipeline_size > 1:
+            raise ConfigError("an interleaved plan's stages hold several layer ranges; use "
+                              "chunk_layer_ranges()")
         ranges, start = [], 0
         for stage in self.stages:
             ranges.append(range(start, start + stage.num_layers))
@@ -313,7 +393,7 @@ class HeteroPlan:
     @classmethod
     def from_dict(cls, data: Any, source: str = "plan") -> HeteroPlan:
         """Build a plan from the YAML-shaped mapping; ``source`` names it in error messages."""
-        top = check_keys(data, _PLAN_KEYS, (), source)
+        top = check_keys(data, _PLAN_KEYS[:5], _PLAN_KEYS[5:], source)
         raw_chips = top["chips"]
         if not isinstance(raw_chips, Mapping) or not raw_chips:
             raise ConfigError(f"'chips' in {source} must map chip names to {{device: ...}}")
@@ -326,9 +406,17 @@ class HeteroPlan:
             raise ConfigError(f"'stages' in {source} must be a non-empty list of stages")
         stages = []
         for index, stage in enumerate(raw_stages):
-            entry = check_keys(stage, _STAGE_KEYS[:3], _STAGE_KEYS[3:], f"stage {index} of {source}")
+            where = f"stage {index} of {source}"
+            entry = dict(check_keys(stage, _STAGE_KEYS[:3], _STAGE_KEYS[3:], where))
+            layers = entry["num_layers"]
+            if isinstance(layers, list):  # one count per model chunk
+                if not layers:
+                    raise ConfigError(f"{where}: num_layers is an empty list; give one layer "
+                                      "count per model chunk")
+                entry["chunk_layers"] = tuple(layers)
+                entry["num_layers"] = sum(n for n in layers if isinstance(n, int))
             try:
-                stages.append(StageSpec(**dict(entry)))
+                stages.append(StageSpec(**entry))
             except ConfigError as exc:
                 raise ConfigError(f"stage {index} of {source}: {exc}") from None
         return cls(
@@ -337,6 +425,7 @@ class HeteroPlan:
             global_batch_size=top["global_batch_size"],
             chips=chips,
             stages=stages,
+            schedule=top.get("schedule"),
         )
 
     @classmethod
@@ -356,18 +445,22 @@ class HeteroPlan:
             {
                 "chip": s.chip,
                 "tensor_parallel_size": s.tensor_parallel_size,
-                "num_layers": s.num_layers,
+                "num_layers": list(s.chunk_layers) if s.chunk_layers else s.num_layers,
                 "recompute": s.recompute,
             }
             for s in self.stages
         ]
-        return {
+        out = {
             "data_parallel_size": self.data_parallel_size,
             "micro_batch_size": self.micro_batch_size,
             "global_batch_size": self.global_batch_size,
             "chips": chips,
             "stages": stages,
         }
+        default = "interleaved" if self.virtual_pipeline_size > 1 else "1f1b"
+        if self.schedule != default:
+            out["schedule"] = self.schedule
+        return out
 
     def to_yaml(self, path: str | Path, header: str | None = None) -> None:
         """Write the plan; ``header`` lines (e.g. the planner's prediction) become YAML comments."""
@@ -382,6 +475,8 @@ class HeteroPlan:
         lines.append("stages:  # pipeline order: stage 0 holds the embedding, the last the head")
         for stage in data["stages"]:
             lines.append(f"  - {_flow(stage)}")
+        if "schedule" in data:
+            lines.append(f"schedule: {data['schedule']}")
         Path(path).write_text("\n".join(lines) + "\n")
 
 

@@ -35,6 +35,10 @@ def test_defaults_are_valid_and_round_trip():
     assert RunConfig.from_dict(cfg.to_dict()) == cfg
 
 
+REQUIRED = ("--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 32 "
+            "--micro-batch-size 1 --train-iters 1 --lr 1e-3")
+
+
 @pytest.mark.parametrize("flags, fragment", [
     ("--hidden-size 100 --num-attention-heads 8", "not divisible by --num-attention-heads"),
     ("--num-attention-heads 8 --num-query-groups 3", "does not divide --num-attention-heads"),
@@ -44,7 +48,8 @@ def test_defaults_are_valid_and_round_trip():
     ("--lr 1e-4 --min-lr 1e-3", "--min-lr"),
     ("--fp16", "use --bf16"),
     ("--train-iters 10 --lr-warmup-iters 20", "--lr-warmup-iters 20 exceeds"),
-    ("--data-path foo", "needs --tokenizer-type"),
+    ("--data-path foo " + REQUIRED, "needs --tokenizer-type"),
+    ("--data-path foo --tokenizer-type NullTokenizer", "--num-layers is required"),
 ])
 def test_bad_flags_raise_one_line(flags, fragment):
     with pytest.raises(ConfigError) as err:

@@ -177,7 +177,8 @@ def save_our_checkpoint(path: Path, config: ModelConfig, iteration: int, seed: i
 def test_megatron_round_trip_is_exact(groups: int, dtype: torch.dtype, tmp_path: Path) -> None:
     config = ModelConfig(num_layers=2, hidden_size=64, num_attention_heads=4,
                          num_query_groups=groups, ffn_hidden_size=96, seq_length=64,
-                         vocab_size=256, norm_epsilon=1e-6, rotary_base=20000.0)
+                         vocab_size=256, norm_epsilon=1e-6, rotary_base=20000.0,
+                         hidden_dropout=0.0, attention_dropout=0.0)
     state = save_our_checkpoint(tmp_path / "ours", config, 5, seed=3, dtype=dtype)
     save_our_checkpoint(tmp_path / "ours", config, 7, seed=4, dtype=dtype)  # latest, not used
     assert convert("--from", "megatron_h2", "--to", "hf", "--input", tmp_path / "ours",

@@ -34,6 +34,7 @@ cross_chip_gb_per_s: 1
 MODEL = ["--num-layers", "6", "--hidden-size", "64", "--num-attention-heads", "4",
          "--num-query-groups", "2", "--ffn-hidden-size", "128", "--seq-length", "32",
          "--max-position-embeddings", "32", "--global-batch-size", "8", "--lr", "3e-3",
+         "--micro-batch-size", "1", "--hidden-dropout", "0", "--attention-dropout", "0",
          "--lr-warmup-iters", "2", "--seed", "11", "--train-iters", "20", "--log-interval", "1",
          "--eval-interval", "1000", "--eval-iters", "0", "--tokenizer-type", "NullTokenizer",
          "--vocab-size", "256", "--split", "90,10,0"]

@@ -15,6 +15,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from dist_utils import losses, torchrun  # noqa: E402
 
 MODEL = ["--num-layers", "6", "--hidden-size", "64", "--num-attention-heads", "4",
+         "--hidden-dropout", "0", "--attention-dropout", "0",
          "--num-query-groups", "2", "--ffn-hidden-size", "128", "--seq-length", "32",
          "--max-position-embeddings", "32", "--lr", "3e-3", "--lr-warmup-iters", "2",
          "--seed", "11", "--train-iters", "10", "--log-interval", "1", "--eval-interval",

@@ -18,6 +18,7 @@ from megatron_h2.training.main import main
 
 ROOT = Path(__file__).resolve().parents[1]
 MODEL = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4",
+         "--hidden-dropout", "0", "--attention-dropout", "0",
          "--num-query-groups", "2", "--ffn-hidden-size", "128", "--seq-length", "32",
          "--max-position-embeddings", "32", "--micro-batch-size", "2", "--global-batch-size", "8",
          "--lr", "3e-3", "--lr-warmup-iters", "2", "--seed", "11", "--train-iters", "10",

@@ -12,7 +12,7 @@ import yaml
 
 from megatron_h2.hetero_plan import HeteroPlan
 from megatron_h2.planner.cli import main
-from megatron_h2.planner.model import ModelSpec
+from megatron_h2.planner.model import model_from_yaml
 
 ROOT = Path(__file__).resolve().parent.parent
 CPU_CLUSTER = str(ROOT / "examples/clusters/cpu_2types.yaml")
@@ -76,7 +76,7 @@ def test_plans_the_cpu_example_and_writes_everything(
         "optimal for the cost model" in text and "ratio heterogeneous / sum of homogeneous" in text
     )
     plan = HeteroPlan.from_yaml(out)
-    model = ModelSpec.from_yaml(TINY)
+    model = model_from_yaml(TINY)
     plan.validate(
         model.num_layers,
         model.num_attention_heads,

@@ -11,11 +11,12 @@ from megatron_h2.errors import ConfigError
 from megatron_h2.hetero_plan import ChipSpec, HeteroPlan, StageSpec
 from megatron_h2.planner.cluster import ChipType, Cluster
 from megatron_h2.planner.cost_model import CostConfig, CostModel
-from megatron_h2.planner.model import ModelSpec
+from megatron_h2.planner.model import model_from_yaml
 from megatron_h2.planner.profile import ProfileTable
+from tests.planner_models import planner_model
 
 ROOT = Path(__file__).resolve().parent.parent
-MODEL = ModelSpec(
+MODEL = planner_model(
     num_layers=4,
     hidden_size=256,
     ffn_hidden_size=704,
@@ -51,12 +52,12 @@ PROFILE = {
 
 
 def test_llama_100b_parameter_count() -> None:
-    model = ModelSpec.from_yaml(ROOT / "examples/models/llama_100b.yaml")
+    model = model_from_yaml(ROOT / "examples/models/llama_100b.yaml")
     h, f, kv = 9216, 24576, 8 * 128
     per_layer = 2 * h * h + 2 * h * kv + 3 * h * f + 2 * h
     assert model.kv_size == kv
-    assert model.total_params() == 96 * per_layer + 2 * 32000 * h + h
-    assert model.padded_vocab(8) == 32768 and model.padded_vocab(1) == 32000
+    assert model.num_parameters() == 96 * per_layer + 2 * 32000 * h + h
+    assert model.vocab_size == 32000  # a multiple of 128 already: padding adds nothing
     assert model.layer_params_per_chip(8) == (per_layer - 2 * h) / 8 + 2 * h
 
 

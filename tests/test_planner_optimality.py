@@ -18,9 +18,9 @@ from megatron_h2.config import RECOMPUTE_MODES
 from megatron_h2.hetero_plan import ChipSpec, HeteroPlan, StageSpec
 from megatron_h2.planner.cluster import ChipType, Cluster
 from megatron_h2.planner.cost_model import CostConfig, CostModel
-from megatron_h2.planner.model import ModelSpec
 from megatron_h2.planner.partition import StageSlot, solve_split
 from megatron_h2.planner.search import SearchOptions, search
+from tests.planner_models import planner_model
 
 
 def compositions(total: int, parts: int) -> list[tuple[int, ...]]:
@@ -57,7 +57,7 @@ def enumerate_plans(cost: CostModel, options: SearchOptions, all_modes: bool = F
                 [None]
                 + [
                     (c.name, t, n)
-                    for t in c.tensor_parallel_options(model.num_attention_heads, model.groups)
+                    for t in c.tensor_parallel_options(model.num_attention_heads, model.num_query_groups)
                     for n in range(1, c.count // (t * dp) + 1)
                 ]
                 for c in chips
@@ -106,7 +106,7 @@ def chip(
     return ChipType(name, "cpu", count, per_node, tflops, memory_mib / 1024, intra, inter)
 
 
-TINY = ModelSpec(
+TINY = planner_model(
     num_layers=5,
     hidden_size=64,
     ffn_hidden_size=176,
@@ -143,7 +143,7 @@ CASES = {
         Cluster(
             (chip("A", 2, 2, 0.5, 4.0), chip("B", 6, 2, 0.2, 5.0), chip("C", 4, 4, 0.15, 10.0)), 0.5
         ),
-        ModelSpec(6, 64, 176, 4, 128, 1000, 2),
+        planner_model(6, 64, 176, 4, 128, 1000, 2),
         12,
         True,
     ),
@@ -153,7 +153,7 @@ CASES = {
             (chip("F", 8, 4, 0.5, 2.6), ChipType("S", "cpu", 8, 4, 0.5, 16 / 1024, 4.0, 1.0, 3.0)),
             1.0,
         ),
-        ModelSpec(6, 64, 176, 4, 128, 1000, 4),
+        planner_model(6, 64, 176, 4, 128, 1000, 4),
         8,
         False,
     ),
@@ -192,7 +192,7 @@ def test_the_cases_exercise_recompute_tp_and_several_types() -> None:
 
 def test_fastest_fitting_recompute_is_optimal_against_all_modes() -> None:
     cluster = Cluster((chip("A", 2, 2, 0.4, 2.4), chip("B", 2, 2, 0.2, 4.0)), 0.5)
-    model = ModelSpec(3, 64, 176, 4, 128, 1000, 2)
+    model = planner_model(3, 64, 176, 4, 128, 1000, 2)
     cost = CostModel(cluster, model)
     options = SearchOptions(global_batch_size=4, top_k=1, max_micro_batch_size=2)
     brute = min(value for value, _, _ in enumerate_plans(cost, options, all_modes=True))
@@ -201,7 +201,7 @@ def test_fastest_fitting_recompute_is_optimal_against_all_modes() -> None:
 
 def test_layer_split_is_exact_for_fixed_stages() -> None:
     cluster = Cluster((chip("A", 8, 4, 0.4, 3.0), chip("B", 8, 4, 0.15, 8.0)), 0.5)
-    model = ModelSpec(9, 64, 176, 4, 128, 1000, 2)
+    model = planner_model(9, 64, 176, 4, 128, 1000, 2)
     cost = CostModel(cluster, model, CostConfig(use_distributed_optimizer=True))
     layout = [("B", 1), ("B", 2), ("A", 1), ("A", 2)]
     mbs, dp, m = 1, 2, 6
@@ -252,7 +252,7 @@ def random_case(seed: int) -> tuple[CostModel, SearchOptions]:
                 rng.uniform(0.2, 2),
             )
         )
-    model = ModelSpec(rng.choice([4, 5, 6, 7, 8]), 64, 176, 4, 128, 1000, 2)
+    model = planner_model(rng.choice([4, 5, 6, 7, 8]), 64, 176, 4, 128, 1000, 2)
     config = CostConfig(use_distributed_optimizer=rng.random() < 0.5)
     options = SearchOptions(
         global_batch_size=rng.choice([4, 6, 8, 12]), top_k=2, max_micro_batch_size=4

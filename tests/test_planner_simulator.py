@@ -10,15 +10,15 @@ import pytest
 from megatron_h2.hetero_plan import ChipSpec, HeteroPlan, StageSpec
 from megatron_h2.planner.cluster import ChipType, Cluster
 from megatron_h2.planner.cost_model import CostConfig, CostModel
-from megatron_h2.planner.model import ModelSpec
 from megatron_h2.planner.simulator import (
     one_f_one_b,
     simulate,
     write_chrome_trace,
     write_timeline_png,
 )
+from tests.planner_models import planner_model
 
-MODEL = ModelSpec(
+MODEL = planner_model(
     num_layers=8,
     hidden_size=128,
     ffn_hidden_size=352,

@@ -41,7 +41,7 @@ def parse(argv: list[str] | None):
 def model_config(a):
     import yaml
 
-    from megatron_h2.config import ModelConfig
+    from megatron_h2.config import DataConfig, ModelConfig
 
     values = {}
     if a.model:
@@ -58,6 +58,8 @@ def model_config(a):
     kwargs = {k: v for k, v in values.items() if k in known}
     if "vocab_size" not in kwargs:
         raise ConfigError("give --vocab-size (or vocab_size in --model)")
+    # the tokenizer's size, padded as pretrain_gpt.py and the planner pad it
+    kwargs["vocab_size"] = DataConfig().padded_vocab_size(kwargs["vocab_size"])
     return ModelConfig(**kwargs)
 
 

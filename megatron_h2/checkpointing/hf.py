@@ -160,7 +160,7 @@ def model_config_from_hf(hf_config: dict[str, Any],
         norm_epsilon=_get_float(hf_config, "rms_norm_eps", 1e-6),
         rotary_base=_rope_theta(hf_config),
         init_method_std=_get_float(hf_config, "initializer_range", 0.02),
-        attention_dropout=_get_float(hf_config, "attention_dropout", 0.0))
+        attention_dropout=_get_float(hf_config, "attention_dropout", 0.0), hidden_dropout=0.0)
     try:
         return ModelConfig(**fields)
     except ConfigError as exc:

@@ -2,11 +2,11 @@
 
 Typical use::
 
-    from megatron_h2.planner import Cluster, CostConfig, CostModel, ModelSpec, SearchOptions, search
-    from megatron_h2.planner import simulate
+    from megatron_h2.planner import Cluster, CostConfig, CostModel, SearchOptions, search
+    from megatron_h2.planner import model_from_yaml, simulate
 
     cluster = Cluster.from_yaml("examples/clusters/hetero_1024.yaml")
-    model = ModelSpec.from_yaml("examples/models/llama_100b.yaml")
+    model = model_from_yaml("examples/models/llama_100b.yaml")  # a config.ModelConfig
     cost = CostModel(cluster, model, CostConfig(use_distributed_optimizer=True))
     result = search(cost, SearchOptions(global_batch_size=2048, top_k=5))
     best = result.best                      # Candidate(plan: HeteroPlan, estimate: PlanEstimate)
@@ -26,7 +26,7 @@ from megatron_h2.planner.cost_model import (
     StageCosts,
     StageEstimate,
 )
-from megatron_h2.planner.model import ModelSpec
+from megatron_h2.planner.model import model_from_dict, model_from_yaml
 from megatron_h2.planner.partition import Split, StageSlot, solve_split
 from megatron_h2.planner.profile import ChipProfile, MeasuredTimes, ProfileTable
 from megatron_h2.planner.search import Candidate, SearchOptions, SearchResult, SearchStats, search
@@ -50,7 +50,6 @@ __all__ = [
     "Event",
     "HomogeneousResult",
     "MeasuredTimes",
-    "ModelSpec",
     "PlanEstimate",
     "ProfileTable",
     "SearchOptions",
@@ -63,6 +62,8 @@ __all__ = [
     "StageSlot",
     "chrome_trace",
     "compare_homogeneous",
+    "model_from_dict",
+    "model_from_yaml",
     "search",
     "simulate",
     "solve_split",

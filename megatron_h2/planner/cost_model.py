@@ -36,11 +36,10 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from megatron_h2.config import RECOMPUTE_MODES, Recompute
+from megatron_h2.config import RECOMPUTE_MODES, ModelConfig, Recompute, state_bytes_per_param
 from megatron_h2.errors import ConfigError
 from megatron_h2.hetero_plan import HeteroPlan, positive_float
 from megatron_h2.planner.cluster import ChipType, Cluster
-from megatron_h2.planner.model import ModelSpec
 
 if TYPE_CHECKING:
     from megatron_h2.planner.profile import ProfileTable
@@ -73,9 +72,9 @@ class CostConfig:
             raise ConfigError("use_distributed_optimizer must be true or false")
 
     def bytes_per_param(self, data_parallel_size: int) -> float:
-        """Static bytes per parameter: bf16 weight, fp32 grad, fp32 master + Adam (maybe sharded)."""
-        optimizer = 12.0 / data_parallel_size if self.use_distributed_optimizer else 12.0
-        return 2.0 + 4.0 + optimizer
+        """Static bytes per parameter of bf16 training (:func:`~megatron_h2.config.
+        state_bytes_per_param`): bf16 weight, fp32 grad, fp32 main + Adam (maybe sharded)."""
+        return state_bytes_per_param(True, data_parallel_size, self.use_distributed_optimizer)
 
 
 @dataclass(frozen=True)
@@ -271,7 +270,7 @@ class CostModel:
     def __init__(
         self,
         cluster: Cluster,
-        model: ModelSpec,
+        model: ModelConfig,
         config: CostConfig | None = None,
         profile: ProfileTable | None = None,
     ) -> None:
@@ -315,7 +314,7 @@ class CostModel:
             return measured.selective_recompute_ms / 1000.0 / tp * chip.emulate_slowdown
         tokens = mbs * self.model.seq_length
         core_share = (
-            self.model.attention_core_flops_per_token
+            self.model.attention_core_flops_per_token()
             * tokens
             / self.model.layer_forward_flops(tokens)
         )
@@ -357,12 +356,7 @@ class CostModel:
 
     def _build(self, chip: ChipType, tp: int, mbs: int, dp: int) -> StageCosts:
         model, cfg = self.model, self.config
-        h, f, kv, a = (
-            model.hidden_size,
-            model.ffn_hidden_size,
-            model.kv_size,
-            model.num_attention_heads,
-        )
+        h = model.hidden_size
         tokens = mbs * model.seq_length
         lf, lb, ef, eb, hf, hb = self._compute_times(chip, tp, mbs)
         hidden_bytes = tokens * h * BF16_BYTES
@@ -374,13 +368,8 @@ class CostModel:
             bwd_plain + self._selective_extra(chip, tp, mbs, lf),
             bwd_plain + fwd,
         )
-        vocab = model.padded_vocab(tp)
         bpp = cfg.bytes_per_param(dp)
-        activation = (
-            tokens * (8 * h + (4 * h + 4 * kv + 6 * f + 4 * a) / tp),
-            tokens * (4 * h + (2 * h + 4 * kv + 4 * f) / tp),
-            tokens * 2.0 * h,
-        )
+        activation = tuple(model.layer_activation_bytes(tokens, tp, mode) for mode in MODES)
         layer_params = model.layer_params_per_chip(tp)
         sync_group_local = chip.chips_per_node % (tp * dp) == 0
         sync_bw = chip.intra_node_gb_per_s if sync_group_local else chip.inter_node_gb_per_s
@@ -407,7 +396,7 @@ class CostModel:
             embedding_static=model.embedding_params_per_chip(tp) * bpp,
             head_static=model.head_params_per_chip(tp) * bpp,
             layer_activation=activation,
-            head_activation=tokens * (4 * h + 6 * vocab / tp),
+            head_activation=model.head_activation_bytes(tokens, tp),
             working=activation[0],
             capacity=self.usable_bytes(chip),
             layer_params=layer_params,
@@ -426,7 +415,7 @@ class CostModel:
         and query groups are checked with :meth:`HeteroPlan.validate`.
         """
         model = self.model
-        plan.validate(model.num_layers, model.num_attention_heads, model.groups)
+        plan.validate(model.num_layers, model.num_attention_heads, model.num_query_groups)
         p, m = plan.pipeline_parallel_size, plan.num_micro_batches
         mbs, dp = plan.micro_batch_size, plan.data_parallel_size
         stages = []
@@ -483,7 +472,7 @@ class CostModel:
             / self.cluster.chip(name).emulate_slowdown
             for name, count in used.items()
         )
-        mfu = tokens * self.model.model_flops_per_token() / step / peak
+        mfu = tokens * self.model.flops_per_token(causal=True) / step / peak
         return PlanEstimate(
             step_time_s=step,
             pipeline_s=pipeline,

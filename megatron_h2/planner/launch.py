@@ -12,9 +12,10 @@ from __future__ import annotations
 import shlex
 from dataclasses import dataclass
 
+from megatron_h2.config import ModelConfig
 from megatron_h2.hetero_plan import HeteroPlan
 from megatron_h2.planner.cluster import Cluster
-from megatron_h2.planner.model import ModelSpec
+from megatron_h2.planner.model import model_flags
 
 _GRES = {"cuda": "gpu"}
 """SLURM generic-resource name per torch device type where it differs (ROCm also uses cuda)."""
@@ -47,11 +48,11 @@ def components(plan: HeteroPlan) -> list[Component]:
 
 
 def training_flags(
-    model: ModelSpec, plan: HeteroPlan, distributed_optimizer: bool, bf16: bool
+    model: ModelConfig, plan: HeteroPlan, distributed_optimizer: bool, bf16: bool
 ) -> list[str]:
     """Model and batch flags of ``pretrain_gpt.py`` for this plan (without ``--hetero-plan``)."""
     flags = [
-        *model.to_flags(),
+        *model_flags(model),
         "--micro-batch-size",
         str(plan.micro_batch_size),
         "--global-batch-size",
@@ -75,7 +76,7 @@ def single_node(plan: HeteroPlan, cluster: Cluster) -> bool:
 def launch_script(
     plan: HeteroPlan,
     cluster: Cluster,
-    model: ModelSpec,
+    model: ModelConfig,
     plan_path: str,
     distributed_optimizer: bool,
 ) -> tuple[str, str]:

@@ -52,6 +52,7 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
+from megatron_h2.config import ModelConfig
 from megatron_h2.errors import ConfigError
 from megatron_h2.hetero_plan import (
     check_keys,
@@ -60,7 +61,6 @@ from megatron_h2.hetero_plan import (
     positive_float,
     positive_int,
 )
-from megatron_h2.planner.model import ModelSpec
 
 _MODEL_KEYS = (
     "hidden_size",
@@ -154,7 +154,7 @@ class ProfileTable:
         if self.model is not None:
             object.__setattr__(self, "model", dict(self.model))
 
-    def check(self, model: ModelSpec, chip_names: list[str]) -> None:
+    def check(self, model: ModelConfig, chip_names: list[str]) -> None:
         """Raise ConfigError if the table names unknown chips or was measured for another model."""
         for name in self.chips:
             if name not in chip_names:

@@ -51,7 +51,6 @@ from megatron_h2.training.replan import (
     change_summary,
     chips_in_use,
     evaluate,
-    planner_model,
     probe_chips,
     with_counts,
 )
@@ -92,12 +91,13 @@ class Job:
     save: str
     max_restarts: int
     options: argparse.Namespace
-    micro_batch: int | None  # fixed by the user's --micro-batch-size, else the planner's choice
+    micro_batch: int  # --micro-batch-size: every plan keeps it, as it keeps the global batch
+    global_batch: int
     job_id: str = field(default_factory=lambda: f"elastic-{uuid.uuid4().hex[:12]}")
 
 
 def _prepare(ns: argparse.Namespace):
-    """Check everything once, before any process starts; returns (job, cfg, model, tokens)."""
+    """Check everything once, before any process starts; returns (job, cfg, launch)."""
     from megatron_h2.training.main import prepare_data
 
     train_args = ns.train_args[1:] if ns.train_args[:1] == ["--"] else ns.train_args
@@ -113,18 +113,20 @@ def _prepare(ns: argparse.Namespace):
     if ns.max_restarts < 0:
         raise ConfigError("--max-restarts must be >= 0")
     cluster = Cluster.from_yaml(ns.cluster)
-    tokenizer = prepare_data(cfg, lambda message: None)
-    model = planner_model(cfg, tokenizer.vocab_size)
+    prepare_data(cfg, lambda message: None)  # checks the data; sets the padded vocabulary
     run_dir = Path(ns.run_dir or Path(cfg.training.save) / "elastic")
     run_dir.mkdir(parents=True, exist_ok=True)
     if "--load" not in train_args:
         train_args = [*train_args, "--load", cfg.training.save]
-    mbs = cfg.training.micro_batch_size if "micro_batch_size" in launch.explicit else None
-    job = Job(train_args, cluster, run_dir, cfg.training.save, ns.max_restarts, ns, mbs)
-    return job, cfg, launch, model
+    if cfg.training.global_batch_size is None:
+        raise ConfigError("the elastic launcher keeps the global batch over re-plans: give "
+                          "--global-batch-size")
+    job = Job(train_args, cluster, run_dir, cfg.training.save, ns.max_restarts, ns,
+              cfg.training.micro_batch_size, cfg.training.global_batch_size)
+    return job, cfg, launch
 
 
-def _first_plan(job: Job, cfg, launch, model, counts: dict[str, int]) -> Planned:
+def _first_plan(job: Job, cfg, launch, counts: dict[str, int]) -> Planned:
     cluster = with_counts(job.cluster, counts)
     if job.options.plan:
         plan = HeteroPlan.from_yaml(job.options.plan)
@@ -134,8 +136,8 @@ def _first_plan(job: Job, cfg, launch, model, counts: dict[str, int]) -> Planned
             if used > counts.get(chip, 0):
                 raise ConfigError(f"plan {job.options.plan} needs {used} '{chip}' chips but the "
                                   f"cluster has {counts.get(chip, 0)} healthy ones")
-        return evaluate(plan, cluster, model, cfg.parallel.use_distributed_optimizer)
-    return best_plan(cluster, model, cfg, cfg.training.global_batch_size, job.micro_batch,
+        return evaluate(plan, cluster, cfg)
+    return best_plan(cluster, cfg, job.global_batch, job.micro_batch,
                      job.options.planner_time_limit)
 
 
@@ -246,11 +248,11 @@ def _write_plan(job: Job, planned: Planned, attempt: int) -> Path:
     return path
 
 
-def run(job: Job, cfg, launch, model) -> int:
+def run(job: Job, cfg, launch) -> int:
     counts = {c.name: c.count for c in job.cluster.chips}
     probed = probe_chips(job.cluster, job.options.health_probe)
     counts = {t: min(n, probed.get(t, 0)) for t, n in counts.items()}
-    planned = _first_plan(job, cfg, launch, model, counts)
+    planned = _first_plan(job, cfg, launch, counts)
     say(f"attempt 0: {planned.describe()}, predicted {planned.tokens_per_s:,.0f} tokens/s")
     watcher = None
     for attempt in range(job.max_restarts + 1):
@@ -275,14 +277,13 @@ def run(job: Job, cfg, launch, model) -> int:
         if attempt == job.max_restarts:
             say(f"--max-restarts {job.max_restarts} used up")
             return EXIT_TEMPFAIL
-        planned, counts, watcher = _replan(job, cfg, model, planned, counts, outcome,
-                                           attempt + 1)
+        planned, counts, watcher = _replan(job, cfg, planned, counts, outcome, attempt + 1)
         if planned is None:
             return EXIT_TEMPFAIL
     return EXIT_TEMPFAIL
 
 
-def _replan(job: Job, cfg, model, planned: Planned, counts: dict[str, int], outcome: Outcome,
+def _replan(job: Job, cfg, planned: Planned, counts: dict[str, int], outcome: Outcome,
             attempt: int):
     """Take out the lost chips and the ones the probe misses, plan again, say what changed."""
     before = dict(counts)
@@ -297,13 +298,12 @@ def _replan(job: Job, cfg, model, planned: Planned, counts: dict[str, int], outc
             counts[chip] = healthy
     try:
         cluster = with_counts(job.cluster, counts)
-        new = best_plan(cluster, model, cfg, planned.plan.global_batch_size, job.micro_batch,
+        new = best_plan(cluster, cfg, job.global_batch, job.micro_batch,
                         job.options.planner_time_limit)
     except ConfigError as exc:
         say(f"cannot continue on the chips left: {exc}")
         return None, counts, None
-    old = evaluate(planned.plan, with_counts(job.cluster, before), model,
-                   cfg.parallel.use_distributed_optimizer)
+    old = evaluate(planned.plan, with_counts(job.cluster, before), cfg)
     for line in change_summary(old, new, before, counts):
         say(line)
     resume = resume_point(job.save)
@@ -317,8 +317,8 @@ def main(argv: list[str] | None = None) -> int:
     """Run the elastic launcher; one-line errors (exit 2) for bad input."""
     try:
         ns = build_parser().parse_args(argv)
-        job, cfg, launch, model = _prepare(ns)
-        return run(job, cfg, launch, model)
+        job, cfg, launch = _prepare(ns)
+        return run(job, cfg, launch)
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr, flush=True)
         return 2

@@ -4,20 +4,29 @@ any process group starts."""
 
 from __future__ import annotations
 
-from megatron_h2.config import ModelConfig, ParallelConfig, RunConfig, TrainingConfig
+from dataclasses import fields
+
+from megatron_h2.config import (
+    ModelConfig,
+    ParallelConfig,
+    RunConfig,
+    TrainingConfig,
+    flag_name,
+)
 from megatron_h2.devices import ACCELERATORS
 from megatron_h2.errors import ConfigError
 from megatron_h2.hetero_plan import ChipSpec, HeteroPlan, StageSpec
 
-# Flags that a heterogeneous plan replaces: giving both is ambiguous, so it is an error.
-PLAN_OWNED_FLAGS = {"tensor_model_parallel_size": "--tensor-model-parallel-size",
-                    "pipeline_model_parallel_size": "--pipeline-model-parallel-size",
-                    "pipeline_layer_split": "--pipeline-layer-split",
-                    "decoder_first_pipeline_num_layers": "--decoder-first-pipeline-num-layers",
-                    "decoder_last_pipeline_num_layers": "--decoder-last-pipeline-num-layers",
-                    "recompute_granularity": "--recompute-granularity",
-                    "recompute_activations": "--recompute-activations",
-                    "device": "--device"}
+# Config fields that a heterogeneous plan replaces: giving both is ambiguous, so it is an error.
+PLAN_OWNED: tuple[tuple[type, str], ...] = (
+    (ParallelConfig, "tensor_model_parallel_size"),
+    (ParallelConfig, "pipeline_model_parallel_size"),
+    (ParallelConfig, "pipeline_layer_split"),
+    (ParallelConfig, "decoder_first_pipeline_num_layers"),
+    (ParallelConfig, "decoder_last_pipeline_num_layers"),
+    (ModelConfig, "recompute"),
+    (TrainingConfig, "device"),
+)
 
 
 def uniform_plan(parallel: ParallelConfig, model: ModelConfig, training: TrainingConfig,
@@ -32,6 +41,8 @@ def uniform_plan(parallel: ParallelConfig, model: ModelConfig, training: Trainin
                           f"--tensor-model-parallel-size {tp} x --pipeline-model-parallel-size "
                           f"{pp} = {tp * pp}; launch a multiple of {tp * pp} processes")
     dp = world_size // (tp * pp)
+    if training.global_batch_size is None:  # Megatron's default: one micro-batch per replica
+        training.global_batch_size = training.micro_batch_size * dp
     if training.global_batch_size % (training.micro_batch_size * dp):
         raise ConfigError(f"--global-batch-size {training.global_batch_size} is not divisible by "
                           f"--micro-batch-size {training.micro_batch_size} x data-parallel size "
@@ -48,8 +59,9 @@ def load_hetero_plan(cfg: RunConfig, explicit: frozenset[str]) -> HeteroPlan:
     """Read ``--hetero-plan`` and reconcile it with the flags (the plan owns the layout and the
     batch sizes; model-shape flags stay on the command line)."""
     plan = HeteroPlan.from_yaml(cfg.parallel.hetero_plan)
-    for field_name, flag in PLAN_OWNED_FLAGS.items():
+    for cls, field_name in PLAN_OWNED:
         if field_name in explicit:
+            flag = flag_name(next(f for f in fields(cls) if f.name == field_name))
             raise ConfigError(f"{flag} conflicts with --hetero-plan, which sets the layout per "
                               f"stage; drop {flag} or edit the plan")
     t = cfg.training

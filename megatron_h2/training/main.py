@@ -44,7 +44,7 @@ from megatron_h2.distributed.topology import (
     init_process_group,
 )
 from megatron_h2.errors import ConfigError, JobConfigError, RankConfigError, TrainingError
-from megatron_h2.training.arguments import LaunchOptions, config_from_args
+from megatron_h2.training.arguments import LaunchOptions, config_from_args, describe_no_effect
 from megatron_h2.training.health import JobTrainingError
 from megatron_h2.training.layout import check_plan_for_model, load_hetero_plan, uniform_plan
 from megatron_h2.training.metrics import MetricsWriter, log
@@ -206,6 +206,12 @@ def train(cfg: RunConfig, launch: LaunchOptions, env: LaunchEnv) -> TrainProgres
     start = time.perf_counter()
     say = log if env.rank == 0 else quiet
     demo = apply_demo_defaults(cfg)
+    if launch.demo_flags:
+        say("embedded demo (no --data-path): " + " ".join(launch.demo_flags)
+            + " (Megatron's defaults otherwise)")
+    no_effect = describe_no_effect(launch)
+    if no_effect:
+        say(no_effect)
     plan, accelerator, tokenizer = validate_launch(cfg, launch, env, say)
     owner = claim_save_dir(cfg, env, say)
     try:
@@ -219,7 +225,7 @@ def _train(cfg: RunConfig, launch: LaunchOptions, env: LaunchEnv, plan, accelera
            owner: SaveDirOwner | None, say, start: float, demo: bool) -> TrainProgress:
     """The part of :func:`train` that starts process groups (all user input is checked)."""
     from megatron_h2.checkpointing.distributed import CheckpointIO
-    from megatron_h2.models.gpt import GPTModel, init_parameters, num_parameters
+    from megatron_h2.models.gpt import GPTModel, init_parameters
     from megatron_h2.optimizer.distributed_optimizer import build_data_parallel_optimizer
     from megatron_h2.training.step import StepRunner
     from megatron_h2.training.timeline import Timeline, format_summary, gather_and_write
@@ -240,13 +246,14 @@ def _train(cfg: RunConfig, launch: LaunchOptions, env: LaunchEnv, plan, accelera
     optimizer = build_data_parallel_optimizer(
         model, cfg.optimizer, topo.dp_group,
         use_distributed_optimizer=cfg.parallel.use_distributed_optimizer,
-        bucket_size_mb=cfg.parallel.ddp_bucket_size_mb, kernels=accelerator.kernels)
+        bucket_size_mb=cfg.parallel.bucket_size_mb(topo.dp_size),
+        overlap=cfg.parallel.overlap_grad_reduce, kernels=accelerator.kernels)
     ckpt = CheckpointIO(cfg, accelerator, topo, tp, model, optimizer)
     ckpt.owner = owner
     progress = restore(cfg, launch, ckpt, say)
     m = cfg.model
     say(f"device: {accelerator.describe()} | bf16: {cfg.training.bf16}")
-    say(f"model: {num_parameters(m) / 1e6:.2f}M parameters | layers {m.num_layers} | hidden "
+    say(f"model: {m.num_parameters() / 1e6:.2f}M parameters | layers {m.num_layers} | hidden "
         f"{m.hidden_size} | heads {m.num_attention_heads} (query groups {m.num_query_groups}) | "
         f"ffn {m.ffn_hidden_size} | seq {m.seq_length} | vocab {tokenizer.vocab_size} "
         f"(padded {m.vocab_size}) | recompute {m.recompute}")

@@ -17,19 +17,9 @@ from dataclasses import dataclass, replace
 from megatron_h2.config import RunConfig
 from megatron_h2.errors import ConfigError
 from megatron_h2.hetero_plan import HeteroPlan
-from megatron_h2.planner import Cluster, CostConfig, CostModel, ModelSpec, SearchOptions, search
+from megatron_h2.planner import Cluster, CostConfig, CostModel, SearchOptions, search
 from megatron_h2.planner.report import stage_summary
 from megatron_h2.training.layout import check_plan_for_model
-
-
-def planner_model(cfg: RunConfig, tokenizer_vocab: int) -> ModelSpec:
-    """The planner's description of the model that ``cfg`` trains."""
-    m = cfg.model
-    return ModelSpec(num_layers=m.num_layers, hidden_size=m.hidden_size,
-                     ffn_hidden_size=m.ffn_hidden_size, num_attention_heads=m.num_attention_heads,
-                     seq_length=m.seq_length, vocab_size=tokenizer_vocab,
-                     num_query_groups=m.num_query_groups,
-                     max_position_embeddings=m.max_position_embeddings)
 
 
 def with_counts(cluster: Cluster, counts: dict[str, int]) -> Cluster:
@@ -61,21 +51,25 @@ class Planned:
                 f"{self.plan.micro_batch_size}, {self.plan.world_size} chips)")
 
 
-def evaluate(plan: HeteroPlan, cluster: Cluster, model: ModelSpec,
-             distributed_optimizer: bool) -> Planned:
-    """Predicted throughput of a given plan on ``cluster``."""
-    cost = CostModel(cluster, model, CostConfig(use_distributed_optimizer=distributed_optimizer))
-    return Planned(plan, cost.evaluate(plan).tokens_per_s)
-
-
-def best_plan(cluster: Cluster, model: ModelSpec, cfg: RunConfig, global_batch: int,
-              micro_batch: int | None, time_limit_s: float) -> Planned:
-    """The planner's best plan for ``cluster`` that the runtime accepts for ``cfg``'s model."""
-    cost = CostModel(cluster, model,
+def _cost(cluster: Cluster, cfg: RunConfig) -> CostModel:
+    """The planner's cost model for ``cfg``'s model (``cfg.model`` holds the padded vocabulary
+    after the data is prepared: the one description the planner and the runtime share)."""
+    return CostModel(cluster, cfg.model,
                      CostConfig(use_distributed_optimizer=cfg.parallel.use_distributed_optimizer))
+
+
+def evaluate(plan: HeteroPlan, cluster: Cluster, cfg: RunConfig) -> Planned:
+    """Predicted throughput of a given plan on ``cluster``."""
+    return Planned(plan, _cost(cluster, cfg).evaluate(plan).tokens_per_s)
+
+
+def best_plan(cluster: Cluster, cfg: RunConfig, global_batch: int, micro_batch: int | None,
+              time_limit_s: float) -> Planned:
+    """The planner's best plan for ``cluster`` that the runtime accepts for ``cfg``'s model."""
     sizes = None if micro_batch is None else (micro_batch,)
-    result = search(cost, SearchOptions(global_batch, top_k=8, micro_batch_sizes=sizes,
-                                        time_limit_s=time_limit_s))
+    result = search(_cost(cluster, cfg), SearchOptions(global_batch, top_k=8,
+                                                       micro_batch_sizes=sizes,
+                                                       time_limit_s=time_limit_s))
     reasons = []
     for candidate in result.candidates:
         plan = candidate.plan

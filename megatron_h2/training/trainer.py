@@ -10,7 +10,6 @@ from types import FrameType
 
 from megatron_h2.checkpointing.distributed import CheckpointIO, TrainProgress
 from megatron_h2.config import RunConfig
-from megatron_h2.models.gpt import flops_per_token
 from megatron_h2.optimizer.lr_schedule import LRSchedule
 from megatron_h2.training.health import HealthMonitor
 from megatron_h2.training.metrics import MetricsWriter
@@ -185,7 +184,7 @@ class Trainer:
                   "grad_norm": window[-1].grad_norm,
                   "iteration_ms": seconds * 1000.0,
                   "tokens_per_sec": tokens / seconds,
-                  "tflops": flops_per_token(cfg.model) * tokens / seconds / 1e12,
+                  "tflops": cfg.model.flops_per_token() * tokens / seconds / 1e12,
                   "global_batch_size": cfg.training.global_batch_size,
                   "skipped_iterations": self.health.skipped_iterations}
         if val_loss is not None:

@@ -141,24 +141,3 @@ def init_parameters(model: GPTModel, config: ModelConfig, seed: int) -> None:
                                                 % (2**63))
             full = torch.randn(full_shape(param, model.tp), generator=gen, dtype=torch.float32)
             load_shard_(param, full * std, model.tp)
-
-
-def num_parameters(config: ModelConfig) -> int:
-    """Parameter count of the full model."""
-    h, f, d = config.hidden_size, config.ffn_hidden_size, config.kv_channels
-    attn = h * (config.num_attention_heads + 2 * config.num_query_groups) * d + h * h
-    layer = attn + 3 * h * f + 2 * h
-    return config.num_layers * layer + 2 * config.vocab_size * h + h
-
-
-def flops_per_token(config: ModelConfig) -> float:
-    """Model FLOPs of one training token (forward + backward = 3x forward, no recompute).
-
-    Counts matrix multiplies: projections, MLP, the output head, and attention scores and
-    values over the full (non-causal-halved) sequence, as Megatron's MFU accounting does.
-    """
-    h, f, d, s = config.hidden_size, config.ffn_hidden_size, config.kv_channels, config.seq_length
-    proj = h * (config.num_attention_heads + 2 * config.num_query_groups) * d + h * h + 3 * h * f
-    attn = 2 * s * h  # QK^T and AV per token
-    forward = 2 * (config.num_layers * (proj + attn) + h * config.vocab_size)
-    return 3.0 * forward
