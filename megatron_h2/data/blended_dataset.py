@@ -95,11 +95,15 @@ def cached_arrays(
         text = json.dumps(description, sort_keys=True, indent=2)
         atomic_write(marker, lambda stream: stream.write(text), mode="w")
     except OSError as error:
-        raise ConfigError(
-            f"cannot write the dataset index cache in {cache_dir} ({error.strerror or error}); "
-            f"pass a writable cache_dir (--data-cache-path)"
-        ) from None
+        raise cache_write_error(cache_dir, error) from None
     return arrays, False
+
+
+def cache_write_error(cache_dir: str, error: OSError) -> ConfigError:
+    """The one-line error for a dataset cache folder that cannot be written."""
+    return ConfigError(f"cannot write the dataset index cache in {cache_dir} "
+                       f"({error.strerror or error}); pass a writable cache_dir "
+                       "(--data-cache-path)")
 
 
 def check_index_array(name: str, array: np.ndarray, length: int | None,

@@ -29,6 +29,7 @@ from megatron_h2.data.blended_dataset import (
     CACHE_FORMAT_VERSION,
     BlendedDataset,
     atomic_write,
+    cache_write_error,
     cached_arrays,
     check_index_array,
     component_sizes,
@@ -161,10 +162,7 @@ def check_token_ids(prefix: str, vocab_size: int, cache_dir: str | None = None,
             os.makedirs(folder, exist_ok=True)
             atomic_write(path, lambda stream: stream.write(text), mode="w")
         except OSError as error:
-            raise ConfigError(
-                f"cannot write the dataset index cache in {folder} ({error.strerror or error}); "
-                f"pass a writable --data-cache-path"
-            ) from None
+            raise cache_write_error(folder, error) from None
     low, high = found
     if low < 0:
         raise ConfigError(f"dataset {prefix} holds the negative token id {low}; the data is "
