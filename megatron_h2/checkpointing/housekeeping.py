@@ -23,7 +23,6 @@ import time
 import uuid
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
 
 from megatron_h2.checkpointing.format import find_latest_iteration, iteration_dir, saved_iterations
 from megatron_h2.errors import ConfigError, TrainingError
@@ -330,8 +329,3 @@ def apply_retention(save_dir: str | os.PathLike, retain_interval: int | None,
         shutil.rmtree(iteration_dir(save_dir, it), ignore_errors=True)
     return removed
 
-
-def describe_owner(save_dir: str | os.PathLike) -> dict[str, Any] | None:
-    """The owner record of ``save_dir`` as a dict (None if there is none)."""
-    record, _ = _read_owner(Path(save_dir) / OWNER_FILE)
-    return asdict(record) if record else None
