@@ -57,7 +57,8 @@ def main() -> int:
             f" (target {target:.0f} s: {verdict})"
         )
         print(
-            f"  best: step {best.estimate.step_time_s:.3f} s, {best.estimate.tokens_per_s:,.0f} tokens/s,"
+            f"  best: step {best.estimate.step_time_s:.3f} s,"
+            f" {best.estimate.tokens_per_s:,.0f} tokens/s,"
             f" MFU {100 * best.estimate.mfu:.1f}%, DP {best.plan.data_parallel_size},"
             f" micro-batch {best.plan.micro_batch_size}"
         )

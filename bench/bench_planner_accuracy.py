@@ -184,7 +184,7 @@ def probe_gloo(out: str, dp_bytes: int, act_bytes: int, reps: int = 15) -> None:
 
     def timed(fn, reps: int = reps) -> float:
         times = []
-        for i in range(reps + 2):
+        for _ in range(reps + 2):
             dist.barrier()
             start = time.perf_counter()
             fn()
@@ -242,7 +242,7 @@ def probe_extras(out: str, reps: int = 9) -> None:
     for mbs in PROFILE_SIZES:
         x = torch.randn(mbs, cfg.seq_length, cfg.hidden_size, requires_grad=True)
         times: dict[str, list[float]] = {"none": [], "selective": []}
-        for i in range(3 + 2 * reps):
+        for _ in range(3 + 2 * reps):
             for mode, layer in layers.items():
                 start = time.perf_counter()
                 layer(hidden_states=x).float().sum().backward()
@@ -257,7 +257,7 @@ def probe_extras(out: str, reps: int = 9) -> None:
                                         kernels=acc.kernels)
     params = sum(p.numel() for p in model.parameters())
     times = []
-    for i in range(reps + 2):
+    for _ in range(reps + 2):
         opt.zero_grad()
         for bucket in opt.grad_buckets.buckets:  # stands in for the backward's gradients
             bucket.buffer.normal_()

@@ -255,7 +255,8 @@ class ModelConfig:
         return tokens * 2.0 * h
 
     def head_activation_bytes(self, tokens: int, tp: int) -> float:
-        """Bytes the final norm, output layer and loss keep per micro-batch (bf16 in, fp32 logits)."""
+        """Bytes the final norm, output layer and loss keep per micro-batch (bf16 input, fp32
+        logits)."""
         return tokens * (4 * self.hidden_size + 6 * self.vocab_size / tp)
 
 

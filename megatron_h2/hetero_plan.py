@@ -90,7 +90,9 @@ def check_keys(
             )
     for key in required:
         if key not in data:
-            raise ConfigError(f"missing key '{key}' in {where}; add it (valid keys: {', '.join(valid)})")
+            raise ConfigError(
+                f"missing key '{key}' in {where}; add it (valid keys: {', '.join(valid)})"
+            )
     return data
 
 
@@ -154,7 +156,9 @@ class ChipSpec:
 
     def __post_init__(self) -> None:
         if not isinstance(self.device, str) or not self.device.strip():
-            raise ConfigError(f"chip device must be a non-empty string such as 'cuda', got {self.device!r}")
+            raise ConfigError(
+                f"chip device must be a non-empty string such as 'cuda', got {self.device!r}"
+            )
         slowdown = positive_float(self.emulate_slowdown, "emulate_slowdown", 1.0, inclusive=True)
         object.__setattr__(self, "emulate_slowdown", slowdown)
 
@@ -271,7 +275,8 @@ class HeteroPlan:
                 raise ConfigError(f"stage {index} must be a StageSpec, got {type(stage).__name__}")
             if stage.chip not in self.chips:
                 raise ConfigError(
-                    f"stage {index} uses unknown chip '{stage.chip}'{closest(stage.chip, list(self.chips))};"
+                    f"stage {index} uses unknown chip '{stage.chip}'"
+                    f"{closest(stage.chip, list(self.chips))};"
                     f" known chips: {', '.join(self.chips)}"
                 )
             if stage.num_layers == 0 and 0 < index < last:
@@ -311,11 +316,16 @@ class HeteroPlan:
         return sum(stage.tensor_parallel_size for stage in self.stages) * self.data_parallel_size
 
     def stage_ranks(self, stage: int) -> range:
-        """Global ranks of ``stage``: ``tensor_parallel_size x data_parallel_size`` consecutive ones."""
-        if isinstance(stage, bool) or not isinstance(stage, int) or not 0 <= stage < len(self.stages):
+        """Global ranks of ``stage``: ``tensor_parallel_size x data_parallel_size`` in a row."""
+        if (
+            isinstance(stage, bool)
+            or not isinstance(stage, int)
+            or not 0 <= stage < len(self.stages)
+        ):
             raise ConfigError(f"stage index {stage!r} is out of range 0..{len(self.stages) - 1}")
         start = sum(s.tensor_parallel_size for s in self.stages[:stage]) * self.data_parallel_size
-        return range(start, start + self.stages[stage].tensor_parallel_size * self.data_parallel_size)
+        ranks = self.stages[stage].tensor_parallel_size * self.data_parallel_size
+        return range(start, start + ranks)
 
     def rank_coordinates(self, rank: int) -> tuple[int, int, int]:
         """Return ``(stage, dp_rank, tp_rank)`` of a global rank (see the rank layout above)."""
@@ -380,13 +390,15 @@ class HeteroPlan:
             for count, name in ((num_attention_heads, "attention heads"), (groups, "query groups")):
                 if count % tp:
                     raise ConfigError(
-                        f"stage {index} tensor_parallel_size {tp} does not divide the {count} {name};"
+                        f"stage {index} tensor_parallel_size {tp} does not divide the"
+                        f" {count} {name};"
                         " pick a TP degree that divides both heads and query groups"
                     )
         if world_size is not None and world_size != self.world_size:
             raise ConfigError(
-                f"the plan needs world size {self.world_size} (sum of TP x DP {self.data_parallel_size}"
-                f" over stages) but {world_size} processes were launched; launch {self.world_size}"
+                f"the plan needs world size {self.world_size} (sum of TP x DP"
+                f" {self.data_parallel_size} over stages) but {world_size} processes were"
+                f" launched; launch {self.world_size}"
             )
 
     # ------------------------------------------------------------------------------- conversion

@@ -97,4 +97,5 @@ def test_damaged_checkpoint_is_one_clear_line(tmp_path, damage, fragment):
 def test_metadata_records_part_sizes(tmp_path):
     d = _save(tmp_path, 1)
     meta = json.loads((d / "metadata.json").read_text())
-    assert meta["parts"]["model_00000.safetensors"] == os.path.getsize(d / "model_00000.safetensors")
+    part = "model_00000.safetensors"
+    assert meta["parts"][part] == os.path.getsize(d / part)

@@ -42,7 +42,8 @@ def test_builds_once_and_reuses(tmp_path, capsys, monkeypatch):
     assert ends == [tokenizer.eod] * len(dataset)
     text = "".join(tokenizer.detokenize(dataset[i][:-1]) for i in range(len(dataset)))
     assert "def " in text and "import " in text
-    assert sorted(os.listdir(os.path.dirname(folder))) == [os.path.basename(folder)]  # no staging left
+    # no staging folder left
+    assert sorted(os.listdir(os.path.dirname(folder))) == [os.path.basename(folder)]
 
     def fail(*args, **kwargs):
         raise AssertionError("rebuilt a finished corpus")

@@ -150,7 +150,11 @@ def test_missing_key() -> None:
         (("stages", 0, "tensor_parallel_size"), 0, "tensor_parallel_size must be positive"),
         (("stages", 0, "num_layers"), -2, "num_layers must be at least 0"),
         (("global_batch_size",), True, "must be an integer"),
-        (("chips", "slow", "emulate_slowdown"), 0.5, "emulate_slowdown must be a finite number at least 1.0"),
+        (
+            ("chips", "slow", "emulate_slowdown"),
+            0.5,
+            "emulate_slowdown must be a finite number at least 1.0",
+        ),
     ],
 )
 def test_sizes_must_be_positive(path: tuple, value: object, expected: str) -> None:
@@ -178,7 +182,8 @@ def test_bad_recompute_value() -> None:
     data = example_dict()
     data["stages"][1]["recompute"] = "ful"
     message = error_of(data)
-    assert "recompute must be one of none, selective, full" in message and "did you mean 'full'" in message
+    assert "recompute must be one of none, selective, full" in message
+    assert "did you mean 'full'" in message
 
 
 def test_empty_stages_and_file_errors(tmp_path: Path) -> None:

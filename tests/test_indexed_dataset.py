@@ -32,7 +32,9 @@ def _write_with_builder(prefix: str, dtype=np.uint16, docs=DOCS) -> None:
     builder.finalize(prefix + ".idx")
 
 
-def _write_like_megatron(prefix: str, sequences: list[list[int]], doc_ends: list[int], dtype) -> None:
+def _write_like_megatron(
+    prefix: str, sequences: list[list[int]], doc_ends: list[int], dtype
+) -> None:
     """Write a pair by hand exactly as Megatron-Core's _IndexWriter and builder do."""
     itemsize = np.dtype(dtype).itemsize
     with open(prefix + ".bin", "wb") as stream:
@@ -69,8 +71,8 @@ def _parse_idx_with_struct(path: str) -> dict:
     document_indices = list(struct.unpack_from(f"<{documents}q", data, offset))
     offset += 8 * documents
     return dict(magic=magic, version=version, code=code, count=count, documents=documents,
-                lengths=lengths, pointers=pointers, document_indices=document_indices, size=len(data),
-                end=offset)
+                lengths=lengths, pointers=pointers, document_indices=document_indices,
+                size=len(data), end=offset)
 
 
 def test_write_then_read_back(tmp_path):

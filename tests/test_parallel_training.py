@@ -129,6 +129,25 @@ def test_failing_rank_ends_the_job_with_one_error(corpus, tmp_path):
 
 
 @pytest.mark.e2e
+def test_failing_store_host_ends_the_job_with_one_error(corpus):
+    """Processes started directly, as srun does: rank 0 hosts the rendezvous store and fails."""
+    port = str(free_port())
+    cmd = [sys.executable, str(ROOT / "pretrain_gpt.py"), *MODEL, "--data-path", corpus,
+           "--pipeline-model-parallel-size", "2", "--train-iters", "50"]
+    procs = [subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                              env=dict(os.environ, OMP_NUM_THREADS="1", MASTER_ADDR="127.0.0.1",
+                                       MASTER_PORT=port, RANK=str(rank), LOCAL_RANK=str(rank),
+                                       WORLD_SIZE="2", MEGATRON_H2_INJECT_FAULT="0:3"))
+             for rank in range(2)]
+    errors = [proc.communicate(timeout=120)[1] for proc in procs]
+    assert [proc.returncode for proc in procs] == [1, 1]
+    assert errors[0].startswith("error: [rank 0] RuntimeError: injected fault at iteration 3")
+    stopping = "[rank 1] stopping: another rank failed or the connection was lost (RuntimeError)"
+    assert stopping in errors[1].splitlines()
+    assert "error" not in errors[1] and "frame #" not in errors[1], errors[1]
+
+
+@pytest.mark.e2e
 def test_slurm_script_launches_a_job(corpus, reference, tmp_path):
     """scripts/slurm_pretrain.sh under stand-in srun/scontrol (one node, two processes)."""
     shims = tmp_path / "bin"

@@ -92,8 +92,8 @@ def test_plans_the_cpu_example_and_writes_everything(
     assert out.read_text().startswith("# Written by tools/plan.py")
     script = (tmp_path / "run" / "plan.sh").read_text()
     assert (
-        f"torchrun --standalone --nproc-per-node={plan.world_size} pretrain_gpt.py --hetero-plan {out}"
-        in script
+        f"torchrun --standalone --nproc-per-node={plan.world_size} pretrain_gpt.py"
+        f" --hetero-plan {out}" in script
     )
     assert "--bf16" not in script  # CPU emulation
     assert "--num-layers 8" in script and "--global-batch-size 16" in script

@@ -57,7 +57,9 @@ def enumerate_plans(cost: CostModel, options: SearchOptions, all_modes: bool = F
                 [None]
                 + [
                     (c.name, t, n)
-                    for t in c.tensor_parallel_options(model.num_attention_heads, model.num_query_groups)
+                    for t in c.tensor_parallel_options(
+                        model.num_attention_heads, model.num_query_groups
+                    )
                     for n in range(1, c.count // (t * dp) + 1)
                 ]
                 for c in chips
@@ -74,8 +76,8 @@ def enumerate_plans(cost: CostModel, options: SearchOptions, all_modes: bool = F
                             mode_sets = itertools.product(RECOMPUTE_MODES, repeat=p)
                         else:
                             modes = [
-                                fastest_fitting(cost, s, l, i, p, mbs, dp, m)
-                                for i, (s, l) in enumerate(zip(stages, split))
+                                fastest_fitting(cost, s, k, i, p, mbs, dp, m)
+                                for i, (s, k) in enumerate(zip(stages, split))
                             ]
                             mode_sets = [] if None in modes else [modes]
                         for modes in mode_sets:
@@ -85,8 +87,8 @@ def enumerate_plans(cost: CostModel, options: SearchOptions, all_modes: bool = F
                                 options.global_batch_size,
                                 specs,
                                 [
-                                    StageSpec(n, t, l, r)
-                                    for (n, t), l, r in zip(stages, split, modes)
+                                    StageSpec(n, t, k, r)
+                                    for (n, t), k, r in zip(stages, split, modes)
                                 ],
                             )
                             estimate = cost.evaluate(plan)
@@ -217,8 +219,8 @@ def test_layer_split_is_exact_for_fixed_stages() -> None:
     brute = math.inf
     for layers in compositions(model.num_layers, p):
         modes = [
-            fastest_fitting(cost, s, l, i, p, mbs, dp, m)
-            for i, (s, l) in enumerate(zip(layout, layers))
+            fastest_fitting(cost, s, k, i, p, mbs, dp, m)
+            for i, (s, k) in enumerate(zip(layout, layers))
         ]
         if None not in modes:
             plan = HeteroPlan(
@@ -226,7 +228,7 @@ def test_layer_split_is_exact_for_fixed_stages() -> None:
                 mbs,
                 m * dp * mbs,
                 specs,
-                [StageSpec(n, t, l, r) for (n, t), l, r in zip(layout, layers, modes)],
+                [StageSpec(n, t, k, r) for (n, t), k, r in zip(layout, layers, modes)],
             )
             brute = min(brute, cost.evaluate(plan).step_time_s)
     assert split is not None and split.step_time_s == pytest.approx(brute, rel=1e-9)

@@ -69,7 +69,8 @@ def test_without_eod_and_wide_vocab_uses_int32(tmp_path):
 
 
 def test_multiple_json_keys(tmp_path):
-    source = _write_jsonl(tmp_path / "in.jsonl", [{"text": "1 2", "meta": "7"}, {"text": "3", "meta": "8 9"}])
+    source = _write_jsonl(tmp_path / "in.jsonl",
+                          [{"text": "1 2", "meta": "7"}, {"text": "3", "meta": "8 9"}])
     outputs = preprocess_jsonl(source, str(tmp_path / "c"), "NullTokenizer", vocab_size=10,
                                json_keys=["text", "meta"], append_eod=True)
     assert set(outputs) == {"text", "meta"}
@@ -81,12 +82,15 @@ def test_multiple_json_keys(tmp_path):
 @pytest.mark.parametrize("workers", [2, 3])
 def test_output_identical_for_any_worker_count(tmp_path, sp_model, workers):
     rng = random.Random(2)
-    records = [{"text": " ".join(rng.choice(WORDS) for _ in range(rng.randint(0, 30)))} for _ in range(120)]
+    records = [{"text": " ".join(rng.choice(WORDS) for _ in range(rng.randint(0, 30)))}
+               for _ in range(120)]
     records.insert(17, "   ")  # blank lines are skipped
     source = _write_jsonl(tmp_path / "in.jsonl", records)
-    common = dict(tokenizer_type="GPTSentencePieceTokenizer", tokenizer_model=sp_model, append_eod=True)
+    common = dict(tokenizer_type="GPTSentencePieceTokenizer", tokenizer_model=sp_model,
+                  append_eod=True)
     one = preprocess_jsonl(source, str(tmp_path / "one"), workers=1, **common)["text"]
-    many = preprocess_jsonl(source, str(tmp_path / "many"), workers=workers, log_interval=10, **common)["text"]
+    many = preprocess_jsonl(source, str(tmp_path / "many"), workers=workers, log_interval=10,
+                            **common)["text"]
     for suffix in (".bin", ".idx"):
         assert open(one + suffix, "rb").read() == open(many + suffix, "rb").read()
     tokenizer = build_tokenizer("GPTSentencePieceTokenizer", sp_model)
@@ -114,7 +118,8 @@ def test_bad_line_reports_line_number(tmp_path, workers):
     records[33] = '{"text": "1 2",'
     source = _write_jsonl(tmp_path / "in.jsonl", records)
     with pytest.raises(ConfigError, match=r"in\.jsonl:34: not valid JSON") as info:
-        preprocess_jsonl(source, str(tmp_path / "c"), "NullTokenizer", vocab_size=1000, workers=workers)
+        preprocess_jsonl(source, str(tmp_path / "c"), "NullTokenizer", vocab_size=1000,
+                         workers=workers)
     assert "\n" not in str(info.value)
     assert sorted(os.listdir(tmp_path)) == ["in.jsonl"]  # no partial output, no scratch
 

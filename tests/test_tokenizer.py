@@ -50,7 +50,8 @@ def hf_dir(tmp_path_factory) -> str:
     )
     tokenizer.train_from_iterator(_texts(200), trainer)
     folder = str(tmp_path_factory.mktemp("hf"))
-    PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token="<|endoftext|>").save_pretrained(folder)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token="<|endoftext|>")
+    fast.save_pretrained(folder)
     return folder
 
 
@@ -163,7 +164,8 @@ def test_train_errors(tmp_path):
         train_sentencepiece(iter(["ab ab ab"]), prefix, 5000)
     assert "\n" not in str(info.value)
     with pytest.raises(ConfigError, match="raise --vocab-size"):
-        train_sentencepiece(iter(["abcdefghijklmnopqrstuvwxyz0123456789" * 3]), prefix, 280, model_type="unigram")
+        train_sentencepiece(iter(["abcdefghijklmnopqrstuvwxyz0123456789" * 3]), prefix, 280,
+                            model_type="unigram")
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"text": "ok"}\n{"text": \n')
     with pytest.raises(ConfigError, match=r"bad\.jsonl:2: not valid JSON"):
@@ -183,9 +185,10 @@ def test_train_tokenizer_cli(tmp_path, capsys):
     data = tmp_path / "corpus.jsonl"
     data.write_text("".join(json.dumps({"text": t}) + "\n" for t in _texts(100)))
     tool = _load_tool("train_tokenizer")
-    assert tool.main(["--input", str(data), "--vocab-size", "300", "--model-prefix", str(tmp_path / "t")]) == 0
+    prefix = ["--model-prefix", str(tmp_path / "t")]
+    assert tool.main(["--input", str(data), "--vocab-size", "300", *prefix]) == 0
     assert "300 pieces" in capsys.readouterr().out
-    assert tool.main(["--input", str(data), "--vocab-size", "10", "--model-prefix", str(tmp_path / "t")]) == 2
+    assert tool.main(["--input", str(data), "--vocab-size", "10", *prefix]) == 2
     error = capsys.readouterr().err
     assert error.startswith("error: ") and error.count("\n") == 1
 

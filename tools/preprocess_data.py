@@ -18,20 +18,25 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     group = parser.add_argument_group("input data")
     group.add_argument("--input", required=True, help="jsonl file, one JSON object per line")
-    group.add_argument("--json-keys", nargs="+", default=["text"], help="keys to tokenize (default: text)")
+    group.add_argument("--json-keys", nargs="+", default=["text"],
+                       help="keys to tokenize (default: text)")
     group = parser.add_argument_group("tokenizer")
     group.add_argument("--tokenizer-type", required=True,
-                       help="GPTSentencePieceTokenizer, SentencePieceTokenizer, HuggingFaceTokenizer "
-                            "or NullTokenizer")
-    group.add_argument("--tokenizer-model", default=None, help="SentencePiece .model or HF tokenizer dir")
+                       help="GPTSentencePieceTokenizer, SentencePieceTokenizer, "
+                            "HuggingFaceTokenizer or NullTokenizer")
+    group.add_argument("--tokenizer-model", default=None,
+                       help="SentencePiece .model or HF tokenizer dir")
     group.add_argument("--vocab-size", type=int, default=None, help="vocab size (NullTokenizer)")
-    group.add_argument("--append-eod", action="store_true", help="append the eod token to every document")
+    group.add_argument("--append-eod", action="store_true",
+                       help="append the eod token to every document")
     group = parser.add_argument_group("output data")
     group.add_argument("--output-prefix", required=True,
                        help="output path without suffix; writes PREFIX_{key}_document.bin/.idx")
     group = parser.add_argument_group("runtime")
-    group.add_argument("--workers", type=int, default=1, help="worker processes (output is identical)")
-    group.add_argument("--log-interval", type=int, default=1000, help="documents between progress lines")
+    group.add_argument("--workers", type=int, default=1,
+                       help="worker processes (output is identical)")
+    group.add_argument("--log-interval", type=int, default=1000,
+                       help="documents between progress lines")
     return parser
 
 

@@ -62,7 +62,9 @@ def parse_split(split: str) -> list[float]:
     except ValueError:
         raise ConfigError(f"--split {split!r} is not a list of numbers; {hint}") from None
     if any(not math.isfinite(v) or v < 0 for v in values) or sum(values) <= 0:
-        raise ConfigError(f"--split {split!r} needs non-negative weights with a positive sum; {hint}")
+        raise ConfigError(
+            f"--split {split!r} needs non-negative weights with a positive sum; {hint}"
+        )
     values += [0.0] * (3 - len(values))
     total = sum(values)
     return [v / total for v in values]
@@ -71,7 +73,10 @@ def parse_split(split: str) -> list[float]:
 def split_document_ranges(
     shares: Sequence[float], num_documents: int
 ) -> list[tuple[int, int] | None]:
-    """Megatron's book-ends: split ``i`` gets ``[round(lo * N), round(hi * N))``; None if share 0."""
+    """Megatron's book-ends: split ``i`` gets ``[round(lo * N), round(hi * N))``.
+
+    None for a split whose share is 0.
+    """
     ranges: list[tuple[int, int] | None] = []
     low = 0.0
     for share in shares:

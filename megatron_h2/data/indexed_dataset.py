@@ -55,7 +55,9 @@ def dtype_code(dtype: type[np.number] | np.dtype) -> int:
         if np.dtype(candidate) == wanted:
             return code
     names = ", ".join(np.dtype(t).name for t in DTYPE_CODES.values())
-    raise ConfigError(f"dtype {wanted.name} cannot be stored in a Megatron index; use one of {names}")
+    raise ConfigError(
+        f"dtype {wanted.name} cannot be stored in a Megatron index; use one of {names}"
+    )
 
 
 def optimal_dtype(vocab_size: int | None) -> type[np.number]:
@@ -269,12 +271,14 @@ class IndexedDataset:
             )
 
     def _check_consistency(self, bin_path: str, bin_size: int) -> None:
-        lengths, pointers, docs = self.sequence_lengths, self.sequence_pointers, self.document_indices
+        lengths, pointers = self.sequence_lengths, self.sequence_pointers
+        docs = self.document_indices
         where = f"index {get_idx_path(self.path_prefix)}"
         if len(docs) == 0 or docs[0] != 0 or docs[-1] != len(lengths) or np.any(np.diff(docs) < 0):
             raise ConfigError(
                 f"{where} has an invalid document index (must start at 0, never decrease and end "
-                f"at the sequence count {len(lengths)}); regenerate it with tools/preprocess_data.py"
+                f"at the sequence count {len(lengths)}); "
+                "regenerate it with tools/preprocess_data.py"
             )
         if len(lengths) and int(lengths.min()) < 0:
             raise ConfigError(f"{where} has negative sequence lengths; regenerate it")
@@ -312,7 +316,7 @@ class IndexedDataset:
         return self.get(idx)
 
     def get(self, idx: int, offset: int = 0, length: int | None = None) -> np.ndarray:
-        """Tokens ``[offset, offset + length)`` of sequence ``idx`` (to its end if length is None)."""
+        """Tokens ``[offset, offset + length)`` of sequence ``idx`` (to its end if no length)."""
         size = len(self.sequence_lengths)
         if not -size <= idx < size:
             raise IndexError(f"sequence {idx} out of range for {size} sequences")

@@ -92,7 +92,9 @@ def _document_texts(job: _Job, number: int, raw: bytes) -> dict[str, str] | None
     try:
         line = raw.decode("utf-8")
     except UnicodeDecodeError:
-        raise ConfigError(f"{where}: line is not valid UTF-8; re-encode the input as UTF-8") from None
+        raise ConfigError(
+            f"{where}: line is not valid UTF-8; re-encode the input as UTF-8"
+        ) from None
     if not line.strip():
         return None
     record = parse_json_object(line, where)

@@ -290,7 +290,9 @@ def train_sentencepiece(
     import sentencepiece
 
     if model_type not in ("bpe", "unigram"):
-        raise ConfigError(f"unknown SentencePiece model type {model_type!r}; use 'bpe' or 'unigram'")
+        raise ConfigError(
+            f"unknown SentencePiece model type {model_type!r}; use 'bpe' or 'unigram'"
+        )
     if int(vocab_size) < MIN_SENTENCEPIECE_VOCAB:
         raise ConfigError(
             f"--vocab-size {vocab_size} is too small for a byte-fallback SentencePiece model; "

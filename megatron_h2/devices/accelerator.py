@@ -70,7 +70,10 @@ class Accelerator:
         return torch.autocast(self.device_type, dtype=self.autocast_dtype)
 
     def describe(self) -> str:
-        return f"{self.device_type} (collectives: {self.dist_backend}, kernels: {self.kernels.names})"
+        return (
+            f"{self.device_type} (collectives: {self.dist_backend}, "
+            f"kernels: {self.kernels.names})"
+        )
 
 
 class CPUAccelerator(Accelerator):

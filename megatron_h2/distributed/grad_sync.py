@@ -233,12 +233,6 @@ class GradBuckets:
         and there is a group to synchronise them over."""
         return self._needs_sync and self.dp_size > 1
 
-    def remove_hooks(self) -> None:
-        """Detach the gradient hooks (the buffers stay attached as ``.grad``)."""
-        for handle in self._hooks:
-            handle.remove()
-        self._hooks = []
-
     # ----------------------------------------------------------------- internals
     def _check_idle(self, what: str) -> None:
         if self._armed or any(b.launched for b in self.buckets):

@@ -82,7 +82,7 @@ class TPContext:
     split along the sequence dimension across the group.
     """
 
-    group: ProcessGroup | None
+    group: dist.ProcessGroup | None
     rank: int
     size: int
     sequence_parallel: bool = False
@@ -99,7 +99,7 @@ class TPContext:
         return TPContext(group=None, rank=0, size=1)
 
     @staticmethod
-    def from_group(group: ProcessGroup, sequence_parallel: bool = False) -> TPContext:
+    def from_group(group: dist.ProcessGroup, sequence_parallel: bool = False) -> TPContext:
         """The context of the calling rank in an initialised process group."""
         return TPContext(group=group, rank=dist.get_rank(group),
                          size=dist.get_world_size(group), sequence_parallel=sequence_parallel)
@@ -158,12 +158,6 @@ class Topology:
     def distributed(self) -> bool:
         return self.world_size > 1
 
-    def peer_ranks(self, stage: int) -> list[int]:
-        """Ranks of this rank's DP replica in ``stage`` (its TP group there), in tp order."""
-        tp = self.plan.stages[stage].tensor_parallel_size
-        start = self.plan.stage_ranks(stage).start + self.dp_rank * tp
-        return list(range(start, start + tp))
-
     def tp_context(self, sequence_parallel: bool = False) -> TPContext:
         """This rank's tensor-parallel context; sequence parallelism only where TP > 1."""
         return TPContext(group=self.tp_group, rank=self.tp_rank, size=self.tp_size,
@@ -203,8 +197,20 @@ def build_topology(plan: HeteroPlan, rank: int, world_size: int) -> Topology:
     return topo
 
 
-def init_process_group(backend: str, env: LaunchEnv, timeout_minutes: float) -> None:
-    """Join the job's default process group (env:// rendezvous set up by torchrun / srun)."""
-    if env.world_size > 1 and not dist.is_initialized():
-        dist.init_process_group(backend=backend, rank=env.rank, world_size=env.world_size,
-                                timeout=timedelta(minutes=timeout_minutes))
+def init_process_group(backend: str, env: LaunchEnv,
+                       timeout_minutes: float) -> dist.Store | None:
+    """Join the job's default process group (env:// rendezvous set up by torchrun / srun).
+
+    Returns the job's rendezvous store under a ``megatron_h2/`` prefix, for
+    :class:`~megatron_h2.distributed.failures.JobFailures` (None when there is one process or the
+    group already exists).
+    """
+    if env.world_size == 1 or dist.is_initialized():
+        return None
+    timeout = timedelta(minutes=timeout_minutes)
+    # The rendezvous torch's init_process_group would do itself, done here to keep the store.
+    store, _, _ = next(dist.rendezvous("env://", env.rank, env.world_size, timeout=timeout))
+    store.set_timeout(timeout)
+    dist.init_process_group(backend=backend, store=dist.PrefixStore("default_pg", store),
+                            rank=env.rank, world_size=env.world_size, timeout=timeout)
+    return dist.PrefixStore("megatron_h2", store)

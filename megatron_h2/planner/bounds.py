@@ -56,7 +56,9 @@ class BatchShape:
         model = cost.model
         kinds = []
         for index, chip in enumerate(cost.cluster.chips):
-            for tp in chip.tensor_parallel_options(model.num_attention_heads, model.num_query_groups):
+            for tp in chip.tensor_parallel_options(
+                model.num_attention_heads, model.num_query_groups
+            ):
                 count = chip.count // (tp * dp)
                 if count:
                     kinds.append(

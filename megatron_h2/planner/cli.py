@@ -50,7 +50,9 @@ def build_parser() -> argparse.ArgumentParser:
     """The command-line interface of tools/plan.py."""
     parser = _Parser(
         prog="tools/plan.py",
-        description="Find the fastest heterogeneous plan (HeteroPP) that fits in every chip's memory.",
+        description=(
+            "Find the fastest heterogeneous plan (HeteroPP) that fits in every chip's memory."
+        ),
     )
     parser.add_argument(
         "--cluster", required=True, metavar="FILE", help="cluster YAML (docs/planner.md)"
@@ -153,7 +155,8 @@ def _write_outputs(
             "Written by tools/plan.py (megatron_h2 HeteroAuto).",
             f"model: {describe(cost.model)}",
             f"cluster: {args.cluster}",
-            f"predicted step {est.step_time_s:.3f} s (1F1B simulation {simulation.step_time_s:.3f} s),"
+            f"predicted step {est.step_time_s:.3f} s"
+            f" (1F1B simulation {simulation.step_time_s:.3f} s),"
             f" {est.tokens_per_s:,.0f} tokens/s, MFU {100 * est.mfu:.1f}%",
             f"stages: {stage_summary(best.plan)}",
             f"run with: {script_path}",

@@ -117,7 +117,8 @@ class StageCosts:
         return self.layer_forward + self.layer_backward[mode]
 
     def edge_time(self, first: bool, last: bool) -> float:
-        """Forward + backward of the embedding (first stage) and head (last stage) per micro-batch."""
+        """Forward + backward of the embedding (first stage) and head (last stage) per
+        micro-batch."""
         time = 0.0
         if first:
             time += self.embedding_forward + self.embedding_backward

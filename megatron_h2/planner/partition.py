@@ -179,7 +179,9 @@ def solve_split(
     mode_caps: list[tuple[int, int, int]],
     cutoff: float = INF,
 ) -> Split | None:
-    """Exact best split of ``num_layers`` over ``slots``; None if nothing fits or cannot beat ``cutoff``.
+    """Exact best split of ``num_layers`` over ``slots``.
+
+    None if nothing fits or nothing beats ``cutoff``.
 
     ``mode_caps[i]`` holds, per recompute mode, the most layers stage ``i`` fits in memory.
     ``links_s`` is the constant point-to-point part of the step time.
@@ -209,7 +211,9 @@ def solve_split(
         unbounded = table.best_sum(by_work)  # the same W with no bound on the sync
         if unbounded is None:
             continue
-        k_first = _smallest(len(syncs), lambda k: table.feasible(np.minimum(by_work, z_caps[k])))
+        k_first = _smallest(
+            len(syncs), lambda k, w=by_work: table.feasible(np.minimum(w, z_caps[k]))
+        )
         for k in range(k_first, len(syncs)):
             if factor * works[j] + syncs[k] + unbounded[0] + links_s >= best_value:
                 break

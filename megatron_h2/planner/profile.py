@@ -1,7 +1,8 @@
 """Profile tables: measured per-layer times (or efficiencies) that replace the FLOP-based guess.
 
-A profile table is YAML. ``tools/profile_chip.py`` (not written yet) will produce it by timing
-one transformer layer, the embedding and the head on one chip; it can also be written by hand::
+A profile table is YAML. ``tools/profile_chip.py`` (:mod:`megatron_h2.training.profile_chip`)
+writes it by timing one transformer layer, the embedding and the head on one chip; it can also
+be written by hand::
 
     model:                       # optional: the shape it was measured for; must match the model
       hidden_size: 64

@@ -148,7 +148,8 @@ def explain(
     k = est.bottleneck
     slow = est.stages[k]
     lines = [
-        f"slowest stage: {k} ({slow.chip}, TP{slow.tensor_parallel_size}, {slow.num_layers} layers) at"
+        f"slowest stage: {k} ({slow.chip}, TP{slow.tensor_parallel_size},"
+        f" {slow.num_layers} layers) at"
         f" {1e3 * slow.work_s:.1f} ms per micro-batch; with {m} micro-batches it sets"
         f" {(m - 1) * slow.work_s:.2f} s of the {est.step_time_s:.2f} s step",
         f"pipeline fill and drain (sum of stage work): {sum(s.work_s for s in est.stages):.2f} s;"
@@ -157,7 +158,8 @@ def explain(
     if simulation is not None:
         gap = 100 * (simulation.step_time_s / est.step_time_s - 1)
         lines.append(
-            f"event simulation of 1F1B: {simulation.step_time_s:.3f} s ({gap:+.1f}% vs the formula),"
+            f"event simulation of 1F1B: {simulation.step_time_s:.3f} s"
+            f" ({gap:+.1f}% vs the formula),"
             f" bubble {100 * simulation.bubble_fraction:.1f}% of stage time"
         )
     recomputed = [i for i, s in enumerate(est.stages) if s.recompute != "none"]
@@ -203,7 +205,8 @@ def search_summary(result: SearchResult) -> str:
     s = result.stats
     best = result.best.estimate.step_time_s
     line = (
-        f"searched {s.batch_shapes} (micro-batch, DP) shapes ({s.batch_shapes_pruned} pruned whole),"
+        f"searched {s.batch_shapes} (micro-batch, DP) shapes"
+        f" ({s.batch_shapes_pruned} pruned whole),"
         f" {s.nodes:,} pipeline prefixes ({s.nodes_pruned:,} options pruned by bound),"
         f" {s.splits_solved:,} layer splits in {s.elapsed_s:.1f} s"
     )
@@ -228,7 +231,8 @@ def comparison_text(comparison: Comparison) -> str:
                 [
                     result.chip,
                     f"{result.tokens_per_s:,.0f}",
-                    f"DP{cand.plan.data_parallel_size} mbs{cand.plan.micro_batch_size} {stage_summary(cand.plan)}",
+                    f"DP{cand.plan.data_parallel_size} mbs{cand.plan.micro_batch_size}"
+                    f" {stage_summary(cand.plan)}",
                 ]
             )
     rows.append(["sum", f"{comparison.homogeneous_sum:,.0f}", ""])

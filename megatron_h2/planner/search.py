@@ -61,14 +61,15 @@ class SearchOptions:
                 positive_int(size, "micro_batch_size")
                 if self.global_batch_size % size:
                     raise ConfigError(
-                        f"global batch size {self.global_batch_size} is not divisible by micro batch"
-                        f" size {size}; pick a micro batch size that divides it"
+                        f"global batch size {self.global_batch_size} is not divisible by micro"
+                        f" batch size {size}; pick a micro batch size that divides it"
                     )
         if not self.time_limit_s > 0:
             raise ConfigError(f"time limit must be positive, got {self.time_limit_s}")
 
     def micro_batch_candidates(self) -> list[int]:
-        """Micro-batch sizes to try: the given ones, else powers of two dividing the global batch."""
+        """Micro-batch sizes to try: the given ones, else the powers of two dividing the global
+        batch."""
         if self.micro_batch_sizes is not None:
             return sorted(set(self.micro_batch_sizes))
         sizes, size = [], 1
@@ -431,7 +432,8 @@ def _nothing_fits(cost: CostModel, options: SearchOptions) -> str:
     need = model.layer_params_per_chip(1) * cost.config.bytes_per_param(1) / 2**30
     largest = max(cost.usable_bytes(chip) for chip in cost.cluster.chips) / 2**30
     return (
-        f"no plan fits in memory: {model.num_layers} layers need about {need * model.num_layers:.1f} GiB"
-        f" of weights and optimizer state (plus activations) against at most {largest:.1f} GiB usable"
-        " per chip; add chips, use --use-distributed-optimizer, or plan a smaller model"
+        f"no plan fits in memory: {model.num_layers} layers need about"
+        f" {need * model.num_layers:.1f} GiB of weights and optimizer state (plus activations)"
+        f" against at most {largest:.1f} GiB usable per chip; add chips, use"
+        " --use-distributed-optimizer, or plan a smaller model"
     )

@@ -141,7 +141,10 @@ def _ready(
 
 
 def _peak_in_flight(events: list[Event], stages: int) -> tuple[int, ...]:
-    """Most micro-batches whose activations a stage holds at once (forward started, backward not done)."""
+    """Most micro-batches whose activations a stage holds at once.
+
+    A micro-batch is held from the start of its forward to the end of its backward.
+    """
     peaks = []
     for s in range(stages):
         changes = sorted(

@@ -8,11 +8,11 @@ and resume from the last good checkpoint.
 this host with torch's elastic agent (what torchrun runs), the workers being children of this
 process. When the attempt fails:
 
-1. the failure says which ranks died: a rank killed by a signal (a lost chip, an OOM kill,
-   ``kill -9``) or one that crashed on its own (not a peer that merely lost its connection).
-   Their chips are taken out; a health probe of every chip type (a fresh process that touches
-   each device, or ``--health-probe CMD``) may take out more. An error in the input or a
-   numerical stop (exit status 2) is not a hardware fault: the launcher stops there;
+1. the failure says which ranks died: ranks killed by a signal (a lost chip, an OOM kill,
+   ``kill -9``), else the rank that crashed on its own (not a peer that merely lost its
+   connection). Their chips are taken out; a health probe of every chip type (a fresh process
+   that touches each device, or ``--health-probe CMD``) may take out more. An error in the
+   input or a numerical stop (exit status 2) is not a hardware fault: the launcher stops there;
 2. the planner is run for the surviving chips with the same model and global batch, and the
    best plan the runtime accepts is written next to the others (``--run-dir``);
 3. the next attempt resumes from the newest complete checkpoint under the new plan (the
@@ -214,7 +214,9 @@ def run_attempt(job: Job, plan_path: Path, world: int, attempt: int,
         killed = [r for r, code in failures.items() if code < 0 and code != -signal.SIGTERM]
         crashed = [r for r, note in notes.items() if note.get("kind") == "crash"]
         user = any(code == 2 for code in failures.values()) and not killed
-        lost = sorted(set(killed) | set(crashed)) or [exc.get_first_failure()[0]]
+        # A rank killed outright is the lost one (the peers that talked to it report gloo's
+        # error as their own); otherwise the rank that crashed on its own.
+        lost = sorted(killed or crashed) or [exc.get_first_failure()[0]]
         detail = ", ".join(f"rank {r} exit {code}" for r, code in sorted(failures.items()))
         return Outcome(ok=False, lost_ranks=[] if user else lost, user_error=user,
                        detected_at=detected, detail=detail)

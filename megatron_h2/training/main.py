@@ -3,7 +3,9 @@
 Everything the user can get wrong is checked before any process group starts and before the
 model is built: flags (in the config dataclasses), the parallel layout, data files, the
 tokenizer, the checkpoint to load. A rank that fails later takes the job down at once: it
-prints its error, exits, and the other ranks' collectives fail instead of waiting.
+records its failure in the job's store, prints its error and exits; the other ranks'
+collectives fail instead of waiting, and they say only that they stop
+(:class:`~megatron_h2.distributed.failures.JobFailures`).
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from megatron_h2.checkpointing.housekeeping import (
 )
 from megatron_h2.config import RunConfig
 from megatron_h2.devices import Accelerator, detect_device_type, get_accelerator
+from megatron_h2.distributed.failures import JobFailures
 from megatron_h2.distributed.topology import (
     LaunchEnv,
     Topology,
@@ -201,8 +204,12 @@ def restore(cfg: RunConfig, launch: LaunchOptions, ckpt, say) -> TrainProgress:
     return progress
 
 
-def train(cfg: RunConfig, launch: LaunchOptions, env: LaunchEnv) -> TrainProgress:
-    """Build everything for ``cfg`` on this rank and train; returns the final progress."""
+def train(cfg: RunConfig, launch: LaunchOptions, env: LaunchEnv,
+          failures: JobFailures) -> TrainProgress:
+    """Build everything for ``cfg`` on this rank and train; returns the final progress.
+
+    ``failures`` is given the job's store once the process group starts.
+    """
     start = time.perf_counter()
     say = log if env.rank == 0 else quiet
     demo = apply_demo_defaults(cfg)
@@ -215,14 +222,16 @@ def train(cfg: RunConfig, launch: LaunchOptions, env: LaunchEnv) -> TrainProgres
     plan, accelerator, tokenizer = validate_launch(cfg, launch, env, say)
     owner = claim_save_dir(cfg, env, say)
     try:
-        return _train(cfg, launch, env, plan, accelerator, tokenizer, owner, say, start, demo)
+        return _train(cfg, launch, env, failures, plan, accelerator, tokenizer, owner, say,
+                      start, demo)
     finally:
         if owner is not None:
             owner.release()
 
 
-def _train(cfg: RunConfig, launch: LaunchOptions, env: LaunchEnv, plan, accelerator, tokenizer,
-           owner: SaveDirOwner | None, say, start: float, demo: bool) -> TrainProgress:
+def _train(cfg: RunConfig, launch: LaunchOptions, env: LaunchEnv, failures: JobFailures, plan,
+           accelerator, tokenizer, owner: SaveDirOwner | None, say, start: float,
+           demo: bool) -> TrainProgress:
     """The part of :func:`train` that starts process groups (all user input is checked)."""
     from megatron_h2.checkpointing.distributed import CheckpointIO
     from megatron_h2.models.gpt import GPTModel, init_parameters
@@ -231,7 +240,9 @@ def _train(cfg: RunConfig, launch: LaunchOptions, env: LaunchEnv, plan, accelera
     from megatron_h2.training.timeline import Timeline, format_summary, gather_and_write
     from megatron_h2.training.trainer import Trainer
 
-    init_process_group(default_backend(plan), env, cfg.parallel.distributed_timeout_minutes)
+    # ---- everything below may start process groups: all user input has been checked ----
+    failures.attach(init_process_group(default_backend(plan), env,
+                                       cfg.parallel.distributed_timeout_minutes))
     topo = build_topology(plan, env.rank, env.world_size)
     tp = topo.tp_context(cfg.parallel.sequence_parallel)
     train_ds, valid_ds, _ = build_datasets(cfg, topo)
@@ -325,10 +336,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {exc}", file=sys.stderr, flush=True)
         return 2
     prefix = f"[rank {env.rank}] " if env.world_size > 1 else ""
+    failures = JobFailures()
     try:
         cfg, launch = config_from_args(argv)
         start_orphan_watchdog(log, grace_s=60.0 * cfg.parallel.distributed_timeout_minutes + 60)
-        train(cfg, launch, env)
+        train(cfg, launch, env, failures)
     except (ConfigError, TrainingError) as exc:
         # Before the process groups start every rank fails alike (rank 0 speaks for all),
         # except on what only this rank can see (its own chip); after, only on what the
@@ -336,14 +348,16 @@ def main(argv: list[str] | None = None) -> int:
         agreed = isinstance(exc, (JobConfigError, JobTrainingError))
         own = isinstance(exc, RankConfigError) or (dist.is_initialized() and not agreed)
         if own:
+            failures.record_own_failure()
             return _fail(env, f"error: {prefix}{exc}", 2)
         return _fail(env, f"error: {exc}" if env.rank == 0 else "", 2, agreed)
     except Exception as exc:  # noqa: BLE001 - a crash on one rank must end the whole job
-        peer = env.world_size > 1 and _is_comm_failure(exc)
+        peer = env.world_size > 1 and failures.is_fallout(exc)
         _note_failure(env, "peer" if peer else "crash", exc)
         if peer:
             return _fail(env, f"{prefix}stopping: another rank failed or the connection was lost"
                          f" ({type(exc).__name__})", 1)
+        failures.record_own_failure()
         return _fail(env, f"error: {prefix}{type(exc).__name__}: {exc}\n"
                      f"{traceback.format_exc()}", 1)
     if env.world_size > 1 and dist.is_initialized():
@@ -369,9 +383,3 @@ def _note_failure(env: LaunchEnv, kind: str, exc: BaseException) -> None:
         Path(folder, f"attempt{attempt}-failure-rank{env.rank}.json").write_text(json.dumps(note))
     except OSError:
         pass
-
-
-def _is_comm_failure(exc: BaseException) -> bool:
-    text = f"{type(exc).__name__} {exc}".lower()
-    return isinstance(exc, dist.DistError) or any(
-        k in text for k in ("gloo", "nccl", "connection", "timed out", "broken pipe"))

@@ -71,6 +71,24 @@ def _time_part(acc: Accelerator, model: GPTModel, make_input: Callable[[], dict]
     return PartTimes(forward_ms=f, backward_ms=max(statistics.median(both) - f, 0.0))
 
 
+def _input_makers(
+    cfg: ModelConfig, mbs: int, dev: torch.device
+) -> tuple[Callable[[], dict], Callable[[], dict], Callable[[], dict]]:
+    """Fresh inputs of one micro-batch for the layer, the embedding and the head."""
+    s, h, v = cfg.seq_length, cfg.hidden_size, cfg.vocab_size
+
+    def hidden() -> dict:
+        return {"hidden_states": torch.randn(mbs, s, h, device=dev, requires_grad=True)}
+
+    def tokens() -> dict:
+        return {"tokens": torch.randint(0, v, (mbs, s), device=dev)}
+
+    def labelled() -> dict:
+        return {**hidden(), "labels": torch.randint(0, v, (mbs, s), device=dev)}
+
+    return hidden, tokens, labelled
+
+
 def profile_model(config: ModelConfig, acc: Accelerator, micro_batch_sizes: list[int],
                   bf16: bool = False, warmup: int = 2, reps: int = 7,
                   log: Callable[[str], None] = print) -> dict[int, dict[str, float]]:
@@ -84,17 +102,7 @@ def profile_model(config: ModelConfig, acc: Accelerator, micro_batch_sizes: list
         init_parameters(part, cfg, seed=0)
     table: dict[int, dict[str, float]] = {}
     for mbs in micro_batch_sizes:
-        s, h, v = cfg.seq_length, cfg.hidden_size, cfg.vocab_size
-
-        def hidden() -> dict:
-            return {"hidden_states": torch.randn(mbs, s, h, device=dev, requires_grad=True)}
-
-        def tokens() -> dict:
-            return {"tokens": torch.randint(0, v, (mbs, s), device=dev)}
-
-        def labelled() -> dict:
-            return {**hidden(), "labels": torch.randint(0, v, (mbs, s), device=dev)}
-
+        hidden, tokens, labelled = _input_makers(cfg, mbs, dev)
         row = {}
         for name, model, make in (("layer", layer, hidden), ("embedding", embed, tokens),
                                   ("head", head, labelled)):

@@ -111,7 +111,7 @@ class StepRunner:
     def _reported_loss(self, losses: list[torch.Tensor]) -> float:
         """Mean per-token loss of the global batch (summed over DP replicas, counted once per
         TP group on the last stage)."""
-        mine = float(sum(l.item() for l in losses)) if losses and self.tp.rank == 0 else 0.0
+        mine = float(sum(loss.item() for loss in losses)) if losses and self.tp.rank == 0 else 0.0
         return world_sum([mine], self.topo)[0]
 
     def _reduce_sequence_parallel_grads(self) -> None:

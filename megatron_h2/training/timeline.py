@@ -44,8 +44,6 @@ TraceEvent = dict[str, Any]
 DEFAULT_MAX_ITERATIONS = 20
 DEFAULT_MAX_EVENTS = 500_000
 COMPUTE_KINDS = frozenset({"forward", "backward"})
-KINDS = ("forward", "backward", "send_forward", "recv_forward", "send_backward", "recv_backward",
-         "optimizer", "wait")
 _COMM_PART = re.compile(r"(send|recv)_(forward|backward)")
 
 
