@@ -655,6 +655,27 @@ class TrainingConfig:
         "default; each check costs a forward and backward of a micro-batch plus its fp64 replay: "
         "3-7 training iterations of CPU time on small CPU models, see "
         "bench/bench_precision_check.py; overhead about that / N).")
+    # Checkpoint integrity and retention (--save-retain-interval as in Megatron)
+    verify_checkpoint: bool = flag(
+        True, "Do not check the SHA-256 of every checkpoint part on load (sizes are still "
+        "checked).", name="--no-verify-checkpoint", negative=True)
+    save_retain_interval: int | None = flag(
+        None, "Number of iterations between retained checkpoints (other checkpoints except the "
+        "last are deleted).")
+    most_recent_k: int = flag(-1, "Also keep the K newest checkpoints (-1: keep all).")
+    # Numerical health (Megatron's --no-check-for-nan-in-loss-and-grad, --check-for-spiky-loss)
+    check_for_nan_in_loss_and_grad: bool = flag(
+        True, "Do not stop on NaN / Inf in the loss or the gradients (checked before every "
+        "optimizer step).", name="--no-check-for-nan-in-loss-and-grad", negative=True)
+    check_for_spiky_loss: bool = flag(
+        False, "Treat a loss above --spiky-loss-factor x the running median as a bad step.")
+    spiky_loss_factor: float = flag(10.0, "How many times the running median loss a spike is.")
+    flat_line_iters: int = flag(
+        5, "A run whose grad norm is 0 or whose loss sits at ln(vocabulary) for this many "
+        "iterations has stalled (0: off).")
+    skip_bad_steps: int = flag(
+        0, "Skip up to this many bad steps (NaN / Inf, spike, flat line) without an update, "
+        "then stop.")
 
     def __post_init__(self) -> None:
         _required(self, "micro_batch_size")
@@ -677,6 +698,10 @@ class TrainingConfig:
             raise ConfigError("--exit-interval must be a positive number of iterations")
         if self.exit_duration_in_mins is not None and self.exit_duration_in_mins <= 0:
             raise ConfigError("--exit-duration-in-mins must be a positive number of minutes")
+        if self.precision_check_interval is not None and self.precision_check_interval <= 0:
+            raise ConfigError("--precision-check-interval must be a positive number of "
+                              "iterations (leave it out to turn the check off)")
+        self._check_health_and_retention()
 
     def _check_length_and_batch(self) -> None:
         """Iteration- or sample-based length, and at most one batch-size schedule (as Megatron)."""
@@ -703,9 +728,20 @@ class TrainingConfig:
                                   f"the last batch size {final} of --step-batch-size-schedule; "
                                   "drop --global-batch-size")
             self.global_batch_size = final
-        if self.precision_check_interval is not None and self.precision_check_interval <= 0:
-            raise ConfigError("--precision-check-interval must be a positive number of "
-                              "iterations (leave it out to turn the check off)")
+
+    def _check_health_and_retention(self) -> None:
+        if self.save_retain_interval is not None:
+            if self.save_retain_interval <= 0:
+                raise ConfigError("--save-retain-interval must be a positive number of iterations")
+            if self.save_interval and self.save_retain_interval % self.save_interval:
+                raise ConfigError(f"--save-retain-interval {self.save_retain_interval} must be a "
+                                  f"multiple of --save-interval {self.save_interval}")
+        if self.most_recent_k == 0 or self.most_recent_k < -1:
+            raise ConfigError("--most-recent-k must be a positive count, or -1 to keep all")
+        if not self.spiky_loss_factor > 1.0:
+            raise ConfigError(f"--spiky-loss-factor must be above 1, got {self.spiky_loss_factor}")
+        if self.flat_line_iters < 0 or self.skip_bad_steps < 0:
+            raise ConfigError("--flat-line-iters and --skip-bad-steps must be >= 0")
 
     @property
     def num_micro_batches(self) -> int:

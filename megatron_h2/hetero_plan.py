@@ -132,11 +132,18 @@ def load_yaml_mapping(path: str | Path, what: str) -> Mapping[str, Any]:
     """Read a YAML file that must hold a mapping; every failure is a one-line ConfigError."""
     path = Path(path)
     try:
-        text = path.read_text()
+        raw = path.read_bytes()
     except OSError as exc:
         raise ConfigError(f"cannot read {what} file '{path}': {exc.strerror or exc}") from None
     try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{what} file '{path}' is not UTF-8 text (byte {exc.start}); give the "
+                          "YAML file, not a binary one") from None
+    try:
         data = yaml.safe_load(text)
+    except RecursionError:
+        raise ConfigError(f"{what} file '{path}' is nested too deeply to be a {what}") from None
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""

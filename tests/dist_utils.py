@@ -109,3 +109,27 @@ def tiny_model_flags(num_layers: int = 4, seed: int = 5, train_iters: int = 10) 
             "--seed", str(seed), "--train-iters", str(train_iters), "--log-interval", "1",
             "--eval-interval", "1000", "--eval-iters", "0", "--tokenizer-type",
             "NullTokenizer", "--vocab-size", "256", "--split", "90,10,0"]
+
+
+def write_counting_corpus(folder, num_docs: int, lengths: tuple[int, int], vocab: int) -> str:
+    """Counting documents (each token is the previous plus one, so a tiny model learns fast)
+    preprocessed into Megatron's format by the real tool; returns the data prefix."""
+    import json
+    import random
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    folder = Path(folder)
+    rng = random.Random(0)
+    with open(folder / "docs.jsonl", "w") as fh:
+        for _ in range(num_docs):
+            start, n = rng.randrange(250), rng.randrange(*lengths)
+            fh.write(json.dumps({"text": " ".join(str((start + i) % 250) for i in range(n))})
+                     + "\n")
+    root = Path(__file__).resolve().parents[1]
+    subprocess.run([sys.executable, str(root / "tools" / "preprocess_data.py"), "--input",
+                    str(folder / "docs.jsonl"), "--output-prefix", str(folder / "count"),
+                    "--tokenizer-type", "NullTokenizer", "--vocab-size", str(vocab),
+                    "--append-eod", "--workers", "1"], check=True, capture_output=True)
+    return str(folder / "count_text_document")

@@ -42,9 +42,9 @@ def test_round_trip_and_latest(tmp_path):
 
 def test_parts_from_several_writers_merge(tmp_path):
     tmp = begin_save(tmp_path, 3)
-    write_part(tmp, "model", 0, {"x": torch.ones(2)})
-    write_part(tmp, "model", 1, {"y": torch.zeros(3)})
-    commit_save(tmp_path, tmp, 3, {})
+    entries = dict([write_part(tmp, "model", 0, {"x": torch.ones(2)}),
+                    write_part(tmp, "model", 1, {"y": torch.zeros(3)})])
+    commit_save(tmp_path, tmp, 3, {}, entries)
     assert set(load_checkpoint(tmp_path).model) == {"x", "y"}
 
 

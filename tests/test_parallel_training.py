@@ -97,8 +97,9 @@ def test_checkpoint_moves_between_layouts(corpus, reference, tmp_path):
                          "--exit-interval", "5", "--log-jsonl", str(tmp_path / "a.jsonl")])
     assert first.returncode == 0, first.stderr[-3000:]
     parts = sorted(p.name for p in (ckpt / "iter_0000005").iterdir())
-    assert parts == ["metadata.json", "model_00000.safetensors", "model_00001.safetensors",
-                     "optim_00000.safetensors", "optim_00001.safetensors"]
+    assert parts == ["manifest.json", "metadata.json", "model_00000.safetensors",
+                     "model_00001.safetensors", "optim_00000.safetensors",
+                     "optim_00001.safetensors"]
     keys = [set(safe_open(str(ckpt / "iter_0000005" / f"model_0000{i}.safetensors"),
                           "pt").keys()) for i in (0, 1)]
     tied = "embedding.word_embeddings.weight"  # stored once, by the first stage

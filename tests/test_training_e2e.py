@@ -16,6 +16,7 @@ VOCAB = 256  # as in conftest.corpus
 def flags(corpus: str, tmp: Path, *extra: str) -> list[str]:
     return ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
             "--hidden-dropout", "0", "--attention-dropout", "0", "--train-iters", "20",
+            "--lr-decay-iters", "100",
             "--ffn-hidden-size", "128", "--seq-length", "32",
             "--max-position-embeddings", "32", "--micro-batch-size", "4",
             "--global-batch-size", "8", "--lr", "3e-3", "--min-lr", "3e-4",

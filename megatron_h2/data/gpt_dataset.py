@@ -15,6 +15,7 @@ The three index arrays are cached as ``.npy`` files (see :func:`cached_arrays`) 
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import math
 import os
@@ -28,10 +29,19 @@ import numpy as np
 from megatron_h2.data.blended_dataset import (
     CACHE_FORMAT_VERSION,
     BlendedDataset,
+    atomic_write,
+    cache_write_error,
     cached_arrays,
+    check_index_array,
     component_sizes,
+    description_hash,
 )
-from megatron_h2.data.indexed_dataset import IndexedDataset, check_data_prefix, get_idx_path
+from megatron_h2.data.indexed_dataset import (
+    IndexedDataset,
+    check_data_prefix,
+    get_bin_path,
+    get_idx_path,
+)
 from megatron_h2.errors import ConfigError
 
 logger = logging.getLogger(__name__)
@@ -136,6 +146,56 @@ def index_fingerprint(path_prefix: str) -> str:
     return digest.hexdigest()
 
 
+def _default_cache_dir(prefix: str) -> str:
+    return os.path.join(os.path.dirname(os.path.abspath(prefix)), "cache")
+
+
+def check_token_ids(prefix: str, vocab_size: int, cache_dir: str | None = None,
+                    tokenizer: str = "the tokenizer") -> None:
+    """Fail with one line if ``prefix``'s ``.bin`` holds a token id outside ``[0, vocab_size)``.
+
+    The scan (a vectorised min / max over the memory map) runs once per corpus: its result is
+    cached beside the dataset indices, keyed by the ``.idx`` fingerprint and the ``.bin`` size and
+    modification time.
+    """
+    bin_path = get_bin_path(prefix)
+    stat = os.stat(bin_path)
+    key = {"class": "TokenRange", "prefix": os.path.basename(prefix),
+           "index_fingerprint": index_fingerprint(prefix), "bin_bytes": stat.st_size,
+           "bin_mtime_ns": stat.st_mtime_ns}
+    folder = cache_dir or _default_cache_dir(prefix)
+    path = os.path.join(folder, f"{description_hash(key)}-token_range.json")
+    found = None
+    try:
+        with open(path) as stream:
+            cached = json.load(stream)
+        if cached.get("key") == key and all(
+                isinstance(cached.get(k), int) for k in ("low", "high")):
+            found = (cached["low"], cached["high"])
+    except (OSError, ValueError, AttributeError):
+        pass
+    if found is None:
+        dataset = IndexedDataset(prefix)
+        found = dataset.token_range() or (0, -1)
+        dataset.close()
+        text = json.dumps({"key": key, "low": found[0], "high": found[1]})
+        try:
+            os.makedirs(folder, exist_ok=True)
+            atomic_write(path, lambda stream: stream.write(text), mode="w")
+        except OSError as error:
+            raise cache_write_error(folder, error) from None
+    low, high = found
+    if low < 0:
+        raise ConfigError(f"dataset {prefix} holds the negative token id {low}; the data is "
+                          f"corrupt, regenerate it with tools/preprocess_data.py")
+    if high >= vocab_size:
+        raise ConfigError(
+            f"dataset {prefix} holds token id {high} but {tokenizer} has {vocab_size} ids "
+            f"(0..{vocab_size - 1}); preprocess the data with this tokenizer, or pass the "
+            f"tokenizer (--tokenizer-model / --vocab-size) it was made with"
+        )
+
+
 def build_document_index(
     documents: np.ndarray, num_epochs: int, rng: np.random.RandomState
 ) -> np.ndarray:
@@ -225,9 +285,7 @@ class GPTDataset:
             )
         needed = self.num_samples * self.seq_length + 1
         self.num_epochs = -(-needed // self.tokens_per_epoch)
-        default_cache = (None if prefix is None
-                         else os.path.join(os.path.dirname(os.path.abspath(prefix)), "cache"))
-        self.cache_dir = cache_dir or default_cache
+        self.cache_dir = cache_dir or (None if prefix is None else _default_cache_dir(prefix))
         self.description = {
             "class": "GPTDataset",
             "format": CACHE_FORMAT_VERSION,
@@ -243,6 +301,7 @@ class GPTDataset:
         arrays, self.built_from_cache = cached_arrays(
             self.cache_dir, f"GPTDataset-{split_name}", self.description,
             ("document_index", "sample_index", "shuffle_index"), self._build_indices,
+            self._check_indices,
         )
         self.document_index = arrays["document_index"]
         self.sample_index = arrays["sample_index"]
@@ -271,6 +330,24 @@ class GPTDataset:
             "sample_index": sample_index,
             "shuffle_index": shuffle_index,
         }
+
+    def _check_indices(self, arrays: dict[str, np.ndarray]) -> None:
+        """ValueError unless cached indices fit this split (shapes, dtypes, value ranges), so a
+        damaged cache is rebuilt instead of serving out-of-range samples."""
+        begin, end = self.document_range
+        documents, samples = arrays["document_index"], arrays["sample_index"]
+        check_index_array("document_index", documents, None, end)
+        if documents.size and int(documents.min()) < begin:
+            raise ValueError(f"document_index has documents outside [{begin}, {end})")
+        check_index_array("sample_index", samples, None, None, ndim=2)
+        if samples.shape[1] != 2 or len(samples) < 2 or np.any(np.diff(samples[:, 0]) < 0):
+            raise ValueError("sample_index rows are not increasing (position, offset) pairs")
+        check_index_array("sample_index positions", samples[:, 0], None, len(documents))
+        lengths = self.indexed_dataset.sequence_lengths[documents[samples[:, 0]]]
+        if np.any(samples[:, 1] >= np.maximum(lengths, 1)):
+            raise ValueError("sample_index has offsets beyond their documents")
+        check_index_array("shuffle_index", arrays["shuffle_index"], self.num_samples,
+                          len(samples) - 1)
 
     def __len__(self) -> int:
         return self.num_samples

@@ -215,8 +215,14 @@ def _read_header(idx_path: str, idx_size: int) -> tuple[np.dtype, int, int]:
             f"{idx_path} has unknown dtype code {code} (valid: {sorted(DTYPE_CODES)}); "
             f"the file is corrupt, regenerate it with tools/preprocess_data.py"
         )
+    dtype = np.dtype(DTYPE_CODES[code])
+    if not np.issubdtype(dtype, np.integer):
+        raise ConfigError(
+            f"{idx_path} declares {dtype.name} tokens (dtype code {code}) but token ids are "
+            f"integers; the file is corrupt, regenerate it with tools/preprocess_data.py"
+        )
     sequence_count, document_count = struct.unpack("<QQ", header[18:34])
-    return np.dtype(DTYPE_CODES[code]), sequence_count, document_count
+    return dtype, sequence_count, document_count
 
 
 class IndexedDataset:
@@ -282,6 +288,13 @@ class IndexedDataset:
         if len(lengths) and int(lengths.min()) < 0:
             raise ConfigError(f"{where} has negative sequence lengths; regenerate it")
         item = self.dtype.itemsize
+        if len(pointers) and (pointers[0] != 0 or not np.array_equal(
+                np.diff(pointers), lengths[:-1].astype(np.int64) * item)):
+            raise ConfigError(
+                f"{where} has sequence pointers that are not the running sum of the sequence "
+                f"lengths ({self.dtype.name} tokens); the file is corrupt, regenerate it with "
+                f"tools/preprocess_data.py"
+            )
         ends = pointers + lengths.astype(np.int64) * item
         total = int(lengths.sum(dtype=np.int64)) * item
         out_of_file = len(ends) > 0 and (int(pointers.min()) < 0 or int(ends.max()) > bin_size)
@@ -328,6 +341,21 @@ class IndexedDataset:
                 stream.readinto(memoryview(tokens).cast("B"))
             return tokens
         return np.frombuffer(self._bin_map, self.dtype, length, start)
+
+    def token_range(self, block: int = 1 << 20) -> tuple[int, int] | None:
+        """(min(0, smallest), largest) token id in the ``.bin`` (None if it is empty), read
+        through the memory map in cache-sized blocks (a vectorised scan, no copy)."""
+        tokens = np.frombuffer(self._bin_map, self.dtype)
+        if tokens.size == 0:
+            return None
+        signed = np.issubdtype(self.dtype, np.signedinteger)
+        low, high = 0, 0
+        for start in range(0, tokens.size, block):
+            chunk = tokens[start:start + block]
+            high = max(high, int(chunk.max()))
+            if signed:
+                low = min(low, int(chunk.min()))
+        return low, high
 
     @property
     def num_documents(self) -> int:

@@ -20,15 +20,21 @@ _TOKENIZER_FLAGS: dict[str, tuple[str, tuple[str, ...]]] = {
 }
 
 
+def data_prefixes(data: DataConfig) -> list[str]:
+    """Every ``.bin``/``.idx`` prefix the run reads (--data-path and the per-split paths)."""
+    from megatron_h2.data import parse_data_path
+
+    return [prefix for paths in (data.data_path, data.train_data_path, data.valid_data_path,
+                                 data.test_data_path) if paths
+            for _, prefix in parse_data_path(paths)]
+
+
 def check_data_files(data: DataConfig) -> None:
     """Every named ``.bin``/``.idx`` pair exists and is consistent (one-line errors)."""
-    from megatron_h2.data import check_data_prefix, parse_data_path
+    from megatron_h2.data import check_data_prefix
 
-    for paths in (data.data_path, data.train_data_path, data.valid_data_path,
-                  data.test_data_path):
-        if paths:
-            for _, prefix in parse_data_path(paths):
-                check_data_prefix(prefix)
+    for prefix in data_prefixes(data):
+        check_data_prefix(prefix)
 
 
 def unused_data_flags(data: DataConfig, explicit: frozenset[str]) -> str | None:
@@ -74,4 +80,5 @@ def build_split_datasets(cfg: RunConfig, tokenizer, num_samples: tuple[int, int,
                               data.data_cache_path, data.mmap_bin_files)
 
 
-__all__ = ["build_split_datasets", "check_data_files", "describe_source", "unused_data_flags"]
+__all__ = ["build_split_datasets", "check_data_files", "data_prefixes", "describe_source",
+           "unused_data_flags"]

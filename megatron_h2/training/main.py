@@ -10,6 +10,7 @@ collectives fail instead of waiting, and they say only that they stop
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import sys
@@ -22,7 +23,18 @@ import numpy as np
 import torch.distributed as dist
 
 from megatron_h2.checkpointing import find_latest_iteration, iteration_dir, read_metadata
-from megatron_h2.checkpointing.distributed import TrainProgress, check_compatible
+from megatron_h2.checkpointing.distributed import (
+    TrainProgress,
+    check_compatible,
+    check_rng_metadata,
+)
+from megatron_h2.checkpointing.housekeeping import (
+    SaveDirOwner,
+    acquire_save_dir,
+    check_owner,
+    clean_leftovers,
+    job_id_from_env,
+)
 from megatron_h2.config import ParallelConfig, RunConfig
 from megatron_h2.devices import (
     Accelerator,
@@ -39,7 +51,7 @@ from megatron_h2.distributed.topology import (
     default_backend,
     init_process_group,
 )
-from megatron_h2.errors import ConfigError, RankConfigError, TrainingError
+from megatron_h2.errors import ConfigError, JobConfigError, RankConfigError, TrainingError
 from megatron_h2.hetero_plan import HeteroPlan
 from megatron_h2.optimizer.lr_schedule import OptimizerParamScheduler
 from megatron_h2.training.arguments import (
@@ -52,11 +64,14 @@ from megatron_h2.training.batch_schedule import check_run_schedule
 from megatron_h2.training.data_setup import (
     build_split_datasets,
     check_data_files,
+    data_prefixes,
     describe_source,
     unused_data_flags,
 )
+from megatron_h2.training.health import JobTrainingError
 from megatron_h2.training.layout import check_plan_for_model, load_hetero_plan, uniform_plan
 from megatron_h2.training.metrics import MetricsWriter, log
+from megatron_h2.training.watchdog import start_orphan_watchdog
 
 DEFAULT_RUN_DIR = Path("runs") / "default"
 
@@ -72,7 +87,7 @@ def default_cache_dir() -> Path:
 
 def prepare_data(cfg: RunConfig, say) -> object:
     """Resolve data and tokenizer; fills ``cfg.model.vocab_size``. Returns the tokenizer."""
-    from megatron_h2.data import build_tokenizer, ensure_default_corpus
+    from megatron_h2.data import build_tokenizer, check_token_ids, ensure_default_corpus
 
     if not cfg.data.has_source:
         say("no --data-path given: using the embedded corpus (Python standard library sources)")
@@ -84,6 +99,9 @@ def prepare_data(cfg: RunConfig, say) -> object:
         check_data_files(cfg.data)
     tokenizer = build_tokenizer(cfg.data.tokenizer_type, cfg.data.tokenizer_model,
                                 cfg.data.vocab_size, **cfg.data.tokenizer_options())
+    for prefix in data_prefixes(cfg.data):  # cached per corpus: a scan, once
+        check_token_ids(prefix, tokenizer.vocab_size, cfg.data.data_cache_path,
+                        f"the tokenizer ({cfg.data.tokenizer_type})")
     # Padding does not depend on the layout (unlike Megatron's), so checkpoints move between
     # layouts; every stage's TP degree must divide the padded size (checked with the plan).
     cfg.model.vocab_size = cfg.data.padded_vocab_size(tokenizer.vocab_size)
@@ -103,13 +121,32 @@ def check_load(cfg: RunConfig, launch: LaunchOptions) -> None:
     iteration = launch.ckpt_step if launch.ckpt_step is not None else find_latest_iteration(load)
     if iteration is not None:
         ckpt_dir = iteration_dir(load, iteration)
-        metadata = read_metadata(ckpt_dir)
+        metadata = read_metadata(ckpt_dir, cfg.training.verify_checkpoint)
         check_compatible(metadata, cfg, ckpt_dir)
+        if not (launch.no_load_rng or launch.finetune):
+            check_rng_metadata(metadata, ckpt_dir)
         saved = metadata.get("opt_param_scheduler")
         if saved is not None and not (launch.no_load_optim or launch.finetune):
             OptimizerParamScheduler.from_config(cfg.optimizer, cfg.training).load_state_dict(
                 saved, override=cfg.optimizer.override_opt_param_scheduler,
                 use_checkpoint=cfg.optimizer.use_checkpoint_opt_param_scheduler)
+
+
+def claim_save_dir(cfg: RunConfig, env: LaunchEnv, say) -> SaveDirOwner | None:
+    """One writing job per --save directory: rank 0 claims it (taking over from a dead owner)
+    and removes leftovers of interrupted saves; every rank fails alike if a live job owns it."""
+    save = cfg.training.save
+    if not save:
+        return None
+    job = job_id_from_env()
+    check_owner(save, job)
+    if env.rank != 0:
+        return None
+    owner = acquire_save_dir(save, job, say)
+    removed = clean_leftovers(save)
+    if removed:
+        say(f"removed leftovers of interrupted saves in {save}: {', '.join(removed)}")
+    return owner
 
 
 def build_datasets(cfg: RunConfig, topo: Topology, train_samples: int, tokenizer):
@@ -170,7 +207,8 @@ def restore(cfg: RunConfig, launch: LaunchOptions, ckpt, say) -> TrainProgress:
         return TrainProgress()
     progress = ckpt.load(load, launch.ckpt_step,
                          load_optim=not (launch.no_load_optim or launch.finetune),
-                         load_rng=not (launch.no_load_rng or launch.finetune), log=say)
+                         load_rng=not (launch.no_load_rng or launch.finetune), log=say,
+                         verify=cfg.training.verify_checkpoint)
     if progress is None:
         say(f"no checkpoint found in {load}: starting from scratch")
         return TrainProgress()
@@ -206,15 +244,6 @@ def train(cfg: RunConfig, launch: LaunchOptions, env: LaunchEnv,
 
     ``failures`` is given the job's store once the process group starts.
     """
-    from megatron_h2.checkpointing.distributed import CheckpointIO
-    from megatron_h2.devices.precision import KernelProbe
-    from megatron_h2.models.gpt import GPTModel, init_parameters
-    from megatron_h2.optimizer.distributed_optimizer import build_data_parallel_optimizer
-    from megatron_h2.training.precision import PrecisionMonitor
-    from megatron_h2.training.step import StepRunner
-    from megatron_h2.training.timeline import Timeline, format_summary, gather_and_write
-    from megatron_h2.training.trainer import Trainer
-
     start = time.perf_counter()
     say = log if env.rank == 0 else quiet
     demo = apply_demo_defaults(cfg)
@@ -225,6 +254,28 @@ def train(cfg: RunConfig, launch: LaunchOptions, env: LaunchEnv,
     if no_effect:
         say(no_effect)
     plan, accelerator, tokenizer, batch, iterations = validate_launch(cfg, launch, env, say)
+    owner = claim_save_dir(cfg, env, say)
+    try:
+        return _train(cfg, launch, env, failures, plan, accelerator, tokenizer, batch,
+                      iterations, owner, say, start, demo)
+    finally:
+        if owner is not None:
+            owner.release()
+
+
+def _train(cfg: RunConfig, launch: LaunchOptions, env: LaunchEnv, failures: JobFailures, plan,
+           accelerator, tokenizer, batch, iterations: int, owner: SaveDirOwner | None, say,
+           start: float, demo: bool) -> TrainProgress:
+    """The part of :func:`train` that starts process groups (all user input is checked)."""
+    from megatron_h2.checkpointing.distributed import CheckpointIO
+    from megatron_h2.devices.precision import KernelProbe
+    from megatron_h2.models.gpt import GPTModel, init_parameters
+    from megatron_h2.optimizer.distributed_optimizer import build_data_parallel_optimizer
+    from megatron_h2.training.precision import PrecisionMonitor
+    from megatron_h2.training.step import StepRunner
+    from megatron_h2.training.timeline import Timeline, format_summary, gather_and_write
+    from megatron_h2.training.trainer import Trainer
+
     # ---- everything below may start process groups: all user input has been checked ----
     failures.attach(init_process_group(default_backend(plan), env,
                                        cfg.parallel.distributed_timeout_minutes))
@@ -249,6 +300,7 @@ def train(cfg: RunConfig, launch: LaunchOptions, env: LaunchEnv,
         overlap=cfg.parallel.overlap_grad_reduce, kernels=accelerator.kernels,
         deferred=[tied] if tied is not None else [])
     ckpt = CheckpointIO(cfg, accelerator, topo, tp, model, optimizer)
+    ckpt.owner = owner
     progress = restore(cfg, launch, ckpt, say)
     m = cfg.model
     say(f"device: {accelerator.describe()} | bf16: {cfg.training.bf16}")
@@ -287,7 +339,8 @@ def train(cfg: RunConfig, launch: LaunchOptions, env: LaunchEnv,
             "micro-batch per stage replayed on cpu fp64")
     try:
         progress = Trainer(cfg, runner, train_ds, valid_ds, metrics, progress, ckpt, say,
-                           started=start, precision=precision).run()
+                           started=start, precision=precision,
+                           tokenizer_vocab=tokenizer.vocab_size).run()
     finally:
         metrics.close()
     if cfg.training.timeline_trace:  # collective: every rank sends its events to rank 0
@@ -309,12 +362,18 @@ def train(cfg: RunConfig, launch: LaunchOptions, env: LaunchEnv,
     return progress
 
 
-def _fail(env: LaunchEnv, message: str, code: int) -> int:
-    """Report a failure once and leave; in a multi-rank job, leave at once (no hang)."""
+def _fail(env: LaunchEnv, message: str, code: int, agreed: bool = False) -> int:
+    """Report a failure once and leave; in a multi-rank job, leave at once (no hang). An
+    ``agreed`` failure happened on every rank alike: they wait for rank 0's report first."""
     if message:
         print(message, file=sys.stderr, flush=True)
     if env.world_size > 1 and dist.is_initialized():
         sys.stdout.flush()
+        if agreed:
+            try:
+                dist.barrier()
+            except Exception:  # noqa: BLE001 - leaving anyway
+                pass
         os._exit(code)  # peers' collectives fail at once instead of waiting for us
     return code
 
@@ -332,17 +391,22 @@ def main(argv: list[str] | None = None) -> int:
         load_plugins()  # vendor accelerators named by entry points / $MEGATRON_H2_PLUGINS
         load_plugins()  # vendor accelerators named by entry points / $MEGATRON_H2_PLUGINS
         cfg, launch = config_from_args(argv)
+        start_orphan_watchdog(log, grace_s=60.0 * cfg.parallel.distributed_timeout_minutes + 60)
         train(cfg, launch, env, failures)
     except (ConfigError, TrainingError) as exc:
         # Before the process groups start every rank fails alike (rank 0 speaks for all),
-        # except on what only this rank can see (its own chip).
-        own = isinstance(exc, RankConfigError) or dist.is_initialized()
+        # except on what only this rank can see (its own chip); after, only on what the
+        # ranks established together.
+        agreed = isinstance(exc, (JobConfigError, JobTrainingError))
+        own = isinstance(exc, RankConfigError) or (dist.is_initialized() and not agreed)
         if own:
             failures.record_own_failure()
             return _fail(env, f"error: {prefix}{exc}", 2)
-        return _fail(env, f"error: {exc}" if env.rank == 0 else "", 2)
+        return _fail(env, f"error: {exc}" if env.rank == 0 else "", 2, agreed)
     except Exception as exc:  # noqa: BLE001 - a crash on one rank must end the whole job
-        if env.world_size > 1 and failures.is_fallout(exc):
+        peer = env.world_size > 1 and failures.is_fallout(exc)
+        _note_failure(env, "peer" if peer else "crash", exc)
+        if peer:
             return _fail(env, f"{prefix}stopping: another rank failed or the connection was lost"
                          f" ({type(exc).__name__})", 1)
         failures.record_own_failure()
@@ -357,3 +421,17 @@ def main(argv: list[str] | None = None) -> int:
         sys.stderr.flush()
         os._exit(0)
     return 0
+
+
+def _note_failure(env: LaunchEnv, kind: str, exc: BaseException) -> None:
+    """For the elastic launcher: whether this rank crashed on its own or lost a peer."""
+    folder = os.environ.get("MEGATRON_H2_ELASTIC_DIR")
+    if not folder:
+        return
+    attempt = os.environ.get("MEGATRON_H2_ATTEMPT", "0")
+    note = {"rank": env.rank, "kind": kind, "time": time.time(),
+            "error": f"{type(exc).__name__}: {str(exc)[:200]}"}
+    try:
+        Path(folder, f"attempt{attempt}-failure-rank{env.rank}.json").write_text(json.dumps(note))
+    except OSError:
+        pass

@@ -8,6 +8,7 @@ so every rank sees the same numbers; with one process all of it reduces to the p
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -51,6 +52,11 @@ class StepResult:
     grad_norm: float
     lr: float
     global_batch_size: int = 0
+    skipped: bool = False  # the judge rejected the step: no update was applied
+
+
+Judge = Callable[[int, float, float], bool]
+"""``judge(iteration, loss, grad_norm)``: True to update, False to skip; raises to stop."""
 
 
 class StepRunner:
@@ -165,8 +171,11 @@ class StepRunner:
         return math.sqrt(world_sum([local], self.topo)[0] / replicas)
 
     def train_step(self, dataset, start: int, iteration: int, lr: float,
-                   global_batch_size: int | None = None) -> StepResult:
-        """Forward and backward of one global batch starting at sample ``start``, then update.
+                   global_batch_size: int | None = None,
+                   judge: Judge | None = None) -> StepResult:
+        """Forward and backward of one global batch starting at sample ``start``, then update
+        unless ``judge`` rejects the step (without a judge, a non-finite loss or gradient norm
+        raises TrainingError).
 
         The caller has set each parameter group's learning rate (``lr`` is the one reported);
         ``global_batch_size`` (default ``--global-batch-size``) may change between steps under
@@ -193,7 +202,11 @@ class StepRunner:
         self._reduce_sequence_parallel_grads()
         grad_norm = self._grad_norm()
         loss = self._reported_loss(losses)
-        if not (math.isfinite(loss) and math.isfinite(grad_norm)):
+        if judge is not None:
+            if not judge(iteration, loss, grad_norm):
+                return StepResult(loss=loss, grad_norm=grad_norm, lr=lr,
+                                  global_batch_size=batch, skipped=True)
+        elif not (math.isfinite(loss) and math.isfinite(grad_norm)):
             raise TrainingError(f"loss {loss} / grad norm {grad_norm} is not finite at "
                                 f"iteration {iteration}; lower --lr or resume from the last "
                                 "checkpoint")

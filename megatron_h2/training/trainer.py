@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import time
@@ -11,6 +12,7 @@ from megatron_h2.checkpointing.distributed import CheckpointIO, TrainProgress
 from megatron_h2.config import RunConfig
 from megatron_h2.optimizer.lr_schedule import OptimizerParamScheduler
 from megatron_h2.training.batch_schedule import BatchSchedule
+from megatron_h2.training.health import HealthMonitor
 from megatron_h2.training.metrics import MetricsWriter
 from megatron_h2.training.precision import PrecisionMonitor
 from megatron_h2.training.stage_clock import stage_report
@@ -50,16 +52,21 @@ class ExitSignal:
 FAULT_ENV = "MEGATRON_H2_INJECT_FAULT"
 
 
-def injected_fault(rank: int) -> int | None:
-    """Iteration at which this rank must fail, from ``$MEGATRON_H2_INJECT_FAULT=RANK:ITER``.
+def injected_fault(rank: int) -> tuple[int, bool] | None:
+    """(iteration, kill) at which this rank must fail, from
+    ``$MEGATRON_H2_INJECT_FAULT=RANK:ITER`` (raise an error) or ``RANK:ITER:kill`` (die at once
+    from SIGKILL, as a lost chip would).
 
     For rehearsing failure handling (tests, drills); unset in normal runs.
     """
     value = os.environ.get(FAULT_ENV, "")
     if not value:
         return None
-    fault_rank, _, iteration = value.partition(":")
-    return int(iteration) if fault_rank.isdigit() and int(fault_rank) == rank else None
+    fault_rank, _, rest = value.partition(":")
+    iteration, _, mode = rest.partition(":")
+    if not (fault_rank.isdigit() and iteration.isdigit()) or int(fault_rank) != rank:
+        return None
+    return int(iteration), mode == "kill"
 
 
 class Trainer:
@@ -68,7 +75,8 @@ class Trainer:
     def __init__(self, cfg: RunConfig, runner: StepRunner, train_ds, valid_ds,
                  metrics: MetricsWriter, progress: TrainProgress, ckpt: CheckpointIO,
                  log, started: float | None = None,
-                 precision: PrecisionMonitor | None = None) -> None:
+                 precision: PrecisionMonitor | None = None,
+                 tokenizer_vocab: int | None = None) -> None:
         """``started`` (``time.perf_counter()``) is when the program started, for
         ``--exit-duration-in-mins``; default: now."""
         self.cfg, self.runner, self.precision = cfg, runner, precision
@@ -82,7 +90,32 @@ class Trainer:
                 use_checkpoint=cfg.optimizer.use_checkpoint_opt_param_scheduler)
         self.train_ds, self.valid_ds = train_ds, valid_ds
         self.metrics, self.progress, self.ckpt, self.log = metrics, progress, ckpt, log
-        self.fault_at = injected_fault(runner.topo.rank)
+        self.fault = injected_fault(runner.topo.rank)
+        self.started_at = progress.iteration
+        # (directory, iteration) of the newest checkpoint known good: loaded or saved by this run
+        self.last_good: tuple[str, int] | None = (
+            (cfg.training.load, progress.iteration) if progress.iteration else None)
+        self.health = HealthMonitor(cfg.training, (tokenizer_vocab or 0, cfg.model.vocab_size),
+                                    log, self._last_good_text)
+
+    def _report_first_iteration(self, iteration: int) -> None:
+        """Tell an elastic launcher (``$MEGATRON_H2_ELASTIC_DIR``) when this run's first
+        iteration finished: the end of a recovery."""
+        folder = os.environ.get("MEGATRON_H2_ELASTIC_DIR")
+        if not folder or self.runner.topo.rank != 0:
+            return
+        note = {"iteration": iteration, "time": time.time(),
+                "attempt": int(os.environ.get("MEGATRON_H2_ATTEMPT", "0") or 0)}
+        tmp = os.path.join(folder, f".first_iteration.{os.getpid()}.tmp")
+        with open(tmp, "w") as fh:
+            json.dump(note, fh)
+        os.replace(tmp, os.path.join(folder, "first_iteration.json"))
+
+    def _last_good_text(self) -> str:
+        if self.last_good is None:
+            return "none: this run has saved no checkpoint and started from scratch"
+        where, it = self.last_good
+        return f"iteration {it} in {where} (resume with --load {where} --ckpt-step {it})"
 
     def evaluate(self) -> float | None:
         t = self.cfg.training
@@ -91,12 +124,24 @@ class Trainer:
         return self.runner.eval_loss(self.valid_ds, t.eval_iters)
 
     def save(self) -> None:
-        if self.cfg.training.save:
-            start = time.perf_counter()
-            self.progress.scheduler = self.schedule.state_dict()
-            path = self.ckpt.save(self.cfg.training.save, self.progress)
-            self.log(f"saved checkpoint at iteration {self.progress.iteration} to {path} "
-                     f"({time.perf_counter() - start:.2f} s)")
+        """Save (collective), unless the state is suspect: a bad state is never checkpointed."""
+        save_dir, it = self.cfg.training.save, self.progress.iteration
+        if not save_dir:
+            return
+        if self.health.suspect:
+            self.log(f"not saving at iteration {it}: the state is suspect "
+                     f"({self.health.flat_why} for {self.health.flat_streak} iteration(s)); the "
+                     f"last good checkpoint is {self._last_good_text()}")
+            return
+        start = time.perf_counter()
+        self.progress.scheduler = self.schedule.state_dict()
+        path = self.ckpt.save(save_dir, self.progress)
+        self.last_good = (save_dir, it)
+        self.log(f"saved checkpoint at iteration {it} to {path} "
+                 f"({time.perf_counter() - start:.2f} s)")
+        if self.ckpt.removed:
+            self.log(f"removed checkpoints of iterations {', '.join(map(str, self.ckpt.removed))}"
+                     " (--save-retain-interval / --most-recent-k)")
 
     def _stop_requested(self, stop: ExitSignal, it: int) -> str | None:
         """Why training must stop after iteration ``it`` (None: go on); the same on every rank."""
@@ -129,13 +174,17 @@ class Trainer:
         with ExitSignal(self.log, self._exit_signals()) as stop:
             while self.progress.iteration < self.train_iters:
                 it = self.progress.iteration + 1
-                if it == self.fault_at:
+                if self.fault is not None and it == self.fault[0]:
+                    if self.fault[1]:
+                        os.kill(os.getpid(), signal.SIGKILL)
                     raise RuntimeError(f"injected fault at iteration {it} (${FAULT_ENV})")
                 batch = self.batch.batch_at(self.progress.consumed_samples)
                 lr = self.schedule.apply(self.runner.optimizer)
                 window.append(self.runner.train_step(self.train_ds, self.progress.consumed_samples,
-                                                     it, lr, batch))
+                                                     it, lr, batch, self.health))
                 self.schedule.step(batch)
+                if it == self.started_at + 1:
+                    self._report_first_iteration(it)
                 self.progress.iteration = it
                 self.progress.consumed_samples += batch
                 if self.precision is not None and it % t.precision_check_interval == 0:
@@ -177,7 +226,8 @@ class Trainer:
                   "iteration_ms": seconds * 1000.0,
                   "tokens_per_sec": tokens / seconds,
                   "tflops": cfg.model.flops_per_token() * tokens / seconds / 1e12,
-                  "global_batch_size": window[-1].global_batch_size}
+                  "global_batch_size": window[-1].global_batch_size,
+                  "skipped_iterations": self.health.skipped_iterations}
         if val_loss is not None:
             record["val_loss"] = val_loss
         self.metrics.train_step(record)
