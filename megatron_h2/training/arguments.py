@@ -109,21 +109,27 @@ def _add_data_and_checkpoint(p: argparse.ArgumentParser) -> None:
                    help="load weights only and start at iteration 0")
 
 
-def _int_list(text: str) -> list[int]:
+def _layer_split(text: str) -> list[int] | list[list[int]]:
+    """``3,1`` -> [3, 1] (layers per stage); ``2,1/1,2`` -> [[2, 1], [1, 2]] (per model chunk,
+    the stages' counts of chunk 0, then of chunk 1: the layers in model order)."""
     try:
-        return [int(x) for x in text.split(",")]
+        chunks = [[int(x) for x in chunk.split(",")] for chunk in text.split("/")]
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers such as 3,1, got "
-                                         f"{text!r}") from None
+        raise ConfigError(f"--pipeline-layer-split expects layer counts per stage separated by "
+                          f"',' and model chunks separated by '/', such as 3,1 or 2,1/1,2; got "
+                          f"{text!r}") from None
+    return chunks[0] if len(chunks) == 1 else chunks
 
 
 def _add_parallel(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("parallelism (DP = world size / (TP x PP))")
     g.add_argument("--tensor-model-parallel-size", type=int)
     g.add_argument("--pipeline-model-parallel-size", type=int)
-    g.add_argument("--pipeline-layer-split", type=_int_list,
+    g.add_argument("--pipeline-layer-split", type=_layer_split,
                    help="layers per pipeline stage, e.g. 3,1 (embedding on the first stage, "
-                        "head and loss on the last)")
+                        "head and loss on the last); with virtual stages per model chunk, "
+                        "chunks separated by '/': 2,1/1,2 = chunk 0 of stages 0 and 1 (2 and 1 "
+                        "layers), then chunk 1 (1 and 2), the layers in model order")
     g.add_argument("--decoder-first-pipeline-num-layers", type=int)
     g.add_argument("--decoder-last-pipeline-num-layers", type=int)
     g.add_argument("--sequence-parallel", action="store_true")
@@ -133,6 +139,13 @@ def _add_parallel(p: argparse.ArgumentParser) -> None:
     g.add_argument("--ddp-bucket-size-mb", type=float)
     g.add_argument("--overlap-grad-reduce", action="store_true",
                    help="always on: gradient all-reduce overlaps the last backward")
+    g.add_argument("--virtual-pipeline-model-parallel-size", type=int,
+                   help="model chunks per pipeline stage (Megatron's interleaved schedule)")
+    g.add_argument("--num-layers-per-virtual-pipeline-stage", type=int,
+                   help="layers per model chunk: virtual pipeline size = layers / PP / N")
+    g.add_argument("--pipeline-schedule", choices=["1f1b", "interleaved", "zero-bubble"],
+                   help="default: interleaved with virtual stages, else 1f1b; zero-bubble "
+                        "splits the backward and defers weight gradients into the bubble")
     g = p.add_argument_group("heterogeneous clusters")
     g.add_argument("--hetero-plan", help="YAML plan (tools/plan.py writes one): pipeline stages "
                    "on chip types, each with its own TP, layers and recompute")

@@ -184,8 +184,8 @@ def train(cfg: RunConfig, launch: LaunchOptions, env: LaunchEnv) -> TrainProgres
         raise ConfigError(f"--split {cfg.data.split} leaves no training data")
     seed_everything(cfg.training.seed + 100 * topo.stage, accelerator)
     stage_cfg = replace(cfg.model, recompute=topo.stage_spec.recompute)
-    model = GPTModel(stage_cfg, accelerator.kernels, topo.layer_range, topo.is_first_stage,
-                     topo.is_last_stage, tp)
+    model = GPTModel(stage_cfg, accelerator.kernels, pre_process=topo.is_first_stage,
+                     post_process=topo.is_last_stage, tp=tp, chunks=topo.chunk_ranges)
     init_parameters(model, cfg.model, cfg.training.seed)
     model.to(accelerator.device)
     optimizer = build_data_parallel_optimizer(
@@ -203,13 +203,14 @@ def train(cfg: RunConfig, launch: LaunchOptions, env: LaunchEnv) -> TrainProgres
     say(f"parallel: world {env.world_size} | DP {plan.data_parallel_size} | distributed "
         f"optimizer {cfg.parallel.use_distributed_optimizer} | sequence parallel "
         f"{cfg.parallel.sequence_parallel}")
-    for index, (spec, layers) in enumerate(zip(plan.stages, plan.layer_ranges())):
+    say(pipeline_line(plan))
+    for index, (spec, chunks) in enumerate(zip(plan.stages, plan.chunk_layer_ranges())):
         chip = plan.chips[spec.chip]
         slow = (f" | emulating a chip {chip.emulate_slowdown:g}x slower (compute padded with "
                 "sleep)" if chip.emulate_slowdown != 1.0 else "")
+        layers = ", ".join(f"{r.start}-{r.stop - 1}" if len(r) else "none" for r in chunks)
         say(f"stage {index}: chip {spec.chip} ({chip.device}) | TP {spec.tensor_parallel_size} |"
-            f" layers {layers.start}-{layers.stop - 1} ({spec.num_layers}) | recompute "
-            f"{spec.recompute}{slow}")
+            f" layers {layers} ({spec.num_layers}) | recompute {spec.recompute}{slow}")
     say(f"data: {' '.join(cfg.data.data_path)} | split {cfg.data.split} | "
         f"{len(train_ds)} training samples | setup took {time.perf_counter() - start:.1f} s")
     if progress.iteration >= cfg.training.train_iters:
@@ -241,6 +242,19 @@ def train(cfg: RunConfig, launch: LaunchOptions, env: LaunchEnv) -> TrainProgres
     if demo:
         say("this was the embedded demo; see README.md for training on your own data")
     return progress
+
+
+def pipeline_line(plan) -> str:
+    """The start-up line on the pipeline schedule."""
+    v, m = plan.virtual_pipeline_size, plan.num_micro_batches
+    line = (f"pipeline: {plan.pipeline_parallel_size} stage(s) | schedule {plan.schedule} | "
+            f"{m} micro-batches per replica" + (f" | {v} model chunks per stage (layers "
+                                               "chunk-major)" if v > 1 else ""))
+    full = [str(i) for i, s in enumerate(plan.stages) if s.recompute == "full"]
+    if plan.schedule == "zero-bubble" and full:
+        line += (f" | stage(s) {', '.join(full)} recompute full layers: their weight gradients "
+                 "run with the input gradients, not deferred")
+    return line
 
 
 def _fail(env: LaunchEnv, message: str, code: int) -> int:

@@ -13,7 +13,6 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 import torch.distributed as dist
-from torch import nn
 
 from megatron_h2.config import RunConfig
 from megatron_h2.devices import Accelerator
@@ -21,9 +20,11 @@ from megatron_h2.distributed.bridge import BridgeConfig
 from megatron_h2.distributed.p2p import PipeComm
 from megatron_h2.distributed.topology import Topology
 from megatron_h2.errors import TrainingError
+from megatron_h2.models.gpt import GPTModel
 from megatron_h2.optimizer.distributed_optimizer import DataParallelOptimizer
 from megatron_h2.parallel import TPContext, allreduce_coalesced_, get_tp_shard
-from megatron_h2.pipeline.schedules import forward_backward_1f1b, forward_only
+from megatron_h2.pipeline.orders import schedule_order
+from megatron_h2.pipeline.schedules import StageChunks, forward_only, run_schedule
 from megatron_h2.training.stage_clock import StageClock
 from megatron_h2.training.timeline import Timeline
 
@@ -54,7 +55,7 @@ class StepRunner:
     """Runs steps of one rank's stage model; built once per run."""
 
     def __init__(self, cfg: RunConfig, acc: Accelerator, topo: Topology, tp: TPContext,
-                 model: nn.Module, optimizer: DataParallelOptimizer,
+                 model: GPTModel, optimizer: DataParallelOptimizer,
                  timeline: Timeline | None = None) -> None:
         self.cfg, self.acc, self.topo, self.tp = cfg, acc, topo, tp
         self.model, self.optimizer = model, optimizer
@@ -68,6 +69,12 @@ class StepRunner:
         self.comm = PipeComm(topo, t.micro_batch_size, m.seq_length, m.hidden_size,
                              par.sequence_parallel, torch.float32, acc.device, bridge,
                              topo.cpu_group, observer=self.timeline)
+        # the stage's model chunks (virtual pipeline stages): parameters of each, and whether
+        # zero-bubble may split its backward (not for layers recomputed in full)
+        chunks = model.num_chunks
+        self.chunks = StageChunks(topo.stage, topo.pp_size,
+                                  [model.chunk_parameters(c) for c in range(chunks)],
+                                  [topo.stage_spec.recompute != "full"] * chunks)
         self.sp_params = [p for p in model.parameters() if getattr(p, "sequence_parallel", False)]
         # Norm weights: a parameter replicated over TP counts once in the global norm.
         self.norm_weight = {p: (1.0 if get_tp_shard(p) is not None else 1.0 / tp.size)
@@ -85,17 +92,17 @@ class StepRunner:
         mbs = self.cfg.training.micro_batch_size
         total_tokens = self.cfg.training.global_batch_size * self.cfg.model.seq_length
 
-        def step(i: int, inp: torch.Tensor | None) -> torch.Tensor:
+        def step(chunk: int, i: int, inp: torch.Tensor | None) -> torch.Tensor:
+            first, last = self.chunks.first(chunk), self.chunks.last(chunk)
             tokens = labels = None
-            if samples is not None:
+            if samples is not None and (first or last):
                 mb = samples[i * mbs:(i + 1) * mbs].to(self.acc.device, non_blocking=True)
                 tokens, labels = mb[:, :-1], mb[:, 1:]  # [b, s] each
             with self.acc.autocast(self.cfg.training.bf16):
-                out = self.model(tokens=tokens if self.topo.is_first_stage else None,
-                                 hidden_states=inp,
-                                 labels=labels if self.topo.is_last_stage else None)
-            if not self.topo.is_last_stage:
-                return out  # [b, s, h] activation for the next stage
+                out = self.model(tokens=tokens if first else None, hidden_states=inp,
+                                 labels=labels if last else None, chunk=chunk)
+            if not last:
+                return out  # [b, s, h] activation for the next virtual stage
             loss = out.sum() / total_tokens  # share of the global batch's mean loss
             losses.append(loss.detach())
             return loss
@@ -136,10 +143,13 @@ class StepRunner:
         samples = self._replica_samples(dataset, start)
         if self.timeline is not None:
             self.timeline.set_iteration(iteration)
-        forward_backward_1f1b(self._forward_step(samples, losses), self.num_micro, self.comm,
-                              self.topo.stage, self.topo.pp_size,
-                              before_last_backward=self.optimizer.grad_buckets.start_sync,
-                              observer=self.clock)
+        plan = self.topo.plan
+        order = schedule_order(plan.schedule, self.topo.stage, self.topo.pp_size,
+                               self.chunks.chunks, range(self.num_micro))
+        buckets = self.optimizer.grad_buckets
+        run_schedule(order, self._forward_step(samples, losses), self.comm, self.chunks,
+                     before_last_grads=lambda c: buckets.start_sync(self.chunks.params[c]),
+                     observer=self.clock)
         self.comm.wait_sends()
         self.optimizer.grad_buckets.finish_sync()
         self._reduce_sequence_parallel_grads()
@@ -164,7 +174,8 @@ class StepRunner:
         for b in range(num_batches):
             losses: list[torch.Tensor] = []
             samples = self._replica_samples(dataset, b * self.cfg.training.global_batch_size)
-            forward_only(self._forward_step(samples, losses), self.num_micro, self.comm)
+            forward_only(self._forward_step(samples, losses), range(self.num_micro), self.comm,
+                         self.chunks)
             self.comm.wait_sends()
             total += self._reported_loss(losses)
         self.model.train()
