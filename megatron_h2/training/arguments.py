@@ -125,7 +125,7 @@ def _add_parallel(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("parallelism (DP = world size / (TP x PP))")
     g.add_argument("--tensor-model-parallel-size", type=int)
     g.add_argument("--pipeline-model-parallel-size", type=int)
-    g.add_argument("--pipeline-layer-split", type=_layer_split,
+    g.add_argument("--pipeline-layer-split",
                    help="layers per pipeline stage, e.g. 3,1 (embedding on the first stage, "
                         "head and loss on the last); with virtual stages per model chunk, "
                         "chunks separated by '/': 2,1/1,2 = chunk 0 of stages 0 and 1 (2 and 1 "
@@ -188,6 +188,8 @@ def config_from_args(argv: list[str] | None = None) -> tuple[RunConfig, LaunchOp
     if ns.fp16:
         raise ConfigError("--fp16 is not supported; use --bf16 (fp32 master weights, no loss "
                           "scaling needed)")
+    if ns.pipeline_layer_split is not None:  # parsed here: a bad one is a one-line error
+        ns.pipeline_layer_split = _layer_split(ns.pipeline_layer_split)
     if ns.recompute_activations and ns.recompute_granularity is None:
         ns.recompute_granularity = "selective"
     model = ModelConfig(**_pick(ns, ModelConfig, {"recompute_granularity": "recompute"},
