@@ -192,14 +192,20 @@ def build_rank(a: argparse.Namespace, rank: int, pp: int, prefix: str) -> Rank:
     init_parameters(model, cfg.model, cfg.training.seed)
     optimizer = build_data_parallel_optimizer(model, cfg.optimizer, topo.dp_group,
                                               bucket_size_mb=a.bucket_mb, kernels=acc.kernels)
-    dataset = None
-    for builder in range(WORLD):  # rank 0 writes the index cache, then the others read it
-        if rank == builder:
-            dataset = build_gpt_datasets([prefix], "100,0,0", a.seq_length, a.seed,
-                                         (NUM_SAMPLES, 0, 0), cache_dir=prefix + "_cache")[0]
-        dist.barrier()
+    dataset = load_dataset(prefix, a.seq_length, a.seed, rank, WORLD)
     probe = SyncProbe(optimizer.grad_buckets, topo.dp_group)
     return Rank(a, acc, topo, model, optimizer, dataset, probe)
+
+
+def load_dataset(prefix: str, seq_length: int, seed: int, rank: int, world: int) -> GPTDataset:
+    """The training split of the synthetic corpus; rank 0 writes the index cache first."""
+    dataset = None
+    for builder in range(world):
+        if rank == builder:
+            dataset = build_gpt_datasets([prefix], "100,0,0", seq_length, seed,
+                                         (NUM_SAMPLES, 0, 0), cache_dir=prefix + "_cache")[0]
+        dist.barrier()
+    return dataset
 
 
 # ----------------------------------------------------------------------------- timed pieces

@@ -24,10 +24,9 @@ import time
 
 import torch
 import torch.distributed as dist
-from bench_parallel import LR, NUM_SAMPLES, SyncProbe, med, ms, now
+from bench_parallel import LR, SyncProbe, load_dataset, med, ms, now
 
 from megatron_h2.config import DataConfig, ModelConfig, OptimizerConfig, RunConfig, TrainingConfig
-from megatron_h2.data import build_gpt_datasets
 from megatron_h2.devices import get_accelerator
 from megatron_h2.distributed.topology import build_topology
 from megatron_h2.hetero_plan import ChipSpec, HeteroPlan, StageSpec
@@ -122,12 +121,7 @@ def schedules_worker(rank: int, world: int, a: argparse.Namespace, prefix: str) 
     """Every (schedule, m) once per round in rotating order; per step: start, end of the
     schedule (the gradient sync is entered right after), this stage's compute, overruns."""
     torch.set_num_threads(1)
-    dataset = None
-    for builder in range(world):  # rank 0 writes the index cache, then the others read it
-        if rank == builder:
-            dataset = build_gpt_datasets([prefix], "100,0,0", a.schedule_seq_length, a.seed,
-                                         (NUM_SAMPLES, 0, 0), cache_dir=prefix + "_cache")[0]
-        dist.barrier()
+    dataset = load_dataset(prefix, a.schedule_seq_length, a.seed, rank, world)
     runners, probes = schedule_runners(a, rank, world)
     keys, steps = list(runners), 0
     out: dict[str, list[dict]] = {f"{name}|{m}": [] for name, m in keys}

@@ -92,3 +92,11 @@ def losses(path) -> dict[int, float]:
 
     rows = [json.loads(line) for line in Path(path).read_text().splitlines()]
     return {r["iteration"]: r["lm_loss"] for r in rows if "lm_loss" in r}
+
+
+def assert_losses_close(got: dict[int, float], want: dict[int, float],
+                        rel: float = 1e-5) -> None:
+    """The same iterations, each loss within ``rel`` (relative) of the reference's."""
+    assert sorted(got) == sorted(want), (sorted(got), sorted(want))
+    for it, value in want.items():
+        assert abs(got[it] - value) <= rel * abs(value), (it, got[it], value)

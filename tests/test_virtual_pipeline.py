@@ -11,6 +11,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import yaml
+from dist_utils import assert_losses_close as close
 from dist_utils import losses, run_distributed, torchrun
 
 from megatron_h2.training.main import main
@@ -36,12 +37,6 @@ def write_plan(path: Path, stages: list[dict], global_batch: int = 12, **extra) 
             **extra}
     path.write_text(yaml.safe_dump(plan, sort_keys=False))
     return str(path)
-
-
-def close(got: dict[int, float], want: dict[int, float]) -> None:
-    assert sorted(got) == sorted(want)
-    for it, value in want.items():
-        assert abs(got[it] - value) <= 1e-5 * abs(value), (it, got[it], value)
 
 
 @pytest.fixture(scope="module")
