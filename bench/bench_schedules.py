@@ -212,9 +212,9 @@ def print_schedules(rows: list, a: argparse.Namespace, took: float) -> None:
           "weight passes); measured = first\n  start to last schedule end over the ranks; "
           "bubble = measured / ideal - 1 (1F1B in theory (p - 1) / m); simulated: "
           "planner.simulate\n  with the same nominal layer times")
-    overruns = sum(r["overruns"] for r in rows)
-    print(f"  actions whose real compute exceeded the padded length: {overruns}"
-          + (" (those figures are disturbed)" if overruns else ""))
+    overruns = [f"m={r['m']} {r['schedule']}: {r['overruns']}" for r in rows if r["overruns"]]
+    print("  actions whose real compute exceeded the padded length (those rows are disturbed): "
+          + (", ".join(overruns) if overruns else "none"))
     for error in {r["predicted"] for r in rows if isinstance(r["predicted"], str)}:
         print(f"  simulator could not predict some plans: {error}")
     if any(r["simulator_ignores_schedule"] for r in rows):
