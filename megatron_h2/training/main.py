@@ -32,6 +32,7 @@ from megatron_h2.distributed.topology import (
     init_process_group,
 )
 from megatron_h2.errors import ConfigError, RankConfigError, TrainingError
+from megatron_h2.hetero_plan import HeteroPlan
 from megatron_h2.training.arguments import LaunchOptions, config_from_args
 from megatron_h2.training.layout import check_plan_for_model, load_hetero_plan, uniform_plan
 from megatron_h2.training.metrics import MetricsWriter, log
@@ -244,7 +245,7 @@ def train(cfg: RunConfig, launch: LaunchOptions, env: LaunchEnv) -> TrainProgres
     return progress
 
 
-def pipeline_line(plan) -> str:
+def pipeline_line(plan: HeteroPlan) -> str:
     """The start-up line on the pipeline schedule."""
     v, m = plan.virtual_pipeline_size, plan.num_micro_batches
     line = (f"pipeline: {plan.pipeline_parallel_size} stage(s) | schedule {plan.schedule} | "
