@@ -133,3 +133,11 @@ def write_counting_corpus(folder, num_docs: int, lengths: tuple[int, int], vocab
                     "--tokenizer-type", "NullTokenizer", "--vocab-size", str(vocab),
                     "--append-eod", "--workers", "1"], check=True, capture_output=True)
     return str(folder / "count_text_document")
+
+
+def assert_losses_close(got: dict[int, float], want: dict[int, float],
+                        rel: float = 1e-5) -> None:
+    """The same iterations, each loss within ``rel`` (relative) of the reference's."""
+    assert sorted(got) == sorted(want), (sorted(got), sorted(want))
+    for it, value in want.items():
+        assert abs(got[it] - value) <= rel * abs(value), (it, got[it], value)

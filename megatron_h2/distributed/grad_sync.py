@@ -191,6 +191,7 @@ class GradBuckets:
                     view.copy_(slot.param.grad)
                 slot.param.grad = view
         self._armed = False
+        self._armed_params: set[nn.Parameter] | None = set()  # None: every parameter
         self._next_launch = 0
         self._needs_sync = False
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready)
@@ -209,15 +210,22 @@ class GradBuckets:
                     slot.param.grad = bucket.grad_view(slot)
         self._needs_sync = False
 
-    def start_sync(self) -> None:
+    def start_sync(self, params: Sequence[nn.Parameter] | None = None) -> None:
         """Arm the hooks: call just before the last backward of the step (no-op without overlap).
 
         During that backward a bucket is launched as soon as all its parameters have their
         gradient (and all earlier buckets are launched). Earlier micro-batches only accumulate.
+        ``params``: arm only these (call once per model chunk, before the last backward that
+        reaches that chunk's parameters); the hooks of other parameters keep accumulating.
         """
-        self._check_idle("start_sync")
+        if params is None:
+            self._check_idle("start_sync")
         if self.overlap and self.dp_size > 1:
             self._armed = True
+            if params is None:
+                self._armed_params = None
+            elif self._armed_params is not None:
+                self._armed_params.update(params)
 
     def finish_sync(self) -> None:
         """Launch every bucket not launched yet, in order, then wait for all collectives."""
@@ -234,6 +242,7 @@ class GradBuckets:
             bucket.launched = False
             bucket.ready.clear()
         self._armed = False
+        self._armed_params = set()
         self._next_launch = 0
         self._needs_sync = False
 
@@ -266,7 +275,8 @@ class GradBuckets:
         if not self._is_attached(bucket, slot):
             raise RuntimeError(self._detached_message(slot))
         self._needs_sync = True
-        if not self._armed:
+        if not self._armed or (self._armed_params is not None
+                               and param not in self._armed_params):
             return
         if bucket.launched:
             raise RuntimeError("a gradient arrived after its bucket's sync was launched; call "

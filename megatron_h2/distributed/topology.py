@@ -25,6 +25,7 @@ from datetime import timedelta
 import torch.distributed as dist
 
 from megatron_h2.devices import ACCELERATORS, Accelerator, get_accelerator
+from megatron_h2.distributed.boundary import replica_ranks
 from megatron_h2.errors import ConfigError, RankConfigError
 from megatron_h2.hetero_plan import ChipSpec, HeteroPlan, StageSpec
 
@@ -120,6 +121,11 @@ class Topology:
     cpu_group: dist.ProcessGroup | None = None  # gloo over every rank (None: the default group)
     tp_ranks: list[int] = field(default_factory=list)
     dp_ranks: list[int] = field(default_factory=list)
+    # With virtual stages: the groups of the wrap-around boundary (last stage -> first stage of
+    # this DP replica), the chip backend's and gloo (the same group when the backend is gloo).
+    # A boundary of its own keeps its messages apart from the 0 -> 1 boundary's when PP = 2.
+    wrap_group: dist.ProcessGroup | None = None
+    wrap_cpu_group: dist.ProcessGroup | None = None
 
     @property
     def stage_spec(self) -> StageSpec:
@@ -151,8 +157,19 @@ class Topology:
 
     @property
     def layer_range(self) -> tuple[int, int]:
+        """This stage's global layers ``(start, stop)`` (one model chunk only)."""
         r = self.plan.layer_ranges()[self.stage]
         return r.start, r.stop
+
+    @property
+    def chunk_ranges(self) -> list[tuple[int, int]]:
+        """``(start, stop)`` of the global layers of each of this stage's model chunks."""
+        return [(r.start, r.stop) for r in self.plan.chunk_layer_ranges()[self.stage]]
+
+    @property
+    def virtual_pipeline_size(self) -> int:
+        """Model chunks per stage (V)."""
+        return self.plan.virtual_pipeline_size
 
     @property
     def distributed(self) -> bool:
@@ -170,9 +187,10 @@ class Topology:
                          sequence_parallel=sequence_parallel and self.tp_size > 1)
 
     def describe(self) -> str:
+        layers = ", ".join(f"{a}-{b - 1}" for a, b in self.chunk_ranges)
         return (f"rank {self.rank}/{self.world_size}: stage {self.stage}/{self.pp_size} "
-                f"(layers {self.layer_range[0]}-{self.layer_range[1] - 1}), tp {self.tp_rank}/"
-                f"{self.tp_size}, dp {self.dp_rank}/{self.dp_size}")
+                f"(layers {layers}), tp {self.tp_rank}/{self.tp_size}, dp {self.dp_rank}/"
+                f"{self.dp_size}")
 
 
 def build_topology(plan: HeteroPlan, rank: int, world_size: int) -> Topology:
@@ -200,7 +218,23 @@ def build_topology(plan: HeteroPlan, rank: int, world_size: int) -> Topology:
                      else None)
             if rank in ranks:
                 topo.dp_group, topo.dp_ranks = group, ranks
+    if plan.virtual_pipeline_size > 1:
+        _build_wrap_groups(topo)
     return topo
+
+
+def _build_wrap_groups(topo: Topology) -> None:
+    """Groups of the wrap-around boundary of every DP replica (collective, like the others)."""
+    plan, last = topo.plan, topo.pp_size - 1
+    ends = (plan.stages[0], plan.stages[last])
+    devices = {plan.chips[spec.chip].device for spec in ends}
+    backend = ACCELERATORS[devices.pop()].dist_backend if len(devices) == 1 else "gloo"
+    for d in range(plan.data_parallel_size):
+        ranks = sorted(replica_ranks(plan, 0, d) + replica_ranks(plan, last, d))
+        cpu = dist.new_group(ranks, backend="gloo")
+        chip = cpu if backend == "gloo" else dist.new_group(ranks, backend=backend)
+        if topo.rank in ranks:
+            topo.wrap_group, topo.wrap_cpu_group = chip, cpu
 
 
 def init_process_group(backend: str, env: LaunchEnv,

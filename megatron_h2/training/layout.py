@@ -17,6 +17,7 @@ from megatron_h2.devices import ACCELERATORS, PLUGINS_ENV
 from megatron_h2.distributed.transport import check_transport
 from megatron_h2.errors import ConfigError
 from megatron_h2.hetero_plan import ChipSpec, HeteroPlan, StageSpec
+from megatron_h2.pipeline.orders import check_micro_batches
 
 # Config fields that a heterogeneous plan replaces: giving both is ambiguous, so it is an error.
 PLAN_OWNED: tuple[tuple[type, str], ...] = (
@@ -27,6 +28,8 @@ PLAN_OWNED: tuple[tuple[type, str], ...] = (
     (ParallelConfig, "decoder_last_pipeline_num_layers"),
     (ModelConfig, "recompute"),
     (TrainingConfig, "device"),
+    (ParallelConfig, "virtual_pipeline_model_parallel_size"),
+    (ParallelConfig, "num_layers_per_virtual_pipeline_stage"),
 )
 
 
@@ -48,12 +51,19 @@ def uniform_plan(parallel: ParallelConfig, model: ModelConfig, training: Trainin
         raise ConfigError(f"--global-batch-size {training.global_batch_size} is not divisible by "
                           f"--micro-batch-size {training.micro_batch_size} x data-parallel size "
                           f"{dp}; make it a multiple of {training.micro_batch_size * dp}")
-    stages = [StageSpec(chip="default", tensor_parallel_size=tp, num_layers=n,
-                        recompute=model.recompute)
-              for n in parallel.stage_layers(model.num_layers)]
+    layers = parallel.chunk_layers(model.num_layers)  # [stage][chunk]
+    chunks = len(layers[0])
+    schedule = parallel.pipeline_schedule or ("interleaved" if chunks > 1 else "1f1b")
+    check_micro_batches(schedule, pp, chunks,
+                        training.global_batch_size // (training.micro_batch_size * dp))
+    stages = [StageSpec(chip="default", tensor_parallel_size=tp, num_layers=sum(counts),
+                        recompute=model.recompute,
+                        chunk_layers=tuple(counts) if chunks > 1 else ())
+              for counts in layers]
     return HeteroPlan(data_parallel_size=dp, micro_batch_size=training.micro_batch_size,
                       global_batch_size=training.global_batch_size,
-                      chips={"default": ChipSpec(device=device)}, stages=stages)
+                      chips={"default": ChipSpec(device=device)}, stages=stages,
+                      schedule=schedule)
 
 
 def load_hetero_plan(cfg: RunConfig, explicit: frozenset[str]) -> HeteroPlan:
@@ -65,6 +75,10 @@ def load_hetero_plan(cfg: RunConfig, explicit: frozenset[str]) -> HeteroPlan:
             flag = flag_name(next(f for f in fields(cls) if f.name == field_name))
             raise ConfigError(f"{flag} conflicts with --hetero-plan, which sets the layout per "
                               f"stage; drop {flag} or edit the plan")
+    schedule = cfg.parallel.pipeline_schedule
+    if "pipeline_schedule" in explicit and schedule != plan.schedule:
+        raise ConfigError(f"--pipeline-schedule {schedule} differs from the plan's schedule "
+                          f"{plan.schedule}; drop the flag or edit the plan")
     t = cfg.training
     for name in ("micro_batch_size", "global_batch_size"):
         if name in explicit and getattr(t, name) != getattr(plan, name):
@@ -87,6 +101,8 @@ def check_plan_for_model(plan: HeteroPlan, model: ModelConfig, parallel: Paralle
     """Everything about the layout that must hold before any process group starts."""
     plan.validate(model.num_layers, model.num_attention_heads, model.num_query_groups,
                   world_size=world_size)
+    check_micro_batches(plan.schedule, plan.pipeline_parallel_size, plan.virtual_pipeline_size,
+                        plan.num_micro_batches)
     for index, stage in enumerate(plan.stages):
         tp = stage.tensor_parallel_size
         if model.vocab_size % tp:

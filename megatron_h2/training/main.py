@@ -289,7 +289,8 @@ def _train(cfg: RunConfig, launch: LaunchOptions, env: LaunchEnv, failures: JobF
     stage_cfg = replace(cfg.model, recompute=topo.stage_spec.recompute)
     probe = KernelProbe(accelerator.kernels) if cfg.training.precision_check_interval else None
     model = GPTModel(stage_cfg, probe.kernels if probe else accelerator.kernels,
-                     topo.layer_range, topo.is_first_stage, topo.is_last_stage, tp)
+                     pre_process=topo.is_first_stage, post_process=topo.is_last_stage, tp=tp,
+                     chunks=topo.chunk_ranges)
     init_parameters(model, cfg.model, cfg.training.seed)
     model.to(accelerator.device)
     tied = model.tied_embedding_weight()  # its gradient is summed across stages before DP sync
@@ -312,13 +313,14 @@ def _train(cfg: RunConfig, launch: LaunchOptions, env: LaunchEnv, failures: JobF
     say(f"parallel: world {env.world_size} | DP {plan.data_parallel_size} | distributed "
         f"optimizer {cfg.parallel.use_distributed_optimizer} | sequence parallel "
         f"{cfg.parallel.sequence_parallel}")
-    for index, (spec, layers) in enumerate(zip(plan.stages, plan.layer_ranges())):
+    say(pipeline_line(plan))
+    for index, (spec, chunks) in enumerate(zip(plan.stages, plan.chunk_layer_ranges())):
         chip = plan.chips[spec.chip]
         slow = (f" | emulating a chip {chip.emulate_slowdown:g}x slower (compute padded with "
                 "sleep)" if chip.emulate_slowdown != 1.0 else "")
+        layers = ", ".join(f"{r.start}-{r.stop - 1}" if len(r) else "none" for r in chunks)
         say(f"stage {index}: chip {spec.chip} ({chip.device}) | TP {spec.tensor_parallel_size} |"
-            f" layers {layers.start}-{layers.stop - 1} ({spec.num_layers}) | recompute "
-            f"{spec.recompute}{slow}")
+            f" layers {layers} ({spec.num_layers}) | recompute {spec.recompute}{slow}")
     say_bridges(plan, cfg.parallel, say)
     say(f"data: {describe_source(cfg.data)} | {len(train_ds)} training samples | setup took "
         f"{time.perf_counter() - start:.1f} s")
@@ -360,6 +362,19 @@ def _train(cfg: RunConfig, launch: LaunchOptions, env: LaunchEnv, failures: JobF
     if demo:
         say("this was the embedded demo; see README.md for training on your own data")
     return progress
+
+
+def pipeline_line(plan: HeteroPlan) -> str:
+    """The start-up line on the pipeline schedule."""
+    v, m = plan.virtual_pipeline_size, plan.num_micro_batches
+    line = (f"pipeline: {plan.pipeline_parallel_size} stage(s) | schedule {plan.schedule} | "
+            f"{m} micro-batches per replica" + (f" | {v} model chunks per stage (layers "
+                                               "chunk-major)" if v > 1 else ""))
+    full = [str(i) for i, s in enumerate(plan.stages) if s.recompute == "full"]
+    if plan.schedule == "zero-bubble" and full:
+        line += (f" | stage(s) {', '.join(full)} recompute full layers: their weight gradients "
+                 "run with the input gradients, not deferred")
+    return line
 
 
 def _fail(env: LaunchEnv, message: str, code: int, agreed: bool = False) -> int:

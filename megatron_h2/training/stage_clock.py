@@ -18,14 +18,16 @@ from megatron_h2.distributed.topology import Topology
 
 
 class Recorder(Protocol):
-    def record(self, kind: str, micro_batch: int, start_s: float, end_s: float) -> None: ...
+    def record(self, kind: str, micro_batch: int, start_s: float, end_s: float,
+               iteration: int | None = None, chunk: int = 0) -> None: ...
 
 
 class StageClock:
     """A :class:`~megatron_h2.pipeline.schedules.ComputeObserver` for one rank.
 
-    ``slowdown`` > 1 makes each forward / backward take that many times as long (it sleeps for
-    the difference), so a heterogeneous cluster can be rehearsed on one machine.
+    ``slowdown`` > 1 makes each forward / backward (and weight-gradient pass) take that many
+    times as long (it sleeps for the difference), so a heterogeneous cluster can be rehearsed on
+    one machine.
     """
 
     def __init__(self, acc: Accelerator, slowdown: float = 1.0,
@@ -35,7 +37,7 @@ class StageClock:
         self.padded_s = 0.0
 
     @contextlib.contextmanager
-    def compute(self, kind: str, micro_batch: int) -> Iterator[None]:
+    def compute(self, kind: str, micro_batch: int, chunk: int = 0) -> Iterator[None]:
         wall = time.time()
         start = time.perf_counter()
         yield
@@ -49,7 +51,7 @@ class StageClock:
             elapsed += pad
         self.compute_s += elapsed
         if self.recorder is not None:
-            self.recorder.record(kind, micro_batch, wall, wall + elapsed)
+            self.recorder.record(kind, micro_batch, wall, wall + elapsed, chunk=chunk)
 
     def take(self) -> float:
         """Compute seconds since the last call."""

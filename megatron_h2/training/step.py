@@ -14,7 +14,6 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 import torch.distributed as dist
-from torch import nn
 
 from megatron_h2.config import RunConfig
 from megatron_h2.devices import Accelerator
@@ -23,10 +22,12 @@ from megatron_h2.distributed.p2p import PipeComm
 from megatron_h2.distributed.tied_embedding import tied_embedding_sync
 from megatron_h2.distributed.topology import Topology
 from megatron_h2.errors import TrainingError
+from megatron_h2.models.gpt import GPTModel
 from megatron_h2.models.gpt.model import TIED_COPY_ATTR
 from megatron_h2.optimizer.distributed_optimizer import DataParallelOptimizer
 from megatron_h2.parallel import TPContext, allreduce_coalesced_, get_tp_shard
-from megatron_h2.pipeline.schedules import forward_backward_1f1b, forward_only
+from megatron_h2.pipeline.orders import schedule_order
+from megatron_h2.pipeline.schedules import StageChunks, forward_only, run_schedule
 from megatron_h2.training.stage_clock import StageClock
 from megatron_h2.training.timeline import Timeline
 
@@ -63,7 +64,7 @@ class StepRunner:
     """Runs steps of one rank's stage model; built once per run."""
 
     def __init__(self, cfg: RunConfig, acc: Accelerator, topo: Topology, tp: TPContext,
-                 model: nn.Module, optimizer: DataParallelOptimizer,
+                 model: GPTModel, optimizer: DataParallelOptimizer,
                  timeline: Timeline | None = None, eod_mask: int | None = None) -> None:
         """``eod_mask``: the token whose positions carry no loss (``--eod-mask-loss``)."""
         self.cfg, self.acc, self.topo, self.tp = cfg, acc, topo, tp
@@ -80,6 +81,12 @@ class StepRunner:
         self.comm = PipeComm(topo, t.micro_batch_size, m.seq_length, m.hidden_size,
                              par.sequence_parallel, torch.float32, acc.device, bridge,
                              topo.cpu_group, observer=self.timeline)
+        # the stage's model chunks (virtual pipeline stages): parameters of each, and whether
+        # zero-bubble may split its backward (not for layers recomputed in full)
+        chunks = model.num_chunks
+        self.chunks = StageChunks(topo.stage, topo.pp_size,
+                                  [model.chunk_parameters(c) for c in range(chunks)],
+                                  [topo.stage_spec.recompute != "full"] * chunks)
         self.sp_params = [p for p in model.parameters() if getattr(p, "sequence_parallel", False)]
         # Norm weights: a parameter replicated over TP counts once in the global norm, the last
         # stage's copy of a tied embedding not at all (the first stage counts it).
@@ -117,17 +124,17 @@ class StepRunner:
         mbs = self.cfg.training.micro_batch_size
         micro_batches = global_batch // mbs  # over all DP replicas
 
-        def step(i: int, inp: torch.Tensor | None) -> torch.Tensor:
+        def step(chunk: int, i: int, inp: torch.Tensor | None) -> torch.Tensor:
+            first, last = self.chunks.first(chunk), self.chunks.last(chunk)
             tokens = labels = None
-            if samples is not None:
+            if samples is not None and (first or last):
                 mb = samples[i * mbs:(i + 1) * mbs].to(self.acc.device, non_blocking=True)
                 tokens, labels = mb[:, :-1], mb[:, 1:]  # [b, s] each
             with self.acc.autocast(self.cfg.training.bf16):
-                out = self.model(tokens=tokens if self.topo.is_first_stage else None,
-                                 hidden_states=inp,
-                                 labels=labels if self.topo.is_last_stage else None)
-            if not self.topo.is_last_stage:
-                return out  # [b, s, h] activation for the next stage
+                out = self.model(tokens=tokens if first else None, hidden_states=inp,
+                                 labels=labels if last else None, chunk=chunk)
+            if not last:
+                return out  # [b, s, h] activation for the next virtual stage
             if self.eod_mask is None:  # out: [b, s] per-token losses
                 total, count = out.sum(), out.numel()
             else:
@@ -190,11 +197,14 @@ class StepRunner:
         if self.timeline is not None:
             self.timeline.set_iteration(iteration)
         divisor = self._loss_divisor(samples, batch)
-        forward_backward_1f1b(self._forward_step(samples, losses, batch, divisor),
-                              per_replica // self.cfg.training.micro_batch_size, self.comm,
-                              self.topo.stage, self.topo.pp_size,
-                              before_last_backward=self.optimizer.grad_buckets.start_sync,
-                              observer=self.clock)
+        micro_batches = per_replica // self.cfg.training.micro_batch_size
+        order = schedule_order(self.topo.plan.schedule, self.topo.stage, self.topo.pp_size,
+                               self.chunks.chunks, range(micro_batches))
+        buckets = self.optimizer.grad_buckets
+        run_schedule(order, self._forward_step(samples, losses, batch, divisor), self.comm,
+                     self.chunks,
+                     before_last_grads=lambda c: buckets.start_sync(self.chunks.params[c]),
+                     observer=self.clock)
         self.comm.wait_sends()
         if self.tied is not None:  # before the DP sync, which defers the tied weight's bucket
             self.tied.sum_grads()
@@ -226,7 +236,7 @@ class StepRunner:
             batch = self.cfg.training.global_batch_size
             samples = self._replica_samples(dataset, b * batch, self.per_replica)
             step = self._forward_step(samples, losses, batch, self._loss_divisor(samples, batch))
-            forward_only(step, self.num_micro, self.comm)
+            forward_only(step, range(self.num_micro), self.comm, self.chunks)
             self.comm.wait_sends()
             total += self._reported_loss(losses)
         self.model.train()

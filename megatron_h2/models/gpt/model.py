@@ -11,12 +11,19 @@ weight. A stage that has the output layer but not the embedding (pipeline parall
 copy, ``output_layer.weight``, initialised like the embedding; the training step sums the two
 copies' gradients every step (:mod:`megatron_h2.distributed.tied_embedding`), and checkpoints
 store the weight once, under :data:`WORD_EMBEDDING` (see :attr:`GPTModel.checkpoint_names`).
+
+With virtual pipeline stages a stage holds several model chunks, each a range of global layers
+(``chunks=[(0, 2), (4, 6)]``): one module holds them all, so names, initialisation, the
+optimizer, gradient buckets and checkpoints cover every chunk as one stage model, and
+``forward(..., chunk=c)`` runs chunk ``c`` alone: the embedding before chunk 0 (with
+``pre_process``), the final norm and head after the last chunk (with ``post_process``).
 """
 
 from __future__ import annotations
 
 import math
 import zlib
+from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
@@ -46,25 +53,28 @@ gradient norm counts it once, checkpoints store it once)."""
 
 class Decoder(nn.Module):
     """The stage's transformer layers (keyed by global index) and, on the last stage, the final
-    norm."""
+    norm. ``chunks`` are the global layer ranges of the stage's model chunks."""
 
-    def __init__(self, config: ModelConfig, kernels: Kernels, layer_range: tuple[int, int],
-                 post_process: bool, tp: TPContext) -> None:
+    def __init__(self, config: ModelConfig, kernels: Kernels,
+                 chunks: Sequence[tuple[int, int]], post_process: bool, tp: TPContext) -> None:
         super().__init__()
+        self.chunks = [range(*r) for r in chunks]
+        has_layers = any(len(r) for r in self.chunks)
         rotary = (RotaryEmbedding(config) if config.position_embedding_type == "rope"
-                  and layer_range[1] > layer_range[0] else None)
+                  and has_layers else None)
         self.layers = nn.ModuleDict({str(i): TransformerLayer(config, kernels, rotary, tp)
-                                     for i in range(*layer_range)})
+                                     for r in self.chunks for i in r})
         self.final_layernorm = Norm(config, kernels, tp) if post_process else None
         self.recompute_full = config.recompute == "full"
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for layer in self.layers.values():
+    def forward(self, x: torch.Tensor, chunk: int = 0) -> torch.Tensor:
+        for i in self.chunks[chunk]:
+            layer = self.layers[str(i)]
             if self.recompute_full and self.training and torch.is_grad_enabled():
                 x = checkpoint(layer, x, use_reentrant=False)
             else:
                 x = layer(x)
-        if self.final_layernorm is not None:
+        if self.final_layernorm is not None and chunk == len(self.chunks) - 1:
             x = self.final_layernorm(x)
         return x
 
@@ -78,17 +88,22 @@ class GPTModel(nn.Module):
 
     def __init__(self, config: ModelConfig, kernels: Kernels | None = None,
                  layer_range: tuple[int, int] | None = None, pre_process: bool = True,
-                 post_process: bool = True, tp: TPContext | None = None) -> None:
+                 post_process: bool = True, tp: TPContext | None = None,
+                 chunks: Sequence[tuple[int, int]] | None = None) -> None:
         super().__init__()
         if config.vocab_size <= 0:
             raise ValueError("ModelConfig.vocab_size must be set (padded tokenizer vocabulary)")
+        if chunks is not None and layer_range is not None:
+            raise ValueError("give either layer_range or chunks, not both")
         kernels = kernels or Kernels()
         self.tp = tp = tp or TPContext.single()
         self.config = config
-        self.layer_range = layer_range or (0, config.num_layers)
+        self.chunk_ranges = [tuple(r) for r in chunks] if chunks is not None else [
+            layer_range or (0, config.num_layers)]
+        self.layer_range = (self.chunk_ranges[0][0], self.chunk_ranges[-1][1])
         self.pre_process, self.post_process = pre_process, post_process
         self.embedding = _Embedding(config, tp) if pre_process else None
-        self.decoder = Decoder(config, kernels, self.layer_range, post_process, tp)
+        self.decoder = Decoder(config, kernels, self.chunk_ranges, post_process, tp)
         shares = config.tied_embeddings and pre_process  # uses the embedding's own weight
         self.output_layer = (ColumnParallelLinear(config.hidden_size, config.vocab_size, tp,
                                                   skip_weight=shares)
@@ -107,18 +122,38 @@ class GPTModel(nn.Module):
         return (self.embedding.word_embeddings.weight if self.pre_process
                 else self.output_layer.weight)
 
+    @property
+    def num_chunks(self) -> int:
+        """Model chunks (virtual pipeline stages) this stage model holds."""
+        return len(self.chunk_ranges)
+
+    def chunk_parameters(self, chunk: int) -> list[nn.Parameter]:
+        """The parameters ``forward(..., chunk=chunk)`` uses."""
+        last = chunk == self.num_chunks - 1
+        parts: list[nn.Module | None] = [self.embedding if chunk == 0 else None]
+        parts += [self.decoder.layers[str(i)] for i in self.decoder.chunks[chunk]]
+        parts += [self.decoder.final_layernorm, self.output_layer] if last else []
+        if last and self.output_layer is not None and self.output_layer.weight is None:
+            parts.append(self.embedding.word_embeddings)  # the tied head's weight
+        unique = {id(p): p for part in parts if part is not None for p in part.parameters()}
+        return list(unique.values())
+
     def forward(self, tokens: torch.Tensor | None = None,
                 hidden_states: torch.Tensor | None = None,
-                labels: torch.Tensor | None = None) -> torch.Tensor:
-        """First stage: ``tokens`` [b, s]; later stages: ``hidden_states`` [b, s, h].
+                labels: torch.Tensor | None = None, chunk: int = 0) -> torch.Tensor:
+        """First stage: ``tokens`` [b, s]; later stages (and later chunks): ``hidden_states``
+        [b, s, h]. ``chunk``: which model chunk to run (virtual pipeline stages).
 
-        Returns per-token cross-entropy [b, s] (fp32) when this stage has the head and
-        ``labels`` [b, s] are given, logits [b, s, V] when it has the head without labels, and
-        hidden states [b, s, h] otherwise.
+        Returns per-token cross-entropy [b, s] (fp32) when this stage has the head, ``chunk`` is
+        the last one and ``labels`` [b, s] are given, logits [b, s, V] when it has the head
+        without labels, and hidden states [b, s, h] otherwise.
         """
-        x = self.embedding(tokens) if self.embedding is not None else hidden_states
-        x = self.decoder(x)  # [b, s, h] ([b, s/t, h] under sequence parallelism)
-        if self.output_layer is None:
+        if self.embedding is not None and chunk == 0:
+            x = self.embedding(tokens)
+        else:
+            x = hidden_states
+        x = self.decoder(x, chunk)  # [b, s, h] ([b, s/t, h] under sequence parallelism)
+        if self.output_layer is None or chunk != self.num_chunks - 1:
             return x
         shared = (self.embedding.word_embeddings.weight if self.output_layer.weight is None
                   else None)
