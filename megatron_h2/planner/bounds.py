@@ -24,9 +24,10 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from megatron_h2.planner.cost_model import MODES, CostModel, StageCosts, zero_bubble_share
+from megatron_h2.planner.cost_model import MODES, CostModel, zero_bubble_share
 from megatron_h2.planner.orders import Totals, held_totals, schedule_problem
 from megatron_h2.planner.partition import INF
+from megatron_h2.planner.stage_costs import StageCosts
 
 if TYPE_CHECKING:
     from collections.abc import Sequence

@@ -10,11 +10,15 @@ on chip type ``c`` with TP degree ``t``, micro-batch ``b`` (``T = b x seq`` toke
 * TP: two ring all-reduces of ``T x h`` bf16 values per layer in forward and two in backward
   (two more in backward under full recompute), over ``intra_node_gb_per_s``;
 * memory: parameters x bytes per parameter (18 = 2 bf16 weight + 4 fp32 grad + 4 fp32 master +
-  8 Adam; 6 + 12/d with the distributed optimizer) + in-flight micro-batches x activations per
-  layer (by recompute mode) + one layer's full activations as backward working space, plus the
-  embedding on the first stage and the head (with its logits) on the last;
-* pipeline: per micro-batch, ``T x h`` bf16 values each way per stage boundary, at the chip type's
-  ``inter_node_gb_per_s`` or at ``cross_chip_gb_per_s`` where the chip type changes;
+  8 Adam; 6 + 12/d with the distributed optimizer) + the activations the schedule keeps (per
+  layer, by recompute mode, for each chunk-micro-batch between its forward and backward, and
+  the weight gradients' inputs for each one whose weight-gradient work a zero-bubble schedule
+  has deferred; :mod:`.orders` gives the counts) + one layer's full activations as backward
+  working space, plus the embedding on the first stage and the head (with its logits) on the
+  last;
+* pipeline: per micro-batch, ``T x h`` bf16 values each way per stage boundary (``V`` times,
+  plus the wrap-around link from the last stage to the first, with ``V`` model chunks), at the
+  chip type's ``inter_node_gb_per_s`` or at ``cross_chip_gb_per_s`` where the chip type changes;
 * DP: a ring all-reduce (or reduce-scatter + all-gather) of the stage's gradients once per step;
 * optimizer: where the profile table measures it, ``optimizer_ns_per_param`` x the parameters a
   chip holds (divided by DP under the distributed optimizer), once per step after the stage's
@@ -22,11 +26,11 @@ on chip type ``c`` with TP degree ``t``, micro-batch ``b`` (``T = b x seq`` toke
   :meth:`CostModel.evaluate` and so in the simulator; the search's split solver and bounds leave
   it out (they stay consistent with each other) and candidates are ranked by ``evaluate``.
 
-The step time of a plan with ``m`` micro-batches and per-stage work ``w_i`` (forward + backward of
-one micro-batch) under 1F1B is ``(m - 1) x max_i w_i + sum_i w_i + 2 x sum of link times +
-max_i DP sync_i``: the gradient synchronisation is not overlapped with compute and is counted as
-if every stage started it when the pipeline drains (an upper bound: later stages drain earlier,
-which the event simulator credits).
+The step time of each schedule is :func:`step_time_terms` plus the slowest end-of-step sync
+(not overlapped with compute, counted as if every stage started it when the pipeline drains: an
+upper bound, which the event simulator refines). Under 1F1B, with per-stage work ``w_i``
+(forward + backward of one micro-batch), it is ``(m - 1) x max_i w_i + sum_i w_i + 2 x sum of
+link times + max_i DP sync_i``.
 """
 
 from __future__ import annotations
@@ -34,13 +38,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
-import numpy as np
-
 from megatron_h2.config import RECOMPUTE_MODES, ModelConfig, Recompute, state_bytes_per_param
 from megatron_h2.errors import ConfigError
 from megatron_h2.hetero_plan import HeteroPlan, StageSpec, positive_float
 from megatron_h2.planner.cluster import ChipType, Cluster
-from megatron_h2.planner.orders import State, Totals, check_schedule, held_states
+from megatron_h2.planner.orders import check_schedule, held_states
+from megatron_h2.planner.stage_costs import StageCosts
 
 if TYPE_CHECKING:
     from megatron_h2.planner.profile import ProfileTable
@@ -76,228 +79,6 @@ class CostConfig:
         """Static bytes per parameter of bf16 training (:func:`~megatron_h2.config.
         state_bytes_per_param`): bf16 weight, fp32 grad, fp32 main + Adam (maybe sharded)."""
         return state_bytes_per_param(True, data_parallel_size, self.use_distributed_optimizer)
-
-
-@dataclass(frozen=True)
-class StageCosts:
-    """Per-layer and per-edge costs of one stage kind: (chip type, TP, micro-batch, DP).
-
-    Times are seconds per micro-batch; memory is bytes per chip. ``layer_backward`` and
-    ``layer_activation`` are indexed like :data:`MODES`.
-    """
-
-    chip: str
-    tensor_parallel_size: int
-    micro_batch_size: int
-    data_parallel_size: int
-    layer_forward: float
-    layer_backward: tuple[float, float, float]
-    embedding_forward: float
-    embedding_backward: float
-    head_forward: float
-    head_backward: float
-    layer_static: float
-    embedding_static: float
-    head_static: float
-    layer_activation: tuple[float, float, float]
-    head_activation: float
-    working: float
-    capacity: float
-    layer_params: float
-    embedding_params: float
-    head_params: float
-    sync_per_param: float
-    sync_fixed: float
-    optimizer_per_param: float = 0.0
-    layer_weight_grad: float = 0.0
-    """Seconds of a layer's backward that are weight gradients (deferred by zero-bubble)."""
-    embedding_weight_grad: float = 0.0
-    head_weight_grad: float = 0.0
-    layer_weight_inputs: float = 0.0
-    """Bytes per layer and micro-batch kept from input gradient to weight gradient."""
-    embedding_weight_inputs: float = 0.0
-    head_weight_inputs: float = 0.0
-
-    def layer_time(self, mode: int) -> float:
-        """Forward + backward of one layer for one micro-batch under recompute ``MODES[mode]``.
-
-        For bounds and summaries; plan times use :meth:`forward` + :meth:`backward`.
-        """
-        return self.layer_forward + self.layer_backward[mode]
-
-    def edge_time(self, first: bool, last: bool) -> float:
-        """Forward + backward of the embedding (first stage) and head (last stage) per
-        micro-batch."""
-        time = 0.0
-        if first:
-            time += self.embedding_forward + self.embedding_backward
-        if last:
-            time += self.head_forward + self.head_backward
-        return time
-
-    def forward(self, layers: int, first: bool, last: bool) -> float:
-        """Forward time of a stage for one micro-batch."""
-        edge = (self.embedding_forward if first else 0.0) + (self.head_forward if last else 0.0)
-        return edge + layers * self.layer_forward
-
-    def backward(self, layers: int, mode: int, first: bool, last: bool) -> float:
-        """Backward time (with recompute) of a stage for one micro-batch."""
-        edge = (self.embedding_backward if first else 0.0) + (self.head_backward if last else 0.0)
-        return edge + layers * self.layer_backward[mode]
-
-    def chunk_times(
-        self, layers: int, mode: int, embedding: bool, head: bool
-    ) -> tuple[float, float, float]:
-        """(forward, backward, weight-gradient part of the backward) of one model chunk of
-        ``layers`` layers for one micro-batch; ``embedding`` / ``head``: the chunk holds them."""
-        forward = self.forward(layers, embedding, head)
-        backward = self.backward(layers, mode, embedding, head)
-        weight = layers * self.layer_weight_grad
-        weight += (self.embedding_weight_grad if embedding else 0.0) + (
-            self.head_weight_grad if head else 0.0
-        )
-        return forward, backward, weight
-
-    def held_memory(
-        self,
-        chunk_layers: tuple[int, ...],
-        mode: int,
-        states: tuple[State, ...],
-        first: bool,
-        last: bool,
-    ) -> float:
-        """Peak bytes per chip of a stage whose chunks hold ``chunk_layers`` layers, over the
-        held ``states`` of its schedule (:func:`~megatron_h2.planner.orders.held_states`).
-
-        A micro-batch between a chunk's forward and backward keeps the chunk's activations
-        (by recompute mode; the head's on the last stage's last chunk); between a zero-bubble
-        backward and its weight-gradient work, the weight gradients' inputs instead.
-        """
-        layers = sum(chunk_layers)
-        static = layers * self.layer_static + (self.working if layers > 0 else 0.0)
-        static += (self.embedding_static if first else 0.0) + (self.head_static if last else 0.0)
-        act, keep, peak = self.layer_activation[mode], self.layer_weight_inputs, 0.0
-        for active, deferred in states:
-            held = sum(n * (a * act + d * keep) for n, a, d in zip(chunk_layers, active, deferred))
-            if first:
-                held += deferred[0] * self.embedding_weight_inputs
-            if last:
-                held += active[-1] * self.head_activation + deferred[-1] * self.head_weight_inputs
-            peak = max(peak, held)
-        return static + peak
-
-    def totals_memory(
-        self,
-        units: int,
-        chunks: int,
-        mode: int,
-        totals: tuple[Totals, ...],
-        first: bool,
-        last: bool,
-    ) -> float:
-        """:meth:`held_memory` of a stage with ``units`` layers in each of its ``chunks`` chunks,
-        from the held totals (:func:`~megatron_h2.planner.orders.held_totals`)."""
-        layers = units * chunks
-        static = layers * self.layer_static + (self.working if layers > 0 else 0.0)
-        static += (self.embedding_static if first else 0.0) + (self.head_static if last else 0.0)
-        act, keep, peak = self.layer_activation[mode], self.layer_weight_inputs, 0.0
-        for active, deferred, head_active, head_deferred, embedding_deferred in totals:
-            held = units * (active * act + deferred * keep)
-            held += head_active * self.head_activation + head_deferred * self.head_weight_inputs
-            held += embedding_deferred * self.embedding_weight_inputs
-            peak = max(peak, held)
-        return static + peak
-
-    def max_units(
-        self, chunks: int, mode: int, totals: tuple[Totals, ...], first: bool, last: bool
-    ) -> int:
-        """Most layers per chunk (all ``chunks`` chunks equal) that fit the chip's memory with
-        the held ``totals`` (-1 if not even the embedding / head fit)."""
-        if self.totals_memory(0, chunks, mode, totals, first, last) > self.capacity:
-            return -1
-        fixed = self.working + (self.embedding_static if first else 0.0)
-        fixed += self.head_static if last else 0.0
-        act, keep, most = self.layer_activation[mode], self.layer_weight_inputs, 1 << 20
-        for active, deferred, head_active, head_deferred, embedding_deferred in totals:
-            per = chunks * self.layer_static + active * act + deferred * keep
-            edge = head_active * self.head_activation + head_deferred * self.head_weight_inputs
-            edge += embedding_deferred * self.embedding_weight_inputs
-            if per > 0:
-                most = min(most, max(int((self.capacity - fixed - edge) // per), 0))
-        memory = self.totals_memory
-        while most > 0 and memory(most, chunks, mode, totals, first, last) > self.capacity:
-            most -= 1
-        while most < 1 << 20 and memory(most + 1, chunks, mode, totals, first, last) <= (
-            self.capacity
-        ):
-            most += 1
-        return most
-
-    def edge_memory(self, in_flight: int, first: bool, last: bool) -> float:
-        """Bytes of the embedding and head (weights, optimizer, head activations) on the stage."""
-        memory = 0.0
-        if first:
-            memory += self.embedding_static
-        if last:
-            memory += self.head_static + in_flight * self.head_activation
-        return memory
-
-    def memory(self, layers: int, mode: int, in_flight: int, first: bool, last: bool) -> float:
-        """Peak bytes per chip of a stage holding ``in_flight`` micro-batches of activations."""
-        per_layer = self.layer_static + in_flight * self.layer_activation[mode]
-        working = self.working if layers > 0 else 0.0
-        return self.edge_memory(in_flight, first, last) + working + layers * per_layer
-
-    def max_layers(self, mode: int, in_flight: int, first: bool, last: bool) -> int:
-        """Most layers that fit the chip's memory (-1 if not even the embedding/head fit)."""
-        if self.memory(0, mode, in_flight, first, last) > self.capacity:
-            return -1
-        per_layer = self.layer_static + in_flight * self.layer_activation[mode]
-        room = self.capacity - self.edge_memory(in_flight, first, last) - self.working
-        guess = max(int(room // per_layer), 0) if per_layer > 0 else 1 << 20
-        while guess > 0 and self.memory(guess, mode, in_flight, first, last) > self.capacity:
-            guess -= 1
-        while (
-            self.memory(guess + 1, mode, in_flight, first, last) <= self.capacity
-            and guess < 1 << 20
-        ):
-            guess += 1
-        return guess
-
-    def max_layers_many(
-        self, mode: int, in_flight: np.ndarray, first: bool, last: bool
-    ) -> np.ndarray:
-        """:meth:`max_layers` for many in-flight counts at once (same arithmetic, vectorised)."""
-        k = np.asarray(in_flight, dtype=np.float64)
-        edge = np.zeros_like(k)
-        if first:
-            edge = edge + self.embedding_static
-        if last:
-            edge = edge + (self.head_static + k * self.head_activation)
-        per_layer = self.layer_static + k * self.layer_activation[mode]
-        fixed = edge + self.working
-        guess = np.maximum(np.floor((self.capacity - fixed) / per_layer), 0.0)
-        guess = np.where(fixed + guess * per_layer > self.capacity, np.maximum(guess - 1, 0), guess)
-        guess = np.where(fixed + (guess + 1) * per_layer <= self.capacity, guess + 1, guess)
-        guess = np.where(
-            (guess > 0) & (fixed + guess * per_layer > self.capacity), guess - 1, guess
-        )
-        return np.where(edge > self.capacity, -1, guess).astype(np.int64)
-
-    def params(self, layers: int, first: bool, last: bool) -> float:
-        """Parameters per chip of a stage."""
-        edge = (self.embedding_params if first else 0.0) + (self.head_params if last else 0.0)
-        return edge + layers * self.layer_params
-
-    def optimizer_step(self, layers: int, first: bool, last: bool) -> float:
-        """Seconds of the once-per-step optimizer work (0 unless the profile measures it)."""
-        return self.params(layers, first, last) * self.optimizer_per_param
-
-    def dp_sync(self, layers: int, first: bool, last: bool) -> float:
-        """Seconds of the once-per-step gradient synchronisation across the DP replicas."""
-        if self.data_parallel_size == 1:
-            return 0.0
-        return self.sync_fixed + self.params(layers, first, last) * self.sync_per_param
 
 
 @dataclass(frozen=True)

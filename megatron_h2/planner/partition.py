@@ -32,7 +32,8 @@ from dataclasses import dataclass
 import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
-from megatron_h2.planner.cost_model import MODES, StageCosts, zero_bubble_share
+from megatron_h2.planner.cost_model import MODES, zero_bubble_share
+from megatron_h2.planner.stage_costs import StageCosts
 
 INF = float("inf")
 
