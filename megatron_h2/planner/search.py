@@ -434,27 +434,8 @@ class _Search:
         if key in self.evaluated:
             return
         self.evaluated.add(key)
-        stages = [kind for kind, count in suffix for _ in range(count)]
-        p, m = len(stages), shape.micro_batches
-        slots, caps = [], []
-        for i, kind in enumerate(stages):
-            slots.append(StageSlot(shape.kinds[kind].costs, i == 0, i == p - 1, 0))
-            caps.append(shape.mode_caps(kind, p, i))
-        names = [shape.kinds[k].name for k in stages]
-        links = shape.link_factor * sum(shape.link(a, b) for a, b in zip(names, names[1:]))
-        if shape.chunks > 1:
-            links += 2.0 * (shape.chunks - 1) * shape.link(names[-1], names[0])
         self.stats.splits_solved += 1
-        split = solve_split(
-            slots,
-            self.cost.model.num_layers,
-            m,
-            links,
-            caps,
-            cutoff=self.threshold,
-            schedule=shape.schedule,
-            chunks=shape.chunks,
-        )
+        split = solve_structure(shape, suffix, cutoff=self.threshold)
         if split is None:
             return
         found = _Found(
@@ -470,6 +451,25 @@ class _Search:
         heapq.heappush(self.best, (-found.value, next(self.counter), found))
         if len(self.best) > self.options.top_k:
             heapq.heappop(self.best)
+
+
+def solve_structure(shape: BatchShape, suffix: _Suffix, cutoff: float = INF) -> Split | None:
+    """Stage two: the exact best split of a closed pipeline of ``shape`` whose blocks ``suffix``
+    are (kind index, stages) in pipeline order; None if nothing fits or beats ``cutoff``."""
+    stages = [kind for kind, count in suffix for _ in range(count)]
+    p, m = len(stages), shape.micro_batches
+    slots, caps = [], []
+    for i, kind in enumerate(stages):
+        slots.append(StageSlot(shape.kinds[kind].costs, i == 0, i == p - 1, 0))
+        caps.append(shape.mode_caps(kind, p, i))
+    names = [shape.kinds[k].name for k in stages]
+    links = shape.link_factor * sum(shape.link(a, b) for a, b in zip(names, names[1:]))
+    if shape.chunks > 1:
+        links += 2.0 * (shape.chunks - 1) * shape.link(names[-1], names[0])
+    layers = shape.cost.model.num_layers
+    return solve_split(
+        slots, layers, m, links, caps, cutoff, schedule=shape.schedule, chunks=shape.chunks
+    )
 
 
 def to_plan(found: _Found, cost: CostModel, global_batch_size: int) -> HeteroPlan:

@@ -281,7 +281,7 @@ def write_timeline_png(result: SimulationResult, path: str | Path) -> None:
     palette = plt.get_cmap("tab10")
     colours = {chip: palette(i % 10) for i, chip in enumerate(chips)}
     p, v = plan.pipeline_parallel_size, plan.virtual_pipeline_size
-    fig, ax = plt.subplots(figsize=(12, 0.45 * p + 1.8))
+    fig, ax = plt.subplots(figsize=(13, 0.45 * p + 1.8))
     shade = {"F": 0.45, "B": 1.0, "W": 0.75}
     for e in result.events:
         colour = "0.55" if e.kind == "sync" else colours[plan.stages[e.stage].chip]
@@ -326,7 +326,7 @@ def write_timeline_png(result: SimulationResult, path: str | Path) -> None:
         Patch(facecolor="white", edgecolor="0.3", hatch=CHUNK_HATCHES[c], label=f"chunk {c}")
         for c in range(1, v)
     ]
-    ax.legend(handles=handles, fontsize=7, loc="lower right")
+    ax.legend(handles=handles, fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
