@@ -167,15 +167,14 @@ class BatchShape:
         width = max(len(pairs) for pairs in held)
         pairs = np.array([pairs + [pairs[0]] * (width - len(pairs)) for pairs in held], float)
         active, deferred = pairs[:, :, 0], pairs[:, :, 1]  # position x pair
-        caps = np.zeros((len(self.kinds), len(MODES), positions))
-        for k, kind in enumerate(self.kinds):
-            c = kind.costs
-            room = c.capacity - c.working
-            for r in range(len(MODES)):
-                held_bytes = active * c.layer_activation[r] + deferred * c.layer_weight_inputs
-                per = self.chunks * c.layer_static + held_bytes.max(axis=1)
-                caps[k, r] = np.where(active[:, 0] < 0, 0.0, _most_units(room, per))
-        return caps
+        costs = [kind.costs for kind in self.kinds]
+        act = np.array([c.layer_activation for c in costs])[:, :, None, None]  # kind x mode
+        keep = np.array([c.layer_weight_inputs for c in costs])[:, None, None, None]
+        static = np.array([c.layer_static for c in costs])[:, None, None]
+        room = np.array([c.capacity - c.working for c in costs])[:, None, None]
+        held_bytes = (active * act + deferred * keep).max(axis=3)  # kind x mode x position
+        caps = _most_units(room, self.chunks * static + held_bytes)
+        return np.where(active[None, None, :, 0] < 0, 0.0, caps)
 
     def _prepare(self) -> None:
         positions, layers, v = self.positions, self.layers, self.chunks
@@ -433,17 +432,18 @@ class BatchShape:
         unused: int,
         start: np.ndarray,
         links: np.ndarray | float,
-        edges: float,
-        need: float,
+        edges: np.ndarray | float,
+        need: np.ndarray | float,
         sync: np.ndarray | float = 0.0,
     ) -> np.ndarray:
         """Lower bound on the step time per option column (see the module docstring).
 
-        ``fixed``: (fastest per-layer time, capacity probe x options, stages) of known blocks,
-        each stage holding at least one layer; ``unused``: mask of chip types that may still be
-        placed in front, from positions ``start`` (one per option); ``need``: the slowest stage
-        works at least this long (one layer on the slowest known block); ``sync``: a lower bound
-        on the largest end-of-step sync.
+        ``fixed``: (fastest per-layer fill, capacity probe x options, stages: one number or
+        per option) of known blocks, each stage holding at least one layer; ``unused``: mask of
+        chip types that may still be placed in front, from positions ``start`` (one per option);
+        ``edges``: the embedding's and head's fill; ``need``: the slowest stage works at least
+        this long (one layer on the slowest known block); ``sync``: a lower bound on the largest
+        end-of-step sync (per option or one number, like ``links``).
         """
         widths, units = [], []
         mandatory_layers: np.ndarray | float = 0.0
@@ -491,7 +491,7 @@ class BatchShape:
         admissible = (rows >= np.maximum(first - 1, 0)[None, :]) & (grid[1:] >= need)
         best = np.where(admissible, terms, INF).min(axis=0)
         if not self.grid_is_max:  # W above the top probe: already worse than the K-th best
-            top = max(float(self.grid[-1]), need)
+            top = np.maximum(self.grid[-1], need)
             if self.schedule == "zero-bubble":
                 beyond = factor * top + np.maximum(sync, top)
             else:

@@ -397,26 +397,35 @@ class _Search:
                 leaf = shape.bound(closed, 0, np.array([position]), links, edges, need, sync)
             options.append((float(leaf[0]), -1, 0))
         room = shape.positions - position
-        for t_index, chip in enumerate(shape.types):
+        for t_index, chip in enumerate(shape.types):  # one bound call per chip type
             if not mask >> t_index & 1:
                 continue
             others = mask & ~(1 << t_index)
-            for kind in shape.kinds_of[chip]:
-                most = min(shape.kinds[kind].max_stages, room)
-                if most < 1:
-                    continue
-                counts = np.arange(1, most + 1)
-                ends = position + counts
-                unit = float(shape.unit[kind, 0])
-                block = shape.block(kind, position, ends)
-                parts = list(fixed)
-                parts.append((float(shape.fill_unit[kind]), block, counts))
+            kinds = [k for k in shape.kinds_of[chip] if min(shape.kinds[k].max_stages, room) >= 1]
+            if not kinds:
+                continue
+            counts = [np.arange(1, min(shape.kinds[k].max_stages, room) + 1) for k in kinds]
+            columns = np.cumsum([0] + [len(c) for c in counts])
+            width = int(columns[-1])
+            parts, needs, edges, child_links, syncs = list(fixed), [], [], [], []
+            for kind, count, lo, hi in zip(kinds, counts, columns[:-1], columns[1:]):
+                caps = np.zeros((len(shape.grid), width))  # this kind's options only
+                caps[:, lo:hi] = shape.block(kind, position, position + count)
+                stages = np.zeros(width)
+                stages[lo:hi] = count
+                parts.append((float(shape.fill_unit[kind]), caps, stages))
+                needs.append(np.full(len(count), max(need, float(shape.unit[kind, 0]))))
                 last = suffix[-1][0] if suffix else kind
-                edges = float(shape.head_time[last]) + shape.embedding_min
-                child_links = links + self._block_links(shape, suffix, kind, counts)
-                sync = shape.sync_bound(suffix + ((kind, counts),), others)
-                bounds = shape.bound(parts, others, ends, child_links, edges, max(need, unit), sync)
-                options.extend((float(b), kind, int(n)) for n, b in zip(counts, bounds))
+                edges.append(np.full(len(count), shape.head_time[last] + shape.embedding_min))
+                child_links.append(links + self._block_links(shape, suffix, kind, count))
+                syncs.append(shape.sync_bound(suffix + ((kind, count),), others))
+            ends = position + np.concatenate(counts)
+            bounds = shape.bound(
+                parts, others, ends, np.concatenate(child_links), np.concatenate(edges),
+                np.concatenate(needs), np.concatenate(syncs),
+            )  # fmt: skip
+            for kind, count, lo in zip(kinds, counts, columns[:-1]):
+                options.extend((float(bounds[lo + i]), kind, int(n)) for i, n in enumerate(count))
         options.sort(key=lambda item: (item[0], -item[2]))
         return options
 
