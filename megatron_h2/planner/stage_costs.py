@@ -12,8 +12,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import numpy as np
-
 from megatron_h2.planner.orders import State, Totals
 
 
@@ -202,26 +200,6 @@ class StageCosts:
         ):
             guess += 1
         return guess
-
-    def max_layers_many(
-        self, mode: int, in_flight: np.ndarray, first: bool, last: bool
-    ) -> np.ndarray:
-        """:meth:`max_layers` for many in-flight counts at once (same arithmetic, vectorised)."""
-        k = np.asarray(in_flight, dtype=np.float64)
-        edge = np.zeros_like(k)
-        if first:
-            edge = edge + self.embedding_static
-        if last:
-            edge = edge + (self.head_static + k * self.head_activation)
-        per_layer = self.layer_static + k * self.layer_activation[mode]
-        fixed = edge + self.working
-        guess = np.maximum(np.floor((self.capacity - fixed) / per_layer), 0.0)
-        guess = np.where(fixed + guess * per_layer > self.capacity, np.maximum(guess - 1, 0), guess)
-        guess = np.where(fixed + (guess + 1) * per_layer <= self.capacity, guess + 1, guess)
-        guess = np.where(
-            (guess > 0) & (fixed + guess * per_layer > self.capacity), guess - 1, guess
-        )
-        return np.where(edge > self.capacity, -1, guess).astype(np.int64)
 
     def params(self, layers: int, first: bool, last: bool) -> float:
         """Parameters per chip of a stage."""
