@@ -290,7 +290,7 @@ def search_summary(result: SearchResult) -> str:
     s = result.stats
     best = result.best.estimate.step_time_s
     line = (
-        f"searched {s.batch_shapes} (micro-batch, DP) shapes"
+        f"searched {s.batch_shapes} (micro-batch, DP, schedule) shapes"
         f" ({s.batch_shapes_pruned} pruned whole),"
         f" {s.nodes:,} pipeline prefixes ({s.nodes_pruned:,} options pruned by bound),"
         f" {s.splits_solved:,} layer splits in {s.elapsed_s:.1f} s"
