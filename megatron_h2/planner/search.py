@@ -55,8 +55,8 @@ class SearchOptions:
     max_micro_batch_size: int = 8
     time_limit_s: float = 55.0
     grid_points: int = 64
-    dive_shapes: int = 8
-    dive_nodes: int = 48
+    dive_shapes: int = 24
+    dive_nodes: int = 24
     schedules: tuple[str, ...] = SCHEDULES
     """Pipeline schedules to consider (``1f1b``, ``interleaved``, ``zero-bubble``)."""
     max_virtual_stages: int = 4
