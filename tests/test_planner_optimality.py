@@ -264,7 +264,7 @@ def test_layer_split_is_exact_for_fixed_stages(schedule: str, v: int) -> None:
     slots, caps = [], []
     for i, (name, tp) in enumerate(layout):
         costs = cost.stage_costs(name, tp, mbs, dp)
-        slots.append(StageSlot(costs, i == 0, i == p - 1, 0))
+        slots.append(StageSlot(costs, i == 0, i == p - 1))
         states = held_totals(schedule, p, m, v, i)
         caps.append(tuple(costs.max_units(v, r, states, i == 0, i == p - 1) for r in range(3)))
     links = 2 * v * sum(cost.link_s(a, b, mbs) for (a, _), (b, _) in zip(layout, layout[1:]))

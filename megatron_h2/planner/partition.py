@@ -40,12 +40,12 @@ INF = float("inf")
 
 @dataclass(frozen=True)
 class StageSlot:
-    """A stage of a fixed pipeline before its layers are known."""
+    """A stage of a fixed pipeline before its layers are known (what it holds in memory comes
+    with its recompute modes' layer caps)."""
 
     costs: StageCosts
     first: bool
     last: bool
-    in_flight: int
 
 
 @dataclass(frozen=True)

@@ -189,17 +189,17 @@ class _Search:
         self.stats.exhaustive = False
         self.stats.lower_bound_s = min(self.stats.lower_bound_s, bound)
 
-    def run(self) -> list[_Found]:
+    def _shapes(self) -> list[BatchShape]:
+        """Every (micro-batch size, DP degree, schedule, V) shape with some stage kind. The
+        zero-bubble and interleaved shapes are lazy: the 1F1B shape of the same micro-batch size
+        and DP degree bounds them (:meth:`BatchShape.cheap_bound`) until they are needed."""
         shapes = []
         largest = max(c.count for c in self.cost.cluster.chips)
         variants = self.options.schedule_variants(self.cost.model.num_layers)
         gbs = self.options.global_batch_size
         for mbs in self.options.micro_batch_candidates():
             per_dp = gbs // mbs
-            for dp in range(1, min(per_dp, largest) + 1):
-                if per_dp % dp:
-                    continue
-                # the 1F1B shape's tables bound the others' until they are needed
+            for dp in (d for d in range(1, min(per_dp, largest) + 1) if per_dp % d == 0):
                 plain = BatchShape(self.cost, gbs, mbs, dp) if ("1f1b", 1) in variants else None
                 for schedule, chunks in variants:
                     if (schedule, chunks) == ("1f1b", 1):
@@ -212,6 +212,10 @@ class _Search:
                             shape.prepare()
                     if shape is not None and shape.kinds:
                         shapes.append(shape)
+        return shapes
+
+    def run(self) -> list[_Found]:
+        shapes = self._shapes()
         self.stats.batch_shapes = len(shapes)
         shapes.sort(key=lambda s: s.root_bound())
         for shape in shapes[: self.options.dive_shapes]:  # short dives: good incumbents early
@@ -469,7 +473,7 @@ def solve_structure(shape: BatchShape, suffix: _Suffix, cutoff: float = INF) -> 
     p, m = len(stages), shape.micro_batches
     slots, caps = [], []
     for i, kind in enumerate(stages):
-        slots.append(StageSlot(shape.kinds[kind].costs, i == 0, i == p - 1, 0))
+        slots.append(StageSlot(shape.kinds[kind].costs, i == 0, i == p - 1))
         caps.append(shape.mode_caps(kind, p, i))
     names = [shape.kinds[k].name for k in stages]
     links = shape.link_factor * sum(shape.link(a, b) for a, b in zip(names, names[1:]))
