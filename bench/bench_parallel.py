@@ -44,6 +44,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from megatron_h2.config import (  # noqa: E402  # noqa: E402
+    LLAMA_ARCHITECTURE,
     DataConfig,
     ModelConfig,
     OptimizerConfig,
@@ -113,7 +114,7 @@ def run_config(a: argparse.Namespace, pp: int, global_batch: int) -> RunConfig:
     model = ModelConfig(num_layers=a.num_layers, hidden_size=a.hidden_size,
                         num_attention_heads=a.num_attention_heads, seq_length=a.seq_length,
                         vocab_size=DataConfig().padded_vocab_size(a.vocab_size),
-                        hidden_dropout=0.0, attention_dropout=0.0)
+                        hidden_dropout=0.0, attention_dropout=0.0, **LLAMA_ARCHITECTURE)
     training = TrainingConfig(micro_batch_size=a.micro_batch_size, global_batch_size=global_batch,
                               train_iters=10**6, seed=a.seed, device="cpu")
     return RunConfig(model=model, optimizer=OptimizerConfig(lr=LR, lr_warmup_iters=0),

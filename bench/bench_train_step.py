@@ -35,7 +35,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from megatron_h2.config import ModelConfig, OptimizerConfig  # noqa: E402
+from megatron_h2.config import LLAMA_ARCHITECTURE, ModelConfig, OptimizerConfig  # noqa: E402
 from megatron_h2.devices import get_accelerator  # noqa: E402
 from megatron_h2.errors import ConfigError  # noqa: E402
 from megatron_h2.models.gpt import GPTModel, init_parameters  # noqa: E402
@@ -248,7 +248,8 @@ def main(argv: list[str] | None = None) -> int:
             num_attention_heads=args.num_attention_heads, num_query_groups=args.num_query_groups,
             ffn_hidden_size=args.ffn_hidden_size, seq_length=args.seq_length,
             max_position_embeddings=args.seq_length, vocab_size=args.vocab_size,
-            hidden_dropout=0.0, attention_dropout=0.0)
+            hidden_dropout=0.0, attention_dropout=0.0, group_query_attention=True,
+            **LLAMA_ARCHITECTURE)
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

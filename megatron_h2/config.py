@@ -7,38 +7,44 @@ parser from these declarations (name, help, choices), so the defaults here are t
 line's, and they are Megatron-LM's wherever Megatron has the flag.
 
 :class:`ModelConfig` is what both the runtime builds (``megatron_h2.models``) and the planner
-plans for (``megatron_h2.planner``): its parameter counts, FLOPs, vocabulary padding
-(:func:`pad_vocab_size`), activation bytes and :func:`state_bytes_per_param` are the only ones in
-the project.
+plans for (``megatron_h2.planner``): its parameter counts, FLOPs and activation bytes (from its
+base :class:`~megatron_h2.model_counts.ModelCounts`), the vocabulary padding
+(:func:`pad_vocab_size`) and :func:`state_bytes_per_param` are the only ones in the project.
 """
 
 from __future__ import annotations
 
+import signal
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Literal
 
 from megatron_h2.errors import ConfigError
+from megatron_h2.model_counts import RECOMPUTE_MODES, ModelCounts, Recompute
 
-Recompute = Literal["none", "selective", "full"]
-RECOMPUTE_MODES: tuple[Recompute, ...] = ("none", "selective", "full")
-"""Activation recompute modes, fastest (and most memory-hungry) first."""
-LR_DECAY_STYLES = ("cosine", "linear", "constant")
+LR_DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root", "WSD")
+WSD_DECAY_STYLES = ("exponential", "linear", "cosine", "minus_sqrt")
+WD_INCR_STYLES = ("constant", "linear", "cosine")
 
 
 def flag(default: Any = None, help: str = "", *, name: str | None = None,
          choices: tuple | None = None, negative: bool = False, required: bool = False,
          parse: Callable[[str], Any] | None = None, metavar: str | None = None,
-         shortcuts: tuple[tuple[str, Any, str], ...] = ()) -> Any:
+         shortcuts: tuple[tuple[str, Any, str], ...] = (), unless: tuple[str, ...] = (),
+         nargs: int | None = None) -> Any:
     """A dataclass field that is also a command-line flag.
 
     ``name`` overrides the flag (default ``--field-name``); ``negative`` makes a bool flag that
     sets the field to False (Megatron's ``--disable-...`` / ``--no-...`` flags); ``required``
-    flags must be given unless the run is the embedded demo; ``parse`` converts the text;
-    ``shortcuts`` are extra flags ``(flag, value, help)`` that set the field to a fixed value.
+    flags must be given unless the run is the embedded demo, or one of the fields in ``unless``
+    (the alternatives, e.g. ``--train-samples`` for ``--train-iters``; the embedded demo's value
+    for the field is dropped when one of them is given) is given; ``parse``
+    converts the text; ``shortcuts`` are extra flags ``(flag, value, help)`` that set the field
+    to a fixed value; ``nargs`` fixes the number of values of a list flag.
     """
     meta = {"help": help, "name": name, "choices": choices, "negative": negative,
-            "required": required, "parse": parse, "metavar": metavar, "shortcuts": shortcuts}
+            "required": required, "parse": parse, "metavar": metavar, "shortcuts": shortcuts,
+            "unless": unless, "nargs": nargs}
     if isinstance(default, list):
         return field(default_factory=lambda: list(default), metadata={"cli": meta})
     return field(default=default, metadata={"cli": meta})
@@ -60,6 +66,44 @@ def int_list(text: str) -> list[int]:
         return [int(x) for x in text.split(",")]
     except ValueError:
         raise ConfigError(f"expected comma-separated integers such as 3,1, got {text!r}") from None
+
+
+_SUFFIXES = {"K": 10**3, "M": 10**6, "B": 10**9, "T": 10**12}
+
+
+def _count(text: str) -> int:
+    """``"2.4B"`` -> 2400000000 (Megatron's K / M / B / T suffixes)."""
+    text = text.strip().upper()
+    scale = _SUFFIXES.get(text[-1:], 1)
+    number = text[:-1] if text[-1:] in _SUFFIXES else text
+    value = float(number)
+    if not value >= 0 or value != value:
+        raise ValueError(text)
+    return int(value * scale)
+
+
+def parse_batch_size_schedule(text: str) -> list[tuple[int, int]]:
+    """``"0:16 2.4B:320"`` -> ``[(0, 16), (2400000000, 320)]`` (threshold, global batch size),
+    sorted by threshold, as Megatron's ``--step-batch-size-schedule`` (thresholds are tokens)."""
+    hint = "use \"THRESHOLD:BATCH ...\" such as \"0:16 2.4B:320 12B:1536\""
+    steps = []
+    for entry in text.strip().strip("'\"").replace(",", " ").split():
+        threshold, sep, batch = entry.partition(":")
+        try:
+            if not sep:
+                raise ValueError(entry)
+            steps.append((_count(threshold), _count(batch)))
+        except ValueError:
+            raise ConfigError(f"--step-batch-size-schedule entry {entry!r} is not "
+                              f"THRESHOLD:BATCH; {hint}") from None
+    steps.sort()
+    if not steps or steps[0][0] != 0:
+        raise ConfigError(f"--step-batch-size-schedule must start at threshold 0; {hint}")
+    if any(a[0] == b[0] for a, b in zip(steps, steps[1:])):
+        raise ConfigError("--step-batch-size-schedule repeats a threshold; give each once")
+    if any(batch <= 0 for _, batch in steps):
+        raise ConfigError("--step-batch-size-schedule batch sizes must be positive")
+    return steps
 
 
 def _required(obj: object, *names: str) -> None:
@@ -104,32 +148,95 @@ def state_bytes_per_param(bf16_params: bool, data_parallel_size: int = 1,
 
 def swiglu_ffn_size(hidden_size: int) -> int:
     """Megatron's default SwiGLU width: 2/3 of 4h, rounded down to a multiple of 64."""
-    return max(64, int(4 * hidden_size * 2 / 3) // 64 * 64)
+    return int((4 * hidden_size * 2 / 3) / 64) * 64
+
+
+NORMALIZATIONS = ("LayerNorm", "RMSNorm")
+POSITION_EMBEDDING_TYPES = ("learned_absolute", "rope", "none")
+Activation = Literal["gelu", "gelu_tanh", "swiglu", "squared_relu"]
+
+LLAMA_ARCHITECTURE: dict[str, Any] = {
+    "normalization": "RMSNorm", "swiglu": True, "position_embedding_type": "rope",
+    "add_bias_linear": False, "untie_embeddings_and_output_weights": True}
+"""The :class:`ModelConfig` fields of a LLaMA-style model (Megatron's LLaMA flags ``--swiglu
+--normalization RMSNorm --position-embedding-type rope --disable-bias-linear
+--untie-embeddings-and-output-weights``); grouped-query attention is set separately."""
+
+ARCHITECTURE_FIELDS: tuple[str, ...] = (
+    "group_query_attention", "num_query_groups", "kv_channels", "ffn_hidden_size",
+    "normalization", "apply_layernorm_1p", "norm_epsilon", "swiglu", "squared_relu",
+    "bias_gelu_fusion", "add_bias_linear", "add_qkv_bias", "untie_embeddings_and_output_weights",
+    "position_embedding_type", "rotary_percent", "rotary_base",
+    "rotary_seq_len_interpolation_factor", "use_rope_scaling", "rope_scaling_factor")
+"""Fields beyond the shape (layers, hidden size, heads, vocabulary) that change the weights or
+what they compute: a checkpoint's must equal the run's, and the planner's model files and
+launch scripts carry them (``max_position_embeddings``, the size of a learned position table, is
+checked by the tensor shapes)."""
 
 
 @dataclass
-class ModelConfig:
-    """Shape of a LLaMA-style decoder (RMSNorm, RoPE, SwiGLU, grouped-query attention)."""
+class ModelConfig(ModelCounts):
+    """The decoder Megatron builds for the same flags (Megatron's defaults are a GPT: LayerNorm
+    with bias, GeLU MLP of 4h with biases, learned absolute positions, embedding tied to the
+    output layer); Megatron's LLaMA flags (:data:`LLAMA_ARCHITECTURE`) give a LLaMA."""
 
     # The shape flags are required on the command line (as in Megatron) except for the embedded
     # demo, which uses these defaults.
     num_layers: int = flag(4, "Number of transformer layers.", required=True)
     hidden_size: int = flag(256, "Transformer hidden size.", required=True)
     num_attention_heads: int = flag(8, "Number of transformer attention heads.", required=True)
+    group_query_attention: bool = flag(
+        False, "Use grouped-query attention (--num-query-groups key/value heads); without it "
+        "every head has its own key and value, whatever --num-query-groups says (as Megatron).")
     num_query_groups: int | None = flag(
-        None, "Number of query groups (key/value heads) for grouped-query attention; default: "
-        "one per head.")
+        None, "Number of query groups (key/value heads) with --group-query-attention; default: "
+        "1 with --group-query-attention, else one per head.")
+    kv_channels: int | None = flag(
+        None, "Projection weights dimension in multi-head attention (the head dimension); "
+        "default: --hidden-size / --num-attention-heads.")
     ffn_hidden_size: int | None = flag(
-        None, "Transformer feed-forward network hidden size; default: Megatron's SwiGLU size "
-        "(2/3 of 4h, rounded down to a multiple of 64).")
+        None, "Transformer feed-forward network hidden size; default: 4 x --hidden-size, or "
+        "with --swiglu 2/3 of that rounded down to a multiple of 64.")
     seq_length: int = flag(128, "Maximum sequence length to process.", required=True)
     max_position_embeddings: int | None = flag(
-        None, "Maximum number of position embeddings; default: --seq-length.")
+        None, "Maximum number of position embeddings (the size of the learned position table); "
+        "default: --seq-length.")
+    normalization: str = flag("LayerNorm", "Normalization layer (LayerNorm has a bias).",
+                              choices=NORMALIZATIONS)
+    apply_layernorm_1p: bool = flag(
+        False, "Zero-centred norm scales: weights start at 0 and the norm multiplies by "
+        "(1 + weight).")
     norm_epsilon: float = flag(1e-5, "Epsilon for layer norm and RMS norm.")
+    swiglu: bool = flag(False, "Use gated linear units and SiLU activation instead of GeLU.")
+    squared_relu: bool = flag(False, "Use squared ReLU activation instead of GeLU.")
+    bias_gelu_fusion: bool = flag(
+        True, "Megatron's fused bias + GeLU, which computes the tanh approximation of GeLU; "
+        "--no-bias-gelu-fusion (or --disable-bias-linear) gives the exact (erf) GeLU.",
+        name="--no-bias-gelu-fusion", negative=True)
+    add_bias_linear: bool = flag(
+        True, "Biases in every linear layer (QKV, attention output, both MLP layers); "
+        "--disable-bias-linear removes them.", name="--disable-bias-linear", negative=True)
+    add_qkv_bias: bool = flag(False, "Add a bias to the QKV projection only (implied by the "
+                              "biases of every linear layer).")
+    untie_embeddings_and_output_weights: bool = flag(
+        False, "Separate weights for the input embedding and the output layer (default: one "
+        "tied weight).")
+    position_embedding_type: str = flag(
+        "learned_absolute", "Position embedding type.", choices=POSITION_EMBEDDING_TYPES,
+        shortcuts=(("--use-rotary-position-embeddings", "rope",
+                    "Megatron's older spelling of --position-embedding-type rope."),))
+    rotary_percent: float = flag(1.0, "Fraction of each head's dimensions that rotary "
+                                 "embeddings rotate.")
     rotary_base: float = flag(10000.0, "Base to use for rotary positional embeddings.")
+    rotary_seq_len_interpolation_factor: int | None = flag(
+        None, "Divide positions by this factor before the rotary embedding (linear position "
+        "interpolation).")
+    use_rope_scaling: bool = flag(False, "Apply Llama 3.x rope scaling to the rotary "
+                                  "frequencies.")
+    rope_scaling_factor: float = flag(8.0, "Rope scaling factor in Llama 3.x models.")
     init_method_std: float = flag(
         0.02, "Standard deviation of the zero mean normal distribution used for weight "
-        "initialization.")
+        "initialization (scaled by 1/sqrt(2 x layers) for each layer's output projections).")
     hidden_dropout: float = flag(0.1, "Dropout probability for hidden state transformer.")
     attention_dropout: float = flag(0.1, "Post attention dropout probability.")
     recompute: Recompute = flag(
@@ -141,25 +248,14 @@ class ModelConfig:
     vocab_size: int = 0  # padded vocabulary size; filled in from the tokenizer at start-up
 
     def __post_init__(self) -> None:
-        if self.num_query_groups is None:
-            self.num_query_groups = self.num_attention_heads
-        if self.ffn_hidden_size is None:
-            self.ffn_hidden_size = swiglu_ffn_size(self.hidden_size)
-        if self.max_position_embeddings is None:
-            self.max_position_embeddings = self.seq_length
+        self._fill_defaults()
         _positive(self, "num_layers", "hidden_size", "num_attention_heads", "num_query_groups",
-                  "ffn_hidden_size", "seq_length", "max_position_embeddings")
-        if self.hidden_size % self.num_attention_heads:
-            raise ConfigError(
-                f"--hidden-size {self.hidden_size} is not divisible by --num-attention-heads "
-                f"{self.num_attention_heads}; choose a hidden size that is a multiple of the heads")
+                  "kv_channels", "ffn_hidden_size", "seq_length", "max_position_embeddings",
+                  "norm_epsilon", "rotary_base", "rope_scaling_factor")
         if self.num_attention_heads % self.num_query_groups:
             raise ConfigError(
                 f"--num-query-groups {self.num_query_groups} does not divide --num-attention-heads "
                 f"{self.num_attention_heads}; use a divisor of the head count")
-        if self.kv_channels % 2:
-            raise ConfigError(f"head dimension {self.kv_channels} (hidden/heads) must be even "
-                              "for rotary embeddings")
         if self.seq_length > self.max_position_embeddings:
             raise ConfigError(
                 f"--seq-length {self.seq_length} exceeds --max-position-embeddings "
@@ -170,144 +266,200 @@ class ModelConfig:
                 raise ConfigError(f"--{name.replace('_', '-')} must be in [0, 1)")
         if self.recompute not in RECOMPUTE_MODES:
             raise ConfigError(f"recompute must be none, selective or full, got {self.recompute!r}")
+        self._check_architecture()
+
+    def _fill_defaults(self) -> None:
+        """Megatron's rules for the sizes left unset."""
+        if not self.group_query_attention:
+            self.num_query_groups = self.num_attention_heads
+        elif self.num_query_groups is None:
+            self.num_query_groups = 1
+        if self.kv_channels is None:
+            if self.num_attention_heads > 0 and self.hidden_size % self.num_attention_heads:
+                raise ConfigError(
+                    f"--hidden-size {self.hidden_size} is not divisible by --num-attention-heads "
+                    f"{self.num_attention_heads}; choose a hidden size that is a multiple of the "
+                    "heads or set --kv-channels")
+            self.kv_channels = self.hidden_size // max(self.num_attention_heads, 1)
+        if self.ffn_hidden_size is None:
+            self.ffn_hidden_size = (swiglu_ffn_size(self.hidden_size) if self.swiglu
+                                    else 4 * self.hidden_size)
+        if self.max_position_embeddings is None:
+            self.max_position_embeddings = self.seq_length
+        if self.add_bias_linear:
+            self.add_qkv_bias = True  # Megatron keeps the two in sync
+
+    def _check_architecture(self) -> None:
+        if self.normalization not in NORMALIZATIONS:
+            raise ConfigError(f"--normalization must be LayerNorm or RMSNorm, got "
+                              f"{self.normalization!r}")
+        if self.position_embedding_type not in POSITION_EMBEDDING_TYPES:
+            raise ConfigError(f"--position-embedding-type must be one of "
+                              f"{', '.join(POSITION_EMBEDDING_TYPES)}, got "
+                              f"{self.position_embedding_type!r}")
+        if self.swiglu and self.squared_relu:
+            raise ConfigError("--swiglu and --squared-relu are different activations; give one")
+        if not 0.0 < self.rotary_percent <= 1.0:
+            raise ConfigError(f"--rotary-percent must be in (0, 1], got {self.rotary_percent}")
+        if self.position_embedding_type == "rope" and (self.rotary_dim < 2 or self.rotary_dim % 2):
+            raise ConfigError(
+                f"rotary embeddings need an even number of rotated dimensions, got "
+                f"{self.rotary_dim} (--kv-channels {self.kv_channels} x --rotary-percent "
+                f"{self.rotary_percent:g})")
+        factor = self.rotary_seq_len_interpolation_factor
+        if factor is not None and factor < 1:
+            raise ConfigError(f"--rotary-seq-len-interpolation-factor must be >= 1, got {factor}")
+
+    # ------------------------------------------------------------------ derived architecture
+    @property
+    def activation(self) -> Activation:
+        """The MLP's activation as Megatron computes it for these flags: SwiGLU, squared ReLU, or
+        GeLU - the tanh approximation of Megatron's fused bias-GeLU when the MLP has biases and
+        the fusion is on (the default), else the exact erf GeLU."""
+        if self.swiglu:
+            return "swiglu"
+        if self.squared_relu:
+            return "squared_relu"
+        return "gelu_tanh" if self.add_bias_linear and self.bias_gelu_fusion else "gelu"
 
     @property
-    def kv_channels(self) -> int:
-        """Dimension of one attention head."""
-        return self.hidden_size // self.num_attention_heads
-
-    # ------------------------------------------------------------------ parameters and FLOPs
-    # Counted for the architecture the runtime builds (megatron_h2.models.gpt), on the padded
-    # vocabulary: ``vocab_size`` is the size of the embedding and output layer.
-    @property
-    def kv_size(self) -> int:
-        """Width of the K (and of the V) projection: query groups x head dimension."""
-        return self.num_query_groups * self.kv_channels
+    def tied_embeddings(self) -> bool:
+        """True when the output layer uses the input embedding's weight."""
+        return not self.untie_embeddings_and_output_weights
 
     @property
-    def layer_matrix_params(self) -> int:
-        """Weights of one layer's matrices: fused QKV, output projection, SwiGLU [gate|up], down."""
-        h = self.hidden_size
-        return h * (self.num_attention_heads * self.kv_channels + 2 * self.kv_size) \
-            + self.num_attention_heads * self.kv_channels * h + 3 * h * self.ffn_hidden_size
+    def rotary_dim(self) -> int:
+        """Dimensions of each head that rotary embeddings rotate (Megatron's rounding)."""
+        dim = self.kv_channels
+        return int(dim * self.rotary_percent) if self.rotary_percent < 1.0 else dim
 
-    @property
-    def layer_params(self) -> int:
-        """All parameters of one layer (matrices and the two norm scales)."""
-        return self.layer_matrix_params + 2 * self.hidden_size
+    def describe_architecture(self) -> str:
+        """One phrase such as ``LayerNorm, GeLU (tanh) MLP with biases, learned positions, tied
+        embedding``."""
+        norm = self.normalization + (" (1p)" if self.apply_layernorm_1p else "")
+        act = {"gelu": "GeLU", "gelu_tanh": "GeLU (tanh)", "swiglu": "SwiGLU",
+               "squared_relu": "squared-ReLU"}[self.activation]
+        bias = ("with biases" if self.add_bias_linear
+                else "QKV bias only" if self.add_qkv_bias else "no biases")
+        pos = {"learned_absolute": "learned positions", "none": "no positions",
+               "rope": f"rotary positions (base {self.rotary_base:g})",
+               }[self.position_embedding_type]
+        if self.position_embedding_type == "rope" and self.rotary_percent < 1.0:
+            pos += f" on {self.rotary_percent:g} of each head"
+        if self.position_embedding_type == "rope" and self.use_rope_scaling:
+            pos += f", Llama 3 scaling x{self.rope_scaling_factor:g}"
+        tied = "tied embedding" if self.tied_embeddings else "untied embedding and output"
+        return f"{norm}, {act} MLP {bias}, {pos}, {tied}"
 
-    def layer_params_per_chip(self, tp: int) -> float:
-        """Parameters of one layer on one TP rank (matrices split, norm scales replicated)."""
-        return self.layer_matrix_params / tp + 2 * self.hidden_size
 
-    def embedding_params_per_chip(self, tp: int) -> float:
-        """Vocabulary-parallel input embedding on one TP rank."""
-        return self.vocab_size * self.hidden_size / tp
-
-    def head_params_per_chip(self, tp: int) -> float:
-        """Final norm plus vocabulary-parallel output layer on one TP rank."""
-        return self.vocab_size * self.hidden_size / tp + self.hidden_size
-
-    def num_parameters(self) -> int:
-        """Parameters of the whole model (layers, embedding, final norm, output layer)."""
-        return self.num_layers * self.layer_params + 2 * self.vocab_size * self.hidden_size \
-            + self.hidden_size
-
-    def attention_core_flops_per_token(self, causal: bool = True) -> float:
-        """QK^T and AV of one layer per token: 4 x seq x (heads x head dim) over the full square,
-        half of it with the causal mask (the work a chip does)."""
-        full = 4.0 * self.seq_length * self.num_attention_heads * self.kv_channels
-        return full / 2 if causal else full
-
-    def layer_forward_flops(self, tokens: int, causal: bool = True) -> float:
-        """Forward FLOPs of one layer over ``tokens`` tokens (matrix multiplies + attention)."""
-        return tokens * (2.0 * self.layer_matrix_params
-                         + self.attention_core_flops_per_token(causal))
-
-    def head_forward_flops(self, tokens: int) -> float:
-        """Forward FLOPs of the output layer (logits over the padded vocabulary)."""
-        return tokens * 2.0 * self.hidden_size * self.vocab_size
-
-    def layer_weight_grad_flops(self, tokens: int) -> float:
-        """FLOPs of one layer's weight gradients (``dW = X^T dY`` of its four matrices): the part
-        of the backward (2 x forward) that a zero-bubble schedule defers. The rest, the input
-        gradients and the attention core's backward, is what the previous stage waits for."""
-        return tokens * 2.0 * self.layer_matrix_params
-
-    def head_weight_grad_flops(self, tokens: int) -> float:
-        """FLOPs of the output layer's weight gradient (half of its backward)."""
-        return self.head_forward_flops(tokens)
-
-    def flops_per_token(self, causal: bool = False) -> float:
-        """Training FLOPs of one token, forward + backward = 3 x forward, no recompute.
-
-        ``causal=False`` counts attention over the full square, as Megatron's model-TFLOP/s
-        accounting does (the runtime's log line); the planner's MFU counts the causal half.
-        """
-        forward = self.num_layers * self.layer_forward_flops(1, causal) \
-            + self.head_forward_flops(1)
-        return 3.0 * forward
-
-    # ----------------------------------------------------------------------------- memory
-    def layer_activation_bytes(self, tokens: int, tp: int, recompute: Recompute) -> float:
-        """Bytes one layer keeps for backward per micro-batch of ``tokens`` tokens (bf16).
-
-        ``none``: the inputs of every matrix multiply, the norms, the attention core and the
-        SwiGLU activation; ``selective``: the attention core and the activation are recomputed;
-        ``full``: only the layer input is kept. Sharded parts are divided by TP.
-        """
-        h, f, kv, a = (self.hidden_size, self.ffn_hidden_size, self.kv_size,
-                       self.num_attention_heads)
-        if recompute == "none":
-            return tokens * (8 * h + (4 * h + 4 * kv + 6 * f + 4 * a) / tp)
-        if recompute == "selective":
-            return tokens * (4 * h + (2 * h + 4 * kv + 4 * f) / tp)
-        return tokens * 2.0 * h
-
-    def head_activation_bytes(self, tokens: int, tp: int) -> float:
-        """Bytes the final norm, output layer and loss keep per micro-batch (bf16 input, fp32
-        logits)."""
-        return tokens * (4 * self.hidden_size + 6 * self.vocab_size / tp)
-
-    def layer_weight_grad_bytes(self, tokens: int, tp: int) -> float:
-        """Bytes one layer keeps per micro-batch between its input gradient and its deferred
-        weight gradient (zero-bubble): every matrix's input and output gradient, bf16, per TP
-        rank (QKV: h in, (h + 2 kv) / t out; projection: h / t in, h out; gate|up: h in,
-        2 f / t out; down: f / t in, h out)."""
-        h, f, kv = self.hidden_size, self.ffn_hidden_size, self.kv_size
-        return tokens * (8 * h + (4 * h + 4 * kv + 6 * f) / tp)
-
-    def head_weight_grad_bytes(self, tokens: int, tp: int) -> float:
-        """The same for the output layer: its input (h) and the logits' gradient (V / t), bf16."""
-        return tokens * 2.0 * (self.hidden_size + self.vocab_size / tp)
-
-    def embedding_weight_grad_bytes(self, tokens: int) -> float:
-        """The same for the input embedding: the gradient of its output (h, bf16)."""
-        return tokens * 2.0 * self.hidden_size
+TOKENIZER_TYPES = ("GPT2BPETokenizer", "GPTSentencePieceTokenizer", "HuggingFaceTokenizer",
+                   "Llama2Tokenizer", "NullTokenizer", "SentencePieceTokenizer", "TikTokenizer")
+LEGACY_SPLIT = "969, 30, 1"
+"""Megatron's split when --data-path comes without --split."""
+MOCK_SPLIT = "1,1,1"
+"""Megatron's split of --mock-data (it ignores --split)."""
 
 
 @dataclass
 class DataConfig:
-    """Where the tokens come from. An empty ``data_path`` means the embedded default corpus."""
+    """Where the tokens come from and how text becomes tokens. Without any data source the run
+    is the embedded demo (its own corpus and tokenizer)."""
 
     data_path: list[str] = flag(
-        [], "PREFIX [PREFIX ...] or W1 PREFIX1 W2 PREFIX2 ... of Megatron .bin/.idx files; "
-        "default: the embedded demo corpus built from the Python standard library.",
+        [], "PREFIX [PREFIX ...] (blended by size) or W1 PREFIX1 W2 PREFIX2 ... of Megatron "
+        ".bin/.idx files, cut into training / validation / test documents by --split; default: "
+        "the embedded demo corpus built from the Python standard library.", metavar="PATH")
+    split: str | None = flag(
+        None, "Comma-separated proportions for training, validation and test documents, e.g. "
+        "99,1,0 (quotes and spaces are ignored); default with --data-path: '969, 30, 1'.")
+    train_data_path: list[str] = flag(
+        [], "Weights and prefixes (as --data-path) of a separate training dataset, used whole.",
         metavar="PATH")
-    split: str = flag("969, 30, 1", "Comma-separated proportions for training, validation and "
-                      "test documents.")
-    tokenizer_type: str | None = flag(None, "What type of tokenizer to use.")
-    tokenizer_model: str | None = flag(None, "Tokenizer model file or directory.")
-    vocab_size: int | None = flag(None, "Size of the vocabulary without padding (NullTokenizer).")
+    valid_data_path: list[str] = flag(
+        [], "Weights and prefixes of a separate validation dataset, used whole.", metavar="PATH")
+    test_data_path: list[str] = flag(
+        [], "Weights and prefixes of a separate test dataset, used whole.", metavar="PATH")
+    mock_data: bool = flag(False, "Train on synthetic documents instead of files (Megatron's "
+                           "MockGPTDataset); the split is then 1,1,1.")
+    mmap_bin_files: bool = flag(True, "Read the .bin files with file reads instead of "
+                                "memory-mapping them; default: memory-mapped.",
+                                name="--no-mmap-bin-files", negative=True)
+    tokenizer_type: str = flag("GPT2BPETokenizer", "What type of tokenizer to use.",
+                               choices=TOKENIZER_TYPES)
+    tokenizer_model: str | None = flag(
+        None, "Tokenizer model: SentencePiece .model file (SentencePieceTokenizer, "
+        "GPTSentencePieceTokenizer, Llama2Tokenizer), tiktoken .json vocabulary (TikTokenizer) "
+        "or Hugging Face tokenizer directory (HuggingFaceTokenizer).")
+    vocab_file: str | None = flag(None, "Path to the vocab file (GPT2BPETokenizer: vocab.json).")
+    merge_file: str | None = flag(None, "Path to the BPE merge file (GPT2BPETokenizer: "
+                                  "merges.txt).")
+    vocab_size: int | None = flag(
+        None, "Size of the vocabulary before padding: NullTokenizer's ids are 0..N-1 with eod "
+        "N-1; TikTokenizer's vocabulary (default 131072).")
+    tiktoken_pattern: str | None = flag(None, "Pre-tokenization pattern of TikTokenizer; "
+                                        "default: v2.", choices=("v1", "v2"))
+    tiktoken_num_special_tokens: int = flag(
+        1000, "Number of special tokens at the start of TikTokenizer's vocabulary.")
+    tokenizer_special_tokens: list[str] | None = flag(
+        None, "TikTokenizer's special tokens (must include <unk> <s> </s> <mask> <pad> <cls> "
+        "<sep>); default: those seven.", metavar="TOKEN")
+    null_tokenizer_eod_id: int | None = flag(
+        None, "EOD token id of NullTokenizer; default: --vocab-size - 1.")
+    tokenizer_hf_no_include_special_tokens: bool = flag(
+        False, "HuggingFaceTokenizer: do not add the tokenizer's special tokens (e.g. BOS) when "
+        "converting text to ids.")
     make_vocab_size_divisible_by: int = flag(
         128, "Pad the vocabulary to be divisible by this value (not multiplied by the TP size, "
         "so every layout builds the same model).")
     data_cache_path: str | None = flag(None, "Directory to hold cached index files.")
+    eod_mask_loss: bool = flag(False, "Mask loss for the end of document tokens (positions "
+                               "whose input token is the tokenizer's eod).")
 
     def __post_init__(self) -> None:
         _positive(self, "make_vocab_size_divisible_by")
-        if self.data_path and self.tokenizer_type is None:
-            raise ConfigError("--data-path needs --tokenizer-type (and usually --tokenizer-model)")
+        per_split = self.per_split_paths
+        sources = [name for name, used in (("--data-path", self.data_path),
+                                           ("--mock-data", self.mock_data),
+                                           ("--train/valid/test-data-path", per_split))
+                   if used]
+        if len(sources) > 1:
+            raise ConfigError(f"give one data source, not {' and '.join(sources)}")
+        if per_split and self.split is not None:
+            raise ConfigError("--split applies to --data-path; the --train/valid/test-data-path "
+                              "datasets are used whole, so drop --split")
+        if per_split and not self.train_data_path:
+            raise ConfigError("--valid-data-path / --test-data-path need --train-data-path")
+        if self.tiktoken_num_special_tokens < 0:
+            raise ConfigError("--tiktoken-num-special-tokens must be >= 0")
+        if self.vocab_size is not None:
+            _positive(self, "vocab_size")
+
+    @property
+    def per_split_paths(self) -> bool:
+        """Whether separate --train/valid/test-data-path datasets are given."""
+        return bool(self.train_data_path or self.valid_data_path or self.test_data_path)
+
+    @property
+    def has_source(self) -> bool:
+        """Whether the run names its data (otherwise it is the embedded demo)."""
+        return bool(self.data_path or self.mock_data or self.per_split_paths)
+
+    def effective_split(self) -> str:
+        """The split the datasets are cut by: 1,1,1 for --mock-data (Megatron), --split, or
+        Megatron's legacy default."""
+        if self.mock_data:
+            return MOCK_SPLIT
+        return self.split if self.split is not None else LEGACY_SPLIT
+
+    def tokenizer_options(self) -> dict[str, Any]:
+        """The keyword arguments of ``megatron_h2.data.build_tokenizer`` beyond type, model and
+        vocabulary size."""
+        return {"vocab_file": self.vocab_file, "merge_file": self.merge_file,
+                "tiktoken_pattern": self.tiktoken_pattern,
+                "tiktoken_num_special_tokens": self.tiktoken_num_special_tokens,
+                "special_tokens": self.tokenizer_special_tokens,
+                "null_tokenizer_eod_id": self.null_tokenizer_eod_id,
+                "hf_include_special_tokens": not self.tokenizer_hf_no_include_special_tokens}
 
     def padded_vocab_size(self, vocab_size: int) -> int:
         """The model's vocabulary for a tokenizer of ``vocab_size`` (see :func:`pad_vocab_size`)."""
@@ -316,17 +468,56 @@ class DataConfig:
 
 @dataclass
 class OptimizerConfig:
-    """AdamW with warm-up then decay to ``min_lr``."""
+    """AdamW and Megatron's optimizer-parameter schedule: learning rate (warm-up from
+    ``--lr-warmup-init``, then decay to ``--min-lr``) and weight decay (constant or increasing
+    from ``--start-weight-decay`` to ``--end-weight-decay``), counted in samples as in
+    Megatron (``megatron_h2.optimizer.lr_schedule``)."""
 
     optimizer: str = flag("adam", "Optimizer function (Adam with decoupled weight decay).",
                           choices=("adam",))
     lr: float = flag(1e-3, "Initial learning rate (the peak after warm-up).", required=True)
     min_lr: float = flag(0.0, "Minimum value for learning rate.")
-    lr_warmup_iters: int = flag(0, "Number of iterations to linearly warm up the learning rate.")
+    lr_warmup_iters: int = flag(0, "Number of iterations to linearly warm up the learning rate.",
+                                unless=("train_samples", "lr_warmup_fraction"))
+    lr_warmup_samples: int = flag(0, "Number of samples to linearly warm up the learning rate "
+                                  "(sample-based training, --train-samples).")
+    lr_warmup_fraction: float | None = flag(
+        None, "Fraction of the decay length (--lr-decay-iters / --lr-decay-samples) to warm up "
+        "over, instead of --lr-warmup-iters / --lr-warmup-samples.")
+    lr_warmup_init: float = flag(0.0, "Initial value for learning rate warm-up; the scheduler "
+                                 "starts warm-up from this value.")
     lr_decay_style: str = flag("linear", "Learning rate decay function.", choices=LR_DECAY_STYLES)
     lr_decay_iters: int | None = flag(None, "Iterations to decay the learning rate over; "
                                       "default: --train-iters.")
+    lr_decay_samples: int | None = flag(None, "Samples to decay the learning rate over; "
+                                        "default: --train-samples.")
+    lr_wsd_decay_style: str = flag("exponential", "Decay style of the annealing phase of WSD.",
+                                   choices=WSD_DECAY_STYLES)
+    lr_wsd_decay_iters: int | None = flag(None, "Iterations of the annealing phase of WSD.")
+    lr_wsd_decay_samples: int | None = flag(None, "Samples of the annealing phase of WSD.")
+    decoupled_lr: float | None = flag(
+        None, "Separate learning rate for the input embedding and output layer weights.")
+    decoupled_min_lr: float | None = flag(
+        None, "Minimum learning rate for the input embedding and output layer weights "
+        "(with --decoupled-lr); default: --min-lr.")
+    override_opt_param_scheduler: bool = flag(
+        False, "On resume, take the schedule (learning rates, warm-up, decay length and style, "
+        "weight decay) from this command line instead of the checkpoint.",
+        name="--override-opt_param-scheduler", shortcuts=(
+            ("--override-opt-param-scheduler", True, "Same as --override-opt_param-scheduler."),))
+    use_checkpoint_opt_param_scheduler: bool = flag(
+        False, "On resume, take the schedule from the checkpoint and ignore the command line's.",
+        name="--use-checkpoint-opt_param-scheduler", shortcuts=(
+            ("--use-checkpoint-opt-param-scheduler", True,
+             "Same as --use-checkpoint-opt_param-scheduler."),))
     weight_decay: float = flag(0.01, "Weight decay coefficient for L2 regularization.")
+    start_weight_decay: float | None = flag(
+        None, "Initial weight decay coefficient (with --weight-decay-incr-style linear|cosine).")
+    end_weight_decay: float | None = flag(
+        None, "End-of-run weight decay coefficient (with --weight-decay-incr-style "
+        "linear|cosine).")
+    weight_decay_incr_style: str = flag("constant", "Weight decay increment function.",
+                                        choices=WD_INCR_STYLES)
     adam_beta1: float = flag(0.9, "First coefficient for computing running averages of gradient "
                              "and its square.")
     adam_beta2: float = flag(0.999, "Second coefficient for computing running averages of "
@@ -339,13 +530,71 @@ class OptimizerConfig:
         _positive(self, "lr")
         if not 0.0 <= self.min_lr <= self.lr:
             raise ConfigError(f"--min-lr {self.min_lr} must be between 0 and --lr {self.lr}")
-        if self.lr_warmup_iters < 0:
-            raise ConfigError("--lr-warmup-iters must be >= 0")
-        if self.lr_decay_style not in LR_DECAY_STYLES:
-            raise ConfigError(f"--lr-decay-style must be one of {', '.join(LR_DECAY_STYLES)}, "
-                              f"got {self.lr_decay_style!r}")
+        if not 0.0 <= self.lr_warmup_init <= self.lr:
+            raise ConfigError(f"--lr-warmup-init {self.lr_warmup_init} must be between 0 and "
+                              f"--lr {self.lr}")
+        if self.lr_warmup_iters < 0 or self.lr_warmup_samples < 0:
+            raise ConfigError("--lr-warmup-iters and --lr-warmup-samples must be >= 0")
+        for name in ("lr_decay_iters", "lr_decay_samples", "lr_wsd_decay_iters",
+                     "lr_wsd_decay_samples"):
+            if getattr(self, name) is not None:
+                _positive(self, name)
+        if self.lr_warmup_fraction is not None and not 0.0 <= self.lr_warmup_fraction < 1.0:
+            raise ConfigError(f"--lr-warmup-fraction {self.lr_warmup_fraction} must be in [0, 1)")
+        for value, choices, name in ((self.lr_decay_style, LR_DECAY_STYLES, "lr-decay-style"),
+                                     (self.lr_wsd_decay_style, WSD_DECAY_STYLES,
+                                      "lr-wsd-decay-style"),
+                                     (self.weight_decay_incr_style, WD_INCR_STYLES,
+                                      "weight-decay-incr-style")):
+            if value not in choices:
+                raise ConfigError(f"--{name} must be one of {', '.join(choices)}, got {value!r}")
         if self.weight_decay < 0 or self.clip_grad < 0:
             raise ConfigError("--weight-decay and --clip-grad must be >= 0 (0 disables clipping)")
+        self._check_decoupled()
+        self._check_weight_decay_schedule()
+        if self.override_opt_param_scheduler and self.use_checkpoint_opt_param_scheduler:
+            raise ConfigError("--override-opt_param-scheduler and "
+                              "--use-checkpoint-opt_param-scheduler exclude each other; give one")
+
+    def _check_decoupled(self) -> None:
+        if self.decoupled_lr is None:
+            if self.decoupled_min_lr is not None:
+                raise ConfigError("--decoupled-min-lr needs --decoupled-lr (the embedding and "
+                                  "output layer otherwise follow --lr / --min-lr)")
+            return
+        low = self.min_lr if self.decoupled_min_lr is None else self.decoupled_min_lr
+        if not 0.0 <= low <= self.decoupled_lr:
+            raise ConfigError(f"the embedding/output layer minimum learning rate {low} "
+                              "(--decoupled-min-lr, default --min-lr) must be between 0 and "
+                              f"--decoupled-lr {self.decoupled_lr}")
+        if self.lr_warmup_init > self.decoupled_lr:
+            raise ConfigError(f"--lr-warmup-init {self.lr_warmup_init} exceeds --decoupled-lr "
+                              f"{self.decoupled_lr}")
+
+    def _check_weight_decay_schedule(self) -> None:
+        start, end = self.start_weight_decay, self.end_weight_decay
+        if self.weight_decay_incr_style == "constant":
+            if start is not None or end is not None:
+                raise ConfigError("--start-weight-decay / --end-weight-decay need "
+                                  "--weight-decay-incr-style linear or cosine (the constant "
+                                  "style uses --weight-decay)")
+            return
+        if start is None or end is None:
+            raise ConfigError(f"--weight-decay-incr-style {self.weight_decay_incr_style} needs "
+                              "both --start-weight-decay and --end-weight-decay")
+        if not 0.0 <= start <= end:
+            raise ConfigError(f"weight decay must increase: need 0 <= --start-weight-decay "
+                              f"{start} <= --end-weight-decay {end}")
+
+    @property
+    def start_wd(self) -> float:
+        """Weight decay at the first step (``--weight-decay`` unless it increases)."""
+        return self.weight_decay if self.start_weight_decay is None else self.start_weight_decay
+
+    @property
+    def end_wd(self) -> float:
+        """Weight decay at the end of training."""
+        return self.weight_decay if self.end_weight_decay is None else self.end_weight_decay
 
 
 @dataclass
@@ -355,9 +604,22 @@ class TrainingConfig:
     micro_batch_size: int = flag(4, "Batch size per model instance (local batch size).",
                                  required=True)
     global_batch_size: int | None = flag(
-        None, "Training batch size; default: --micro-batch-size x data-parallel size.")
-    train_iters: int = flag(200, "Total number of iterations to train over all training runs.",
-                            required=True)
+        None, "Training batch size (after any ramp-up); default: --micro-batch-size x "
+        "data-parallel size, or the last batch size of --step-batch-size-schedule.",
+        unless=("step_batch_size_schedule",))
+    rampup_batch_size: list[int] | None = flag(
+        None, "Batch size ramp-up START INCREMENT SAMPLES: start at global batch START and grow "
+        "it by INCREMENT in equal shares of the first SAMPLES samples up to --global-batch-size "
+        "(sample-based training, --train-samples).", nargs=3, metavar="N")
+    step_batch_size_schedule: str | None = flag(
+        None, "Global batch size by consumed tokens, \"THRESHOLD:BATCH ...\" with K/M/B/T "
+        "suffixes, e.g. \"0:16 2.4B:320 12B:1536\" (a threshold is tokens, converted to samples "
+        "with --seq-length).", metavar="SCHEDULE")
+    train_iters: int | None = flag(None, "Total number of iterations to train over all training "
+                                   "runs.", required=True, unless=("train_samples",))
+    train_samples: int | None = flag(
+        None, "Total number of samples to train over all training runs (instead of "
+        "--train-iters; the iterations follow from the batch sizes).")
     seed: int = flag(1234, "Random seed used for python, numpy, torch and the data order.")
     bf16: bool = flag(False, "Run the model in bfloat16 mixed precision.")
     fp16: bool = flag(False, "Run the model in fp16 mixed precision (not supported yet: use "
@@ -377,13 +639,30 @@ class TrainingConfig:
         "per micro-batch.")
     exit_interval: int | None = flag(
         None, "Exit the program (after saving) when the iteration is divisible by this value.")
+    exit_duration_in_mins: float | None = flag(
+        None, "Exit the program (after saving) once it has run this many minutes.")
+    exit_signal_handler: bool = flag(
+        False, "On --exit-signal (SIGTERM), save a checkpoint and shut down after the current "
+        "iteration; without this flag the signal ends the process at once.")
+    exit_signal: str = flag("SIGTERM", "Signal for --exit-signal-handler.", choices=tuple(
+        s.name for s in signal.Signals if s.name not in ("SIGKILL", "SIGSTOP")))
+    calculate_per_token_loss: bool = flag(
+        False, "Average the loss over all tokens of the global batch instead of over each "
+        "micro-batch's tokens first (they differ when --eod-mask-loss masks tokens).")
+    precision_check_interval: int | None = flag(
+        None, "Every N iterations, re-run the last micro-batch of each pipeline stage with every "
+        "operator replayed on the CPU in fp64 and log the worst operator error per stage (off by "
+        "default; each check costs a forward and backward of a micro-batch plus its fp64 replay: "
+        "3-7 training iterations of CPU time on small CPU models, see "
+        "bench/bench_precision_check.py; overhead about that / N).")
 
     def __post_init__(self) -> None:
-        _required(self, "micro_batch_size", "train_iters")
+        _required(self, "micro_batch_size")
         if self.fp16:
             raise ConfigError("--fp16 is not supported; use --bf16 (fp32 master weights, no loss "
                               "scaling needed)")
-        _positive(self, "micro_batch_size", "train_iters", "log_interval", "eval_interval")
+        _positive(self, "micro_batch_size", "log_interval", "eval_interval")
+        self._check_length_and_batch()
         if self.global_batch_size is not None:
             _positive(self, "global_batch_size")
         if self.eval_iters < 0:
@@ -396,6 +675,37 @@ class TrainingConfig:
             raise ConfigError("--save-interval must be a positive number of iterations")
         if self.exit_interval is not None and self.exit_interval <= 0:
             raise ConfigError("--exit-interval must be a positive number of iterations")
+        if self.exit_duration_in_mins is not None and self.exit_duration_in_mins <= 0:
+            raise ConfigError("--exit-duration-in-mins must be a positive number of minutes")
+
+    def _check_length_and_batch(self) -> None:
+        """Iteration- or sample-based length, and at most one batch-size schedule (as Megatron)."""
+        if self.train_iters is not None and self.train_samples is not None:
+            raise ConfigError("give either --train-iters or --train-samples, not both")
+        for name in ("train_iters", "train_samples"):
+            if getattr(self, name) is not None:
+                _positive(self, name)
+        if self.rampup_batch_size is not None:
+            if self.step_batch_size_schedule is not None:
+                raise ConfigError("give either --rampup-batch-size or --step-batch-size-schedule, "
+                                  "not both")
+            if self.train_iters is not None:
+                raise ConfigError("--rampup-batch-size needs sample-based training: use "
+                                  "--train-samples instead of --train-iters")
+            start, increment, samples = self.rampup_batch_size
+            if min(start, increment, samples) <= 0:
+                raise ConfigError(f"--rampup-batch-size {start} {increment} {samples} needs a "
+                                  "positive start batch, increment and number of samples")
+        if self.step_batch_size_schedule is not None:
+            final = parse_batch_size_schedule(self.step_batch_size_schedule)[-1][1]
+            if self.global_batch_size not in (None, final):
+                raise ConfigError(f"--global-batch-size {self.global_batch_size} differs from "
+                                  f"the last batch size {final} of --step-batch-size-schedule; "
+                                  "drop --global-batch-size")
+            self.global_batch_size = final
+        if self.precision_check_interval is not None and self.precision_check_interval <= 0:
+            raise ConfigError("--precision-check-interval must be a positive number of "
+                              "iterations (leave it out to turn the check off)")
 
     @property
     def num_micro_batches(self) -> int:
@@ -493,6 +803,32 @@ class ParallelConfig:
         return [n if n is not None else rest // free for n in fixed]
 
 
+def check_schedule_units(opt: OptimizerConfig, training: TrainingConfig) -> None:
+    """Iteration-based runs (``--train-iters``) count the schedule in iterations, sample-based
+    runs (``--train-samples``) in samples; mixing them is an error, as in Megatron. Warm-up must
+    end before the decay does."""
+    if training.train_iters is not None:
+        unit, other, length = "iters", "samples", training.train_iters
+    elif training.train_samples is not None:
+        unit, other, length = "samples", "iters", training.train_samples
+    else:
+        return  # the length is checked at launch (--train-iters or --train-samples)
+    for name in (f"lr_decay_{other}", f"lr_warmup_{other}", f"lr_wsd_decay_{other}"):
+        if getattr(opt, name):
+            kind = "sample" if other == "samples" else "iteration"
+            raise ConfigError(f"--{name.replace('_', '-')} needs {kind}-based training "
+                              f"(--train-{other}); with --train-{unit} use the -{unit} flag")
+    warmup = getattr(opt, f"lr_warmup_{unit}")
+    decay = getattr(opt, f"lr_decay_{unit}") or length
+    if opt.lr_warmup_fraction is not None:
+        if warmup:
+            raise ConfigError(f"give either --lr-warmup-fraction or --lr-warmup-{unit}, not both")
+        return
+    if warmup and warmup >= decay:
+        raise ConfigError(f"--lr-warmup-{unit} {warmup} must be shorter than the decay length "
+                          f"{decay} (--lr-decay-{unit} or --train-{unit}); shorten the warm-up")
+
+
 @dataclass
 class RunConfig:
     """Everything one training run needs."""
@@ -504,11 +840,7 @@ class RunConfig:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
 
     def __post_init__(self) -> None:
-        decay = self.optimizer.lr_decay_iters or self.training.train_iters
-        if self.optimizer.lr_warmup_iters > decay:
-            raise ConfigError(f"--lr-warmup-iters {self.optimizer.lr_warmup_iters} exceeds the "
-                              f"decay length {decay} (--lr-decay-iters or --train-iters); "
-                              "shorten the warm-up")
+        check_schedule_units(self.optimizer, self.training)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

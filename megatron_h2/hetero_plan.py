@@ -17,6 +17,14 @@ YAML schema (every key is required unless a default is given)::
       - {chip: fast, tensor_parallel_size: 2, num_layers: 3}
       - {chip: slow, tensor_parallel_size: 1, num_layers: 1, recompute: full}
     schedule: 1f1b               # optional: 1f1b | interleaved | zero-bubble (see below)
+    transports:                  # optional: the bridge's transfer library per pair of chip types
+      - {chips: [fast, slow], transport: nixl}     # gloo (default for unlisted pairs) or nixl
+
+A boundary between stages on different chip types (or any boundary with ``--force-bridge``)
+crosses the host-staged bridge; ``transports`` picks what carries the bridge's chunks between
+two chip types: ``gloo`` (torch.distributed over TCP, the default) or ``nixl`` (NVIDIA's NIXL
+transfer library over UCX; ``pip install 'megatron_h2[nixl]'``). See
+:mod:`megatron_h2.distributed.transport`.
 
 ``recompute`` is ``none`` (default), ``selective`` (norms, core attention and the SwiGLU
 activation are recomputed in backward) or ``full`` (whole layers are recomputed from their input).
@@ -62,6 +70,9 @@ SCHEDULES = ("1f1b", "interleaved", "zero-bubble")
 """Pipeline schedules a plan may name (``schedule``)."""
 _CHIP_KEYS = ("device", "emulate_slowdown")
 _STAGE_KEYS = ("chip", "tensor_parallel_size", "num_layers", "recompute")
+_LINK_KEYS = ("chips", "transport")
+TRANSPORTS = ("gloo", "nixl")
+"""Transfer libraries the bridge can run on (megatron_h2.distributed.transport)."""
 
 
 def closest(word: str, valid: Sequence[str]) -> str:
@@ -194,6 +205,26 @@ class StageSpec:
 
 
 @dataclass(frozen=True)
+class LinkSpec:
+    """The bridge's transport between two chip types (order does not matter)."""
+
+    chips: tuple[str, str]
+    transport: str = "gloo"
+
+    def __post_init__(self) -> None:
+        chips = self.chips
+        if (not isinstance(chips, (list, tuple)) or len(chips) != 2
+                or not all(isinstance(c, str) and c for c in chips)):
+            raise ConfigError(f"transports entry needs chips: [chip_a, chip_b], got {chips!r}")
+        object.__setattr__(self, "chips", tuple(chips))
+        if self.transport not in TRANSPORTS:
+            hint = (" (mooncake was evaluated but is not integrated: see docs/devices.md)"
+                    if self.transport == "mooncake" else closest(str(self.transport), TRANSPORTS))
+            raise ConfigError(f"transport must be one of {', '.join(TRANSPORTS)}, got "
+                              f"{self.transport!r}{hint}")
+
+
+@dataclass(frozen=True)
 class HeteroPlan:
     """A validated heterogeneous plan (see the module docstring for the schema and rank layout).
 
@@ -209,6 +240,7 @@ class HeteroPlan:
     chips: Mapping[str, ChipSpec]
     stages: Sequence[StageSpec]
     schedule: str | None = None  # None: "interleaved" with virtual stages, else "1f1b"
+    transports: Sequence[LinkSpec] = ()
 
     def __post_init__(self) -> None:
         positive_int(self.data_parallel_size, "data_parallel_size")
@@ -243,6 +275,31 @@ class HeteroPlan:
         if self.schedule == "1f1b" and self.virtual_pipeline_size > 1:
             raise ConfigError("the stages have several model chunks, which the 1f1b schedule "
                               "cannot run; use schedule: interleaved")
+        object.__setattr__(self, "transports", tuple(self.transports))
+        self._check_transports()
+
+    def _check_transports(self) -> None:
+        seen: set[frozenset[str]] = set()
+        for link in self.transports:
+            if not isinstance(link, LinkSpec):
+                raise ConfigError(f"transports entries must be LinkSpec, got {type(link).__name__}")
+            for chip in link.chips:
+                if chip not in self.chips:
+                    raise ConfigError(f"transports names unknown chip '{chip}'"
+                                      f"{closest(chip, list(self.chips))}; known chips: "
+                                      f"{', '.join(self.chips)}")
+            pair = frozenset(link.chips)
+            if pair in seen:
+                raise ConfigError(f"transports lists the chip pair {' / '.join(link.chips)} "
+                                  "twice; keep one entry")
+            seen.add(pair)
+
+    def transport_between(self, chip_a: str, chip_b: str) -> str:
+        """The bridge's transport between two chip types (``gloo`` unless the plan says)."""
+        for link in self.transports:
+            if frozenset(link.chips) == frozenset((chip_a, chip_b)):
+                return link.transport
+        return "gloo"
 
     def _check_chunks(self) -> None:
         counts = {len(stage.chunks) for stage in self.stages}
@@ -280,7 +337,8 @@ class HeteroPlan:
 
     def __hash__(self) -> int:
         return hash((self.data_parallel_size, self.micro_batch_size, self.global_batch_size,
-                     tuple(sorted(self.chips.items())), tuple(self.stages), self.schedule))
+                     tuple(sorted(self.chips.items())), tuple(self.stages), self.schedule,
+                     tuple(self.transports)))
 
     # ----------------------------------------------------------------------------- derived sizes
     @property
@@ -398,7 +456,7 @@ class HeteroPlan:
     @classmethod
     def from_dict(cls, data: Any, source: str = "plan") -> HeteroPlan:
         """Build a plan from the YAML-shaped mapping; ``source`` names it in error messages."""
-        top = check_keys(data, _PLAN_KEYS[:5], _PLAN_KEYS[5:], source)
+        top = check_keys(data, _PLAN_KEYS[:5], _PLAN_KEYS[5:] + ("transports",), source)
         raw_chips = top["chips"]
         if not isinstance(raw_chips, Mapping) or not raw_chips:
             raise ConfigError(f"'chips' in {source} must map chip names to {{device: ...}}")
@@ -424,6 +482,14 @@ class HeteroPlan:
                 stages.append(StageSpec(**entry))
             except ConfigError as exc:
                 raise ConfigError(f"stage {index} of {source}: {exc}") from None
+        raw_links = top.get("transports", [])
+        if not isinstance(raw_links, list):
+            raise ConfigError(f"'transports' in {source} must be a list of "
+                              "{chips: [a, b], transport: ...}")
+        links = []
+        for index, link in enumerate(raw_links):
+            entry = check_keys(link, _LINK_KEYS, (), f"transports entry {index} of {source}")
+            links.append(LinkSpec(**dict(entry)))
         return cls(
             data_parallel_size=top["data_parallel_size"],
             micro_batch_size=top["micro_batch_size"],
@@ -431,6 +497,7 @@ class HeteroPlan:
             chips=chips,
             stages=stages,
             schedule=top.get("schedule"),
+            transports=links,
         )
 
     @classmethod
@@ -465,6 +532,9 @@ class HeteroPlan:
         default = "interleaved" if self.virtual_pipeline_size > 1 else "1f1b"
         if self.schedule != default:
             out["schedule"] = self.schedule
+        if self.transports:
+            out["transports"] = [{"chips": list(link.chips), "transport": link.transport}
+                                 for link in self.transports]
         return out
 
     def to_yaml(self, path: str | Path, header: str | None = None) -> None:
@@ -482,6 +552,10 @@ class HeteroPlan:
             lines.append(f"  - {_flow(stage)}")
         if "schedule" in data:
             lines.append(f"schedule: {data['schedule']}")
+        if data.get("transports"):
+            lines.append("transports:  # the bridge's transfer library per pair of chip types")
+            for link in data["transports"]:
+                lines.append(f"  - {_flow(link)}")
         Path(path).write_text("\n".join(lines) + "\n")
 
 

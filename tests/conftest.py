@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-VOCAB = 256  # NullTokenizer ids 0..255 (eod = 256)
+VOCAB = 256  # NullTokenizer ids 0..255 (eod = 255); the documents use 0..249
 
 
 @pytest.fixture(scope="session")
@@ -27,3 +27,16 @@ def corpus(tmp_path_factory) -> str:
                     "--tokenizer-type", "NullTokenizer", "--vocab-size", str(VOCAB),
                     "--append-eod", "--workers", "1"], check=True, capture_output=True)
     return str(d / "count_text_document")
+
+
+@pytest.fixture(scope="session")
+def tiny_reference(corpus, tmp_path_factory) -> dict[int, float]:
+    """``{iteration: loss}`` of one process training ``dist_utils.tiny_model_flags()`` with
+    micro-batch 2 and global batch 8: what multi-process runs of that model must reproduce."""
+    from megatron_h2.training.main import main
+    from tests.dist_utils import losses, tiny_model_flags
+
+    log = tmp_path_factory.mktemp("tiny_reference") / "log.jsonl"
+    assert main([*tiny_model_flags(), "--data-path", corpus, "--micro-batch-size", "2",
+                 "--global-batch-size", "8", "--log-jsonl", str(log)]) == 0
+    return losses(log)

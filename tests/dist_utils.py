@@ -14,13 +14,15 @@ import torch.multiprocessing as mp
 
 
 def _worker(rank: int, world_size: int, init_file: str, fn: Callable, args: tuple,
-            queue: Any) -> None:
+            queue: Any, backend: str = "gloo") -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     import torch
 
     torch.set_num_threads(1)
     try:
-        dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
+        if backend == "nccl":
+            torch.cuda.set_device(rank % torch.cuda.device_count())
+        dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank,
                                 world_size=world_size, timeout=timedelta(seconds=60))
         result = fn(rank, world_size, *args)
         queue.put((rank, "ok", result))
@@ -31,8 +33,10 @@ def _worker(rank: int, world_size: int, init_file: str, fn: Callable, args: tupl
             dist.destroy_process_group()
 
 
-def run_distributed(fn: Callable, world_size: int, *args: Any, timeout: float = 180) -> list:
-    """Call ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; return their results.
+def run_distributed(fn: Callable, world_size: int, *args: Any, timeout: float = 180,
+                    backend: str = "gloo") -> list:
+    """Call ``fn(rank, world_size, *args)`` on ``world_size`` ranks of a ``backend`` (default
+    gloo) process group; return their results.
 
     ``fn`` must be a module-level function; results must be picklable. A failing rank's
     traceback is raised here as an AssertionError.
@@ -41,7 +45,8 @@ def run_distributed(fn: Callable, world_size: int, *args: Any, timeout: float = 
     queue = ctx.Queue()
     with tempfile.TemporaryDirectory() as tmp:
         init_file = os.path.join(tmp, "init")
-        procs = [ctx.Process(target=_worker, args=(r, world_size, init_file, fn, args, queue))
+        procs = [ctx.Process(target=_worker,
+                             args=(r, world_size, init_file, fn, args, queue, backend))
                  for r in range(world_size)]
         for p in procs:
             p.start()
@@ -92,3 +97,15 @@ def losses(path) -> dict[int, float]:
 
     rows = [json.loads(line) for line in Path(path).read_text().splitlines()]
     return {r["iteration"]: r["lm_loss"] for r in rows if "lm_loss" in r}
+
+
+def tiny_model_flags(num_layers: int = 4, seed: int = 5, train_iters: int = 10) -> list[str]:
+    """pretrain_gpt.py flags of a tiny GPT on the NullTokenizer corpus (tests/conftest.py),
+    logging every iteration and never evaluating: runs to compare with one process."""
+    return ["--num-layers", str(num_layers), "--hidden-size", "64", "--num-attention-heads",
+            "4", "--num-query-groups", "2", "--ffn-hidden-size", "128", "--seq-length", "32",
+            "--hidden-dropout", "0", "--attention-dropout", "0",
+            "--max-position-embeddings", "32", "--lr", "3e-3", "--lr-warmup-iters", "2",
+            "--seed", str(seed), "--train-iters", str(train_iters), "--log-interval", "1",
+            "--eval-interval", "1000", "--eval-iters", "0", "--tokenizer-type",
+            "NullTokenizer", "--vocab-size", "256", "--split", "90,10,0"]

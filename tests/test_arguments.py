@@ -3,11 +3,19 @@ closest flag, compatibility flags reported, every default in --help."""
 
 import pytest
 
-from megatron_h2.config import ModelConfig, OptimizerConfig, TrainingConfig, cli_fields, flag_name
+from megatron_h2.config import (
+    DataConfig,
+    ModelConfig,
+    OptimizerConfig,
+    TrainingConfig,
+    cli_fields,
+    flag_name,
+)
 from megatron_h2.errors import ConfigError
 from megatron_h2.training.arguments import (
     build_parser,
     config_from_args,
+    describe_demo,
     describe_no_effect,
 )
 
@@ -47,15 +55,42 @@ def test_required_flags_only_outside_the_demo():
 
 def test_compatibility_flags_are_reported_once():
     _, launch = config_from_args(["--use-mcore-models", "--distributed-backend", "nccl",
-                                  "--swiglu"])
+                                  "--attention-softmax-in-fp32", "--swiglu"])
     line = describe_no_effect(launch)
     assert line.startswith("accepted, no effect: ") and line.count("--") == 3
-    assert "--distributed-backend (" in line
+    assert "--distributed-backend (" in line and "--swiglu" not in line  # --swiglu is real
+
+
+@pytest.mark.parametrize("argv, inert", [
+    (["--num-query-groups", "2"], "--num-query-groups"),  # Megatron: MHA without the GQA flag
+    (["--position-embedding-type", "learned_absolute", "--rotary-base", "500000"],
+     "--rotary-base"),
+    (["--rope-scaling-factor", "32"], "--rope-scaling-factor"),
+    (["--swiglu", "--no-bias-gelu-fusion"], "--no-bias-gelu-fusion"),
+])
+def test_flags_made_ineffective_by_others_are_reported(argv, inert):
+    cfg, launch = config_from_args(DATA + REQUIRED + argv)
+    assert describe_no_effect(launch).startswith(f"accepted, no effect: {inert} (")
+    assert cfg.model.num_query_groups == cfg.model.num_attention_heads
+    active, launch = config_from_args(DATA + REQUIRED + ["--group-query-attention",
+                                                         "--num-query-groups", "2"])
+    assert active.model.num_query_groups == 2 and describe_no_effect(launch) is None
+
+
+def test_demo_says_it_trains_a_llama_style_model():
+    demo, launch = config_from_args([])
+    assert describe_demo(launch, demo.model).startswith(
+        "embedded demo (no --data-path), a LLaMA-style model: ")
+    assert "--swiglu" in launch.demo_flags and "--disable-bias-linear" in launch.demo_flags
+    assert (demo.model.normalization, demo.model.activation) == ("RMSNorm", "swiglu")
+    gpt, launch = config_from_args(["--normalization", "LayerNorm"])
+    assert "the model of the flags" in describe_demo(launch, gpt.model)
+    assert describe_demo(config_from_args(DATA + REQUIRED)[1], gpt.model) is None
 
 
 def test_help_shows_every_flag_with_its_default():
     text = build_parser().format_help()
-    for cls in (ModelConfig, OptimizerConfig, TrainingConfig):
+    for cls in (ModelConfig, DataConfig, OptimizerConfig, TrainingConfig):
         for f in cli_fields(cls):
             assert flag_name(f) in text
     assert "(default: 0.999)" in text and "(required)" in text

@@ -144,10 +144,15 @@ def test_parse_split():
     assert parse_split(" 99, 1 ") == pytest.approx([0.99, 0.01, 0.0])
     assert parse_split("1") == [1.0, 0.0, 0.0]
     assert parse_split("0.8,0.2,0") == pytest.approx([0.8, 0.2, 0.0])
+    # as Megatron's parser only the numbers count: quotes that reached the program (from
+    # "--split '99,1,0'" inside a shell string), spaces, Megatron's legacy default
+    assert parse_split("'99,1,0'") == parse_split('"99, 1, 0"') == pytest.approx([0.99, 0.01, 0])
+    assert parse_split("969, 30, 1") == pytest.approx([0.969, 0.03, 0.001])
+    assert parse_split("949 50 1") == parse_split("949/50/1") == parse_split("949,50,1")
 
 
 @pytest.mark.parametrize(
-    "bad", ["", "a,b", "1,2,3,4", "-1,2", "0,0,0", "nan,1", "1,,2", "949 50 1"]
+    "bad", ["", "a,b", "1,2,3,4", "-1,2", "0,0,0", "nan,1", "1..2", "9x,1"]
 )
 def test_bad_split_strings(bad):
     with pytest.raises(ConfigError, match="--split") as info:
@@ -244,8 +249,13 @@ def test_blended_datasets(tmp_path):
     assert all((again[i] == train[i]).all() for i in range(400))
     assert all(name.startswith(".") is False for name in os.listdir(cache))
     assert not os.path.exists(tmp_path / "cache")  # cache_dir overrides the default location
-    equal = build_gpt_datasets(prefixes, "1", 8, 9, (100, 0, 0), cache_dir=cache)[0]
-    assert sum(int(equal[i][0] >= 50_000) for i in range(100)) == 50
+    # prefixes without weights blend by size, as Megatron: one epoch's samples of each split
+    sizes = [(int(IndexedDataset(p).sequence_lengths.sum()) - 1) // 8 for p in prefixes]
+    by_size = build_gpt_datasets(prefixes, "1", 8, 9, (100, 0, 0), cache_dir=cache)[0]
+    assert by_size.weights == pytest.approx([n / sum(sizes) for n in sizes])
+    want = int((build_blending_indices(by_size.weights, 100)[0] == 1).sum())
+    assert sum(int(by_size[i][0] >= 50_000) for i in range(100)) == want
+    assert sizes[0] != sizes[1] and abs(want - 100 * sizes[1] / sum(sizes)) <= 1
 
 
 def test_blended_dataset_rejects_short_components(data):

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import base64
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
@@ -27,7 +27,7 @@ from megatron_h2.checkpointing import (
     open_checkpoint,
     write_part,
 )
-from megatron_h2.config import RunConfig
+from megatron_h2.config import ARCHITECTURE_FIELDS, ModelConfig, RunConfig, flag_name
 from megatron_h2.devices import Accelerator
 from megatron_h2.distributed.topology import Topology
 from megatron_h2.errors import ConfigError
@@ -35,14 +35,15 @@ from megatron_h2.optimizer.distributed_optimizer import DataParallelOptimizer
 from megatron_h2.parallel import TPContext, gather_tp_tensor, get_tp_shard, shard_tensor
 
 # Config fields that must match for a checkpoint's weights to mean the same model.
-MODEL_FIELDS = ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups",
-                "ffn_hidden_size", "vocab_size", "norm_epsilon", "rotary_base")
+MODEL_FIELDS = ("num_layers", "hidden_size", "num_attention_heads", "vocab_size",
+                *ARCHITECTURE_FIELDS)
 
 
 @dataclass
 class TrainProgress:
     iteration: int = 0
     consumed_samples: int = 0
+    scheduler: dict[str, Any] | None = None  # optimizer-parameter schedule state, if resumed
 
 
 def _b64(t: torch.Tensor) -> str:
@@ -79,10 +80,12 @@ def check_compatible(metadata: dict[str, Any], config: RunConfig, source: Path |
     saved = metadata.get("config", {}).get("model", {})
     for name in MODEL_FIELDS:
         mine = getattr(config.model, name)
-        if name in saved and saved[name] != mine:
-            flag = "--" + name.replace("_", "-")
-            raise ConfigError(f"checkpoint {source} was saved with {name}={saved[name]} but "
-                              f"this run has {flag} {mine}; use matching model flags")
+        was = saved.get(name, mine)
+        if was != mine:
+            flag = flag_name(next(f for f in fields(ModelConfig) if f.name == name)) \
+                if name != "vocab_size" else "--vocab-size (padded)"
+            raise ConfigError(f"checkpoint {source} was saved with {name}={was} but "
+                              f"this run has {name}={mine} ({flag}); use matching model flags")
 
 
 def _param_of_state(key: str) -> str:
@@ -91,14 +94,20 @@ def _param_of_state(key: str) -> str:
 
 
 class CheckpointIO:
-    """Saves and loads this rank's share of the training state (collective over the job)."""
+    """Saves and loads this rank's share of the training state (collective over the job).
+
+    Tensors are stored under their checkpoint names (``model.checkpoint_names``): the last
+    stage's copy of a tied embedding is the word embedding, which the first stage saves.
+    """
 
     def __init__(self, cfg: RunConfig, acc: Accelerator, topo: Topology, tp: TPContext,
                  model: nn.Module, optimizer: DataParallelOptimizer) -> None:
         self.cfg, self.acc, self.topo, self.tp = cfg, acc, topo, tp
         self.model, self.optimizer = model, optimizer
-        self.names = {p: n for n, p in model.named_parameters()}
-        self.params = dict(model.named_parameters())
+        aliases: dict[str, str] = getattr(model, "checkpoint_names", {})
+        self.names = {p: aliases.get(n, n) for n, p in model.named_parameters()}
+        self.params = {aliases.get(n, n): p for n, p in model.named_parameters()}
+        self.copies = set(aliases.values())  # names this rank holds a copy of, saved elsewhere
 
     def _barrier(self) -> None:
         if self.topo.distributed:
@@ -132,8 +141,10 @@ class CheckpointIO:
         self._barrier()
         optim = self.optimizer.named_state(self.names)  # collective over DP under ZeRO
         if topo.dp_rank == 0:
-            model = self._gather_full({n: p.detach() for n, p in self.params.items()})
-            optim = self._gather_full(optim)
+            own = {n: p for n, p in self.params.items() if n not in self.copies}
+            model = self._gather_full({n: p.detach() for n, p in own.items()})
+            optim = self._gather_full({k: v for k, v in optim.items()
+                                       if _param_of_state(k) in own})
             if topo.tp_rank == 0:
                 tmp = incomplete_dir(save_dir, it)
                 write_part(tmp, "model", topo.stage, model)
@@ -146,6 +157,8 @@ class CheckpointIO:
             meta = {"iteration": it, "consumed_samples": progress.consumed_samples,
                     "config": self.cfg.to_dict(), "rng": rng[0], "rng_per_rank": rng,
                     "layout": topo.plan.to_dict()}
+            if progress.scheduler is not None:
+                meta["opt_param_scheduler"] = progress.scheduler
             path = commit_save(save_dir, incomplete_dir(save_dir, it), it, meta)
         self._barrier()
         return path
@@ -190,7 +203,8 @@ class CheckpointIO:
         if load_rng:
             self._restore_rng(meta, log)
         return TrainProgress(iteration=reader.iteration,
-                             consumed_samples=int(meta.get("consumed_samples", 0)))
+                             consumed_samples=int(meta.get("consumed_samples", 0)),
+                             scheduler=meta.get("opt_param_scheduler") if load_optim else None)
 
     def _restore_rng(self, meta: dict[str, Any], log) -> None:
         per_rank = meta.get("rng_per_rank")

@@ -60,7 +60,7 @@ def _atomic_write(path: str, write: Callable[[Any], None], mode: str = "wb") -> 
 
 
 def cached_arrays(
-    cache_dir: str,
+    cache_dir: str | None,
     stem: str,
     description: dict[str, Any],
     names: Sequence[str],
@@ -70,8 +70,11 @@ def cached_arrays(
 
     Files are ``{hash}-{stem}-{name}.npy`` plus ``{hash}-{stem}-description.json``, where the
     hash covers ``description``. Every file is written atomically and the description is
-    written last, so a crash never leaves something that looks like a finished cache.
+    written last, so a crash never leaves something that looks like a finished cache. Without
+    a ``cache_dir`` the arrays are built and kept in memory only.
     """
+    if cache_dir is None:
+        return build(), False
     base = os.path.join(cache_dir, f"{description_hash(description)}-{stem}")
     marker = f"{base}-description.json"
     paths = {name: f"{base}-{name}.npy" for name in names}

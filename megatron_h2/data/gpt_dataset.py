@@ -18,6 +18,7 @@ import hashlib
 import logging
 import math
 import os
+import re
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -40,18 +41,26 @@ _MAX_SEED = 2**32 - 1
 
 
 def parse_split(split: str) -> list[float]:
-    """Parse ``"949,50,1"``-style weights into three normalised shares (missing ones are 0)."""
+    """Parse ``"949,50,1"``-style weights into three normalised shares (missing ones are 0).
+
+    As Megatron's parser, only the numbers count: ``'99,1,0'`` arriving with its quotes, or
+    ``"969, 30, 1"`` with spaces, are read alike; a minus sign is an error.
+    """
     hint = "use up to three comma-separated non-negative weights like '949,50,1'"
     if not isinstance(split, str) or not split.strip():
         raise ConfigError(f"--split {split!r} is empty; {hint}")
-    parts = [part.strip() for part in split.split(",")]
+    if "-" in split:
+        raise ConfigError(f"--split {split!r} has a negative weight; {hint}")
+    parts = re.findall(r"[.0-9]+", split)
+    if not parts or re.sub(r"[.0-9\s,'\"/:]", "", split):
+        raise ConfigError(f"--split {split!r} is not a list of numbers; {hint}")
     if len(parts) > 3:
         raise ConfigError(f"--split {split!r} has {len(parts)} parts (3 at most); {hint}")
     try:
         values = [float(part) for part in parts]
     except ValueError:
         raise ConfigError(f"--split {split!r} is not a list of numbers; {hint}") from None
-    if any(not math.isfinite(v) or v < 0 for v in values) or sum(values) <= 0:
+    if any(not math.isfinite(v) for v in values) or sum(values) <= 0:
         raise ConfigError(
             f"--split {split!r} needs non-negative weights with a positive sum; {hint}"
         )
@@ -90,7 +99,8 @@ def _is_number(text: str) -> bool:
 def parse_data_path(data_path: Sequence[str]) -> list[tuple[float, str]]:
     """Parse Megatron's ``--data-path`` list into ``[(normalised_weight, prefix), ...]``.
 
-    Accepts ``["prefixA", "prefixB"]`` (equal weights) or ``["0.3", "prefixA", "0.7", "prefixB"]``.
+    Accepts ``["prefixA", "prefixB"]`` (equal weights here; the datasets weigh them by size, see
+    :func:`weights_given`) or ``["0.3", "prefixA", "0.7", "prefixB"]``.
     """
     hint = "use 'PREFIX [PREFIX ...]' or 'WEIGHT PREFIX [WEIGHT PREFIX ...]'"
     if isinstance(data_path, str) or not data_path:
@@ -109,6 +119,12 @@ def parse_data_path(data_path: Sequence[str]) -> list[tuple[float, str]]:
         raise ConfigError(f"--data-path weights {weights} must be positive numbers; {hint}")
     total = sum(weights)
     return [(w / total, prefix) for w, prefix in zip(weights, items[1::2])]
+
+
+def weights_given(data_path: Sequence[str]) -> bool:
+    """Whether a ``--data-path``-style list gives weights; without them Megatron blends the
+    prefixes by their sizes (the samples of one epoch of each prefix's split)."""
+    return any(_is_number(str(item).strip()) for item in data_path)
 
 
 def index_fingerprint(path_prefix: str) -> str:
@@ -173,7 +189,8 @@ class GPTDataset:
         seed: seed of the numpy RandomState that shuffles documents and samples.
         num_samples: number of samples (``len``); documents repeat as needed.
         split_name: "train", "valid" or "test" (part of the cache key and messages).
-        cache_dir: index cache folder; default ``cache/`` beside the data prefix.
+        cache_dir: index cache folder; default ``cache/`` beside the data prefix (none for a
+            dataset without files, whose ``path_prefix`` is None: the indices stay in memory).
         fingerprint: precomputed :func:`index_fingerprint` of the data (optional).
     """
 
@@ -208,12 +225,13 @@ class GPTDataset:
             )
         needed = self.num_samples * self.seq_length + 1
         self.num_epochs = -(-needed // self.tokens_per_epoch)
-        default_cache = os.path.join(os.path.dirname(os.path.abspath(prefix)), "cache")
+        default_cache = (None if prefix is None
+                         else os.path.join(os.path.dirname(os.path.abspath(prefix)), "cache"))
         self.cache_dir = cache_dir or default_cache
         self.description = {
             "class": "GPTDataset",
             "format": CACHE_FORMAT_VERSION,
-            "prefix": os.path.basename(prefix),
+            "prefix": os.path.basename(prefix or "mock"),
             "index_fingerprint": fingerprint or index_fingerprint(prefix),
             "split": split_name,
             "document_range": [begin, end],
@@ -283,6 +301,45 @@ def _check_num_samples(num_samples: Sequence[int]) -> tuple[int, int, int]:
     return train, valid, test
 
 
+def _checked(seq_length: int, seed: int, num_samples: Sequence[int]
+             ) -> tuple[int, int, tuple[int, int, int]]:
+    return (_check_int("seq_length", seq_length, 1), _check_int("seed", seed, 0, _MAX_SEED),
+            _check_num_samples(num_samples))
+
+
+Splits = tuple[GPTDataset | BlendedDataset | None, GPTDataset | BlendedDataset | None,
+               GPTDataset | BlendedDataset | None]
+
+
+def _open_blend(data_path: Sequence[str], mmap_bin_files: bool
+                ) -> tuple[list[tuple[float, str]], dict[str, tuple[IndexedDataset, str]]]:
+    """The blend of a ``--data-path``-style list and each prefix's dataset and fingerprint."""
+    blend = parse_data_path(data_path)
+    for _, prefix in blend:
+        check_data_prefix(prefix)
+    return blend, {prefix: (IndexedDataset(prefix, mmap=mmap_bin_files),
+                            index_fingerprint(prefix)) for _, prefix in blend}
+
+
+def _split_dataset(blend: list[tuple[float, str]],
+                   opened: dict[str, tuple[IndexedDataset, str]],
+                   ranges: dict[str, tuple[int, int]], name: str, count: int, seq_length: int,
+                   seed: int, cache_dir: str | None, by_size: bool) -> GPTDataset | BlendedDataset:
+    """One split: a GPTDataset per prefix over its document range, blended by weight, or with
+    ``by_size`` by the samples one epoch of each prefix's range holds (Megatron's blend of
+    prefixes given without weights)."""
+    weights = [w for w, _ in blend]
+    if by_size and len(blend) > 1:
+        samples = [max(1, (int(opened[prefix][0].sequence_lengths[slice(*ranges[prefix])]
+                                .sum(dtype=np.int64)) - 1) // seq_length) for _, prefix in blend]
+        weights = [n / sum(samples) for n in samples]
+    sizes = [count] if len(blend) == 1 else component_sizes(weights, count)
+    parts = [GPTDataset(opened[prefix][0], ranges[prefix], seq_length, seed, size, name,
+                        cache_dir, opened[prefix][1])
+             for (_, prefix), size in zip(blend, sizes)]
+    return parts[0] if len(parts) == 1 else BlendedDataset(parts, weights, count, cache_dir)
+
+
 def build_gpt_datasets(
     data_path: list[str],
     split: str,
@@ -290,26 +347,21 @@ def build_gpt_datasets(
     seed: int,
     num_samples: tuple[int, int, int],
     cache_dir: str | None = None,
-) -> tuple[GPTDataset | BlendedDataset | None, GPTDataset | BlendedDataset | None,
-           GPTDataset | BlendedDataset | None]:
+    mmap_bin_files: bool = True,
+) -> Splits:
     """train/valid/test; None where the split share or num_samples is 0.
 
     ``data_path`` is Megatron's ``--data-path`` list (see :func:`parse_data_path`); with
     several prefixes every split is a :class:`BlendedDataset` of per-prefix GPTDatasets
     cut by the same ``split``. All inputs are validated (one-line ConfigError) before any
     index is built, including a split that is requested (samples > 0, share > 0) but whose
-    share rounds to 0 documents of some prefix.
+    share rounds to 0 documents of some prefix. ``mmap_bin_files=False`` reads the ``.bin``
+    files without memory maps (``--no-mmap-bin-files``).
     """
-    blend = parse_data_path(data_path)
     shares = parse_split(split)
-    seq_length = _check_int("seq_length", seq_length, 1)
-    seed = _check_int("seed", seed, 0, _MAX_SEED)
-    counts = _check_num_samples(num_samples)
-    for _, prefix in blend:
-        check_data_prefix(prefix)
-    indexed = {prefix: IndexedDataset(prefix) for _, prefix in blend}
-    fingerprints = {prefix: index_fingerprint(prefix) for prefix in indexed}
-    ranges = {prefix: split_document_ranges(shares, len(ds)) for prefix, ds in indexed.items()}
+    seq_length, seed, counts = _checked(seq_length, seed, num_samples)
+    blend, opened = _open_blend(data_path, mmap_bin_files)
+    ranges = {prefix: split_document_ranges(shares, len(ds)) for prefix, (ds, _) in opened.items()}
     for i, name in enumerate(SPLIT_NAMES):
         if counts[i] and shares[i] > 0:
             for prefix, per_split in ranges.items():
@@ -317,23 +369,35 @@ def build_gpt_datasets(
                 if end <= begin:
                     raise ConfigError(
                         f"--split {split!r} leaves the {name} split of {prefix} with 0 of its "
-                        f"{len(indexed[prefix])} documents; give {name} a larger share or request "
-                        f"0 {name} samples"
+                        f"{len(opened[prefix][0])} documents; give {name} a larger share or "
+                        f"request 0 {name} samples"
                     )
+    return tuple(
+        _split_dataset(blend, opened, {p: r[i] for p, r in ranges.items()}, name, counts[i],
+                       seq_length, seed, cache_dir, not weights_given(data_path))
+        if counts[i] and shares[i] > 0 else None
+        for i, name in enumerate(SPLIT_NAMES))
+
+
+def build_per_split_datasets(
+    paths: Sequence[Sequence[str]],
+    seq_length: int,
+    seed: int,
+    num_samples: tuple[int, int, int],
+    cache_dir: str | None = None,
+    mmap_bin_files: bool = True,
+) -> Splits:
+    """Megatron's ``--train-data-path`` / ``--valid-data-path`` / ``--test-data-path``: each
+    split is its own blend (the ``--data-path`` format) of whole datasets, no ``--split``;
+    None where a split has no path or no samples."""
+    seq_length, seed, counts = _checked(seq_length, seed, num_samples)
     results: list[GPTDataset | BlendedDataset | None] = []
-    for i, name in enumerate(SPLIT_NAMES):
-        if counts[i] == 0 or shares[i] <= 0:
+    for path, count, name in zip(paths, counts, SPLIT_NAMES):
+        if not path or not count:
             results.append(None)
             continue
-        weights = [w for w, _ in blend]
-        sizes = [counts[i]] if len(blend) == 1 else component_sizes(weights, counts[i])
-        parts = [
-            GPTDataset(indexed[prefix], ranges[prefix][i], seq_length, seed, size, name,
-                       cache_dir, fingerprints[prefix])
-            for (_, prefix), size in zip(blend, sizes)
-        ]
-        if len(parts) == 1:
-            results.append(parts[0])
-        else:
-            results.append(BlendedDataset(parts, weights, counts[i], cache_dir))
+        blend, opened = _open_blend(path, mmap_bin_files)
+        whole = {prefix: (0, len(ds)) for prefix, (ds, _) in opened.items()}
+        results.append(_split_dataset(blend, opened, whole, name, count, seq_length, seed,
+                                      cache_dir, not weights_given(path)))
     return results[0], results[1], results[2]

@@ -228,10 +228,13 @@ class IndexedDataset:
 
     Args:
         path_prefix: the path without ``.bin``/``.idx``, e.g. ``data/corpus_text_document``.
+        mmap: memory-map the ``.bin`` (default); False reads each sequence with a file read
+            instead (Megatron's ``--no-mmap-bin-files``). The ``.idx`` is always mapped.
     """
 
-    def __init__(self, path_prefix: str) -> None:
+    def __init__(self, path_prefix: str, mmap: bool = True) -> None:
         self.path_prefix = path_prefix
+        self.mmap = mmap
         self._open()
 
     def _open(self) -> None:
@@ -249,7 +252,9 @@ class IndexedDataset:
         self.document_indices = np.frombuffer(self._idx_map, np.int64, documents, offset)
         bin_size = os.path.getsize(bin_path)
         self._check_consistency(bin_path, bin_size)
-        if bin_size:
+        if not self.mmap:
+            self._bin_map = None
+        elif bin_size:
             self._bin_map = np.memmap(bin_path, mode="r", dtype=np.uint8)
         else:  # numpy cannot map an empty file
             self._bin_map = np.zeros(0, dtype=np.uint8)
@@ -287,11 +292,11 @@ class IndexedDataset:
                 f"with tools/preprocess_data.py"
             )
 
-    def __getstate__(self) -> str:
-        return self.path_prefix
+    def __getstate__(self) -> tuple[str, bool]:
+        return self.path_prefix, self.mmap
 
-    def __setstate__(self, state: str) -> None:
-        self.path_prefix = state
+    def __setstate__(self, state: tuple[str, bool]) -> None:
+        self.path_prefix, self.mmap = state
         self._open()
 
     def __len__(self) -> int:
@@ -316,6 +321,12 @@ class IndexedDataset:
                 f"of length {seq_length}"
             )
         start = int(self.sequence_pointers[idx]) + offset * self.dtype.itemsize
+        if self._bin_map is None:  # --no-mmap-bin-files: read just these tokens
+            tokens = np.empty(length, dtype=self.dtype)
+            with open(get_bin_path(self.path_prefix), "rb", buffering=0) as stream:
+                stream.seek(start)
+                stream.readinto(memoryview(tokens).cast("B"))
+            return tokens
         return np.frombuffer(self._bin_map, self.dtype, length, start)
 
     @property

@@ -148,6 +148,10 @@ class GradBuckets:
             :meth:`finish_sync`.
         reduce_scatter: reduce-scatter instead of all-reduce; each rank then gets only its
             range of each bucket, in :attr:`Bucket.shard_grad` (for the distributed optimizer).
+        deferred: parameters (of ``params``) whose gradients are still changed after backward
+            and before :meth:`finish_sync` (the pipeline's tied embedding copies, summed across
+            stages): they get a bucket of their own, the last, which only :meth:`finish_sync`
+            launches.
 
     Every ``param.grad`` is a view into a persistent buffer: zero gradients with
     :meth:`zero_grad`, never by setting ``.grad = None`` (that detaches it from the buffer;
@@ -156,17 +160,23 @@ class GradBuckets:
 
     def __init__(self, params: Sequence[nn.Parameter], dp_group: ProcessGroup | None,
                  bucket_size_mb: float = 25.0, overlap: bool = True,
-                 reduce_scatter: bool = False) -> None:
+                 reduce_scatter: bool = False, deferred: Sequence[nn.Parameter] = ()) -> None:
         self.params = list(params)
         _check_params(self.params)
+        late = {id(p) for p in deferred}
+        if late - {id(p) for p in self.params}:
+            raise ValueError("GradBuckets: a deferred parameter is not among the parameters")
         self.dp_group = dp_group if group_size(dp_group) > 1 else None
         self.dp_size = group_size(self.dp_group)
         self.dp_rank = group_rank(self.dp_group)
         self.overlap = overlap
         self.reduce_scatter = reduce_scatter
         device = self.params[0].device if self.params else torch.device("cpu")
-        self.buckets = [Bucket(i, group, self.dp_size, device)
-                        for i, group in enumerate(partition_params(self.params, bucket_size_mb))]
+        groups = partition_params([p for p in self.params if id(p) not in late], bucket_size_mb)
+        if late:
+            groups.append([p for p in self.params if id(p) in late])
+        self.buckets = [Bucket(i, group, self.dp_size, device) for i, group in enumerate(groups)]
+        self._first_deferred = len(groups) - 1 if late else len(groups)
         self._where: dict[nn.Parameter, tuple[Bucket, ParamSlot]] = {
             slot.param: (bucket, slot) for bucket in self.buckets for slot in bucket.slots}
         for bucket in self.buckets:
@@ -262,7 +272,7 @@ class GradBuckets:
             raise RuntimeError("a gradient arrived after its bucket's sync was launched; call "
                                "start_sync() only before the last backward of the step")
         bucket.ready.add(param)
-        while (self._next_launch < len(self.buckets)
+        while (self._next_launch < self._first_deferred
                and len(self.buckets[self._next_launch].ready)
                == len(self.buckets[self._next_launch].slots)):
             self._launch_next()

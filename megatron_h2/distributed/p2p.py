@@ -1,9 +1,10 @@
 """Point-to-point traffic between neighbouring pipeline stages of one DP replica.
 
 The two sides of a stage boundary may have different TP degrees and run on chips of different
-vendors. Per boundary, :class:`PipeComm` picks the transport (:class:`~.bridge.DirectLink` when
+vendors. Per boundary, :class:`PipeComm` picks the path (:class:`~.bridge.DirectLink` when
 both stages use the same device type, the host-staged :class:`~.bridge.Bridge` when they differ
-or ``BridgeConfig.force`` is set) and the transfer plan (:mod:`~.boundary`), which re-shards the
+or ``BridgeConfig.force`` is set; the bridge's transport is the one the plan names for the two
+chip types, gloo by default) and the transfer plan (:mod:`~.boundary`), which re-shards the
 activation ``[mbs, seq, h]`` (``[mbs, seq / TP, h]`` per rank with sequence parallelism) between
 the two TP groups. Shapes are fixed for a run, so no shape is ever exchanged.
 
@@ -33,6 +34,7 @@ from megatron_h2.distributed.bridge import (
     SendHandle,
 )
 from megatron_h2.distributed.topology import Topology
+from megatron_h2.distributed.transport import make_transport
 from megatron_h2.errors import ConfigError
 
 
@@ -100,6 +102,7 @@ class PipeComm:
             raise ConfigError(f"PipeComm devices name no device type for stages {missing}")
         self.devices = {s: _device_type(d) for s, d in devices.items()}
         self.bridge_stats, self.direct_stats = LinkStats(), LinkStats()
+        self.transports: dict[int, str] = {}  # bridged boundary (upstream stage) -> transport
         prev_plan, next_plan = rank_boundaries(topo.plan, topo.rank, seq_length,
                                                sequence_parallel)
         bridge_group: dist.ProcessGroup | None = None
@@ -108,10 +111,12 @@ class PipeComm:
             if cpu_group is None:
                 cpu_group = getattr(topo, "cpu_group", None)
             bridge_group = _check_cpu_group(cpu_group)
+        # prev side first, then next: transports that exchange set-up data with their peers
+        # then meet in pipeline order on every rank
         self.prev = None if prev_plan is None else _Side(
-            prev_plan, self._link(topo.stage - 1, bridge_group))
+            prev_plan, self._link(topo, topo.stage - 1, bridge_group, prev_plan))
         self.next = None if next_plan is None else _Side(
-            next_plan, self._link(topo.stage, bridge_group))
+            next_plan, self._link(topo, topo.stage, bridge_group, next_plan))
         self._pending: list[SendHandle] = []  # sends in flight, oldest first
         self._counts = dict.fromkeys(
             ("send_forward", "recv_forward", "send_backward", "recv_backward"), 0)
@@ -122,10 +127,19 @@ class PipeComm:
         return (self.bridge_config.force
                 or self.devices[upstream] != self.devices[upstream + 1])
 
-    def _link(self, upstream: int, group: dist.ProcessGroup | None) -> Bridge | DirectLink:
-        if self._bridged(upstream):
-            return Bridge(group, self.device, self.bridge_config, self.bridge_stats)
-        return DirectLink(self.device, self.direct_stats)
+    def _link(self, topo: Topology, upstream: int, group: dist.ProcessGroup | None,
+              plan: BoundaryPlan) -> Bridge | DirectLink:
+        if not self._bridged(upstream):
+            return DirectLink(self.device, self.direct_stats)
+        stages = topo.plan.stages
+        name = topo.plan.transport_between(stages[upstream].chip, stages[upstream + 1].chip)
+        self.transports[upstream] = name
+        peers = sorted({tr.peer for tr in (*plan.fwd_send, *plan.fwd_recv, *plan.bwd_send,
+                                           *plan.bwd_recv)})
+        cfg = self.bridge_config
+        transport = make_transport(name, group, topo.rank, peers,
+                                   cfg.chunk_elements(1), f"b{upstream}", cfg.timeout_s)
+        return Bridge(group, self.device, cfg, self.bridge_stats, transport=transport)
 
     @property
     def paths(self) -> dict[str, str | None]:

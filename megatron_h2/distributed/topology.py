@@ -158,6 +158,12 @@ class Topology:
     def distributed(self) -> bool:
         return self.world_size > 1
 
+    def peer_ranks(self, stage: int) -> list[int]:
+        """Ranks of this rank's DP replica in ``stage`` (its TP group there), in tp order."""
+        tp = self.plan.stages[stage].tensor_parallel_size
+        start = self.plan.stage_ranks(stage).start + self.dp_rank * tp
+        return list(range(start, start + tp))
+
     def tp_context(self, sequence_parallel: bool = False) -> TPContext:
         """This rank's tensor-parallel context; sequence parallelism only where TP > 1."""
         return TPContext(group=self.tp_group, rank=self.tp_rank, size=self.tp_size,

@@ -14,10 +14,11 @@ import argparse
 import difflib
 import types
 import typing
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any
 
 from megatron_h2.config import (
+    LLAMA_ARCHITECTURE,
     DataConfig,
     ModelConfig,
     OptimizerConfig,
@@ -60,14 +61,17 @@ COMPAT_FLAGS: dict[str, tuple[bool, str]] = {
     "--no-masked-softmax-fusion": (False, "attention runs through torch's SDPA"),
     "--distributed-backend": (True, "each chip type's backend comes from the device layer"),
     "--num-workers": (True, "samples are read from memory-mapped files in the training process"),
-    "--group-query-attention": (False, "grouped-query attention follows --num-query-groups"),
-    "--use-rotary-position-embeddings": (False, "rotary positions are always used"),
-    "--swiglu": (False, "the MLP is always SwiGLU"),
-    "--disable-bias-linear": (False, "linear layers never have biases"),
-    "--untie-embeddings-and-output-weights": (False, "embedding and output layer are untied"),
+    "--no-create-attention-mask-in-dataloader": (False, "attention is causal inside SDPA; no "
+                                                 "mask tensor is ever built"),
+    "--attention-softmax-in-fp32": (False, "torch's scaled_dot_product_attention computes the "
+                                    "softmax in fp32 already"),
+    "--openai-gelu": (False, "Megatron-Core ignores it too; the GeLU follows "
+                      "--no-bias-gelu-fusion"),
+    "--no-bias-swiglu-fusion": (False, "SwiGLU is computed the same way fused or not"),
+    "--no-bias-dropout-fusion": (False, "bias, dropout and residual add are computed the same "
+                                 "way fused or not"),
+    "--no-rope-fusion": (False, "rotary embeddings are computed the same way fused or not"),
 }
-# Megatron flags whose value must be the fixed architecture megatron_h2 builds.
-FIXED_CHOICES: dict[str, str] = {"--normalization": "RMSNorm", "--position-embedding-type": "rope"}
 
 
 class _Parser(argparse.ArgumentParser):
@@ -89,7 +93,8 @@ def _add_field(group: argparse._ArgumentGroup, cls: type, f, hint: Any) -> None:
     default = f.default_factory() if callable(f.default_factory) else f.default
     text = meta["help"]
     if meta["required"]:
-        text += " (required)"
+        alternatives = " or ".join(flag_name(g) for g in fields(cls) if g.name in meta["unless"])
+        text += f" (required, or {alternatives})" if alternatives else " (required)"
     elif "default:" not in text:
         text += f" (default: {default!r})"
     kind = _base_type(hint)
@@ -100,7 +105,7 @@ def _add_field(group: argparse._ArgumentGroup, cls: type, f, hint: Any) -> None:
     else:
         if typing.get_origin(kind) is list and meta["parse"] is None:
             item = typing.get_args(kind)[0]
-            common["nargs"] = "+"
+            common["nargs"] = meta["nargs"] or "+"
             kind = item
         if typing.get_origin(kind) is typing.Literal:
             kind = str
@@ -143,10 +148,23 @@ def build_parser() -> argparse.ArgumentParser:
         kwargs = {"metavar": "VALUE"} if takes_value else {"action": "store_true"}
         compat.add_argument(name, dest=f"compat.{name}", default=argparse.SUPPRESS,
                             help=reason, **kwargs)
-    for name, value in FIXED_CHOICES.items():
-        compat.add_argument(name, dest=f"compat.{name}", choices=[value],
-                            default=argparse.SUPPRESS, help=f"always {value}")
     return p
+
+
+def add_config_flags(group: argparse._ArgumentGroup, cls: type, names: tuple[str, ...]) -> None:
+    """Add the flags of the fields ``names`` of config class ``cls`` to ``group``, for tools
+    that share flags with ``pretrain_gpt.py``; read them back with :func:`config_values`."""
+    hints = typing.get_type_hints(cls)
+    for f in cli_fields(cls):
+        if f.name in names:
+            _add_field(group, cls, f, hints[f.name])
+
+
+def config_values(ns: argparse.Namespace, cls: type) -> dict[str, Any]:
+    """``{field: value}`` of the flags of ``cls`` given on a command line parsed with
+    :func:`add_config_flags`."""
+    prefix = f"{cls.__name__}."
+    return {k[len(prefix):]: v for k, v in vars(ns).items() if k.startswith(prefix)}
 
 
 def _known_flags(parser: argparse.ArgumentParser) -> list[str]:
@@ -176,14 +194,19 @@ def parse_flags(argv: list[str] | None) -> tuple[dict[str, dict[str, Any]], tupl
 
 
 # The embedded demo (no --data-path): the required flags take their dataclass defaults, and
-# these values replace Megatron's defaults where they suit a small model trained for minutes.
+# these values replace Megatron's defaults where they suit a small model trained for minutes;
+# the model is LLaMA-style.
 DEMO_OVERRIDES: dict[str, dict[str, Any]] = {
-    "ModelConfig": {"hidden_dropout": 0.0, "attention_dropout": 0.0},
+    "ModelConfig": {**LLAMA_ARCHITECTURE, "hidden_dropout": 0.0, "attention_dropout": 0.0},
     "OptimizerConfig": {"lr_warmup_iters": 20, "lr_decay_style": "cosine", "min_lr": 1e-4,
                         "weight_decay": 0.1, "adam_beta2": 0.95},
-    "TrainingConfig": {"global_batch_size": 8, "log_interval": 10, "eval_interval": 100,
-                       "eval_iters": 5},
+    "TrainingConfig": {"global_batch_size": 8, "train_iters": 200, "log_interval": 10,
+                       "eval_interval": 100, "eval_iters": 5},
 }
+
+
+# Flags that name the training data; without any of them the run is the embedded demo.
+DATA_SOURCES = ("data_path", "mock_data", "train_data_path", "valid_data_path", "test_data_path")
 
 
 def _check_required(given: dict[str, dict[str, Any]]) -> None:
@@ -192,9 +215,32 @@ def _check_required(given: dict[str, dict[str, Any]]) -> None:
         for f in cli_fields(cls):
             if f.name in plan_owned:
                 continue
-            if f.metadata["cli"]["required"] and f.name not in given[cls.__name__]:
-                raise ConfigError(f"{flag_name(f)} is required with --data-path (only the "
-                                  "embedded demo, without --data-path, has defaults for it)")
+            meta = f.metadata["cli"]
+            if meta["required"] and f.name not in given[cls.__name__] \
+                    and not _alternative_given(f, given):
+                alternatives = "".join(f" (or {flag_name(g)})" for g in fields(cls)
+                                       if g.name in meta["unless"])
+                raise ConfigError(f"{flag_name(f)}{alternatives} is required with --data-path "
+                                  "or --mock-data (only the embedded demo, without them, has "
+                                  "defaults for it)")
+
+
+def _alternative_given(f, given: dict[str, dict[str, Any]]) -> bool:
+    """Whether a flag that replaces the field ``f`` (its ``unless``) was given."""
+    return any(name in mine for mine in given.values() for name in f.metadata["cli"]["unless"])
+
+
+def _demo_overrides(cls: type, given: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """The demo's values for ``cls`` minus those whose alternative flag the user gave."""
+    skip = {f.name for f in cli_fields(cls) if _alternative_given(f, given)}
+    return {k: v for k, v in DEMO_OVERRIDES.get(cls.__name__, {}).items() if k not in skip}
+
+
+def as_flag(f, value: Any) -> str:
+    """How field ``f`` set to ``value`` is spelled on the command line (a bool flag alone)."""
+    if isinstance(value, bool):
+        return flag_name(f) if value != f.metadata["cli"]["negative"] else ""
+    return f"{flag_name(f)} {value}"
 
 
 def demo_settings(given: dict[str, dict[str, Any]]) -> list[str]:
@@ -203,37 +249,57 @@ def demo_settings(given: dict[str, dict[str, Any]]) -> list[str]:
     for _, cls in GROUPS:
         overrides = DEMO_OVERRIDES.get(cls.__name__, {})
         for f in cli_fields(cls):
-            mine = given[cls.__name__]
-            if f.name in mine:
+            if f.name in given[cls.__name__] or _alternative_given(f, given):
                 continue
             if f.name in overrides:
-                out.append(f"{flag_name(f)} {overrides[f.name]}")
+                out.append(as_flag(f, overrides[f.name]))
             elif f.metadata["cli"]["required"]:
-                out.append(f"{flag_name(f)} {f.default}")
-    return out
+                out.append(as_flag(f, f.default))
+    return [x for x in out if x]
+
+
+def _inert_model_flags(model: ModelConfig, given: dict[str, Any]) -> list[str]:
+    """Model flags given that the rest of the flags make ineffective (as in Megatron)."""
+    rules = [
+        ("num_query_groups", not model.group_query_attention,
+         "without --group-query-attention every head has its own key and value"),
+        ("add_qkv_bias", model.add_bias_linear, "implied by the biases of every linear layer"),
+        ("bias_gelu_fusion", model.activation not in ("gelu", "gelu_tanh") or
+         not model.add_bias_linear, "only selects the GeLU of an MLP with biases"),
+        ("rope_scaling_factor", not model.use_rope_scaling, "needs --use-rope-scaling"),
+    ]
+    rotary = "needs --position-embedding-type rope"
+    rules += [(name, model.position_embedding_type != "rope", rotary)
+              for name in ("rotary_percent", "rotary_base", "rotary_seq_len_interpolation_factor",
+                           "use_rope_scaling")]
+    by_name = {f.name: f for f in cli_fields(ModelConfig)}
+    return [f"{flag_name(by_name[name])} ({why})" for name, inert, why in rules
+            if inert and name in given]
 
 
 def config_from_args(argv: list[str] | None = None) -> tuple[RunConfig, LaunchOptions]:
     """Parse Megatron-style flags into a validated :class:`RunConfig`."""
     given, compat = parse_flags(argv)
-    if given["DataConfig"].get("data_path"):
+    if any(given["DataConfig"].get(name) for name in DATA_SOURCES):
         _check_required(given)
         values = given
         demo = ()
     else:  # the embedded demo
-        values = {name: {**DEMO_OVERRIDES.get(name, {}), **mine} for name, mine in given.items()}
+        values = {cls.__name__: {**_demo_overrides(cls, given), **given[cls.__name__]}
+                  for _, cls in GROUPS}
         demo = tuple(demo_settings(given))
     parts = {cls.__name__: cls(**values[cls.__name__]) for _, cls in GROUPS}
     explicit = frozenset(name for mine in given.values() for name in mine)
     launch = parts["LaunchOptions"]
-    launch.explicit, launch.no_effect, launch.demo_flags = explicit, compat, demo
+    inert = tuple(_inert_model_flags(parts["ModelConfig"], given["ModelConfig"]))
+    launch.explicit, launch.no_effect, launch.demo_flags = explicit, compat + inert, demo
     return RunConfig(model=parts["ModelConfig"], data=parts["DataConfig"],
                      optimizer=parts["OptimizerConfig"], training=parts["TrainingConfig"],
                      parallel=parts["ParallelConfig"]), launch
 
 
 def describe_no_effect(launch: LaunchOptions) -> str | None:
-    """One start-up line naming the compatibility flags given and why they change nothing."""
+    """One start-up line naming the flags given that change nothing here, and why."""
     if not launch.no_effect:
         return None
     parts = [f"{name} ({COMPAT_FLAGS[name][1]})" if name in COMPAT_FLAGS else name
@@ -241,5 +307,18 @@ def describe_no_effect(launch: LaunchOptions) -> str | None:
     return "accepted, no effect: " + "; ".join(parts)
 
 
-__all__ = ["COMPAT_FLAGS", "GROUPS", "LaunchOptions", "build_parser", "config_from_args",
-           "demo_settings", "describe_no_effect", "parse_flags"]
+def describe_demo(launch: LaunchOptions, model: ModelConfig) -> str | None:
+    """The start-up line of the embedded demo: what it set, and whether the model is LLaMA-style
+    (None outside the demo)."""
+    if not launch.demo_flags:
+        return None
+    llama = all(getattr(model, k) == v for k, v in LLAMA_ARCHITECTURE.items())
+    kind = "a LLaMA-style model" if llama else "the model of the flags"
+    return (f"embedded demo (no --data-path), {kind}: " + " ".join(launch.demo_flags)
+            + " (Megatron's defaults otherwise)")
+
+
+__all__ = ["COMPAT_FLAGS", "GROUPS", "LaunchOptions", "add_config_flags", "as_flag",
+           "build_parser", "config_from_args", "config_values", "demo_settings", "describe_demo",
+           "describe_no_effect",
+           "parse_flags"]

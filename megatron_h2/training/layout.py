@@ -13,7 +13,8 @@ from megatron_h2.config import (
     TrainingConfig,
     flag_name,
 )
-from megatron_h2.devices import ACCELERATORS
+from megatron_h2.devices import ACCELERATORS, PLUGINS_ENV
+from megatron_h2.distributed.transport import check_transport
 from megatron_h2.errors import ConfigError
 from megatron_h2.hetero_plan import ChipSpec, HeteroPlan, StageSpec
 
@@ -71,10 +72,13 @@ def load_hetero_plan(cfg: RunConfig, explicit: frozenset[str]) -> HeteroPlan:
                               f"plan's {name} {getattr(plan, name)}; drop the flag or edit the "
                               "plan")
         setattr(t, name, getattr(plan, name))
+    for link in plan.transports:
+        check_transport(link.transport)  # its library must be installed on every rank
     for name, chip in plan.chips.items():
         if chip.device not in ACCELERATORS:
             raise ConfigError(f"chip '{name}' has unknown device '{chip.device}'; supported: "
-                              f"{', '.join(ACCELERATORS)}")
+                              f"{', '.join(ACCELERATORS)} (vendor plug-ins load from "
+                              f"${PLUGINS_ENV}, see docs/devices.md)")
     return plan
 
 

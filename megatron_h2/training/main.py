@@ -23,8 +23,13 @@ import torch.distributed as dist
 
 from megatron_h2.checkpointing import find_latest_iteration, iteration_dir, read_metadata
 from megatron_h2.checkpointing.distributed import TrainProgress, check_compatible
-from megatron_h2.config import RunConfig
-from megatron_h2.devices import Accelerator, detect_device_type, get_accelerator
+from megatron_h2.config import ParallelConfig, RunConfig
+from megatron_h2.devices import (
+    Accelerator,
+    detect_device_type,
+    get_accelerator,
+    load_plugins,
+)
 from megatron_h2.distributed.failures import JobFailures
 from megatron_h2.distributed.topology import (
     LaunchEnv,
@@ -35,7 +40,21 @@ from megatron_h2.distributed.topology import (
     init_process_group,
 )
 from megatron_h2.errors import ConfigError, RankConfigError, TrainingError
-from megatron_h2.training.arguments import LaunchOptions, config_from_args, describe_no_effect
+from megatron_h2.hetero_plan import HeteroPlan
+from megatron_h2.optimizer.lr_schedule import OptimizerParamScheduler
+from megatron_h2.training.arguments import (
+    LaunchOptions,
+    config_from_args,
+    describe_demo,
+    describe_no_effect,
+)
+from megatron_h2.training.batch_schedule import check_run_schedule
+from megatron_h2.training.data_setup import (
+    build_split_datasets,
+    check_data_files,
+    describe_source,
+    unused_data_flags,
+)
 from megatron_h2.training.layout import check_plan_for_model, load_hetero_plan, uniform_plan
 from megatron_h2.training.metrics import MetricsWriter, log
 
@@ -53,24 +72,18 @@ def default_cache_dir() -> Path:
 
 def prepare_data(cfg: RunConfig, say) -> object:
     """Resolve data and tokenizer; fills ``cfg.model.vocab_size``. Returns the tokenizer."""
-    from megatron_h2.data import (
-        build_tokenizer,
-        check_data_prefix,
-        ensure_default_corpus,
-        parse_data_path,
-    )
+    from megatron_h2.data import build_tokenizer, ensure_default_corpus
 
-    if not cfg.data.data_path:
+    if not cfg.data.has_source:
         say("no --data-path given: using the embedded corpus (Python standard library sources)")
         prefix, spm_model = ensure_default_corpus(str(default_cache_dir() / "default_corpus"))
         cfg.data.data_path = [prefix]
         cfg.data.tokenizer_type = "SentencePieceTokenizer"
         cfg.data.tokenizer_model = spm_model
     else:
-        for _, prefix in parse_data_path(cfg.data.data_path):
-            check_data_prefix(prefix)
+        check_data_files(cfg.data)
     tokenizer = build_tokenizer(cfg.data.tokenizer_type, cfg.data.tokenizer_model,
-                                cfg.data.vocab_size)
+                                cfg.data.vocab_size, **cfg.data.tokenizer_options())
     # Padding does not depend on the layout (unlike Megatron's), so checkpoints move between
     # layouts; every stage's TP degree must divide the padded size (checked with the plan).
     cfg.model.vocab_size = cfg.data.padded_vocab_size(tokenizer.vocab_size)
@@ -90,25 +103,24 @@ def check_load(cfg: RunConfig, launch: LaunchOptions) -> None:
     iteration = launch.ckpt_step if launch.ckpt_step is not None else find_latest_iteration(load)
     if iteration is not None:
         ckpt_dir = iteration_dir(load, iteration)
-        check_compatible(read_metadata(ckpt_dir), cfg, ckpt_dir)
+        metadata = read_metadata(ckpt_dir)
+        check_compatible(metadata, cfg, ckpt_dir)
+        saved = metadata.get("opt_param_scheduler")
+        if saved is not None and not (launch.no_load_optim or launch.finetune):
+            OptimizerParamScheduler.from_config(cfg.optimizer, cfg.training).load_state_dict(
+                saved, override=cfg.optimizer.override_opt_param_scheduler,
+                use_checkpoint=cfg.optimizer.use_checkpoint_opt_param_scheduler)
 
 
-def build_datasets(cfg: RunConfig, topo: Topology):
+def build_datasets(cfg: RunConfig, topo: Topology, train_samples: int, tokenizer):
     """Train / validation datasets; rank 0 builds the index caches before the others read them."""
-    from megatron_h2.data import build_gpt_datasets
-
     t = cfg.training
     # The test split is not used during training: ask for none so small corpora still work.
-    num_samples = (t.train_iters * t.global_batch_size, t.eval_iters * t.global_batch_size, 0)
-
-    def build():
-        return build_gpt_datasets(cfg.data.data_path, cfg.data.split, cfg.model.seq_length,
-                                  t.seed, num_samples, cache_dir=cfg.data.data_cache_path)
-
-    result = build() if topo.rank == 0 else None
+    num_samples = (train_samples, t.eval_iters * t.global_batch_size, 0)
+    result = build_split_datasets(cfg, tokenizer, num_samples) if topo.rank == 0 else None
     if topo.distributed:
         dist.barrier(group=topo.cpu_group)
-    return result if result is not None else build()
+    return result if result is not None else build_split_datasets(cfg, tokenizer, num_samples)
 
 
 def seed_everything(seed: int, accelerator: Accelerator) -> None:
@@ -118,8 +130,8 @@ def seed_everything(seed: int, accelerator: Accelerator) -> None:
 
 
 def apply_demo_defaults(cfg: RunConfig) -> bool:
-    """With no --data-path, the run is the embedded demo: give it save and log directories."""
-    if cfg.data.data_path:
+    """With no data source, the run is the embedded demo: give it save and log directories."""
+    if cfg.data.has_source:
         return False
     if cfg.training.save is None:
         cfg.training.save = str(DEFAULT_RUN_DIR / "checkpoints")
@@ -129,20 +141,25 @@ def apply_demo_defaults(cfg: RunConfig) -> bool:
 
 
 def validate_launch(cfg: RunConfig, launch: LaunchOptions, env: LaunchEnv, say):
-    """All checks that need no process group; returns the plan, this rank's accelerator and
-    the tokenizer. Checks every rank makes alike come first, this rank's own chip last."""
+    """All checks that need no process group; returns the plan, this rank's accelerator, the
+    tokenizer, the batch schedule and the number of iterations. Checks every rank makes alike
+    come first, this rank's own chip last."""
     if cfg.parallel.hetero_plan:
         plan = load_hetero_plan(cfg, launch.explicit)
         device = None
     else:
         device = cfg.training.device or detect_device_type()
         plan = uniform_plan(cfg.parallel, cfg.model, cfg.training, env.world_size, device)
+    batch, iterations = check_run_schedule(cfg, plan.micro_batch_size, plan.data_parallel_size)
     tokenizer = prepare_data(cfg, say)
+    unused = unused_data_flags(cfg.data, launch.explicit)
+    if unused:
+        say(unused)
     check_plan_for_model(plan, cfg.model, cfg.parallel, env.world_size)
     check_load(cfg, launch)
     accelerator = (accelerator_for_rank(plan, env.rank, env.local_rank) if device is None
                    else get_accelerator(device, env.local_rank))
-    return plan, accelerator, tokenizer
+    return plan, accelerator, tokenizer, batch, iterations
 
 
 def restore(cfg: RunConfig, launch: LaunchOptions, ckpt, say) -> TrainProgress:
@@ -165,6 +182,24 @@ def restore(cfg: RunConfig, launch: LaunchOptions, ckpt, say) -> TrainProgress:
     return progress
 
 
+def say_bridges(plan: HeteroPlan, parallel: ParallelConfig, say) -> None:
+    """Log the transport of every boundary that crosses the bridge, and any plan
+    ``transports`` entry that no such boundary uses (it has no effect)."""
+    bridged = set()
+    for index in range(len(plan.stages) - 1):
+        a, b = plan.stages[index].chip, plan.stages[index + 1].chip
+        if parallel.force_bridge or plan.chips[a].device != plan.chips[b].device:
+            bridged.add(frozenset((a, b)))
+            say(f"boundary {index}-{index + 1}: bridge over {plan.transport_between(a, b)} "
+                f"(chunks of {parallel.bridge_chunk_mb:g} MiB, {parallel.bridge_dtype} "
+                "on the wire)")
+    for link in plan.transports:
+        if frozenset(link.chips) not in bridged:
+            say(f"note: transports entry {'/'.join(link.chips)} ({link.transport}) has no "
+                "effect: no boundary between these chip types crosses the bridge (it is used "
+                "between different device types, or everywhere with --force-bridge)")
+
+
 def train(cfg: RunConfig, launch: LaunchOptions, env: LaunchEnv,
           failures: JobFailures) -> TrainProgress:
     """Build everything for ``cfg`` on this rank and train; returns the final progress.
@@ -172,8 +207,10 @@ def train(cfg: RunConfig, launch: LaunchOptions, env: LaunchEnv,
     ``failures`` is given the job's store once the process group starts.
     """
     from megatron_h2.checkpointing.distributed import CheckpointIO
+    from megatron_h2.devices.precision import KernelProbe
     from megatron_h2.models.gpt import GPTModel, init_parameters
     from megatron_h2.optimizer.distributed_optimizer import build_data_parallel_optimizer
+    from megatron_h2.training.precision import PrecisionMonitor
     from megatron_h2.training.step import StepRunner
     from megatron_h2.training.timeline import Timeline, format_summary, gather_and_write
     from megatron_h2.training.trainer import Trainer
@@ -181,32 +218,36 @@ def train(cfg: RunConfig, launch: LaunchOptions, env: LaunchEnv,
     start = time.perf_counter()
     say = log if env.rank == 0 else quiet
     demo = apply_demo_defaults(cfg)
-    if launch.demo_flags:
-        say("embedded demo (no --data-path): " + " ".join(launch.demo_flags)
-            + " (Megatron's defaults otherwise)")
+    demo_line = describe_demo(launch, cfg.model)
+    if demo_line:
+        say(demo_line)
     no_effect = describe_no_effect(launch)
     if no_effect:
         say(no_effect)
-    plan, accelerator, tokenizer = validate_launch(cfg, launch, env, say)
+    plan, accelerator, tokenizer, batch, iterations = validate_launch(cfg, launch, env, say)
     # ---- everything below may start process groups: all user input has been checked ----
     failures.attach(init_process_group(default_backend(plan), env,
                                        cfg.parallel.distributed_timeout_minutes))
     topo = build_topology(plan, env.rank, env.world_size)
     tp = topo.tp_context(cfg.parallel.sequence_parallel)
-    train_ds, valid_ds, _ = build_datasets(cfg, topo)
+    train_samples = max(cfg.training.train_samples or 0, batch.samples_for(iterations))
+    train_ds, valid_ds, _ = build_datasets(cfg, topo, train_samples, tokenizer)
     if train_ds is None:
-        raise ConfigError(f"--split {cfg.data.split} leaves no training data")
+        raise ConfigError(f"--split {cfg.data.effective_split()} leaves no training data")
     seed_everything(cfg.training.seed + 100 * topo.stage, accelerator)
     stage_cfg = replace(cfg.model, recompute=topo.stage_spec.recompute)
-    model = GPTModel(stage_cfg, accelerator.kernels, topo.layer_range, topo.is_first_stage,
-                     topo.is_last_stage, tp)
+    probe = KernelProbe(accelerator.kernels) if cfg.training.precision_check_interval else None
+    model = GPTModel(stage_cfg, probe.kernels if probe else accelerator.kernels,
+                     topo.layer_range, topo.is_first_stage, topo.is_last_stage, tp)
     init_parameters(model, cfg.model, cfg.training.seed)
     model.to(accelerator.device)
+    tied = model.tied_embedding_weight()  # its gradient is summed across stages before DP sync
     optimizer = build_data_parallel_optimizer(
         model, cfg.optimizer, topo.dp_group,
         use_distributed_optimizer=cfg.parallel.use_distributed_optimizer,
         bucket_size_mb=cfg.parallel.bucket_size_mb(topo.dp_size),
-        overlap=cfg.parallel.overlap_grad_reduce, kernels=accelerator.kernels)
+        overlap=cfg.parallel.overlap_grad_reduce, kernels=accelerator.kernels,
+        deferred=[tied] if tied is not None else [])
     ckpt = CheckpointIO(cfg, accelerator, topo, tp, model, optimizer)
     progress = restore(cfg, launch, ckpt, say)
     m = cfg.model
@@ -215,6 +256,7 @@ def train(cfg: RunConfig, launch: LaunchOptions, env: LaunchEnv,
         f"{m.hidden_size} | heads {m.num_attention_heads} (query groups {m.num_query_groups}) | "
         f"ffn {m.ffn_hidden_size} | seq {m.seq_length} | vocab {tokenizer.vocab_size} "
         f"(padded {m.vocab_size}) | recompute {m.recompute}")
+    say(f"architecture: {m.describe_architecture()}")
     say(f"parallel: world {env.world_size} | DP {plan.data_parallel_size} | distributed "
         f"optimizer {cfg.parallel.use_distributed_optimizer} | sequence parallel "
         f"{cfg.parallel.sequence_parallel}")
@@ -225,18 +267,27 @@ def train(cfg: RunConfig, launch: LaunchOptions, env: LaunchEnv,
         say(f"stage {index}: chip {spec.chip} ({chip.device}) | TP {spec.tensor_parallel_size} |"
             f" layers {layers.start}-{layers.stop - 1} ({spec.num_layers}) | recompute "
             f"{spec.recompute}{slow}")
-    say(f"data: {' '.join(cfg.data.data_path)} | split {cfg.data.split} | "
-        f"{len(train_ds)} training samples | setup took {time.perf_counter() - start:.1f} s")
-    if progress.iteration >= cfg.training.train_iters:
-        say(f"checkpoint is already at iteration {progress.iteration} >= --train-iters "
-            f"{cfg.training.train_iters}: nothing to train")
+    say_bridges(plan, cfg.parallel, say)
+    say(f"data: {describe_source(cfg.data)} | {len(train_ds)} training samples | setup took "
+        f"{time.perf_counter() - start:.1f} s")
+    say(f"training: {iterations} iterations | global batch size {batch.describe()}")
+    if progress.iteration >= iterations:
+        say(f"checkpoint is already at iteration {progress.iteration} >= the run's "
+            f"{iterations} iterations: nothing to train")
         return progress
-    metrics = MetricsWriter(cfg.training.train_iters, cfg.training.log_jsonl,
+    metrics = MetricsWriter(iterations, cfg.training.log_jsonl,
                             cfg.training.tensorboard_dir, enabled=env.rank == 0)
     timeline = Timeline.for_plan(plan, env.rank, enabled=bool(cfg.training.timeline_trace))
-    runner = StepRunner(cfg, accelerator, topo, tp, model, optimizer, timeline)
+    runner = StepRunner(cfg, accelerator, topo, tp, model, optimizer, timeline,
+                        eod_mask=tokenizer.eod if cfg.data.eod_mask_loss else None)
+    precision = None if probe is None else PrecisionMonitor(
+        model, probe, accelerator, topo, cfg.training.bf16, cfg.training.seed)
+    if precision is not None:
+        say(f"precision check every {cfg.training.precision_check_interval} iterations: one "
+            "micro-batch per stage replayed on cpu fp64")
     try:
-        progress = Trainer(cfg, runner, train_ds, valid_ds, metrics, progress, ckpt, say).run()
+        progress = Trainer(cfg, runner, train_ds, valid_ds, metrics, progress, ckpt, say,
+                           started=start, precision=precision).run()
     finally:
         metrics.close()
     if cfg.training.timeline_trace:  # collective: every rank sends its events to rank 0
@@ -278,6 +329,8 @@ def main(argv: list[str] | None = None) -> int:
     prefix = f"[rank {env.rank}] " if env.world_size > 1 else ""
     failures = JobFailures()
     try:
+        load_plugins()  # vendor accelerators named by entry points / $MEGATRON_H2_PLUGINS
+        load_plugins()  # vendor accelerators named by entry points / $MEGATRON_H2_PLUGINS
         cfg, launch = config_from_args(argv)
         train(cfg, launch, env, failures)
     except (ConfigError, TrainingError) as exc:

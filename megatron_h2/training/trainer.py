@@ -9,18 +9,25 @@ from types import FrameType
 
 from megatron_h2.checkpointing.distributed import CheckpointIO, TrainProgress
 from megatron_h2.config import RunConfig
-from megatron_h2.optimizer.lr_schedule import LRSchedule
+from megatron_h2.optimizer.lr_schedule import OptimizerParamScheduler
+from megatron_h2.training.batch_schedule import BatchSchedule
 from megatron_h2.training.metrics import MetricsWriter
+from megatron_h2.training.precision import PrecisionMonitor
 from megatron_h2.training.stage_clock import stage_report
 from megatron_h2.training.step import StepResult, StepRunner, world_sum
 
 
 class ExitSignal:
-    """Turns SIGTERM / SIGINT into a request to save and stop after the current iteration."""
+    """Turns ``signals`` into a request to save and stop after the current iteration.
 
-    def __init__(self, log) -> None:
+    Ctrl-C (SIGINT) always does; ``--exit-signal-handler`` adds ``--exit-signal`` (SIGTERM),
+    which otherwise ends the process at once, as in Megatron.
+    """
+
+    def __init__(self, log, signals: tuple[signal.Signals, ...] = (signal.SIGINT,)) -> None:
         self.received: int | None = None
         self._log = log
+        self._signals = signals
         self._previous: dict[int, object] = {}
 
     def _handler(self, signum: int, frame: FrameType | None) -> None:
@@ -31,7 +38,7 @@ class ExitSignal:
                   "this iteration (send again to stop at once)")
 
     def __enter__(self) -> ExitSignal:
-        for sig in (signal.SIGTERM, signal.SIGINT):
+        for sig in self._signals:
             self._previous[sig] = signal.signal(sig, self._handler)
         return self
 
@@ -60,9 +67,19 @@ class Trainer:
 
     def __init__(self, cfg: RunConfig, runner: StepRunner, train_ds, valid_ds,
                  metrics: MetricsWriter, progress: TrainProgress, ckpt: CheckpointIO,
-                 log) -> None:
-        self.cfg, self.runner = cfg, runner
-        self.schedule = LRSchedule(cfg.optimizer, cfg.training.train_iters)
+                 log, started: float | None = None,
+                 precision: PrecisionMonitor | None = None) -> None:
+        """``started`` (``time.perf_counter()``) is when the program started, for
+        ``--exit-duration-in-mins``; default: now."""
+        self.cfg, self.runner, self.precision = cfg, runner, precision
+        self.started = time.perf_counter() if started is None else started
+        self.batch = BatchSchedule.from_config(cfg.training, cfg.model.seq_length)
+        self.train_iters = self.batch.train_iterations(cfg.training)
+        self.schedule = OptimizerParamScheduler.from_config(cfg.optimizer, cfg.training)
+        if progress.scheduler is not None:  # resumed with the optimizer: continue its schedule
+            self.schedule.load_state_dict(
+                progress.scheduler, override=cfg.optimizer.override_opt_param_scheduler,
+                use_checkpoint=cfg.optimizer.use_checkpoint_opt_param_scheduler)
         self.train_ds, self.valid_ds = train_ds, valid_ds
         self.metrics, self.progress, self.ckpt, self.log = metrics, progress, ckpt, log
         self.fault_at = injected_fault(runner.topo.rank)
@@ -76,34 +93,57 @@ class Trainer:
     def save(self) -> None:
         if self.cfg.training.save:
             start = time.perf_counter()
+            self.progress.scheduler = self.schedule.state_dict()
             path = self.ckpt.save(self.cfg.training.save, self.progress)
             self.log(f"saved checkpoint at iteration {self.progress.iteration} to {path} "
                      f"({time.perf_counter() - start:.2f} s)")
 
-    def _stop_requested(self, stop: ExitSignal, it: int) -> bool:
+    def _stop_requested(self, stop: ExitSignal, it: int) -> str | None:
+        """Why training must stop after iteration ``it`` (None: go on); the same on every rank."""
         t = self.cfg.training
-        if t.exit_interval is not None and it % t.exit_interval == 0:
-            return True
+        minutes = (time.perf_counter() - self.started) / 60.0
         # every rank must agree, or some would wait in the next step's collectives
-        return world_sum([1.0 if stop.received is not None else 0.0], self.runner.topo)[0] > 0
+        signalled, timed_out = world_sum(
+            [1.0 if stop.received is not None else 0.0,
+             1.0 if t.exit_duration_in_mins is not None and minutes > t.exit_duration_in_mins
+             else 0.0], self.runner.topo)
+        if signalled:
+            return "after receiving a signal"
+        if timed_out:
+            return f"after {minutes:.2f} minutes (--exit-duration-in-mins)"
+        if t.exit_interval is not None and it % t.exit_interval == 0:
+            return "at --exit-interval"
+        return None
+
+    def _exit_signals(self) -> tuple[signal.Signals, ...]:
+        t = self.cfg.training
+        extra = (signal.Signals[t.exit_signal],) if t.exit_signal_handler else ()
+        return tuple(dict.fromkeys((signal.SIGINT, *extra)))
 
     def run(self) -> TrainProgress:
-        """Train until ``train_iters`` (or an exit signal / ``--exit-interval``)."""
+        """Train until the run's length (or an exit signal / ``--exit-interval``)."""
         t = self.cfg.training
         last_saved = self.progress.iteration
         window: list[StepResult] = []
         window_start = time.perf_counter()
-        with ExitSignal(self.log) as stop:
-            while self.progress.iteration < t.train_iters:
+        with ExitSignal(self.log, self._exit_signals()) as stop:
+            while self.progress.iteration < self.train_iters:
                 it = self.progress.iteration + 1
                 if it == self.fault_at:
                     raise RuntimeError(f"injected fault at iteration {it} (${FAULT_ENV})")
+                batch = self.batch.batch_at(self.progress.consumed_samples)
+                lr = self.schedule.apply(self.runner.optimizer)
                 window.append(self.runner.train_step(self.train_ds, self.progress.consumed_samples,
-                                                     it, self.schedule.lr_at(it)))
+                                                     it, lr, batch))
+                self.schedule.step(batch)
                 self.progress.iteration = it
-                self.progress.consumed_samples += t.global_batch_size
+                self.progress.consumed_samples += batch
+                if self.precision is not None and it % t.precision_check_interval == 0:
+                    check_start = time.perf_counter()
+                    self.log(self.precision.run(it))  # collective: every rank checks its stage
+                    window_start += time.perf_counter() - check_start  # not iteration time
                 val_loss = self.evaluate() if it % t.eval_interval == 0 else None
-                if it % t.log_interval == 0 or val_loss is not None or it == t.train_iters:
+                if it % t.log_interval == 0 or val_loss is not None or it == self.train_iters:
                     self.runner.acc.synchronize()
                     self._log(window, time.perf_counter() - window_start, val_loss)
                     window, window_start = [], time.perf_counter()
@@ -112,7 +152,7 @@ class Trainer:
                     self.save()
                     last_saved = it
                 if exiting:
-                    self.log(f"stopping at iteration {it} as requested")
+                    self.log(f"stopping at iteration {it} {exiting}")
                     break
         if self.progress.iteration != last_saved:
             self.save()
@@ -128,7 +168,7 @@ class Trainer:
         stages = stage_report(runner.topo, compute, elapsed, comm, n) \
             if runner.topo.pp_size > 1 else None
         seconds = elapsed / n
-        tokens = cfg.training.global_batch_size * cfg.model.seq_length
+        tokens = sum(r.global_batch_size for r in window) / n * cfg.model.seq_length
         record = {"iteration": self.progress.iteration,
                   "consumed_samples": self.progress.consumed_samples,
                   "lr": window[-1].lr,
@@ -137,7 +177,7 @@ class Trainer:
                   "iteration_ms": seconds * 1000.0,
                   "tokens_per_sec": tokens / seconds,
                   "tflops": cfg.model.flops_per_token() * tokens / seconds / 1e12,
-                  "global_batch_size": cfg.training.global_batch_size}
+                  "global_batch_size": window[-1].global_batch_size}
         if val_loss is not None:
             record["val_loss"] = val_loss
         self.metrics.train_step(record)
