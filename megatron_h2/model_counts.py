@@ -107,6 +107,16 @@ class ModelCounts:
         """Forward FLOPs of the output layer (logits over the padded vocabulary)."""
         return tokens * 2.0 * self.hidden_size * self.vocab_size
 
+    def layer_weight_grad_flops(self, tokens: int) -> float:
+        """FLOPs of one layer's weight gradients (``dW = X^T dY`` of its four matrices): the part
+        of the backward (2 x forward) that a zero-bubble schedule defers. The rest, the input
+        gradients and the attention core's backward, is what the previous stage waits for."""
+        return tokens * 2.0 * self.layer_matrix_params
+
+    def head_weight_grad_flops(self, tokens: int) -> float:
+        """FLOPs of the output layer's weight gradient (half of its backward)."""
+        return self.head_forward_flops(tokens)
+
     def flops_per_token(self, causal: bool = False) -> float:
         """Training FLOPs of one token, forward + backward = 3 x forward, no recompute.
 
@@ -133,6 +143,22 @@ class ModelCounts:
         if recompute == "selective":
             return tokens * (4 * h + (2 * q + 4 * kv + fc1) / tp)
         return tokens * 2.0 * h
+
+    def layer_weight_grad_bytes(self, tokens: int, tp: int) -> float:
+        """Bytes one layer keeps per micro-batch between its input gradient and its deferred
+        weight gradient (zero-bubble): every matrix's input and output gradient, bf16, per TP
+        rank (QKV: h in, (q + 2 kv) / t out; projection: q / t in, h out; fc1: h in, fc1 / t
+        out; fc2: f / t in, h out). Bias gradients are reductions of the output gradients."""
+        h, f, q, kv = self.hidden_size, self.ffn_hidden_size, self.query_size, self.kv_size
+        return tokens * (8 * h + (4 * q + 4 * kv + 2 * self.fc1_size + 2 * f) / tp)
+
+    def head_weight_grad_bytes(self, tokens: int, tp: int) -> float:
+        """The same for the output layer: its input (h) and the logits' gradient (V / t), bf16."""
+        return tokens * 2.0 * (self.hidden_size + self.vocab_size / tp)
+
+    def embedding_weight_grad_bytes(self, tokens: int) -> float:
+        """The same for the input embedding: the gradient of its output (h, bf16)."""
+        return tokens * 2.0 * self.hidden_size
 
     def head_activation_bytes(self, tokens: int, tp: int) -> float:
         """Bytes the final norm, output layer and loss keep per micro-batch (bf16 in, fp32

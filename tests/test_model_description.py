@@ -162,3 +162,27 @@ def test_state_bytes_per_param_match_the_runtime_optimizer(distributed):
     optimizer.step()  # Adam's moments exist from the first step on
     per_param = _state_bytes(model, optimizer) / cfg.num_parameters()
     assert per_param == pytest.approx(state_bytes_per_param(False, 1, distributed), rel=1e-3)
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_weight_gradient_counts_follow_the_built_matrices(variant):
+    """What a deferred weight gradient keeps (zero-bubble) is each matrix's input and output
+    gradient, per TP rank: a column-parallel layer sees its whole input and a shard of its output,
+    a row-parallel one the reverse."""
+    from megatron_h2.parallel.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+
+    runtime = _runtime_config(SHAPES[0], VARIANTS[variant])
+    layer = GPTModel(runtime).decoder.layers["0"]
+    kinds = ColumnParallelLinear | RowParallelLinear
+    linears = [m for m in layer.modules() if isinstance(m, kinds)]
+    assert len(linears) == 4  # QKV, projection, fc1, fc2
+    tokens = 12
+    flops = sum(2 * tokens * m.weight.numel() for m in linears)
+    assert runtime.layer_weight_grad_flops(tokens) == flops
+    for tp in (1, 2):
+        widths = 0.0
+        for m in linears:
+            out_features, in_features = m.weight.shape
+            column = isinstance(m, ColumnParallelLinear)
+            widths += in_features + out_features / tp if column else in_features / tp + out_features
+        assert runtime.layer_weight_grad_bytes(tokens, tp) == pytest.approx(2 * tokens * widths)

@@ -322,3 +322,35 @@ def test_profile_table_changes_the_plan(tmp_path: Path, capsys: pytest.CaptureFi
     assert "did you mean 'slow'" in error_line(
         [*base, "--profile", str(bad), "--output", "x.yaml"], capsys
     )
+
+
+def test_the_schedule_is_chosen_printed_and_explained(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "plan.yaml"
+    base = ["--cluster", CPU_CLUSTER, "--model", TINY, "--output", str(out), "--top", "3"]
+    status, text, err = run(base, capsys)
+    assert status == 0, err
+    plan = HeteroPlan.from_yaml(out)
+    label = {"1f1b": "1F1B", "zero-bubble": "ZB-H1"}.get(
+        str(plan.schedule), f"int V={plan.virtual_pipeline_size}"
+    )
+    first_row = text.split("\n1  ")[1].split("\n")[0]
+    assert f" {label} " in first_row
+    assert f"schedule: {plan.schedule}" in out.read_text().replace("(ZB-H1)", "")
+    assert "the same stages under each schedule: 1f1b " in text and "(chosen)" in text
+    # restricted to one schedule: every listed plan uses it, V at most the limit
+    status, text, err = run([*base, "--schedules", "interleaved", "--max-virtual-stages", "2"],
+                            capsys)  # fmt: skip
+    assert status == 0, err
+    plan = HeteroPlan.from_yaml(out)
+    assert plan.schedule == "interleaved" and plan.virtual_pipeline_size == 2
+    assert plan.num_micro_batches % plan.pipeline_parallel_size == 0
+    assert all(len(set(s.chunks)) == 1 for s in plan.stages)  # equal chunks
+    assert text.count(" int V=2 ") == 3
+    status, text, err = run([*base, "--schedules", "1f1b"], capsys)
+    assert status == 0 and HeteroPlan.from_yaml(out).schedule == "1f1b"
+    assert "schedule" not in yaml.safe_load(out.read_text())  # the default is not written
+    status, _, err = run([*base, "--schedules", "1f1b,zero-buble"], capsys)
+    assert status == 2 and "unknown pipeline schedule 'zero-buble'" in err
+    assert "did you mean 'zero-bubble'" in err and len(err.strip().splitlines()) == 1
