@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from megatron_h2.errors import ConfigError
-from megatron_h2.pipeline.orders import (
+from megatron_h2.pipeline_orders import (
     Action,
     check_micro_batches,
     check_orders,
@@ -36,8 +36,8 @@ def test_interleaved_is_megatrons_order():
     assert names(interleaved(0, 2, 2, range(4))) == [
         "F0", "F1", "F0.1", "F1.1", "F2", "B0.1", "F3", "B1.1", "F2.1", "B0", "F3.1", "B1",
         "B2.1", "B3.1", "B2", "B3"]
-    # m == p: every forward first (Megatron's special case)
-    assert names(interleaved(1, 2, 2, range(2))) == ["F0", "F1", "F0.1", "F1.1", "B0.1",
+    # m == p: the same warm-up rule (stage 1 of 2: (V - 1) x p = 2 forwards, then 1F1B)
+    assert names(interleaved(1, 2, 2, range(2))) == ["F0", "F1", "F0.1", "B0.1", "F1.1",
                                                      "B1.1", "B0", "B1"]
 
 
@@ -63,7 +63,7 @@ def test_zero_bubble_keeps_1f1b_peak_memory():
 @pytest.mark.parametrize("zb", [False, True])
 def test_orders_equal_torch_pipelining(zb):
     """The interleaved 1F1B and zero-bubble orders are those of torch's
-    ScheduleInterleaved1F1B / ScheduleInterleavedZeroBubble (Megatron's m == p case aside)."""
+    ScheduleInterleaved1F1B / ScheduleInterleavedZeroBubble."""
     schedules = pytest.importorskip("torch.distributed.pipelining.schedules")
     helper = getattr(schedules, "_get_1f1b_rank_ops", None)
     warmups = getattr(schedules, "_get_warmup_ops", None)
@@ -73,7 +73,7 @@ def test_orders_equal_torch_pipelining(zb):
     checked = 0
     for p in (2, 3, 4):
         for v in ((1, 2, 3) if zb else (2, 3)):
-            for m in (2 * p, 3 * p):
+            for m in (p, 2 * p, 3 * p):
                 for s in range(p):
                     warm = warmups(s, v, p, p, m, multiply_factor=1 if zb else 2)
 

@@ -311,7 +311,7 @@ def test_step_formula_of_each_schedule() -> None:
     expected = ((2 * m - 1) * max(w) + sum(w)) / 2 + 2 * link + 2 * (link + wrap)
     assert inter.schedule == "interleaved" and inter.step_time_s == pytest.approx(expected)
     assert [s.chunk_layers for s in inter.stages] == [(1, 1), (1, 1)]
-    with pytest.raises(ConfigError, match=r"micro-batches \(3\) to be a multiple"):
+    with pytest.raises(ConfigError, match=r"= 3\) to be a multiple of the pipeline size"):
         cost.evaluate(
             HeteroPlan(
                 1,

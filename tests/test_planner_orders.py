@@ -125,9 +125,9 @@ def test_zero_bubble_holds_at_most_p_micro_batches_like_1f1b_stage_0() -> None:
 @pytest.mark.parametrize(
     "schedule,p,m,v,message",
     [
-        ("interleaved", 4, 6, 2, "multiple of the pipeline stages"),
-        ("interleaved", 1, 4, 2, "at least two pipeline stages"),
-        ("interleaved", 2, 4, 1, "at least two model chunks"),
+        ("interleaved", 4, 6, 2, "multiple of the pipeline size 4"),
+        ("interleaved", 1, 4, 2, "need at least 2 pipeline stages"),
+        ("interleaved", 2, 4, 1, "needs virtual pipeline stages"),
         ("1f1b", 2, 4, 2, "one model chunk"),
         ("zero-bubble", 2, 4, 2, "one model chunk"),
     ],

@@ -244,7 +244,7 @@ def test_chunks_and_the_split_backward_are_recorded_and_drawn(tmp_path):
     as compute, and the picture colours chunks and hatches the weight-gradient passes."""
     import importlib.util
 
-    from megatron_h2.pipeline.orders import zero_bubble
+    from megatron_h2.pipeline_orders import zero_bubble
 
     timeline = Timeline(0, 0, enabled=True, chunks=2)
     timeline.set_iteration(1)

@@ -9,7 +9,7 @@ A stage of a ``p``-stage pipeline runs ``m`` micro-batches through its ``V`` mod
 * ``"W"``: ``zero-bubble`` only: the weight-gradient part of a backward, run later to fill
   the bubble.
 
-The orders are the ones the runtime runs:
+The orders are the runtime's own (:mod:`megatron_h2.pipeline_orders`):
 
 * ``1f1b``: Megatron's non-interleaved schedule: ``min(p - s - 1, m)`` warm-up forwards, then
   one forward one backward, then the remaining backwards.
@@ -41,6 +41,7 @@ from functools import lru_cache
 import numpy as np
 
 from megatron_h2.errors import ConfigError
+from megatron_h2.pipeline_orders import check_micro_batches, schedule_order
 
 Action = tuple[str, int, int]
 """(kind "F" | "B" | "W", chunk, micro-batch)."""
@@ -50,26 +51,16 @@ State = tuple[tuple[int, ...], tuple[int, ...]]
 
 
 def schedule_problem(schedule: str, stages: int, micro_batches: int, chunks: int) -> str | None:
-    """Why ``schedule`` cannot run this pipeline (a sentence saying what to change), or None."""
-    if schedule == "1f1b":
-        return None if chunks == 1 else "the 1f1b schedule runs one model chunk per stage"
-    if schedule == "zero-bubble":
-        if chunks != 1:
-            return "the zero-bubble schedule (ZB-H1) runs one model chunk per stage"
-        return None
-    if schedule == "interleaved":
-        if chunks < 2:
-            return "the interleaved schedule needs at least two model chunks per stage"
-        if stages < 2:
-            return "the interleaved schedule needs at least two pipeline stages"
-        if micro_batches % stages:
-            return (
-                f"the interleaved schedule needs the number of micro-batches ({micro_batches})"
-                f" to be a multiple of the pipeline stages ({stages}); change the global batch,"
-                " micro-batch size or DP degree"
-            )
-        return None
-    return f"unknown schedule {schedule!r}"
+    """Why the planner cannot use ``schedule`` for this pipeline (a sentence saying what to
+    change), or None: the runtime's rules (:func:`~megatron_h2.pipeline_orders.
+    check_micro_batches`), and zero-bubble modelled with one chunk per stage (ZB-H1)."""
+    if schedule == "zero-bubble" and chunks != 1:
+        return "the zero-bubble schedule (ZB-H1) runs one model chunk per stage"
+    try:
+        check_micro_batches(schedule, stages, chunks, micro_batches)
+    except ConfigError as exc:
+        return str(exc)
+    return None
 
 
 def check_schedule(schedule: str, stages: int, micro_batches: int, chunks: int) -> None:
@@ -82,54 +73,11 @@ def check_schedule(schedule: str, stages: int, micro_batches: int, chunks: int) 
 def stage_order(
     schedule: str, stages: int, micro_batches: int, chunks: int, stage: int
 ) -> list[Action]:
-    """The order of actions of ``stage`` (see the module docstring)."""
+    """The order of actions of ``stage``: the runtime's own
+    (:func:`~megatron_h2.pipeline_orders.schedule_order`), as ``(kind, chunk, micro_batch)``."""
     check_schedule(schedule, stages, micro_batches, chunks)
-    if schedule == "interleaved":
-        return _interleaved(stages, micro_batches, chunks, stage)
-    if schedule == "zero-bubble":
-        return _zero_bubble(stages, micro_batches, stage)
-    return _one_f_one_b(stages, micro_batches, stage)
-
-
-def _one_f_one_b(p: int, m: int, s: int) -> list[Action]:
-    warmup = min(p - s - 1, m)
-    order: list[Action] = [("F", 0, i) for i in range(warmup)]
-    for i in range(m - warmup):
-        order += [("F", 0, warmup + i), ("B", 0, i)]
-    order += [("B", 0, i) for i in range(m - warmup, m)]
-    return order
-
-
-def _interleaved(p: int, m: int, v: int, s: int) -> list[Action]:
-    total = m * v
-    warmup = min(2 * (p - s - 1) + (v - 1) * p, total)
-
-    def forward(k: int) -> Action:
-        return ("F", (k % (p * v)) // p, (k // (p * v)) * p + k % p)
-
-    def backward(k: int) -> Action:
-        return ("B", v - 1 - (k % (p * v)) // p, (k // (p * v)) * p + k % p)
-
-    order = [forward(k) for k in range(warmup)]
-    for k in range(total - warmup):
-        order += [forward(k + warmup), backward(k)]
-    order += [backward(k) for k in range(total - warmup, total)]
-    return order
-
-
-def _zero_bubble(p: int, m: int, s: int) -> list[Action]:
-    warmup = min(p - s - 1, m)
-    order: list[Action] = [("F", 0, i) for i in range(warmup)]
-    weights = 0  # weight-gradient actions issued so far (oldest micro-batch first)
-    for step in range(m):  # steady steps first (forward + input-backward), then cool-down
-        if step < m - warmup:
-            order.append(("F", 0, warmup + step))
-        order.append(("B", 0, step))
-        if step >= s:
-            order.append(("W", 0, weights))
-            weights += 1
-    order += [("W", 0, i) for i in range(weights, m)]
-    return order
+    order = schedule_order(schedule, stage, stages, chunks, range(micro_batches))
+    return [(a.kind, a.chunk, a.micro_batch) for a in order]
 
 
 @lru_cache(maxsize=8192)

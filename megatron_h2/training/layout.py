@@ -17,7 +17,7 @@ from megatron_h2.devices import ACCELERATORS, PLUGINS_ENV
 from megatron_h2.distributed.transport import check_transport
 from megatron_h2.errors import ConfigError
 from megatron_h2.hetero_plan import ChipSpec, HeteroPlan, StageSpec
-from megatron_h2.pipeline.orders import check_micro_batches
+from megatron_h2.pipeline_orders import check_micro_batches
 
 # Config fields that a heterogeneous plan replaces: giving both is ambiguous, so it is an error.
 PLAN_OWNED: tuple[tuple[type, str], ...] = (

@@ -26,8 +26,8 @@ from megatron_h2.models.gpt import GPTModel
 from megatron_h2.models.gpt.model import TIED_COPY_ATTR
 from megatron_h2.optimizer.distributed_optimizer import DataParallelOptimizer
 from megatron_h2.parallel import TPContext, allreduce_coalesced_, get_tp_shard
-from megatron_h2.pipeline.orders import schedule_order
 from megatron_h2.pipeline.schedules import StageChunks, forward_only, run_schedule
+from megatron_h2.pipeline_orders import schedule_order
 from megatron_h2.training.stage_clock import StageClock
 from megatron_h2.training.timeline import Timeline
 

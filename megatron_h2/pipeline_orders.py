@@ -15,8 +15,10 @@ stage ``c * p + s - 1`` (the last stage's chunk ``c - 1`` for ``s = 0``).
 
 * :func:`one_f_one_b`: Megatron's non-interleaved 1F1B (``min(p - s - 1, m)`` warm-up forwards).
 * :func:`interleaved`: Megatron's interleaved 1F1B: micro-batches go through the chunks in
-  groups of ``p``; ``(p - s - 1) x 2 + (V - 1) x p`` warm-up forwards; all forwards first when
-  ``m == p``; needs ``m`` to be a multiple of ``p`` (Megatron's rule).
+  groups of ``p``; ``(p - s - 1) x 2 + (V - 1) x p`` warm-up forwards; needs ``m`` to be a
+  multiple of ``p`` (Megatron's rule). When ``m == p`` Megatron runs every forward first on
+  every stage; here the same warm-up rule applies (torch's order, what the planner simulates):
+  fewer activations in flight on later stages, the same step time on balanced stages.
 * :func:`zero_bubble`: ZB-H1 (Qi et al., "Zero Bubble Pipeline Parallelism", 2023) for ``V = 1``
   and its interleaved form for ``V > 1``: 1F1B with the backward split into ``B`` and ``W``,
   stage ``s`` deferring its ``W`` s by ``s`` steps so that they fill the cool-down bubble, at
@@ -110,10 +112,7 @@ def interleaved(stage: int, stages: int, chunks: int,
         raise ConfigError(f"the interleaved schedule needs a multiple of {stages} micro-batches, "
                           f"got {len(mbs)}")
     total = len(mbs) * chunks
-    if len(mbs) == stages:
-        warmup = total  # Megatron: every forward first, then every backward
-    else:
-        warmup = min((stages - stage - 1) * 2 + (chunks - 1) * stages, total)
+    warmup = min((stages - stage - 1) * 2 + (chunks - 1) * stages, total)
 
     def fwd(k: int) -> Action:
         return Action("F", *_virtual(k, stages, chunks, mbs, backward=False))
