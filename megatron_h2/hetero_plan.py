@@ -7,9 +7,9 @@ FILE`` reads it with :meth:`HeteroPlan.from_yaml` and checks it against the mode
 
 YAML schema (every key is required unless a default is given)::
 
-    data_parallel_size: 1        # DP degree, shared by every stage
+    data_parallel_size: 1        # DP degree of every stage that does not set its own
     micro_batch_size: 1          # sequences per micro-batch, shared by every stage
-    global_batch_size: 8         # multiple of micro_batch_size * data_parallel_size
+    global_batch_size: 8         # multiple of micro_batch_size * every stage's DP
     chips:                       # chip name -> how the runtime drives that chip
       fast: {device: cpu}                          # device: torch device type (cuda, npu, cpu...)
       slow: {device: cpu, emulate_slowdown: 2.0}   # optional, default 1.0: CPU emulation only
@@ -37,10 +37,16 @@ last stage, then chunk 1 of stage 0, ... (:meth:`HeteroPlan.chunk_layer_ranges`)
 of the first stage and the last chunk of the last stage (which hold the embedding and the head)
 may be empty. ``schedule`` defaults to ``interleaved`` when ``V > 1`` and to ``1f1b`` otherwise.
 
+Per-stage data parallelism: a stage may set its own ``data_parallel_size`` (``DP_s``), e.g.
+``{chip: slow, tensor_parallel_size: 1, num_layers: 2, data_parallel_size: 2}``. The global batch
+is cut into ``M = global_batch_size / micro_batch_size`` micro-batches numbered ``0 .. M-1``;
+every stage processes all ``M``, its replica ``r`` the micro-batches ``j`` with
+``j mod DP_s == r`` (:meth:`HeteroPlan.stage_micro_batches` of them per step).
+
 Rank layout (what the runtime must build its process groups from):
 
-* Stage ``s`` owns ``tensor_parallel_size * data_parallel_size`` consecutive global ranks, stages
-  in pipeline order, so stage 0 starts at rank 0 (:meth:`HeteroPlan.stage_ranks`).
+* Stage ``s`` owns ``tensor_parallel_size * DP_s`` consecutive global ranks, stages in pipeline
+  order, so stage 0 starts at rank 0 (:meth:`HeteroPlan.stage_ranks`).
 * Inside a stage, ``rank = first_rank + dp_rank * tensor_parallel_size + tp_rank``: a TP group is
   ``tensor_parallel_size`` consecutive ranks (kept inside one node), a DP group takes every
   ``tensor_parallel_size``-th rank of the stage (:meth:`HeteroPlan.rank_coordinates`).
@@ -69,7 +75,7 @@ _PLAN_KEYS = ("data_parallel_size", "micro_batch_size", "global_batch_size", "ch
 SCHEDULES = ("1f1b", "interleaved", "zero-bubble")
 """Pipeline schedules a plan may name (``schedule``)."""
 _CHIP_KEYS = ("device", "emulate_slowdown")
-_STAGE_KEYS = ("chip", "tensor_parallel_size", "num_layers", "recompute")
+_STAGE_KEYS = ("chip", "tensor_parallel_size", "num_layers", "recompute", "data_parallel_size")
 _LINK_KEYS = ("chips", "transport")
 TRANSPORTS = ("gloo", "nixl")
 """Transfer libraries the bridge can run on (megatron_h2.distributed.transport)."""
@@ -187,8 +193,11 @@ class StageSpec:
     num_layers: int
     recompute: Recompute = "none"
     chunk_layers: tuple[int, ...] = ()
+    data_parallel_size: int | None = None  # None: the plan's data_parallel_size
 
     def __post_init__(self) -> None:
+        if self.data_parallel_size is not None:
+            positive_int(self.data_parallel_size, "data_parallel_size")
         if not isinstance(self.chip, str) or not self.chip:
             raise ConfigError(f"stage chip must be a chip name, got {self.chip!r}")
         positive_int(self.tensor_parallel_size, "tensor_parallel_size")
@@ -253,12 +262,6 @@ class HeteroPlan:
         positive_int(self.data_parallel_size, "data_parallel_size")
         positive_int(self.micro_batch_size, "micro_batch_size")
         positive_int(self.global_batch_size, "global_batch_size")
-        per_step = self.micro_batch_size * self.data_parallel_size
-        if self.global_batch_size % per_step:
-            raise ConfigError(
-                f"global_batch_size {self.global_batch_size} is not divisible by micro_batch_size"
-                f" x data_parallel_size = {per_step}; change one of them"
-            )
         if not isinstance(self.chips, Mapping) or not self.chips:
             raise ConfigError("chips must map at least one chip name to {device: ...}")
         for name, chip in self.chips.items():
@@ -268,6 +271,7 @@ class HeteroPlan:
         object.__setattr__(self, "stages", tuple(self.stages))
         if not self.stages:
             raise ConfigError("stages is empty; a plan needs at least one pipeline stage")
+        self._check_batch()
         self._check_stages()
         self._check_chunks()
         if self.schedule is None:
@@ -325,6 +329,21 @@ class HeteroPlan:
                         f"chunk {chunk} of stage {index} has no layer; only the first chunk of "
                         "the first stage and the last chunk of the last stage may be empty")
 
+    def _check_batch(self) -> None:
+        """The global batch splits into whole micro-batches for every DP replica of every stage
+        (replica ``r`` of a stage of DP ``d`` runs micro-batches ``j`` with ``j mod d == r``)."""
+        for index, stage in enumerate(self.stages):
+            if not isinstance(stage, StageSpec):
+                continue  # reported by _check_stages
+            dp = self.stage_dp(index)
+            per_step = self.micro_batch_size * dp
+            if self.global_batch_size % per_step:
+                whose = (f"stage {index}'s data_parallel_size {dp}"
+                         if stage.data_parallel_size is not None else "data_parallel_size")
+                raise ConfigError(
+                    f"global_batch_size {self.global_batch_size} is not divisible by "
+                    f"micro_batch_size x {whose} = {per_step}; change one of them")
+
     def _check_stages(self) -> None:
         last = len(self.stages) - 1
         for index, stage in enumerate(self.stages):
@@ -353,9 +372,33 @@ class HeteroPlan:
         """Number of pipeline stages."""
         return len(self.stages)
 
+    def stage_dp(self, stage: int) -> int:
+        """Data-parallel degree of ``stage`` (its own ``data_parallel_size``, else the plan's)."""
+        own = self.stages[stage].data_parallel_size
+        return self.data_parallel_size if own is None else own
+
+    @property
+    def uniform_dp(self) -> bool:
+        """Whether every stage has the plan's DP degree."""
+        return all(self.stage_dp(s) == self.data_parallel_size for s in range(len(self.stages)))
+
+    @property
+    def total_micro_batches(self) -> int:
+        """Micro-batches per step over the whole global batch: global batch / micro batch."""
+        return self.global_batch_size // self.micro_batch_size
+
+    def stage_micro_batches(self, stage: int) -> int:
+        """Micro-batches per step that each DP replica of ``stage`` runs (replica ``r`` runs
+        the micro-batches ``j`` with ``j mod DP_stage == r``)."""
+        return self.total_micro_batches // self.stage_dp(stage)
+
     @property
     def num_micro_batches(self) -> int:
-        """Micro-batches per step and DP replica: global batch / (micro batch x DP)."""
+        """Micro-batches per step and DP replica: global batch / (micro batch x DP); with
+        per-stage DP degrees see :meth:`stage_micro_batches`."""
+        if not self.uniform_dp:
+            raise ConfigError("the stages have different data_parallel_size: ask "
+                              "stage_micro_batches(stage) for a stage's micro-batches")
         return self.global_batch_size // (self.micro_batch_size * self.data_parallel_size)
 
     @property
@@ -370,8 +413,9 @@ class HeteroPlan:
 
     @property
     def world_size(self) -> int:
-        """Ranks the plan needs: sum over stages of TP x DP."""
-        return sum(stage.tensor_parallel_size for stage in self.stages) * self.data_parallel_size
+        """Ranks the plan needs: sum over stages of TP x DP (each stage's own DP)."""
+        return sum(stage.tensor_parallel_size * self.stage_dp(index)
+                   for index, stage in enumerate(self.stages))
 
     def stage_ranks(self, stage: int) -> range:
         """Global ranks of ``stage``: ``tensor_parallel_size x data_parallel_size`` in a row."""
@@ -381,8 +425,9 @@ class HeteroPlan:
             or not 0 <= stage < len(self.stages)
         ):
             raise ConfigError(f"stage index {stage!r} is out of range 0..{len(self.stages) - 1}")
-        start = sum(s.tensor_parallel_size for s in self.stages[:stage]) * self.data_parallel_size
-        ranks = self.stages[stage].tensor_parallel_size * self.data_parallel_size
+        start = sum(s.tensor_parallel_size * self.stage_dp(i)
+                    for i, s in enumerate(self.stages[:stage]))
+        ranks = self.stages[stage].tensor_parallel_size * self.stage_dp(stage)
         return range(start, start + ranks)
 
     def rank_coordinates(self, rank: int) -> tuple[int, int, int]:
@@ -454,9 +499,8 @@ class HeteroPlan:
                     )
         if world_size is not None and world_size != self.world_size:
             raise ConfigError(
-                f"the plan needs world size {self.world_size} (sum of TP x DP"
-                f" {self.data_parallel_size} over stages) but {world_size} processes were"
-                f" launched; launch {self.world_size}"
+                f"the plan needs world size {self.world_size} (sum of TP x DP over stages) but"
+                f" {world_size} processes were launched; launch {self.world_size}"
             )
 
     # ------------------------------------------------------------------------------- conversion
@@ -526,6 +570,8 @@ class HeteroPlan:
                 "tensor_parallel_size": s.tensor_parallel_size,
                 "num_layers": list(s.chunk_layers) if s.chunk_layers else s.num_layers,
                 "recompute": s.recompute,
+                **({} if s.data_parallel_size is None
+                   else {"data_parallel_size": s.data_parallel_size}),
             }
             for s in self.stages
         ]

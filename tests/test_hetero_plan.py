@@ -243,3 +243,23 @@ def test_empty_edge_chunks_and_zero_bubble_schedule(tmp_path: Path) -> None:
     assert zb.schedule == "zero-bubble"
     zb.to_yaml(tmp_path / "zb.yaml")
     assert HeteroPlan.from_yaml(tmp_path / "zb.yaml") == zb
+
+
+def test_stages_may_set_their_own_data_parallel_size(tmp_path: Path) -> None:
+    data = example_dict()  # plan DP 2, global batch 8, micro-batch 1
+    data["stages"][1]["data_parallel_size"] = 4
+    plan = HeteroPlan.from_dict(data)
+    assert [plan.stage_dp(s) for s in (0, 1)] == [2, 4] and not plan.uniform_dp
+    assert plan.world_size == 2 * 2 + 1 * 4
+    assert plan.stage_ranks(0) == range(0, 4) and plan.stage_ranks(1) == range(4, 8)
+    assert plan.rank_coordinates(7) == (1, 3, 0) and plan.rank_coordinates(3) == (0, 1, 1)
+    assert plan.total_micro_batches == 8
+    assert [plan.stage_micro_batches(s) for s in (0, 1)] == [4, 2]
+    with pytest.raises(ConfigError, match="stage_micro_batches"):
+        _ = plan.num_micro_batches
+    plan.to_yaml(tmp_path / "plan.yaml")
+    assert HeteroPlan.from_yaml(tmp_path / "plan.yaml") == plan
+    data["stages"][1]["data_parallel_size"] = 3
+    assert "stage 1's data_parallel_size 3 = 3" in error_of(data)
+    data["stages"][1]["data_parallel_size"] = 0
+    assert "data_parallel_size must be positive" in error_of(data)

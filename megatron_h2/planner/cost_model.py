@@ -382,6 +382,9 @@ class CostModel:
         """
         model = self.model
         plan.validate(model.num_layers, model.num_attention_heads, model.num_query_groups)
+        if not plan.uniform_dp:
+            raise ConfigError("the cost model does not evaluate stages with their own "
+                              "data_parallel_size yet")
         p, m = plan.pipeline_parallel_size, plan.num_micro_batches
         mbs, dp = plan.micro_batch_size, plan.data_parallel_size
         schedule, chunks = str(plan.schedule), plan.virtual_pipeline_size

@@ -101,6 +101,9 @@ def check_plan_for_model(plan: HeteroPlan, model: ModelConfig, parallel: Paralle
     """Everything about the layout that must hold before any process group starts."""
     plan.validate(model.num_layers, model.num_attention_heads, model.num_query_groups,
                   world_size=world_size)
+    if not plan.uniform_dp:
+        raise ConfigError("stages with their own data_parallel_size are not run yet; give every "
+                          "stage the plan's data_parallel_size")
     check_micro_batches(plan.schedule, plan.pipeline_parallel_size, plan.virtual_pipeline_size,
                         plan.num_micro_batches)
     for index, stage in enumerate(plan.stages):
