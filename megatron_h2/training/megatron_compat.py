@@ -52,7 +52,6 @@ UNSUPPORTED_FLAGS: dict[str, str] = {
                             "LLaMA and Megatron's default)",
     "--use-mup": "muP parametrisation is not implemented",
     "--mup-base-hidden-size": "muP parametrisation is not implemented",
-    "--context-parallel-size": _CP,
     "--cp-comm-type": _CP,
     "--hierarchical-context-parallel-sizes": _CP,
     "--use-torch-fsdp2": _FSDP,
