@@ -8,8 +8,13 @@ exchange. Variants:
   fresh buffer per transfer (a pipeline receive needs one: the activation is kept for backward);
 * ``plain reuse``: the same into one reused buffer (a lower bound on the receive cost);
 * ``bridge fp32 / chunk C``: :class:`~megatron_h2.distributed.bridge.Bridge` with ``chunk_mb=C``
-  (asynchronous chunked isend / irecv, staged through host buffers off the CPU);
-* ``bridge bf16 / chunk C``: the same with the bf16 wire dtype (half the bytes on the wire).
+  (asynchronous chunked isend / irecv, staged through host buffers off the CPU) over the gloo
+  transport;
+* ``bridge bf16 / chunk C``: the same with the bf16 wire dtype (half the bytes on the wire);
+* ``nixl fp32 / chunk C``, ``nixl bf16 / chunk C`` (``--transports gloo nixl``): the same
+  bridge over the NIXL transport (:mod:`~megatron_h2.distributed.nixl_transport`; built once
+  per chunk size before timing). ``--ucx-tls`` sets ``UCX_TLS`` for it (default ``tcp``, like
+  gloo; ``--ucx-tls ''`` lets UCX pick, e.g. shared memory between processes of one host).
 
 Variants are measured alternately in every round (the order flips each round) and the median
 over rounds is printed: GB/s of the fp32 payload (what the pipeline moves; the bf16 wire carries
@@ -20,6 +25,7 @@ where there are two, else both on GPU 0).
 
     .venv/bin/python bench/bench_bridge.py
     .venv/bin/python bench/bench_bridge.py --sizes 1 16 --chunks 1 4 16 --rounds 9 --staged
+    .venv/bin/python bench/bench_bridge.py --transports gloo nixl --chunks 1 4
 """
 
 from __future__ import annotations
@@ -40,6 +46,7 @@ import torch.multiprocessing as mp
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from megatron_h2.distributed.bridge import Bridge, BridgeConfig  # noqa: E402
+from megatron_h2.distributed.transport import Transport, make_transport  # noqa: E402
 
 MIB = 1 << 20
 
@@ -57,26 +64,60 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--staged", action="store_true",
                    help="stage CPU tensors through host buffers and the stager thread")
     p.add_argument("--device", default="cpu", help="bridge device: cpu or cuda")
+    p.add_argument("--transports", nargs="+", default=["gloo"], choices=["gloo", "nixl"],
+                   help="transports under the bridge to measure (default gloo)")
+    p.add_argument("--ucx-tls", default="tcp",
+                   help="UCX_TLS for the nixl transport (default tcp; '' lets UCX choose)")
     return p.parse_args(argv)
 
 
-def variants(args: argparse.Namespace) -> list[tuple[str, BridgeConfig | None]]:
-    out: list[tuple[str, BridgeConfig | None]] = [("plain", None), ("plain reuse", None)]
-    for dtype in ([torch.float32] if args.no_bf16 else [torch.float32, torch.bfloat16]):
+Variant = tuple[str, str, BridgeConfig | None]  # (name, transport, config)
+
+
+def variants(args: argparse.Namespace) -> list[Variant]:
+    out: list[Variant] = [("plain", "gloo", None), ("plain reuse", "gloo", None)]
+    for transport in args.transports:
+        label = "bridge" if transport == "gloo" else transport
+        for dtype in ([torch.float32] if args.no_bf16 else [torch.float32, torch.bfloat16]):
+            for chunk in args.chunks:
+                name = f"{label} {'bf16' if dtype == torch.bfloat16 else 'fp32'} / chunk {chunk:g}"
+                out.append((name, transport, BridgeConfig(
+                    force=True, dtype=None if dtype == torch.float32 else dtype, chunk_mb=chunk)))
+    return out
+
+
+class _Kept:
+    """A transport shared by many measurements: the bridge's close() leaves it open."""
+
+    def __init__(self, transport: Transport) -> None:
+        self.inner, self.name = transport, transport.name
+        self.isend, self.irecv = transport.isend, transport.irecv
+
+    def close(self) -> None:
+        pass
+
+
+def build_transports(rank: int, args: argparse.Namespace) -> dict[tuple[str, float], _Kept]:
+    """One transport per (transport, chunk size), built in the same order on both ranks."""
+    if args.ucx_tls:
+        os.environ["UCX_TLS"] = args.ucx_tls
+    out = {}
+    for name in args.transports:
         for chunk in args.chunks:
-            name = f"bridge {'bf16' if dtype == torch.bfloat16 else 'fp32'} / chunk {chunk:g}"
-            out.append((name, BridgeConfig(force=True, dtype=None if dtype == torch.float32
-                                           else dtype, chunk_mb=chunk)))
+            slot = BridgeConfig(chunk_mb=chunk).chunk_elements(1)
+            out[(name, chunk)] = _Kept(make_transport(name, None, rank, [1 - rank], slot,
+                                                      f"bench{chunk:g}", 600.0))
     return out
 
 
 def measure(rank: int, config: BridgeConfig | None, tensor: torch.Tensor, reps: int,
-            device: torch.device, staged: bool, reuse: bool = False) -> float:
+            device: torch.device, staged: bool, reuse: bool = False,
+            transport: Transport | None = None) -> float:
     """Seconds (on rank 0) to move ``reps`` copies of ``tensor`` to rank 1 and get an ack."""
     ack = torch.zeros(1)
     bridge = None
     if config is not None:
-        bridge = Bridge(None, device, config, staged=staged or None)
+        bridge = Bridge(None, device, config, staged=staged or None, transport=transport)
     src = tensor if config is None else tensor.to(device)
     dist.barrier()
     start = time.perf_counter()
@@ -115,19 +156,27 @@ def worker(rank: int, init_file: str, args: argparse.Namespace, queue) -> None:
     if device.type == "cuda":
         device = torch.device("cuda", rank % torch.cuda.device_count())
         torch.cuda.set_device(device)
+    transports = build_transports(rank, args)
     results: list[tuple[float, str, int, float]] = []  # (size, variant, round, seconds)
     for size in args.sizes:
         tensor = torch.randn(int(size * MIB) // 4)
         reps = args.reps or max(2, int(64 // size))
         names = variants(args)
-        for _, config in names:  # warm-up
-            measure(rank, config, tensor, 1, device, args.staged)
+
+        def run(transport: str, config: BridgeConfig | None, n: int, reuse: bool,
+                tensor: torch.Tensor = tensor) -> float:
+            link = None if config is None else transports[(transport, config.chunk_mb)]
+            return measure(rank, config, tensor, n, device, args.staged, reuse, link)
+
+        for _, transport, config in names:  # warm-up
+            run(transport, config, 1, False)
         for r in range(args.rounds):
             order = names if r % 2 == 0 else names[::-1]
-            for name, config in order:
-                seconds = measure(rank, config, tensor, reps, device, args.staged,
-                                  reuse=name == "plain reuse")
+            for name, transport, config in order:
+                seconds = run(transport, config, reps, name == "plain reuse")
                 results.append((size, name, r, seconds / reps))
+    for kept in transports.values():
+        kept.inner.close()
     queue.put((rank, results))
     dist.destroy_process_group()
 
@@ -135,12 +184,14 @@ def worker(rank: int, init_file: str, args: argparse.Namespace, queue) -> None:
 def report(args: argparse.Namespace, results: list[tuple[float, str, int, float]]) -> None:
     print(f"bridge vs plain gloo send/recv, 2 processes, device {args.device}"
           f"{', staged' if args.staged else ''}, {args.rounds} alternating rounds, "
-          f"torch {torch.__version__}, {os.cpu_count()} CPUs")
+          f"torch {torch.__version__}, {os.cpu_count()} CPUs, transports "
+          f"{' '.join(args.transports)}"
+          f"{f' (UCX_TLS={args.ucx_tls})' if 'nixl' in args.transports else ''}")
     print(f"{'size MiB':>8}  {'variant':<24} {'GB/s':>7} {'x plain':>8}")
     for size in args.sizes:
         rows = [r for r in results if r[0] == size]
         plain = {rnd: sec for _, name, rnd, sec in rows if name == "plain"}
-        for name, _ in variants(args):
+        for name, _, _ in variants(args):
             secs = [sec for _, n, _, sec in rows if n == name]
             ratios = [plain[rnd] / sec for _, n, rnd, sec in rows if n == name]
             gbps = size * MIB / statistics.median(secs) / 1e9

@@ -13,7 +13,7 @@ runs, in rotating order, one step per (wire dtype, mode):
   ``post`` returns, i.e. before the receive of the same call is waited for.
 
 The same instance wrappers time, in both modes, every ``Bridge._isend`` (entry, the moment its
-isends are issued after the cast, exit), every irecv and receive wait, every ``_exchange`` call
+isends are issued after the cast, exit), every irecv and receive wait, every ``exchange`` call
 and every ``wait_sends``, with ``time.perf_counter`` (one system-wide monotonic clock on Linux,
 so the two ranks' timestamps are compared directly), and ``PipeComm.stats()`` gives
 ``bridge_send_wait_s`` / ``bridge_recv_wait_s`` per step. Messages are matched across ranks in
@@ -107,7 +107,7 @@ class BridgeProbe:
     Per message sent: entry into ``Bridge._isend``, the moment its isends are issued (after the
     cast: the last ``_chunks`` call inside it), its exit and, with ``sync``, when the send
     completed; per message received: the irecv posted, the wait's start and end. Also every
-    pipeline call (``_exchange``) and ``wait_sends``, i.e. the intervals the rank is not
+    pipeline call (``exchange``) and ``wait_sends``, i.e. the intervals the rank is not
     computing. ``sync`` waits for each send handle before ``post`` returns.
     """
 
@@ -121,7 +121,7 @@ class BridgeProbe:
         self._isend, link._isend = link._isend, self._timed_isend
         self._irecv, link._irecv = link._irecv, self._timed_irecv
         self._chunks, link._chunks = link._chunks, self._timed_chunks
-        self._exchange, comm._exchange = comm._exchange, self._timed_exchange
+        self._exchange, comm.exchange = comm.exchange, self._timed_exchange
         self._wait_sends, comm.wait_sends = comm.wait_sends, self._timed_wait_sends
         self.reset()
 

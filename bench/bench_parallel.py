@@ -13,12 +13,16 @@ Two gloo processes (``tests/dist_utils.run_distributed``, one thread each) build
   instance: with overlap it is the exposed wait; without (after a barrier, so the slower rank's
   backward is not counted) it is the whole communication.
 
+* Schedules, PP=4 (four processes): 1F1B, interleaved 1F1B (V=2) and zero-bubble against the
+  ideal and the planner's simulator; see ``bench_schedules.py``.
+
 Medians over the timed rounds; ``time.perf_counter`` is one system-wide monotonic clock on
 Linux, so the ranks' timestamps are compared directly. Examples::
 
-    .venv/bin/python bench/bench_parallel.py                     # both parts, ~1 minute
+    .venv/bin/python bench/bench_parallel.py                     # all parts, ~2-3 minutes
     .venv/bin/python bench/bench_parallel.py --part pp --micro-batches 2,4,8,16
     .venv/bin/python bench/bench_parallel.py --part dp --bucket-mb 25 --json results.jsonl
+    .venv/bin/python bench/bench_parallel.py --part schedules --schedule-micro-batches 4,8,16
 """
 
 from __future__ import annotations
@@ -44,6 +48,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from megatron_h2.config import (  # noqa: E402  # noqa: E402
+    LLAMA_ARCHITECTURE,
     DataConfig,
     ModelConfig,
     OptimizerConfig,
@@ -65,7 +70,8 @@ from megatron_h2.optimizer.distributed_optimizer import (
     DataParallelOptimizer,  # noqa: E402
     build_data_parallel_optimizer,  # noqa
 )
-from megatron_h2.pipeline.schedules import forward_backward_1f1b  # noqa: E402
+from megatron_h2.pipeline.schedules import run_schedule  # noqa: E402
+from megatron_h2.pipeline_orders import one_f_one_b  # noqa: E402
 from megatron_h2.training.layout import uniform_plan  # noqa: E402
 from megatron_h2.training.step import StepRunner, stack_samples  # noqa: E402
 from tests.dist_utils import run_distributed  # noqa: E402
@@ -78,7 +84,7 @@ now = time.perf_counter
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--part", choices=("all", "pp", "dp"), default="all")
+    p.add_argument("--part", choices=("all", "pp", "dp", "schedules"), default="all")
     for flag, default in (("num-layers", 4), ("hidden-size", 256), ("num-attention-heads", 8),
                           ("seq-length", 128), ("micro-batch-size", 2), ("vocab-size", 256)):
         p.add_argument("--" + flag, type=int, default=default)
@@ -91,8 +97,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--rounds", type=int, default=7, help="timed rounds")
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--json", metavar="FILE", default=None, help="append one JSON line")
+    p.add_argument("--schedule-micro-batches", default="4,8,16",
+                   help="schedules part (PP=4): micro-batch counts m (multiples of 4)")
+    p.add_argument("--schedule-layers", type=int, default=8,
+                   help="schedules part: layers (a multiple of 8: 4 stages x 2 chunks)")
+    p.add_argument("--schedule-hidden-size", type=int, default=64)
+    p.add_argument("--schedule-seq-length", type=int, default=64)
+    p.add_argument("--unit-ms", type=float, default=25.0,
+                   help="schedules part: a layer's forward (and weight pass, input-gradient "
+                        "pass) padded to this; a whole backward to twice")
+    p.add_argument("--schedule-rounds", type=int, default=3, help="schedules part: timed rounds")
     args = p.parse_args(argv)
     args.micro_batches = [int(m) for m in args.micro_batches.split(",")]
+    args.schedule_micro_batches = [int(m) for m in args.schedule_micro_batches.split(",")]
     return args
 
 
@@ -112,7 +129,8 @@ def make_corpus(directory: str, vocab: int, seed: int, num_tokens: int = 400_000
 def run_config(a: argparse.Namespace, pp: int, global_batch: int) -> RunConfig:
     model = ModelConfig(num_layers=a.num_layers, hidden_size=a.hidden_size,
                         num_attention_heads=a.num_attention_heads, seq_length=a.seq_length,
-                        vocab_size=DataConfig().padded_vocab_size(a.vocab_size))
+                        vocab_size=DataConfig().padded_vocab_size(a.vocab_size),
+                        hidden_dropout=0.0, attention_dropout=0.0, **LLAMA_ARCHITECTURE)
     training = TrainingConfig(micro_batch_size=a.micro_batch_size, global_batch_size=global_batch,
                               train_iters=10**6, seed=a.seed, device="cpu")
     return RunConfig(model=model, optimizer=OptimizerConfig(lr=LR, lr_warmup_iters=0),
@@ -176,35 +194,34 @@ def build_rank(a: argparse.Namespace, rank: int, pp: int, prefix: str) -> Rank:
     init_parameters(model, cfg.model, cfg.training.seed)
     optimizer = build_data_parallel_optimizer(model, cfg.optimizer, topo.dp_group,
                                               bucket_size_mb=a.bucket_mb, kernels=acc.kernels)
-    dataset = None
-    for builder in range(WORLD):  # rank 0 writes the index cache, then the others read it
-        if rank == builder:
-            dataset = build_gpt_datasets([prefix], "100,0,0", a.seq_length, a.seed,
-                                         (NUM_SAMPLES, 0, 0), cache_dir=prefix + "_cache")[0]
-        dist.barrier()
+    dataset = load_dataset(prefix, a.seq_length, a.seed, rank, WORLD)
     probe = SyncProbe(optimizer.grad_buckets, topo.dp_group)
     return Rank(a, acc, topo, model, optimizer, dataset, probe)
 
 
+def load_dataset(prefix: str, seq_length: int, seed: int, rank: int, world: int) -> GPTDataset:
+    """The training split of the synthetic corpus; rank 0 writes the index cache first."""
+    dataset = None
+    for builder in range(world):
+        if rank == builder:
+            dataset = build_gpt_datasets([prefix], "100,0,0", seq_length, seed,
+                                         (NUM_SAMPLES, 0, 0), cache_dir=prefix + "_cache")[0]
+        dist.barrier()
+    return dataset
+
+
 # ----------------------------------------------------------------------------- timed pieces
 class LocalComm:
-    """PipeComm's calls in a one-stage schedule, answered with fixed neighbour tensors."""
+    """PipeComm.exchange answered with fixed neighbour tensors (nothing is sent)."""
 
-    def __init__(self, shape: tuple[int, ...], first: bool, last: bool) -> None:
-        self.act = None if first else torch.randn(shape)
-        self.grad = None if last else torch.randn(shape) * 1e-3
+    def __init__(self, shape: tuple[int, ...]) -> None:
+        self.act = torch.randn(shape)
+        self.grad = torch.randn(shape) * 1e-3
 
-    def recv_forward(self) -> torch.Tensor | None:
-        return None if self.act is None else self.act.clone().requires_grad_()
-
-    def send_forward_recv_backward(self, output: torch.Tensor) -> torch.Tensor | None:
-        return self.grad
-
-    def send_backward_recv_forward(self, grad: torch.Tensor | None) -> torch.Tensor | None:
-        return self.recv_forward()
-
-    def send_backward(self, grad: torch.Tensor | None) -> None:
-        pass
+    def exchange(self, sends, recv) -> torch.Tensor | None:
+        if recv is None:
+            return None
+        return self.act.clone().requires_grad_() if recv[0] == "forward" else self.grad
 
 
 def timed_step(r: Rank, runner: StepRunner) -> dict[str, float]:
@@ -223,10 +240,10 @@ def local_compute(r: Rank, runner: StepRunner, num_micro: int) -> tuple[float, f
     micro-batches without pipeline traffic."""
     samples = (stack_samples(r.dataset, r.next_start(runner), runner.per_replica)
                if runner.needs_data else None)
-    comm = LocalComm(runner.comm.shape, r.topo.is_first_stage, r.topo.is_last_stage)
     step = runner._forward_step(samples, [])  # the step function train_step uses
+    order = one_f_one_b(0, 1, range(num_micro))  # forward, backward, forward, ...
     t0, c0 = now(), time.thread_time()
-    forward_backward_1f1b(step, num_micro, comm, stage=0, num_stages=1)
+    run_schedule(order, step, LocalComm(runner.comm.shape), runner.chunks)
     elapsed = now() - t0, time.thread_time() - c0
     r.optimizer.zero_grad()
     return elapsed
@@ -379,7 +396,8 @@ def print_dp(res: dict, num_micro: int, took: float) -> None:
 def print_header(a: argparse.Namespace) -> None:
     load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
     print(f"torch {torch.__version__} | {platform.machine()} | {os.cpu_count()} CPUs, load "
-          f"average {load} | {WORLD} gloo processes, 1 thread each (torch.set_num_threads(1), "
+          f"average {load} | {WORLD} gloo processes (schedules part: 4), 1 thread each "
+          "(torch.set_num_threads(1), "
           f"OMP_NUM_THREADS={os.environ['OMP_NUM_THREADS']})")
     print(f"model: {a.num_layers} layers, hidden {a.hidden_size}, heads {a.num_attention_heads}"
           f", seq {a.seq_length}, vocab {a.vocab_size}, micro-batch {a.micro_batch_size}, fp32 | "
@@ -401,6 +419,10 @@ def main(argv: list[str] | None = None) -> int:
             t, results = now(), run_distributed(dp_worker, WORLD, a, prefix, timeout=900)
             report["dp"] = summarize_dp(results)
             print_dp(report["dp"], a.dp_micro_batches, now() - t)
+        if a.part in ("all", "schedules"):
+            from bench_schedules import run_schedules  # Part 3 lives in its own file
+
+            report["schedules"] = run_schedules(a, prefix)
     if a.json:
         with open(a.json, "a") as fh:
             fh.write(json.dumps(report) + "\n")

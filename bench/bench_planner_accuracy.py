@@ -56,7 +56,7 @@ from megatron_h2.hetero_plan import HeteroPlan  # noqa: E402
 from megatron_h2.planner.calibration import LinkTimes, fitted_gb_per_s, steady_step_ms  # noqa: E402
 from megatron_h2.planner.cluster import Cluster  # noqa: E402
 from megatron_h2.planner.cost_model import CostConfig, CostModel  # noqa: E402
-from megatron_h2.planner.model import ModelSpec  # noqa: E402
+from megatron_h2.planner.model import model_flags, model_from_dict  # noqa: E402
 from megatron_h2.planner.profile import ProfileTable  # noqa: E402
 from megatron_h2.planner.simulator import simulate  # noqa: E402
 from megatron_h2.training.host_load import OtherLoad, load_average, wait_for_quiet  # noqa: E402
@@ -64,11 +64,20 @@ from megatron_h2.training.host_load import OtherLoad, load_average, wait_for_qui
 # hidden 256 / seq 256 / 8 layers: a layer's forward is ~6 ms on one core, so compute dominates
 # the Python and launch overheads while a whole step stays around one second.
 MODEL = {"num_layers": 8, "hidden_size": 256, "ffn_hidden_size": 704, "num_attention_heads": 8,
-         "num_query_groups": 4, "seq_length": 256, "max_position_embeddings": 256,
-         "vocab_size": 4096, "global_batch_size": 8}
-# NullTokenizer(V) has V + 1 tokens (V is the end-of-document id): 4095 + 1 = 4096 = the
-# planner's vocabulary, already a multiple of 128, so the runtime pads nothing.
-TOKENIZER_VOCAB = MODEL["vocab_size"] - 1
+         "group_query_attention": True, "num_query_groups": 4, "seq_length": 256,
+         "max_position_embeddings": 256, "vocab_size": 4096, "global_batch_size": 8,
+         "swiglu": True, "normalization": "RMSNorm", "position_embedding_type": "rope",
+         "disable_bias_linear": True, "untie_embeddings_and_output_weights": True}  # LLaMA-style
+# NullTokenizer(V) has V tokens (V - 1 is the end-of-document id): 4096 = the planner's
+# vocabulary, already a multiple of 128, so the runtime pads nothing.
+TOKENIZER_VOCAB = MODEL["vocab_size"]
+
+
+def planner_model():
+    """The bench's model as the planner and pretrain_gpt.py see it."""
+    return model_from_dict({k: v for k, v in MODEL.items() if k != "global_batch_size"})
+
+
 SLOWDOWN = 2.0
 CHIPS = {"fast": {"device": "cpu"}, "slow": {"device": "cpu", "emulate_slowdown": SLOWDOWN}}
 PROFILE_SIZES = (1, 2, 4)
@@ -197,13 +206,10 @@ def profile_round(work: Path, r: int) -> dict:
     """tools/profile_chip.py --threads 1 (it measures the optimizer step and selective
     recompute too); the bench waits for quiet cores itself."""
     out = work / f"profile_r{r}.yaml"
-    model_flags = [f"--{k.replace('_', '-')}={MODEL[k]}" for k in
-                   ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads",
-                    "num_query_groups", "seq_length", "vocab_size")]
     proc = run([sys.executable, str(ROOT / "tools" / "profile_chip.py"), "--chip", "fast",
-                "--chip", "slow", *model_flags, "--micro-batch-sizes",
-                ",".join(map(str, PROFILE_SIZES)), "--threads", "1", "--max-wait", "0",
-                "--output", str(out)])
+                "--chip", "slow", *model_flags(planner_model()),
+                "--micro-batch-sizes", ",".join(map(str, PROFILE_SIZES)),
+                "--threads", "1", "--max-wait", "0", "--output", str(out)])
     data = yaml.safe_load(out.read_text())
     chip = data["chips"]["fast"]
     sel = ", ".join(f"mb {k}: {v['selective_recompute_ms']:.2f} ms"
@@ -229,17 +235,12 @@ def median_profile(tables: list[dict]) -> dict:
 
 # ------------------------------------------------------------------------------- real runs
 def train_flags(data: str, iters: int) -> list[str]:
-    m = MODEL
-    return ["--num-layers", str(m["num_layers"]), "--hidden-size", str(m["hidden_size"]),
-            "--ffn-hidden-size", str(m["ffn_hidden_size"]),
-            "--num-attention-heads", str(m["num_attention_heads"]),
-            "--num-query-groups", str(m["num_query_groups"]),
-            "--seq-length", str(m["seq_length"]),
-            "--max-position-embeddings", str(m["max_position_embeddings"]),
+    return [*model_flags(planner_model(), vocab=False),
             "--tokenizer-type", "NullTokenizer", "--vocab-size", str(TOKENIZER_VOCAB),
             "--data-path", data, "--split", "100,0,0", "--train-iters", str(iters),
             "--log-interval", "1", "--eval-interval", "1000000", "--eval-iters", "0",
-            "--lr", "1e-4", "--lr-warmup-iters", "1"]
+            "--lr", "1e-4", "--lr-warmup-iters", "1", "--hidden-dropout", "0",
+            "--attention-dropout", "0"]
 
 
 def measure(plan_path: Path, nproc: int, data: str, iters: int, skip: int, out: Path) -> dict:
@@ -311,16 +312,16 @@ def main(argv: list[str] | None = None) -> int:
     work.mkdir(parents=True, exist_ok=True)
     log(f"planner accuracy on this machine: {os.cpu_count()} cores, load average "
         f"{load_average():.2f}; files in {work}")
-    model = ModelSpec.from_dict({k: v for k, v in MODEL.items() if k != "global_batch_size"})
+    model = planner_model()
     log(f"model: {model.num_layers} layers, hidden {model.hidden_size}, ffn "
-        f"{model.ffn_hidden_size}, heads {model.num_attention_heads}/{model.groups}, seq "
-        f"{model.seq_length}, vocab {model.vocab_size}, {model.total_params() / 1e6:.1f}M "
+        f"{model.ffn_hidden_size}, heads {model.num_attention_heads}/{model.num_query_groups}, seq "
+        f"{model.seq_length}, vocab {model.vocab_size}, {model.num_parameters() / 1e6:.1f}M "
         f"params; global batch {MODEL['global_batch_size']}; OMP_NUM_THREADS=1 per process")
     (work / "model.yaml").write_text(yaml.safe_dump(MODEL, sort_keys=False))
     data = write_corpus(work)
 
     # ---- calibration: gloo loopback and the optimizer step
-    dp_bytes = int(model.total_params()) * 4  # fp32 gradients of the whole model
+    dp_bytes = int(model.num_parameters()) * 4  # fp32 gradients of the whole model
     act_bytes = MODEL["seq_length"] * MODEL["hidden_size"] * 4  # one micro-batch, fp32
     run(torchrun_cmd(2, Path(__file__).resolve(),
                      ["--probe-gloo", str(work / "gloo.json"), str(dp_bytes), str(act_bytes)]))

@@ -35,15 +35,10 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from megatron_h2.config import ModelConfig, OptimizerConfig  # noqa: E402
+from megatron_h2.config import LLAMA_ARCHITECTURE, ModelConfig, OptimizerConfig  # noqa: E402
 from megatron_h2.devices import get_accelerator  # noqa: E402
 from megatron_h2.errors import ConfigError  # noqa: E402
-from megatron_h2.models.gpt import (  # noqa: E402
-    GPTModel,
-    flops_per_token,
-    init_parameters,
-    num_parameters,  # noqa: E402
-)
+from megatron_h2.models.gpt import GPTModel, init_parameters  # noqa: E402
 
 PRESETS: dict[str, dict[str, int]] = {
     # Small enough for the whole default run (both models) to take about a minute on 2 CPU
@@ -252,7 +247,9 @@ def main(argv: list[str] | None = None) -> int:
             num_layers=args.num_layers, hidden_size=args.hidden_size,
             num_attention_heads=args.num_attention_heads, num_query_groups=args.num_query_groups,
             ffn_hidden_size=args.ffn_hidden_size, seq_length=args.seq_length,
-            max_position_embeddings=args.seq_length, vocab_size=args.vocab_size)
+            max_position_embeddings=args.seq_length, vocab_size=args.vocab_size,
+            hidden_dropout=0.0, attention_dropout=0.0, group_query_attention=True,
+            **LLAMA_ARCHITECTURE)
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -284,7 +281,7 @@ def main(argv: list[str] | None = None) -> int:
     if n_ours != n_hf:
         print(f"error: parameter counts differ: ours {n_ours:,} vs HF {n_hf:,}", file=sys.stderr)
         return 1
-    assert n_ours == num_parameters(config), (n_ours, num_parameters(config))
+    assert n_ours == config.num_parameters(), (n_ours, config.num_parameters())
 
     b, s = args.micro_batch_size, config.seq_length
     gen = torch.Generator().manual_seed(args.seed)
@@ -301,7 +298,7 @@ def main(argv: list[str] | None = None) -> int:
         "hf": make_step("hf", hf, opt_hf, tokens, labels, autocast_ctx, args.hf_loss),
     }
 
-    fpt = flops_per_token(config)
+    fpt = config.flops_per_token()
     tokens_per_step = b * s
     print(f"model: layers={config.num_layers} hidden={config.hidden_size} "
           f"ffn={config.ffn_hidden_size} heads={config.num_attention_heads} "

@@ -17,5 +17,11 @@ class RankConfigError(ConfigError):
     """
 
 
+class JobConfigError(ConfigError):
+    """Bad input that the ranks found together after their process groups started (for example a
+    damaged checkpoint part, each part checked by one rank): every rank raises the same message
+    and rank 0 reports it for all."""
+
+
 class TrainingError(RuntimeError):
     """Training cannot continue (for example the loss became NaN). One line, shown once."""

@@ -17,7 +17,7 @@ if [ -z "${PYTHON:-}" ]; then
 fi
 OUT=${OUT:-runs/demo}
 ITERS=${ITERS:-20}
-WARMUP=$(( ITERS < 5 ? ITERS : 5 ))
+WARMUP=$(( ITERS < 10 ? ITERS / 2 : 5 ))  # warm-up ends before the decay does (Megatron)
 CLUSTER=${CLUSTER:-examples/clusters/cpu_2types.yaml}
 MODEL=${MODEL:-examples/models/tiny.yaml}
 mkdir -p "$OUT"
@@ -56,10 +56,8 @@ cat "$OUT/plan.txt"
 
 WORLD=$("$PYTHON" -c "from megatron_h2.hetero_plan import HeteroPlan; \
 print(HeteroPlan.from_yaml('$OUT/plan.yaml').world_size)")
-MODEL_FLAGS=$("$PYTHON" -c "import yaml; m = yaml.safe_load(open('$MODEL')); \
-keys = ('num_layers', 'hidden_size', 'ffn_hidden_size', 'num_attention_heads', \
-'num_query_groups', 'seq_length', 'max_position_embeddings'); \
-print(' '.join(f'--{k.replace(\"_\", \"-\")} {m[k]}' for k in keys if k in m))")
+MODEL_FLAGS=$("$PYTHON" -c "from megatron_h2.planner.model import model_flags, model_from_yaml; \
+print(' '.join(model_flags(model_from_yaml('$MODEL'), vocab=False)))")
 
 echo "== 3/4 training the plan on $WORLD processes ($ITERS iterations)"
 rm -f "$OUT/metrics.jsonl"

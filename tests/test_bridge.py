@@ -260,7 +260,8 @@ class Recorder:
     def __init__(self) -> None:
         self.events: list[tuple[str, int, float, float]] = []
 
-    def on_comm(self, kind: str, micro_batch: int, start_s: float, end_s: float) -> None:
+    def on_comm(self, kind: str, micro_batch: int, start_s: float, end_s: float,
+                chunk: int = 0) -> None:
         self.events.append((kind, micro_batch, start_s, end_s))
 
 

@@ -14,7 +14,7 @@ from megatron_h2.planner.calibration import (
 )
 from megatron_h2.planner.cluster import Cluster
 from megatron_h2.planner.cost_model import CostConfig, CostModel
-from megatron_h2.planner.model import ModelSpec
+from megatron_h2.planner.model import model_from_dict
 
 CLUSTER = {"chips": {"fast": {"device": "cpu", "count": 2, "chips_per_node": 2,
                               "tflops_bf16": 1, "memory_gib": 1, "intra_node_gb_per_s": 5,
@@ -23,8 +23,9 @@ CLUSTER = {"chips": {"fast": {"device": "cpu", "count": 2, "chips_per_node": 2,
                               "tflops_bf16": 1, "memory_gib": 1, "intra_node_gb_per_s": 5,
                               "inter_node_gb_per_s": 1, "emulate_slowdown": 2.0}},
            "cross_chip_gb_per_s": 1}
-MODEL = ModelSpec(num_layers=2, hidden_size=64, ffn_hidden_size=128, num_attention_heads=4,
-                  num_query_groups=2, seq_length=32, vocab_size=256)
+SHAPE = {"num_layers": 2, "hidden_size": 64, "ffn_hidden_size": 128, "num_attention_heads": 4,
+         "seq_length": 32, "max_position_embeddings": 32, "vocab_size": 256}
+MODEL = model_from_dict(SHAPE)
 
 
 def test_fitted_bandwidths_make_the_cost_model_give_the_measured_times():
@@ -37,8 +38,7 @@ def test_fitted_bandwidths_make_the_cost_model_give_the_measured_times():
         links.allreduce_s, rel=1e-3)
     # a point-to-point transfer of the bf16 bytes the model counts = the fp32 one measured
     seq_hidden = links.p2p_bytes // 4
-    model = ModelSpec(num_layers=2, hidden_size=seq_hidden // 32, ffn_hidden_size=128,
-                      num_attention_heads=4, num_query_groups=2, seq_length=32, vocab_size=256)
+    model = model_from_dict(dict(SHAPE, hidden_size=seq_hidden // 32))
     cost = CostModel(Cluster.from_dict(data), model, CostConfig())
     assert cost.link_s("slow", "fast", 1) == pytest.approx(links.p2p_s, rel=1e-3)
     assert fitted_gb_per_s(links) == (data["chips"]["slow"]["inter_node_gb_per_s"],

@@ -42,9 +42,9 @@ def test_round_trip_and_latest(tmp_path):
 
 def test_parts_from_several_writers_merge(tmp_path):
     tmp = begin_save(tmp_path, 3)
-    write_part(tmp, "model", 0, {"x": torch.ones(2)})
-    write_part(tmp, "model", 1, {"y": torch.zeros(3)})
-    commit_save(tmp_path, tmp, 3, {})
+    entries = dict([write_part(tmp, "model", 0, {"x": torch.ones(2)}),
+                    write_part(tmp, "model", 1, {"y": torch.zeros(3)})])
+    commit_save(tmp_path, tmp, 3, {}, entries)
     assert set(load_checkpoint(tmp_path).model) == {"x", "y"}
 
 
@@ -97,4 +97,5 @@ def test_damaged_checkpoint_is_one_clear_line(tmp_path, damage, fragment):
 def test_metadata_records_part_sizes(tmp_path):
     d = _save(tmp_path, 1)
     meta = json.loads((d / "metadata.json").read_text())
-    assert meta["parts"]["model_00000.safetensors"] == os.path.getsize(d / "model_00000.safetensors")
+    part = "model_00000.safetensors"
+    assert meta["parts"][part] == os.path.getsize(d / part)

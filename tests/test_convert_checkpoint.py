@@ -1,6 +1,7 @@
 """Hugging Face Llama <-> megatron_h2 checkpoint conversion, on tiny random models (CPU, fp32).
 
-Every model here is built and saved by the test itself; nothing is downloaded.
+Every model here is built and saved by the test itself; nothing is downloaded. (Tied, biased,
+RoPE-scaled Llamas and GPT-2 are in test_convert_architectures.py.)
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from megatron_h2.checkpointing.hf import (
     model_config_from_hf,
     read_hf_weights,
 )
-from megatron_h2.config import ModelConfig, RunConfig
+from megatron_h2.config import LLAMA_ARCHITECTURE, ModelConfig, RunConfig
 from megatron_h2.errors import ConfigError
 from megatron_h2.models.gpt.model import GPTModel, init_parameters
 
@@ -177,7 +178,9 @@ def save_our_checkpoint(path: Path, config: ModelConfig, iteration: int, seed: i
 def test_megatron_round_trip_is_exact(groups: int, dtype: torch.dtype, tmp_path: Path) -> None:
     config = ModelConfig(num_layers=2, hidden_size=64, num_attention_heads=4,
                          num_query_groups=groups, ffn_hidden_size=96, seq_length=64,
-                         vocab_size=256, norm_epsilon=1e-6, rotary_base=20000.0)
+                         vocab_size=256, norm_epsilon=1e-6, rotary_base=20000.0,
+                         hidden_dropout=0.0, attention_dropout=0.0, group_query_attention=True,
+                         **LLAMA_ARCHITECTURE)
     state = save_our_checkpoint(tmp_path / "ours", config, 5, seed=3, dtype=dtype)
     save_our_checkpoint(tmp_path / "ours", config, 7, seed=4, dtype=dtype)  # latest, not used
     assert convert("--from", "megatron_h2", "--to", "hf", "--input", tmp_path / "ours",
@@ -232,14 +235,16 @@ def test_legacy_rope_theta_is_read_and_kept() -> None:
 
 
 @pytest.mark.parametrize("change, words", [
-    ({"tie_word_embeddings": True}, "tie_word_embeddings"),
     ({"attention_bias": True}, "attention_bias"),
     ({"mlp_bias": True}, "mlp_bias"),
-    ({"rope_parameters": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4}}, "linear"),
+    ({"rope_parameters": {"rope_type": "linear", "factor": 2.5, "rope_theta": 1e4}}, "linear"),
+    ({"rope_parameters": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 2.0,
+                          "high_freq_factor": 4.0, "original_max_position_embeddings": 8192,
+                          "rope_theta": 1e4}}, "llama3"),
     ({"rope_parameters": None, "rope_scaling": {"type": "dynamic", "factor": 2.0}}, "dynamic"),
     ({"rope_parameters": {"rope_type": "default", "rope_theta": 1e4,
                           "partial_rotary_factor": 0.5}}, "partial_rotary_factor"),
-    ({"head_dim": 32}, "head_dim"),
+    ({"head_dim": "16"}, "head_dim"),
     ({"hidden_act": "gelu"}, "hidden_act"),
     ({"model_type": "mistral"}, "model_type"),
     ({"num_key_value_heads": 3}, "num-query-groups"),
@@ -261,6 +266,7 @@ def dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     tiny_llama(2).save_pretrained(root / "hf")
     assert convert("--from", "hf", "--to", "megatron_h2", "--input", root / "hf",
                    "--output", root / "ours") == 0
+    # "tied": the config ties the embeddings but the file holds a different lm_head
     variants = {"bias": {"attention_bias": True}, "tied": {"tie_word_embeddings": True},
                 "shape": {"intermediate_size": 128}, "vocab": {"vocab_size": 201}}
     for name, change in variants.items():

@@ -262,7 +262,7 @@ def assert_params_equal(actual: dict, expected: dict) -> None:
 @pytest.mark.parametrize("dp,scenario", [(dp, s) for dp in (1, 2, 3) for s in SCENARIOS[dp]],
                          ids=lambda v: "-".join(map(str, v)) if isinstance(v, tuple) else f"dp{v}")
 def test_matches_single_process_reference(runs, reference, dp, scenario):
-    for rank, result in enumerate(runs(dp)):
+    for result in runs(dp):
         for step, params in enumerate(result["runs"][scenario]):
             assert_params_equal(params, reference["params"][step])
 
@@ -306,7 +306,7 @@ def test_resume_under_other_layout(runs, reference, dp):
 
 @pytest.mark.e2e
 def test_missing_grads_and_broadcast(runs):
-    for rank, result in enumerate(runs(2)):
+    for result in runs(2):
         misc = result["misc"]
         assert torch.equal(misc["used"], torch.full((3,), 3.0))  # 1 + 2 summed over ranks
         assert torch.equal(misc["unused"], torch.zeros(2))

@@ -74,7 +74,8 @@ def test_epochs_are_permutations_and_samples_cover_them(data):
     assert not all((chunks[0] == c).all() for c in chunks[1:])  # epochs shuffled independently
     # every sample of the first epochs is used before any sample of the last epoch
     first_block = ((epochs - 1) * tokens_per_epoch - 1) // 16
-    assert sorted(np.asarray(dataset.shuffle_index[:first_block]).tolist()) == list(range(first_block))
+    first_samples = np.asarray(dataset.shuffle_index[:first_block]).tolist()
+    assert sorted(first_samples) == list(range(first_block))
 
 
 def test_deterministic_and_seed_sensitive(data, tmp_path):
@@ -143,9 +144,16 @@ def test_parse_split():
     assert parse_split(" 99, 1 ") == pytest.approx([0.99, 0.01, 0.0])
     assert parse_split("1") == [1.0, 0.0, 0.0]
     assert parse_split("0.8,0.2,0") == pytest.approx([0.8, 0.2, 0.0])
+    # as Megatron's parser only the numbers count: quotes that reached the program (from
+    # "--split '99,1,0'" inside a shell string), spaces, Megatron's legacy default
+    assert parse_split("'99,1,0'") == parse_split('"99, 1, 0"') == pytest.approx([0.99, 0.01, 0])
+    assert parse_split("969, 30, 1") == pytest.approx([0.969, 0.03, 0.001])
+    assert parse_split("949 50 1") == parse_split("949/50/1") == parse_split("949,50,1")
 
 
-@pytest.mark.parametrize("bad", ["", "a,b", "1,2,3,4", "-1,2", "0,0,0", "nan,1", "1,,2", "949 50 1"])
+@pytest.mark.parametrize(
+    "bad", ["", "a,b", "1,2,3,4", "-1,2", "0,0,0", "nan,1", "1..2", "9x,1"]
+)
 def test_bad_split_strings(bad):
     with pytest.raises(ConfigError, match="--split") as info:
         parse_split(bad)
@@ -153,7 +161,9 @@ def test_bad_split_strings(bad):
 
 
 def test_split_boundaries_follow_megatron_rounding():
-    assert split_document_ranges(parse_split("949,50,1"), 1000) == [(0, 949), (949, 999), (999, 1000)]
+    assert split_document_ranges(parse_split("949,50,1"), 1000) == [
+        (0, 949), (949, 999), (999, 1000)
+    ]
     assert split_document_ranges(parse_split("1,1,1"), 10) == [(0, 3), (3, 7), (7, 10)]
     assert split_document_ranges(parse_split("80,20"), 7) == [(0, 6), (6, 7), None]
 
@@ -161,13 +171,15 @@ def test_split_boundaries_follow_megatron_rounding():
 def test_parse_data_path():
     assert parse_data_path(["a"]) == [(1.0, "a")]
     assert parse_data_path(["a", "b"]) == [(0.5, "a"), (0.5, "b")]
-    assert parse_data_path(["0.3", "a", "0.7", "b"]) == [(pytest.approx(0.3), "a"), (pytest.approx(0.7), "b")]
+    assert parse_data_path(["0.3", "a", "0.7", "b"]) == [
+        (pytest.approx(0.3), "a"), (pytest.approx(0.7), "b")
+    ]
     assert parse_data_path(["30", "a", "10", "b"]) == [(0.75, "a"), (0.25, "b")]
 
 
 @pytest.mark.parametrize(
-    "bad", [[], "prefix", ["0.5"], ["0.5", "a", "b"], ["a", "0.5"], ["0", "a"], ["-1", "a", "2", "b"],
-            ["a", ""], ["1", "a", "b", "2"], ["inf", "a"]],
+    "bad", [[], "prefix", ["0.5"], ["0.5", "a", "b"], ["a", "0.5"], ["0", "a"],
+            ["-1", "a", "2", "b"], ["a", ""], ["1", "a", "b", "2"], ["inf", "a"]],
 )
 def test_bad_data_path_lists(bad):
     with pytest.raises(ConfigError, match="--data-path") as info:
@@ -222,7 +234,8 @@ def test_blended_datasets(tmp_path):
         prefixes.append(prefix)
     cache = str(tmp_path / "idx_cache")
     data_path = ["0.25", prefixes[0], "0.75", prefixes[1]]
-    train, valid, test = build_gpt_datasets(data_path, "90,10,0", 8, 9, (400, 40, 0), cache_dir=cache)
+    train, valid, test = build_gpt_datasets(data_path, "90,10,0", 8, 9, (400, 40, 0),
+                                            cache_dir=cache)
     assert isinstance(train, BlendedDataset) and test is None
     assert len(train) == 400 and len(valid) == 40
     from_b = sum(int(train[i][0] >= 50_000) for i in range(400))
@@ -236,8 +249,13 @@ def test_blended_datasets(tmp_path):
     assert all((again[i] == train[i]).all() for i in range(400))
     assert all(name.startswith(".") is False for name in os.listdir(cache))
     assert not os.path.exists(tmp_path / "cache")  # cache_dir overrides the default location
-    equal = build_gpt_datasets(prefixes, "1", 8, 9, (100, 0, 0), cache_dir=cache)[0]
-    assert sum(int(equal[i][0] >= 50_000) for i in range(100)) == 50
+    # prefixes without weights blend by size, as Megatron: one epoch's samples of each split
+    sizes = [(int(IndexedDataset(p).sequence_lengths.sum()) - 1) // 8 for p in prefixes]
+    by_size = build_gpt_datasets(prefixes, "1", 8, 9, (100, 0, 0), cache_dir=cache)[0]
+    assert by_size.weights == pytest.approx([n / sum(sizes) for n in sizes])
+    want = int((build_blending_indices(by_size.weights, 100)[0] == 1).sum())
+    assert sum(int(by_size[i][0] >= 50_000) for i in range(100)) == want
+    assert sizes[0] != sizes[1] and abs(want - 100 * sizes[1] / sum(sizes)) <= 1
 
 
 def test_blended_dataset_rejects_short_components(data):

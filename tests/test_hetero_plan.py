@@ -150,7 +150,11 @@ def test_missing_key() -> None:
         (("stages", 0, "tensor_parallel_size"), 0, "tensor_parallel_size must be positive"),
         (("stages", 0, "num_layers"), -2, "num_layers must be at least 0"),
         (("global_batch_size",), True, "must be an integer"),
-        (("chips", "slow", "emulate_slowdown"), 0.5, "emulate_slowdown must be a finite number at least 1.0"),
+        (
+            ("chips", "slow", "emulate_slowdown"),
+            0.5,
+            "emulate_slowdown must be a finite number at least 1.0",
+        ),
     ],
 )
 def test_sizes_must_be_positive(path: tuple, value: object, expected: str) -> None:
@@ -178,7 +182,8 @@ def test_bad_recompute_value() -> None:
     data = example_dict()
     data["stages"][1]["recompute"] = "ful"
     message = error_of(data)
-    assert "recompute must be one of none, selective, full" in message and "did you mean 'full'" in message
+    assert "recompute must be one of none, selective, full" in message
+    assert "did you mean 'full'" in message
 
 
 def test_empty_stages_and_file_errors(tmp_path: Path) -> None:
@@ -191,3 +196,70 @@ def test_empty_stages_and_file_errors(tmp_path: Path) -> None:
     broken.write_text("stages: [\n")
     with pytest.raises(ConfigError, match="not valid YAML at line"):
         HeteroPlan.from_yaml(broken)
+
+
+def interleaved_dict(first: list, second: list, **extra) -> dict:
+    data = example_dict()
+    data["stages"][0]["num_layers"] = first
+    data["stages"][1]["num_layers"] = second
+    data.update(extra)
+    return data
+
+
+def test_virtual_stages_are_numbered_chunk_major(tmp_path: Path) -> None:
+    plan = HeteroPlan.from_dict(interleaved_dict([2, 1], [1, 2]))
+    assert plan.virtual_pipeline_size == 2 and plan.schedule == "interleaved"
+    assert plan.num_layers == 6 and [s.num_layers for s in plan.stages] == [3, 3]
+    # chunk 0 of stage 0, chunk 0 of stage 1, chunk 1 of stage 0, chunk 1 of stage 1
+    assert plan.chunk_layer_ranges() == [[range(0, 2), range(3, 4)], [range(2, 3), range(4, 6)]]
+    plan.validate(6, 4, 2, world_size=6)
+    plan.to_yaml(tmp_path / "plan.yaml")
+    assert HeteroPlan.from_yaml(tmp_path / "plan.yaml") == plan
+    assert "num_layers: [2, 1]" in (tmp_path / "plan.yaml").read_text()
+    one = HeteroPlan.from_dict(example_dict())
+    assert one.schedule == "1f1b" and one.chunk_layer_ranges() == [[r] for r in one.layer_ranges()]
+    with pytest.raises(ConfigError, match="chunk_layer_ranges"):
+        plan.layer_ranges()
+
+
+@pytest.mark.parametrize("first, second, extra, expected", [
+    ([2, 1], 3, {}, "same number of model chunks, got 2, 1"),
+    ([2, 1], [0, 3], {}, "chunk 0 of stage 1 has no layer"),
+    ([], [1, 2], {}, "num_layers is an empty list"),
+    ([2, "x"], [1, 2], {}, "num_layers of a chunk must be an integer"),
+    ([2, 1], [1, 2], {"schedule": "1f1b"}, "use schedule: interleaved"),
+    (3, 1, {"schedule": "interleaved"}, "needs virtual pipeline stages"),
+    (3, 1, {"schedule": "zero-bubbl"}, "did you mean 'zero-bubble'"),
+])
+def test_bad_virtual_stages_are_one_line(first, second, extra, expected) -> None:
+    message = error_of(interleaved_dict(first, second, **extra))
+    assert expected in message and "\n" not in message
+
+
+def test_empty_edge_chunks_and_zero_bubble_schedule(tmp_path: Path) -> None:
+    plan = HeteroPlan.from_dict(interleaved_dict([0, 2], [2, 0]))
+    assert plan.chunk_layer_ranges() == [[range(0, 0), range(2, 4)], [range(0, 2), range(4, 4)]]
+    zb = HeteroPlan.from_dict(interleaved_dict(3, 1, schedule="zero-bubble"))
+    assert zb.schedule == "zero-bubble"
+    zb.to_yaml(tmp_path / "zb.yaml")
+    assert HeteroPlan.from_yaml(tmp_path / "zb.yaml") == zb
+
+
+def test_stages_may_set_their_own_data_parallel_size(tmp_path: Path) -> None:
+    data = example_dict()  # plan DP 2, global batch 8, micro-batch 1
+    data["stages"][1]["data_parallel_size"] = 4
+    plan = HeteroPlan.from_dict(data)
+    assert [plan.stage_dp(s) for s in (0, 1)] == [2, 4] and not plan.uniform_dp
+    assert plan.world_size == 2 * 2 + 1 * 4
+    assert plan.stage_ranks(0) == range(0, 4) and plan.stage_ranks(1) == range(4, 8)
+    assert plan.rank_coordinates(7) == (1, 3, 0) and plan.rank_coordinates(3) == (0, 1, 1)
+    assert plan.total_micro_batches == 8
+    assert [plan.stage_micro_batches(s) for s in (0, 1)] == [4, 2]
+    with pytest.raises(ConfigError, match="stage_micro_batches"):
+        _ = plan.num_micro_batches
+    plan.to_yaml(tmp_path / "plan.yaml")
+    assert HeteroPlan.from_yaml(tmp_path / "plan.yaml") == plan
+    data["stages"][1]["data_parallel_size"] = 3
+    assert "stage 1's data_parallel_size 3 = 3" in error_of(data)
+    data["stages"][1]["data_parallel_size"] = 0
+    assert "data_parallel_size must be positive" in error_of(data)

@@ -32,7 +32,9 @@ def _write_with_builder(prefix: str, dtype=np.uint16, docs=DOCS) -> None:
     builder.finalize(prefix + ".idx")
 
 
-def _write_like_megatron(prefix: str, sequences: list[list[int]], doc_ends: list[int], dtype) -> None:
+def _write_like_megatron(
+    prefix: str, sequences: list[list[int]], doc_ends: list[int], dtype
+) -> None:
     """Write a pair by hand exactly as Megatron-Core's _IndexWriter and builder do."""
     itemsize = np.dtype(dtype).itemsize
     with open(prefix + ".bin", "wb") as stream:
@@ -69,8 +71,8 @@ def _parse_idx_with_struct(path: str) -> dict:
     document_indices = list(struct.unpack_from(f"<{documents}q", data, offset))
     offset += 8 * documents
     return dict(magic=magic, version=version, code=code, count=count, documents=documents,
-                lengths=lengths, pointers=pointers, document_indices=document_indices, size=len(data),
-                end=offset)
+                lengths=lengths, pointers=pointers, document_indices=document_indices,
+                size=len(data), end=offset)
 
 
 def test_write_then_read_back(tmp_path):
@@ -210,6 +212,17 @@ def _corrupt(prefix: str, case: str) -> None:
         data[34 + 4 * 6 + 8 : 34 + 4 * 6 + 16] = struct.pack("<q", 10**6)
     elif case == "bad_documents":
         data[-8:] = struct.pack("<q", 5)
+    elif case == "float_dtype":  # same size and pointers as int32 tokens, but not integers
+        data[17] = 7
+    elif case == "zeroed_pointers":  # every size still adds up
+        count = struct.unpack("<Q", data[18:26])[0]
+        data[34 + 4 * count : 34 + 12 * count] = bytes(8 * count)
+    elif case == "decreasing_documents":
+        count, docs = struct.unpack("<QQ", data[18:34])
+        start = 34 + 12 * count
+        values = list(struct.unpack(f"<{docs}q", data[start:start + 8 * docs]))
+        values[1], values[2] = values[2], values[1]
+        data[start:start + 8 * docs] = struct.pack(f"<{docs}q", *values)
     if case not in ("missing_bin", "missing_idx", "truncated_bin", "longer_bin"):
         open(idx, "wb").write(bytes(data))
 
@@ -226,13 +239,17 @@ def _corrupt(prefix: str, case: str) -> None:
         ("truncated_idx", "truncated or corrupt"),
         ("truncated_bin", "truncated or mismatched"),
         ("longer_bin", "truncated or mismatched"),
-        ("bad_pointer", "truncated or mismatched"),
+        ("bad_pointer", "not the running sum of the sequence lengths"),
         ("bad_documents", "invalid document index"),
+        ("float_dtype", "declares float32 tokens"),
+        ("zeroed_pointers", "not the running sum of the sequence lengths"),
+        ("decreasing_documents", "invalid document index"),
     ],
 )
 def test_bad_files_raise_one_line_config_error(tmp_path, case, message):
     prefix = str(tmp_path / "data")
-    _write_with_builder(prefix)
+    # int32 tokens: float32 has the same size, so only the dtype check can catch it
+    _write_with_builder(prefix, np.int32 if case == "float_dtype" else np.uint16)
     _corrupt(prefix, case)
     with pytest.raises(ConfigError, match=message) as info:
         IndexedDataset(prefix)

@@ -6,13 +6,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from megatron_h2.config import ModelConfig
-from megatron_h2.models.gpt import GPTModel, flops_per_token, init_parameters, num_parameters
+from megatron_h2.config import LLAMA_ARCHITECTURE, ModelConfig
+from megatron_h2.models.gpt import GPTModel, init_parameters
 
 
 def tiny(**kw) -> ModelConfig:
     base = dict(num_layers=4, hidden_size=64, num_attention_heads=4, num_query_groups=2,
-                ffn_hidden_size=96, seq_length=16, vocab_size=128)
+                ffn_hidden_size=96, seq_length=16, vocab_size=128, hidden_dropout=0.0,
+                attention_dropout=0.0, group_query_attention=True, **LLAMA_ARCHITECTURE)
     base.update(kw)
     return ModelConfig(**base)
 
@@ -124,9 +125,9 @@ def test_loss_is_per_token_cross_entropy_and_bf16_is_close():
 def test_parameter_count_and_flops():
     cfg = tiny()
     model = build(cfg)
-    assert num_parameters(cfg) == sum(p.numel() for p in model.parameters())
+    assert cfg.num_parameters() == sum(p.numel() for p in model.parameters())
     # 6 x params (matmul weights, embedding lookup excluded) plus attention, per token
-    matmul_params = num_parameters(cfg) - cfg.vocab_size * cfg.hidden_size \
+    matmul_params = cfg.num_parameters() - cfg.vocab_size * cfg.hidden_size \
         - (2 * cfg.num_layers + 1) * cfg.hidden_size
     attn = 3 * 2 * cfg.num_layers * 2 * cfg.seq_length * cfg.hidden_size
-    assert flops_per_token(cfg) == 6 * matmul_params + attn
+    assert cfg.flops_per_token() == 6 * matmul_params + attn

@@ -3,6 +3,11 @@
 Every layout must reproduce the single-process losses of the first 10 iterations within 1e-5
 relative; checkpoints saved under one layout resume under others; bad layouts fail with one
 line before any process group starts; a failing rank ends the job instead of hanging it.
+
+The model is a GPT-3-style command line (no architecture flags: Megatron's LayerNorm, 4h GeLU
+MLP with biases, learned positions, embedding tied to the output layer, whose copies on the
+first and last pipeline stage have their gradients summed); two layouts also run the LLaMA
+flags (SwiGLU blocks and grouped-query heads split over TP, rotary positions, untied).
 """
 
 import os
@@ -13,16 +18,20 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 from dist_utils import free_port, losses, torchrun
+from safetensors import safe_open
 
 from megatron_h2.training.main import main
 
 ROOT = Path(__file__).resolve().parents[1]
 MODEL = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4",
-         "--num-query-groups", "2", "--ffn-hidden-size", "128", "--seq-length", "32",
+         "--hidden-dropout", "0", "--attention-dropout", "0", "--seq-length", "32",
          "--max-position-embeddings", "32", "--micro-batch-size", "2", "--global-batch-size", "8",
          "--lr", "3e-3", "--lr-warmup-iters", "2", "--seed", "11", "--train-iters", "10",
          "--log-interval", "1", "--eval-interval", "1000", "--eval-iters", "0",
          "--tokenizer-type", "NullTokenizer", "--vocab-size", "256", "--split", "90,10,0"]
+LLAMA = ["--swiglu", "--normalization", "RMSNorm", "--position-embedding-type", "rope",
+         "--disable-bias-linear", "--untie-embeddings-and-output-weights",
+         "--group-query-attention", "--num-query-groups", "2", "--ffn-hidden-size", "128"]
 
 
 def assert_close(got: dict[int, float], want: dict[int, float]) -> None:
@@ -31,11 +40,20 @@ def assert_close(got: dict[int, float], want: dict[int, float]) -> None:
         assert abs(got[it] - value) <= 1e-5 * abs(value), (it, got[it], value)
 
 
+def _reference(corpus, tmp_path_factory, *arch: str) -> dict[int, float]:
+    out = tmp_path_factory.mktemp("ref") / "log.jsonl"
+    assert main([*MODEL, *arch, "--data-path", corpus, "--log-jsonl", str(out)]) == 0
+    return losses(out)
+
+
 @pytest.fixture(scope="module")
 def reference(corpus, tmp_path_factory) -> dict[int, float]:
-    out = tmp_path_factory.mktemp("ref") / "log.jsonl"
-    assert main([*MODEL, "--data-path", corpus, "--log-jsonl", str(out)]) == 0
-    return losses(out)
+    return _reference(corpus, tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def llama_reference(corpus, tmp_path_factory) -> dict[int, float]:
+    return _reference(corpus, tmp_path_factory, *LLAMA)
 
 
 LAYOUTS = {  # name: (processes, flags); (TP, PP, DP) in the name
@@ -44,22 +62,29 @@ LAYOUTS = {  # name: (processes, flags); (TP, PP, DP) in the name
     "tp1_pp1_dp2": (2, []),
     "tp2_pp2_dp1": (4, ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size",
                         "2"]),
-    "tp1_pp2_dp2": (4, ["--pipeline-model-parallel-size", "2"]),
+    "tp1_pp2_dp2_overlap": (4, ["--pipeline-model-parallel-size", "2",
+                                "--overlap-grad-reduce"]),
     "tp2_pp1_dp2_zero_sp": (4, ["--tensor-model-parallel-size", "2", "--sequence-parallel",
                                 "--use-distributed-optimizer"]),
     "pp2_split_3_1": (2, ["--pipeline-model-parallel-size", "2", "--pipeline-layer-split",
                           "3,1"]),
+    "llama_tp2_pp2_dp1": (4, [*LLAMA, "--tensor-model-parallel-size", "2",
+                              "--pipeline-model-parallel-size", "2"]),
+    "llama_tp2_pp1_dp2_zero_sp": (4, [*LLAMA, "--tensor-model-parallel-size", "2",
+                                      "--sequence-parallel", "--use-distributed-optimizer"]),
 }
 
 
 @pytest.mark.e2e
 @pytest.mark.parametrize("name", list(LAYOUTS))
-def test_layout_matches_single_process(name, corpus, reference, tmp_path):
+def test_layout_matches_single_process(name, corpus, request, tmp_path):
     nproc, flags = LAYOUTS[name]
+    want = request.getfixturevalue("llama_reference" if name.startswith("llama")
+                                   else "reference")
     out = tmp_path / "log.jsonl"
     proc = torchrun(nproc, [*MODEL, "--data-path", corpus, "--log-jsonl", str(out), *flags])
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert_close(losses(out), reference)
+    assert_close(losses(out), want)
 
 
 @pytest.mark.e2e
@@ -72,8 +97,13 @@ def test_checkpoint_moves_between_layouts(corpus, reference, tmp_path):
                          "--exit-interval", "5", "--log-jsonl", str(tmp_path / "a.jsonl")])
     assert first.returncode == 0, first.stderr[-3000:]
     parts = sorted(p.name for p in (ckpt / "iter_0000005").iterdir())
-    assert parts == ["metadata.json", "model_00000.safetensors", "model_00001.safetensors",
-                     "optim_00000.safetensors", "optim_00001.safetensors"]
+    assert parts == ["manifest.json", "metadata.json", "model_00000.safetensors",
+                     "model_00001.safetensors", "optim_00000.safetensors",
+                     "optim_00001.safetensors"]
+    keys = [set(safe_open(str(ckpt / "iter_0000005" / f"model_0000{i}.safetensors"),
+                          "pt").keys()) for i in (0, 1)]
+    tied = "embedding.word_embeddings.weight"  # stored once, by the first stage
+    assert tied in keys[0] and tied not in keys[1] and "output_layer.weight" not in keys[1]
     assert main([*MODEL, "--data-path", corpus, "--load", str(ckpt),
                  "--log-jsonl", str(tmp_path / "b.jsonl")]) == 0
     third = torchrun(4, [*MODEL, "--data-path", corpus, "--pipeline-model-parallel-size", "2",
@@ -89,8 +119,9 @@ def test_checkpoint_moves_between_layouts(corpus, reference, tmp_path):
 @pytest.mark.parametrize("world, flags, fragment", [
     (3, ["--tensor-model-parallel-size", "2"], "world size 3 is not TP x PP x DP"),
     (2, ["--tensor-model-parallel-size", "2", "--num-attention-heads", "3", "--hidden-size",
-         "48", "--num-query-groups", "3"], "does not divide the 3 attention heads"),
-    (4, ["--tensor-model-parallel-size", "4"], "does not divide the 2 query groups"),
+         "48"], "does not divide the 3 attention heads"),
+    (4, ["--tensor-model-parallel-size", "4", "--group-query-attention", "--num-query-groups",
+         "2"], "does not divide the 2 query groups"),
     (2, ["--tensor-model-parallel-size", "2", "--make-vocab-size-divisible-by", "257"],
      "does not divide the padded vocabulary 257"),
     (2, ["--pipeline-model-parallel-size", "2", "--pipeline-layer-split", "3,2"],
@@ -124,6 +155,25 @@ def test_failing_rank_ends_the_job_with_one_error(corpus, tmp_path):
     assert sum(line.startswith("error:") for line in ours) == 1
     assert proc.stderr.count("injected fault at iteration 3") <= 3  # ours + torchrun's summary
     assert "iteration       50/" not in proc.stdout
+
+
+@pytest.mark.e2e
+def test_failing_store_host_ends_the_job_with_one_error(corpus):
+    """Processes started directly, as srun does: rank 0 hosts the rendezvous store and fails."""
+    port = str(free_port())
+    cmd = [sys.executable, str(ROOT / "pretrain_gpt.py"), *MODEL, "--data-path", corpus,
+           "--pipeline-model-parallel-size", "2", "--train-iters", "50"]
+    procs = [subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                              env=dict(os.environ, OMP_NUM_THREADS="1", MASTER_ADDR="127.0.0.1",
+                                       MASTER_PORT=port, RANK=str(rank), LOCAL_RANK=str(rank),
+                                       WORLD_SIZE="2", MEGATRON_H2_INJECT_FAULT="0:3"))
+             for rank in range(2)]
+    errors = [proc.communicate(timeout=120)[1] for proc in procs]
+    assert [proc.returncode for proc in procs] == [1, 1]
+    assert errors[0].startswith("error: [rank 0] RuntimeError: injected fault at iteration 3")
+    stopping = "[rank 1] stopping: another rank failed or the connection was lost (RuntimeError)"
+    assert stopping in errors[1].splitlines()
+    assert "error" not in errors[1] and "frame #" not in errors[1], errors[1]
 
 
 @pytest.mark.e2e

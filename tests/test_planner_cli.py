@@ -12,7 +12,7 @@ import yaml
 
 from megatron_h2.hetero_plan import HeteroPlan
 from megatron_h2.planner.cli import main
-from megatron_h2.planner.model import ModelSpec
+from megatron_h2.planner.model import model_from_yaml
 
 ROOT = Path(__file__).resolve().parent.parent
 CPU_CLUSTER = str(ROOT / "examples/clusters/cpu_2types.yaml")
@@ -76,7 +76,7 @@ def test_plans_the_cpu_example_and_writes_everything(
         "optimal for the cost model" in text and "ratio heterogeneous / sum of homogeneous" in text
     )
     plan = HeteroPlan.from_yaml(out)
-    model = ModelSpec.from_yaml(TINY)
+    model = model_from_yaml(TINY)
     plan.validate(
         model.num_layers,
         model.num_attention_heads,
@@ -92,8 +92,8 @@ def test_plans_the_cpu_example_and_writes_everything(
     assert out.read_text().startswith("# Written by tools/plan.py")
     script = (tmp_path / "run" / "plan.sh").read_text()
     assert (
-        f"torchrun --standalone --nproc-per-node={plan.world_size} pretrain_gpt.py --hetero-plan {out}"
-        in script
+        f"torchrun --standalone --nproc-per-node={plan.world_size} pretrain_gpt.py"
+        f" --hetero-plan {out}" in script
     )
     assert "--bf16" not in script  # CPU emulation
     assert "--num-layers 8" in script and "--global-batch-size 16" in script
@@ -116,6 +116,7 @@ def test_slurm_heterogeneous_job_for_several_nodes(
         "704",
         "--num-attention-heads",
         "8",
+        "--group-query-attention",
         "--num-query-groups",
         "4",
         "--seq-length",
@@ -228,7 +229,8 @@ def test_model_that_fits_nowhere(tmp_path: Path, capsys: pytest.CaptureFixture[s
             "11008",
             "--num-attention-heads",
             "32",
-            "--num-query-groups",
+            "--group-query-attention",
+        "--num-query-groups",
             "8",
             "--output",
             str(tmp_path / "p.yaml"),
@@ -320,3 +322,35 @@ def test_profile_table_changes_the_plan(tmp_path: Path, capsys: pytest.CaptureFi
     assert "did you mean 'slow'" in error_line(
         [*base, "--profile", str(bad), "--output", "x.yaml"], capsys
     )
+
+
+def test_the_schedule_is_chosen_printed_and_explained(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "plan.yaml"
+    base = ["--cluster", CPU_CLUSTER, "--model", TINY, "--output", str(out), "--top", "3"]
+    status, text, err = run(base, capsys)
+    assert status == 0, err
+    plan = HeteroPlan.from_yaml(out)
+    label = {"1f1b": "1F1B", "zero-bubble": "ZB-H1"}.get(
+        str(plan.schedule), f"int V={plan.virtual_pipeline_size}"
+    )
+    first_row = text.split("\n1  ")[1].split("\n")[0]
+    assert f" {label} " in first_row
+    assert f"schedule: {plan.schedule}" in out.read_text().replace("(ZB-H1)", "")
+    assert "the same stages under each schedule: 1f1b " in text and "(chosen)" in text
+    # restricted to one schedule: every listed plan uses it, V at most the limit
+    status, text, err = run([*base, "--schedules", "interleaved", "--max-virtual-stages", "2"],
+                            capsys)  # fmt: skip
+    assert status == 0, err
+    plan = HeteroPlan.from_yaml(out)
+    assert plan.schedule == "interleaved" and plan.virtual_pipeline_size == 2
+    assert plan.num_micro_batches % plan.pipeline_parallel_size == 0
+    assert all(len(set(s.chunks)) == 1 for s in plan.stages)  # equal chunks
+    assert text.count(" int V=2 ") == 3
+    status, text, err = run([*base, "--schedules", "1f1b"], capsys)
+    assert status == 0 and HeteroPlan.from_yaml(out).schedule == "1f1b"
+    assert "schedule" not in yaml.safe_load(out.read_text())  # the default is not written
+    status, _, err = run([*base, "--schedules", "1f1b,zero-buble"], capsys)
+    assert status == 2 and "unknown pipeline schedule 'zero-buble'" in err
+    assert "did you mean 'zero-bubble'" in err and len(err.strip().splitlines()) == 1

@@ -11,7 +11,8 @@ import yaml
 
 from megatron_h2.errors import ConfigError
 from megatron_h2.planner.cluster import Cluster
-from megatron_h2.planner.model import ModelSpec
+from megatron_h2.planner.model import model_from_dict, model_from_yaml
+from tests.planner_models import planner_model
 
 ROOT = Path(__file__).resolve().parent.parent
 ISSUE_CLUSTER = """\
@@ -90,17 +91,17 @@ def test_cluster_errors(change, message: str) -> None:  # type: ignore[no-untype
 
 
 def test_model_checks() -> None:
-    model = ModelSpec.from_yaml(ROOT / "examples/models/llama_100b.yaml")
+    model = model_from_yaml(ROOT / "examples/models/llama_100b.yaml")
     assert (model.num_layers, model.hidden_size, model.ffn_hidden_size) == (96, 9216, 24576)
-    assert model.head_dim == 128 and model.max_position_embeddings == 4096
-    assert ModelSpec(2, 64, 128, 4, 32, 100).num_query_groups == 4
-    with pytest.raises(ConfigError, match="not divisible by num_attention_heads 7"):
-        ModelSpec(2, 64, 128, 7, 32, 100)
-    with pytest.raises(ConfigError, match="not divisible by num_query_groups 3"):
-        ModelSpec(2, 64, 128, 4, 32, 100, num_query_groups=3)
+    assert model.kv_channels == 128 and model.max_position_embeddings == 4096
+    assert planner_model(2, 64, 128, 4, 32, 100).num_query_groups == 4
+    with pytest.raises(ConfigError, match="not divisible by --num-attention-heads 7"):
+        planner_model(2, 64, 128, 7, 32, 100)
+    with pytest.raises(ConfigError, match="--num-query-groups 3 does not divide"):
+        planner_model(2, 64, 128, 4, 32, 100, num_query_groups=3)
     with pytest.raises(
-        ConfigError, match=re.escape("seq_length 64 exceeds max_position_embeddings 32")
+        ConfigError, match=re.escape("--seq-length 64 exceeds --max-position-embeddings 32")
     ):
-        ModelSpec(2, 64, 128, 4, 64, 100, max_position_embeddings=32)
+        planner_model(2, 64, 128, 4, 64, 100, max_position_embeddings=32)
     with pytest.raises(ConfigError, match="did you mean 'hidden_size'"):
-        ModelSpec.from_dict({"num_layers": 2, "hiden_size": 64})
+        model_from_dict({"num_layers": 2, "hiden_size": 64})

@@ -11,11 +11,13 @@ from megatron_h2.errors import ConfigError
 from megatron_h2.hetero_plan import ChipSpec, HeteroPlan, StageSpec
 from megatron_h2.planner.cluster import ChipType, Cluster
 from megatron_h2.planner.cost_model import CostConfig, CostModel
-from megatron_h2.planner.model import ModelSpec
+from megatron_h2.planner.model import model_from_yaml
+from megatron_h2.planner.orders import held_states, held_totals
 from megatron_h2.planner.profile import ProfileTable
+from tests.planner_models import planner_model
 
 ROOT = Path(__file__).resolve().parent.parent
-MODEL = ModelSpec(
+MODEL = planner_model(
     num_layers=4,
     hidden_size=256,
     ffn_hidden_size=704,
@@ -51,12 +53,12 @@ PROFILE = {
 
 
 def test_llama_100b_parameter_count() -> None:
-    model = ModelSpec.from_yaml(ROOT / "examples/models/llama_100b.yaml")
+    model = model_from_yaml(ROOT / "examples/models/llama_100b.yaml")
     h, f, kv = 9216, 24576, 8 * 128
     per_layer = 2 * h * h + 2 * h * kv + 3 * h * f + 2 * h
     assert model.kv_size == kv
-    assert model.total_params() == 96 * per_layer + 2 * 32000 * h + h
-    assert model.padded_vocab(8) == 32768 and model.padded_vocab(1) == 32000
+    assert model.num_parameters() == 96 * per_layer + 2 * 32000 * h + h
+    assert model.vocab_size == 32000  # a multiple of 128 already: padding adds nothing
     assert model.layer_params_per_chip(8) == (per_layer - 2 * h) / 8 + 2 * h
 
 
@@ -204,3 +206,118 @@ def test_profile_errors(change, message: str) -> None:  # type: ignore[no-untype
     change(data)
     with pytest.raises(ConfigError, match=re.escape(message)):
         CostModel(CLUSTER, MODEL, profile=ProfileTable.from_dict(data))
+
+
+def test_weight_gradient_part_of_the_backward() -> None:
+    tokens, tp = 256, 2
+    costs = CostModel(CLUSTER, MODEL).stage_costs("fast", tp, 1, 1)
+    assert MODEL.layer_weight_grad_flops(tokens) == 2 * tokens * MODEL.layer_matrix_params
+    assert costs.layer_weight_grad == pytest.approx(
+        MODEL.layer_weight_grad_flops(tokens) / (tp * 0.5e12 * 0.5)
+    )
+    # dW is half the matrix part of the backward; the attention core and TP traffic are input work
+    assert costs.layer_weight_grad < 0.5 * costs.layer_backward[0]
+    assert costs.head_weight_grad == pytest.approx(
+        MODEL.head_forward_flops(tokens) / (tp * 0.25e12)
+    )
+    f, b, w = costs.chunk_times(3, 2, False, True)
+    assert (f, b) == (costs.forward(3, False, True), costs.backward(3, 2, False, True))
+    assert w == pytest.approx(3 * costs.layer_weight_grad + costs.head_weight_grad)
+    h, ffn, kv = 256, 704, 128
+    assert costs.layer_weight_inputs == tokens * (8 * h + (4 * h + 4 * kv + 6 * ffn) / tp)
+    measured = CostModel(CLUSTER, MODEL, profile=ProfileTable.from_dict(PROFILE))
+    share = MODEL.layer_weight_grad_flops(tokens) / (2 * MODEL.layer_forward_flops(tokens))
+    assert measured.stage_costs("fast", 1, 1, 1).layer_weight_grad == pytest.approx(5e-3 * share)
+
+
+def test_held_memory_of_each_schedule() -> None:
+    costs = CostModel(CLUSTER, MODEL).stage_costs("fast", 1, 1, 1)
+    act, keep, static = costs.layer_activation[0], costs.layer_weight_inputs, costs.layer_static
+    base = costs.working + costs.head_static
+    # 1F1B: the old in-flight count
+    states = held_states("1f1b", 4, 8, 1, 0)
+    assert costs.held_memory((2,), 1, states, True, False) == costs.memory(2, 1, 4, True, False)
+    # zero-bubble, last of 4 stages: after its 4th forward one micro-batch's activations and 3
+    # deferred weight gradients' inputs; right after that backward, 4 deferred
+    states = held_states("zero-bubble", 4, 8, 1, 3)
+    peak = max(
+        2 * (1 * act + 3 * keep) + costs.head_activation + 3 * costs.head_weight_inputs,
+        2 * (0 * act + 4 * keep) + 4 * costs.head_weight_inputs,
+    )
+    assert costs.held_memory((2,), 0, states, False, True) == pytest.approx(
+        base + 2 * static + peak
+    )
+    # interleaved, first of 4 stages, V = 2: Megatron's warm-up 2 x 3 + 4 forwards, plus one
+    states = held_states("interleaved", 4, 8, 2, 0)
+    even = costs.held_memory((2, 2), 0, states, False, False)
+    assert even == pytest.approx(costs.working + 4 * static + 2 * 11 * act)
+    # chunk 0 starts first and finishes last: layers there are held longer
+    early = costs.held_memory((3, 1), 0, states, False, False)
+    late = costs.held_memory((1, 3), 0, states, False, False)
+    assert late < even < early
+
+
+@pytest.mark.parametrize(
+    "schedule,v", [("1f1b", 1), ("zero-bubble", 1), ("interleaved", 2), ("interleaved", 3)]
+)
+def test_search_memory_totals_equal_the_per_chunk_walk(schedule: str, v: int) -> None:
+    costs = CostModel(CLUSTER, MODEL).stage_costs("fast", 2, 1, 1)
+    for p, m in ((2, 4), (3, 6), (4, 4), (4, 12)):
+        if schedule == "interleaved" and m % p:
+            continue
+        for s in range(p):
+            first, last = s == 0, s == p - 1
+            states, totals = held_states(schedule, p, m, v, s), held_totals(schedule, p, m, v, s)
+            for units, mode in ((1, 0), (2, 1), (3, 2)):
+                walk = costs.held_memory((units,) * v, mode, states, first, last)
+                assert costs.totals_memory(units, v, mode, totals, first, last) == pytest.approx(
+                    walk, rel=1e-12
+                )
+                most = costs.max_units(v, mode, totals, first, last)
+                assert costs.held_memory((most,) * v, mode, states, first, last) <= costs.capacity
+                over = costs.held_memory((most + 1,) * v, mode, states, first, last)
+                assert over > costs.capacity
+
+
+def test_step_formula_of_each_schedule() -> None:
+    cost = CostModel(CLUSTER, MODEL)
+    chips = {"fast": ChipSpec("cpu"), "slow": ChipSpec("cpu", 2.0)}
+    m, link = 4, cost.link_s("slow", "fast", 1)
+    zb = cost.evaluate(
+        HeteroPlan(
+            1,
+            1,
+            m,
+            chips,
+            [StageSpec("slow", 1, 1), StageSpec("fast", 2, 3)],
+            schedule="zero-bubble",
+        )
+    )
+    w = [s.work_s for s in zb.stages]
+    g = [s.weight_grad_s for s in zb.stages]
+    expected = (m - 1) * max(w) + sum(x - 2 * y for x, y in zip(w, g)) + 2 * max(g) + 2 * link
+    assert zb.step_time_s == pytest.approx(expected)
+    inter = cost.evaluate(
+        HeteroPlan(
+            1,
+            1,
+            m,
+            chips,
+            [StageSpec("slow", 1, 2, "none", (1, 1)), StageSpec("fast", 2, 2, "none", (1, 1))],
+        )
+    )
+    w = [s.work_s for s in inter.stages]
+    wrap = cost.link_s("fast", "slow", 1)
+    expected = ((2 * m - 1) * max(w) + sum(w)) / 2 + 2 * link + 2 * (link + wrap)
+    assert inter.schedule == "interleaved" and inter.step_time_s == pytest.approx(expected)
+    assert [s.chunk_layers for s in inter.stages] == [(1, 1), (1, 1)]
+    with pytest.raises(ConfigError, match=r"= 3\) to be a multiple of the pipeline size"):
+        cost.evaluate(
+            HeteroPlan(
+                1,
+                1,
+                3,
+                chips,
+                [StageSpec("slow", 1, 2, "none", (1, 1)), StageSpec("fast", 2, 2, "none", (1, 1))],
+            )
+        )

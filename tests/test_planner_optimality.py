@@ -2,8 +2,11 @@
 
 The enumerator below shares nothing with the search but the cost model: it lists every plan of
 the planner's plan space (micro-batch size, DP degree, per chip type: unused or a TP degree and a
-stage count, every order of the used types, every layer split with at least one layer per stage,
-every stage's recompute mode) and asks ``CostModel.evaluate`` for its step time.
+stage count, every order of the used types, every pipeline schedule the pipeline can run --
+1f1b; zero-bubble from two stages; interleaved with V = 2..4 model chunks from two stages when
+the micro-batches are a multiple of the stages -- every layer split with at least one layer per
+model chunk and equal chunks on each stage, every stage's recompute mode) and asks
+``CostModel.evaluate`` for its step time.
 """
 
 from __future__ import annotations
@@ -17,10 +20,19 @@ import pytest
 from megatron_h2.config import RECOMPUTE_MODES
 from megatron_h2.hetero_plan import ChipSpec, HeteroPlan, StageSpec
 from megatron_h2.planner.cluster import ChipType, Cluster
-from megatron_h2.planner.cost_model import CostConfig, CostModel
-from megatron_h2.planner.model import ModelSpec
+from megatron_h2.planner.cost_model import CostConfig, CostModel, StageEstimate, step_time_terms
+from megatron_h2.planner.orders import held_totals
 from megatron_h2.planner.partition import StageSlot, solve_split
 from megatron_h2.planner.search import SearchOptions, search
+from tests.planner_models import planner_model
+
+VARIANTS = [
+    ("1f1b", 1),
+    ("zero-bubble", 1),
+    ("interleaved", 2),
+    ("interleaved", 3),
+    ("interleaved", 4),
+]
 
 
 def compositions(total: int, parts: int) -> list[tuple[int, ...]]:
@@ -31,67 +43,111 @@ def compositions(total: int, parts: int) -> list[tuple[int, ...]]:
     ]
 
 
-def fastest_fitting(
-    cost: CostModel,
-    spec: tuple[str, int],
-    layers: int,
-    index: int,
-    p: int,
-    mbs: int,
-    dp: int,
-    m: int,
-) -> str | None:
-    costs = cost.stage_costs(spec[0], spec[1], mbs, dp)
-    return cost.fastest_fitting_mode(costs, layers, min(p - index, m), index == 0, index == p - 1)
+def runnable(schedule: str, v: int, p: int, m: int, layers: int) -> bool:
+    """Whether the schedule can run p stages and m micro-batches (written out independently)."""
+    if schedule == "1f1b":
+        return True
+    if schedule == "zero-bubble":
+        return p >= 2
+    return p >= 2 and m % p == 0 and layers % v == 0 and layers >= p * v
 
 
-def enumerate_plans(cost: CostModel, options: SearchOptions, all_modes: bool = False):
-    """Yield (step time, structure key, plan) for every plan of the plan space that fits."""
-    model, chips = cost.model, cost.cluster.chips
-    specs = {c.name: ChipSpec(c.device, c.emulate_slowdown) for c in chips}
-    for mbs in options.micro_batch_candidates():
-        per_dp = options.global_batch_size // mbs
-        for dp in (d for d in range(1, per_dp + 1) if per_dp % d == 0):
-            m = per_dp // dp
-            choices = [
-                [None]
-                + [
-                    (c.name, t, n)
-                    for t in c.tensor_parallel_options(model.num_attention_heads, model.groups)
-                    for n in range(1, c.count // (t * dp) + 1)
+def stage(name: str, tp: int, layers: int, v: int, mode: str) -> StageSpec:
+    return StageSpec(name, tp, layers, mode, (layers // v,) * v if v > 1 else ())
+
+
+class Enumerator:
+    """Every plan of the plan space with its step time. A stage's estimate depends only on the
+    stage and its position, so it is computed once per (schedule, pipeline, stage, layers,
+    mode); the step time combines them with the cost model's step formula."""
+
+    def __init__(self, cost: CostModel, options: SearchOptions) -> None:
+        self.cost, self.options = cost, options
+        self.stages: dict[tuple, StageEstimate] = {}
+        self.specs = {c.name: ChipSpec(c.device, c.emulate_slowdown) for c in cost.cluster.chips}
+
+    def estimate(self, key: tuple) -> StageEstimate:
+        if key not in self.stages:
+            schedule, v, p, m, mbs, dp, index, name, tp, layers, mode = key
+            self.stages[key] = self.cost.stage_estimate(
+                stage(name, tp, layers, v, mode), index, p, m, mbs, dp, schedule
+            )
+        return self.stages[key]
+
+    def fastest_fitting(self, key: tuple) -> str | None:
+        """The fastest recompute mode with which the stage fits in memory."""
+        for mode in RECOMPUTE_MODES:
+            if self.estimate((*key, mode)).fits:
+                return mode
+        return None
+
+    def plans(self, all_modes: bool = False):  # type: ignore[no-untyped-def]
+        """Yield (step time, structure key, plan factory) for every plan that fits."""
+        cost, model = self.cost, self.cost.model
+        for mbs in self.options.micro_batch_candidates():
+            per_dp = self.options.global_batch_size // mbs
+            for dp in (d for d in range(1, per_dp + 1) if per_dp % d == 0):
+                m = per_dp // dp
+                choices = [
+                    [None]
+                    + [
+                        (c.name, t, n)
+                        for t in c.tensor_parallel_options(
+                            model.num_attention_heads, model.num_query_groups
+                        )
+                        for n in range(1, c.count // (t * dp) + 1)
+                    ]
+                    for c in cost.cluster.chips
                 ]
-                for c in chips
+                for combo in itertools.product(*choices):
+                    used = [c for c in combo if c]
+                    for order in itertools.permutations(used):
+                        stages = [(name, t) for name, t, n in order for _ in range(n)]
+                        for schedule, v in VARIANTS:
+                            if stages and runnable(schedule, v, len(stages), m, model.num_layers):
+                                yield from self._splits(stages, schedule, v, mbs, dp, m, all_modes)
+
+    def _splits(self, stages, schedule, v, mbs, dp, m, all_modes):  # type: ignore[no-untyped-def]
+        p, names = len(stages), [name for name, _ in stages]
+        links = tuple(self.cost.link_s(a, b, mbs) for a, b in zip(names, names[1:]))
+        wrap = self.cost.link_s(names[-1], names[0], mbs) if v > 1 else 0.0
+        for units in compositions(self.cost.model.num_layers // v, p):
+            split = [u * v for u in units]
+            keys = [
+                (schedule, v, p, m, mbs, dp, i, n, t, size)
+                for i, ((n, t), size) in enumerate(zip(stages, split))
             ]
-            for combo in itertools.product(*choices):
-                used = [c for c in combo if c]
-                for order in itertools.permutations(used):
-                    stages = [(name, t) for name, t, n in order for _ in range(n)]
-                    p = len(stages)
-                    if not stages or p > model.num_layers:
-                        continue
-                    for split in compositions(model.num_layers, p):
-                        if all_modes:
-                            mode_sets = itertools.product(RECOMPUTE_MODES, repeat=p)
-                        else:
-                            modes = [
-                                fastest_fitting(cost, s, l, i, p, mbs, dp, m)
-                                for i, (s, l) in enumerate(zip(stages, split))
-                            ]
-                            mode_sets = [] if None in modes else [modes]
-                        for modes in mode_sets:
-                            plan = HeteroPlan(
-                                dp,
-                                mbs,
-                                options.global_batch_size,
-                                specs,
-                                [
-                                    StageSpec(n, t, l, r)
-                                    for (n, t), l, r in zip(stages, split, modes)
-                                ],
-                            )
-                            estimate = cost.evaluate(plan)
-                            if estimate.fits:
-                                yield estimate.step_time_s, (mbs, dp, tuple(stages)), plan
+            if all_modes:
+                mode_sets = itertools.product(RECOMPUTE_MODES, repeat=p)
+            else:
+                modes = [self.fastest_fitting(key) for key in keys]
+                mode_sets = [] if None in modes else [modes]
+            for modes in mode_sets:
+                estimates = tuple(self.estimate((*k, r)) for k, r in zip(keys, modes))
+                if not all(e.fits for e in estimates):
+                    continue
+                pipeline, link = step_time_terms(schedule, m, v, estimates, links, wrap)
+                step = pipeline + link + max(e.dp_sync_s for e in estimates)
+                specs = [stage(n, t, k, v, r) for (n, t), k, r in zip(stages, split, modes)]
+                plan = (dp, mbs, self.options.global_batch_size, self.specs, specs, schedule)
+                yield step, (mbs, dp, schedule, v, tuple(stages)), plan
+
+
+def brute_force_best(
+    cost: CostModel, options: SearchOptions, count: int, all_modes: bool = False
+) -> list[float]:
+    """The ``count`` best step times over structures (each structure's best split), checked
+    against ``CostModel.evaluate`` of the plans themselves."""
+    best: dict[tuple, tuple[float, tuple]] = {}
+    for value, key, plan in Enumerator(cost, options).plans(all_modes):
+        if key not in best or value < best[key][0]:
+            best[key] = (value, plan)
+    ranked = sorted(best.values(), key=lambda item: item[0])[:count]
+    for value, args in ranked:
+        dp, mbs, gbs, specs, stages, schedule = args
+        plan = HeteroPlan(dp, mbs, gbs, specs, stages, schedule=schedule)
+        assert cost.evaluate(plan).step_time_s == pytest.approx(value, rel=1e-12)
+    return [value for value, _ in ranked]
 
 
 def chip(
@@ -106,7 +162,7 @@ def chip(
     return ChipType(name, "cpu", count, per_node, tflops, memory_mib / 1024, intra, inter)
 
 
-TINY = ModelSpec(
+TINY = planner_model(
     num_layers=5,
     hidden_size=64,
     ffn_hidden_size=176,
@@ -143,7 +199,7 @@ CASES = {
         Cluster(
             (chip("A", 2, 2, 0.5, 4.0), chip("B", 6, 2, 0.2, 5.0), chip("C", 4, 4, 0.15, 10.0)), 0.5
         ),
-        ModelSpec(6, 64, 176, 4, 128, 1000, 2),
+        planner_model(6, 64, 176, 4, 128, 1000, 2),
         12,
         True,
     ),
@@ -153,7 +209,7 @@ CASES = {
             (chip("F", 8, 4, 0.5, 2.6), ChipType("S", "cpu", 8, 4, 0.5, 16 / 1024, 4.0, 1.0, 3.0)),
             1.0,
         ),
-        ModelSpec(6, 64, 176, 4, 128, 1000, 4),
+        planner_model(6, 64, 176, 4, 128, 1000, 4),
         8,
         False,
     ),
@@ -165,10 +221,7 @@ def test_search_finds_the_brute_force_optimum(name: str) -> None:
     cluster, model, global_batch, distributed = CASES[name]
     cost = CostModel(cluster, model, CostConfig(use_distributed_optimizer=distributed))
     options = SearchOptions(global_batch_size=global_batch, top_k=3, max_micro_batch_size=4)
-    best_per_structure: dict[tuple, float] = {}
-    for value, key, _ in enumerate_plans(cost, options):
-        best_per_structure[key] = min(value, best_per_structure.get(key, math.inf))
-    expected = sorted(best_per_structure.values())[:3]
+    expected = brute_force_best(cost, options, 3)
     result = search(cost, options)
     found = [c.estimate.step_time_s for c in result.candidates]
     assert result.stats.exhaustive
@@ -192,41 +245,47 @@ def test_the_cases_exercise_recompute_tp_and_several_types() -> None:
 
 def test_fastest_fitting_recompute_is_optimal_against_all_modes() -> None:
     cluster = Cluster((chip("A", 2, 2, 0.4, 2.4), chip("B", 2, 2, 0.2, 4.0)), 0.5)
-    model = ModelSpec(3, 64, 176, 4, 128, 1000, 2)
+    model = planner_model(3, 64, 176, 4, 128, 1000, 2)
     cost = CostModel(cluster, model)
     options = SearchOptions(global_batch_size=4, top_k=1, max_micro_batch_size=2)
-    brute = min(value for value, _, _ in enumerate_plans(cost, options, all_modes=True))
+    brute = brute_force_best(cost, options, 1, all_modes=True)[0]
     assert search(cost, options).best.estimate.step_time_s == pytest.approx(brute, rel=1e-9)
 
 
-def test_layer_split_is_exact_for_fixed_stages() -> None:
+@pytest.mark.parametrize("schedule,v", [("1f1b", 1), ("zero-bubble", 1), ("interleaved", 3)])
+def test_layer_split_is_exact_for_fixed_stages(schedule: str, v: int) -> None:
     cluster = Cluster((chip("A", 8, 4, 0.4, 3.0), chip("B", 8, 4, 0.15, 8.0)), 0.5)
-    model = ModelSpec(9, 64, 176, 4, 128, 1000, 2)
+    model = planner_model(12 if v == 3 else 9, 64, 176, 4, 128, 1000, 2)
     cost = CostModel(cluster, model, CostConfig(use_distributed_optimizer=True))
     layout = [("B", 1), ("B", 2), ("A", 1), ("A", 2)]
-    mbs, dp, m = 1, 2, 6
+    mbs, dp, m = 1, 2, 8
     specs = {c.name: ChipSpec("cpu") for c in cluster.chips}
     p = len(layout)
     slots, caps = [], []
     for i, (name, tp) in enumerate(layout):
         costs = cost.stage_costs(name, tp, mbs, dp)
-        slots.append(StageSlot(costs, i == 0, i == p - 1, min(p - i, m)))
-        caps.append(tuple(costs.max_layers(r, min(p - i, m), i == 0, i == p - 1) for r in range(3)))
-    links = 2 * sum(cost.link_s(a, b, mbs) for (a, _), (b, _) in zip(layout, layout[1:]))
-    split = solve_split(slots, model.num_layers, m, links, caps)
-    brute = math.inf
-    for layers in compositions(model.num_layers, p):
-        modes = [
-            fastest_fitting(cost, s, l, i, p, mbs, dp, m)
-            for i, (s, l) in enumerate(zip(layout, layers))
+        slots.append(StageSlot(costs, i == 0, i == p - 1))
+        states = held_totals(schedule, p, m, v, i)
+        caps.append(tuple(costs.max_units(v, r, states, i == 0, i == p - 1) for r in range(3)))
+    links = 2 * v * sum(cost.link_s(a, b, mbs) for (a, _), (b, _) in zip(layout, layout[1:]))
+    links += 2 * (v - 1) * cost.link_s(layout[-1][0], layout[0][0], mbs)
+    split = solve_split(slots, model.num_layers, m, links, caps, schedule=schedule, chunks=v)
+    brute, enumerator = math.inf, Enumerator(cost, SearchOptions(m * dp * mbs))
+    for units in compositions(model.num_layers // v, p):
+        layers = [u * v for u in units]
+        keys = [
+            (schedule, v, p, m, mbs, dp, i, n, t, size)
+            for i, ((n, t), size) in enumerate(zip(layout, layers))
         ]
+        modes = [enumerator.fastest_fitting(key) for key in keys]
         if None not in modes:
             plan = HeteroPlan(
                 dp,
                 mbs,
                 m * dp * mbs,
                 specs,
-                [StageSpec(n, t, l, r) for (n, t), l, r in zip(layout, layers, modes)],
+                [stage(n, t, k, v, r) for (n, t), k, r in zip(layout, layers, modes)],
+                schedule=schedule,
             )
             brute = min(brute, cost.evaluate(plan).step_time_s)
     assert split is not None and split.step_time_s == pytest.approx(brute, rel=1e-9)
@@ -252,7 +311,7 @@ def random_case(seed: int) -> tuple[CostModel, SearchOptions]:
                 rng.uniform(0.2, 2),
             )
         )
-    model = ModelSpec(rng.choice([4, 5, 6, 7, 8]), 64, 176, 4, 128, 1000, 2)
+    model = planner_model(rng.choice([4, 5, 6, 7, 8]), 64, 176, 4, 128, 1000, 2)
     config = CostConfig(use_distributed_optimizer=rng.random() < 0.5)
     options = SearchOptions(
         global_batch_size=rng.choice([4, 6, 8, 12]), top_k=2, max_micro_batch_size=4
@@ -263,9 +322,6 @@ def random_case(seed: int) -> tuple[CostModel, SearchOptions]:
 @pytest.mark.parametrize("seed", range(16))
 def test_search_matches_brute_force_on_random_clusters(seed: int) -> None:
     cost, options = random_case(seed)
-    best_per_structure: dict[tuple, float] = {}
-    for value, key, _ in enumerate_plans(cost, options):
-        best_per_structure[key] = min(value, best_per_structure.get(key, math.inf))
-    expected = sorted(best_per_structure.values())[:2]
+    expected = brute_force_best(cost, options, 2)
     found = [c.estimate.step_time_s for c in search(cost, options).candidates]
     assert found == pytest.approx(expected, rel=1e-9)

@@ -49,7 +49,7 @@ def test_null_tokenizer_output_matches_input(tmp_path):
     records = _number_records(50)
     source = _write_jsonl(tmp_path / "in.jsonl", records)
     outputs = preprocess_jsonl(source, str(tmp_path / "out" / "corpus"), "NullTokenizer",
-                               vocab_size=1000, append_eod=True)
+                               vocab_size=1001, append_eod=True)  # ids 0..1000, eod 1000
     prefix = str(tmp_path / "out" / "corpus_text_document")
     assert outputs == {"text": prefix}
     dataset = IndexedDataset(prefix)
@@ -69,8 +69,9 @@ def test_without_eod_and_wide_vocab_uses_int32(tmp_path):
 
 
 def test_multiple_json_keys(tmp_path):
-    source = _write_jsonl(tmp_path / "in.jsonl", [{"text": "1 2", "meta": "7"}, {"text": "3", "meta": "8 9"}])
-    outputs = preprocess_jsonl(source, str(tmp_path / "c"), "NullTokenizer", vocab_size=10,
+    source = _write_jsonl(tmp_path / "in.jsonl",
+                          [{"text": "1 2", "meta": "7"}, {"text": "3", "meta": "8 9"}])
+    outputs = preprocess_jsonl(source, str(tmp_path / "c"), "NullTokenizer", vocab_size=11,
                                json_keys=["text", "meta"], append_eod=True)
     assert set(outputs) == {"text", "meta"}
     meta = IndexedDataset(outputs["meta"])
@@ -81,12 +82,15 @@ def test_multiple_json_keys(tmp_path):
 @pytest.mark.parametrize("workers", [2, 3])
 def test_output_identical_for_any_worker_count(tmp_path, sp_model, workers):
     rng = random.Random(2)
-    records = [{"text": " ".join(rng.choice(WORDS) for _ in range(rng.randint(0, 30)))} for _ in range(120)]
+    records = [{"text": " ".join(rng.choice(WORDS) for _ in range(rng.randint(0, 30)))}
+               for _ in range(120)]
     records.insert(17, "   ")  # blank lines are skipped
     source = _write_jsonl(tmp_path / "in.jsonl", records)
-    common = dict(tokenizer_type="GPTSentencePieceTokenizer", tokenizer_model=sp_model, append_eod=True)
+    common = dict(tokenizer_type="GPTSentencePieceTokenizer", tokenizer_model=sp_model,
+                  append_eod=True)
     one = preprocess_jsonl(source, str(tmp_path / "one"), workers=1, **common)["text"]
-    many = preprocess_jsonl(source, str(tmp_path / "many"), workers=workers, log_interval=10, **common)["text"]
+    many = preprocess_jsonl(source, str(tmp_path / "many"), workers=workers, log_interval=10,
+                            **common)["text"]
     for suffix in (".bin", ".idx"):
         assert open(one + suffix, "rb").read() == open(many + suffix, "rb").read()
     tokenizer = build_tokenizer("GPTSentencePieceTokenizer", sp_model)
@@ -114,7 +118,8 @@ def test_bad_line_reports_line_number(tmp_path, workers):
     records[33] = '{"text": "1 2",'
     source = _write_jsonl(tmp_path / "in.jsonl", records)
     with pytest.raises(ConfigError, match=r"in\.jsonl:34: not valid JSON") as info:
-        preprocess_jsonl(source, str(tmp_path / "c"), "NullTokenizer", vocab_size=1000, workers=workers)
+        preprocess_jsonl(source, str(tmp_path / "c"), "NullTokenizer", vocab_size=1000,
+                         workers=workers)
     assert "\n" not in str(info.value)
     assert sorted(os.listdir(tmp_path)) == ["in.jsonl"]  # no partial output, no scratch
 
@@ -140,6 +145,8 @@ def test_bad_arguments(tmp_path):
     with pytest.raises(ConfigError, match="--input .* not found"):
         preprocess_jsonl(str(tmp_path / "missing.jsonl"), out, "NullTokenizer", vocab_size=10)
     with pytest.raises(ConfigError, match="unknown tokenizer type"):
+        preprocess_jsonl(source, out, "BertWordPieceCase")
+    with pytest.raises(ConfigError, match="GPT2BPETokenizer .* needs --vocab-file"):
         preprocess_jsonl(source, out, "GPT2BPETokenizer")
     with pytest.raises(ConfigError, match="--workers"):
         preprocess_jsonl(source, out, "NullTokenizer", vocab_size=10, workers=0)
@@ -165,3 +172,54 @@ def test_cli_script(tmp_path, sp_model):
     spec.loader.exec_module(tool)
     assert tool.main(["--input", str(tmp_path / "nope.jsonl"), "--output-prefix", "x",
                       "--tokenizer-type", "NullTokenizer", "--vocab-size", "5"]) == 2
+
+
+def _tool():
+    spec = importlib.util.spec_from_file_location(
+        "preprocess_tool", os.path.join(REPO, "tools", "preprocess_data.py"))
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    return tool
+
+
+def test_cli_takes_megatrons_tokenizer_flags(tmp_path, sp_model, capsys):
+    """GPT2BPETokenizer from --vocab-file/--merge-file, Llama2Tokenizer (BOS first, EOS as eod),
+    TikTokenizer with --tiktoken-pattern / --tiktoken-num-special-tokens, NullTokenizer with
+    --null-tokenizer-eod-id: the tool writes what the tokenizer of pretrain_gpt.py reads."""
+    from tokenizer_files import gpt2_files, tiktoken_file
+
+    texts = ["the quick brown fox", "over a lazy dog"]
+    source = _write_jsonl(tmp_path / "in.jsonl", [{"text": t} for t in texts])
+    vocab, merges = gpt2_files(tmp_path / "gpt2")
+    tiktoken, count = tiktoken_file(tmp_path / "tok.json")
+    cases = {
+        "gpt2": (["--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", vocab,
+                  "--merge-file", merges],
+                 dict(vocab_file=vocab, merge_file=merges), None),
+        "llama2": (["--tokenizer-type", "Llama2Tokenizer", "--tokenizer-model", sp_model],
+                   {}, sp_model),
+        "tiktoken": (["--tokenizer-type", "TikTokenizer", "--tokenizer-model", tiktoken,
+                      "--vocab-size", str(10 + count), "--tiktoken-pattern", "v1",
+                      "--tiktoken-num-special-tokens", "10"],
+                     dict(tiktoken_pattern="v1", tiktoken_num_special_tokens=10), tiktoken),
+    }
+    for name, (flags, options, model) in cases.items():
+        out = str(tmp_path / name)
+        assert _tool().main(["--input", source, "--output-prefix", out, "--append-eod",
+                             *flags]) == 0, capsys.readouterr().err
+        kind = flags[1]
+        vocab_size = 10 + count if name == "tiktoken" else None
+        tokenizer = build_tokenizer(kind, model, vocab_size, **options)
+        dataset = IndexedDataset(out + "_text_document")
+        assert [dataset[i].tolist() for i in range(2)] == \
+            [tokenizer.tokenize(t) + [tokenizer.eod] for t in texts], name
+    llama = IndexedDataset(str(tmp_path / "llama2_text_document"))
+    assert llama[0][0] == 1 and llama[0][-1] == 2  # BOS ... EOS
+    numbers = _write_jsonl(tmp_path / "n.jsonl", [{"text": "1 2 3"}])
+    assert _tool().main(["--input", numbers, "--output-prefix", str(tmp_path / "null"),
+                         "--tokenizer-type", "NullTokenizer", "--vocab-size", "8",
+                         "--null-tokenizer-eod-id", "0", "--append-eod"]) == 0
+    assert IndexedDataset(str(tmp_path / "null_text_document"))[0].tolist() == [1, 2, 3, 0]
+    assert _tool().main(["--input", source, "--output-prefix", str(tmp_path / "x"),
+                         "--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", vocab]) == 2
+    assert "needs --merge-file" in capsys.readouterr().err

@@ -14,8 +14,9 @@ from megatron_h2.planner.profile import ProfileTable  # noqa: E402
 
 def test_profile_table_round_trip(tmp_path, capsys):
     out = tmp_path / "profile.yaml"
-    assert profile_chip.main(["--chip", "fast", "--chip", "slow", "--hidden-size", "64",
-                              "--num-attention-heads", "4", "--num-query-groups", "2",
+    assert profile_chip.main(["--chip", "fast", "--chip", "slow", "--num-layers", "1",
+                              "--hidden-size", "64", "--num-attention-heads", "4",
+                              "--group-query-attention", "--num-query-groups", "2",
                               "--ffn-hidden-size", "128", "--seq-length", "32", "--vocab-size",
                               "256", "--micro-batch-sizes", "1,2", "--reps", "2", "--warmup", "1",
                               "--max-wait", "0", "--output", str(out)]) == 0

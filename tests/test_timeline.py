@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import tracemalloc
+from pathlib import Path
 
 import pytest
 
@@ -236,3 +237,41 @@ def test_gather_and_write_without_a_process_group(tmp_path):
     summary = gather_and_write(timeline, tmp_path / "t.json")
     assert summary is not None and summary[0]["compute_s"] == pytest.approx(0.5)
     assert json.loads((tmp_path / "t.json").read_text())["traceEvents"][-1]["name"] == "B0"
+
+
+def test_chunks_and_the_split_backward_are_recorded_and_drawn(tmp_path):
+    """Virtual stages and zero-bubble: events carry the chunk, B and W are told apart, W counts
+    as compute, and the picture colours chunks and hatches the weight-gradient passes."""
+    import importlib.util
+
+    from megatron_h2.pipeline_orders import zero_bubble
+
+    timeline = Timeline(0, 0, enabled=True, chunks=2)
+    timeline.set_iteration(1)
+    kinds = {"F": "forward", "B": "backward_input", "W": "backward_weight"}
+    t = T0
+    for action in zero_bubble(0, 2, 2, range(2)):
+        timeline.record(kinds[action.kind], action.micro_batch, t, t + 1.0, chunk=action.chunk)
+        timeline.on_comm("send_forward", action.micro_batch, t + 1.0, t + 1.5, action.chunk)
+        t += 1.5
+    spans = [e for e in timeline.events() if e["ph"] == "X"]
+    names = {(e["name"], e["cat"], e["args"]["chunk"]) for e in spans}
+    assert {("F1 c1", "forward", 1), ("B0 c0", "backward_input", 0),
+            ("W1 c1", "backward_weight", 1), ("send F0 c1", "send_forward", 1)} <= names
+    summary = summarize([timeline.events()])
+    assert summary[0]["compute_s"] == pytest.approx(12.0)  # 4 F + 4 B + 4 W of 1 s
+
+    spec = importlib.util.spec_from_file_location(
+        "show_timeline", Path(__file__).resolve().parents[1] / "tools" / "show_timeline.py")
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    fig = tool.figure(spans, {0: "stage 0"}, {0: 0}, iterations=1)
+    bars = fig.axes[0].collections
+    hatched = [b for b in bars if b.get_hatch()]
+    assert len(hatched) == 4  # the W passes
+    colours = {tuple(b.get_facecolor()[0][:3]) for b in bars if not b.get_hatch()
+               and b.get_alpha() == pytest.approx(0.45)}
+    assert len(colours) == 2  # forwards of chunk 0 and chunk 1
+    assert tool.main([str(merge_and_write(tmp_path / "t.json", [timeline.events()])),
+                      "--output", str(tmp_path / "t.png")]) == 0
+    assert (tmp_path / "t.png").stat().st_size > 0

@@ -50,7 +50,8 @@ def hf_dir(tmp_path_factory) -> str:
     )
     tokenizer.train_from_iterator(_texts(200), trainer)
     folder = str(tmp_path_factory.mktemp("hf"))
-    PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token="<|endoftext|>").save_pretrained(folder)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token="<|endoftext|>")
+    fast.save_pretrained(folder)
     return folder
 
 
@@ -107,15 +108,20 @@ def test_huggingface_without_eos_is_rejected(hf_dir, tmp_path):
 
 
 def test_null_tokenizer():
+    """Megatron's NullTokenizer(N): N ids, the last one (N - 1) is eod unless
+    --null-tokenizer-eod-id says otherwise."""
     tokenizer = build_tokenizer("NullTokenizer", vocab_size=100)
     assert isinstance(tokenizer, NullTokenizer)
-    assert tokenizer.vocab_size == 101 and tokenizer.eod == 100 == tokenizer.vocab_size - 1
+    assert tokenizer.vocab_size == 100 and tokenizer.eod == 99
     assert tokenizer.tokenize(" 1 2  3\n4\t99 ") == [1, 2, 3, 4, 99]
     assert tokenizer.detokenize([1, 2, 3]) == "1 2 3"
     with pytest.raises(ConfigError, match="whitespace-separated integers"):
         tokenizer.tokenize("1 two 3")
     with pytest.raises(ConfigError, match="outside"):
         tokenizer.tokenize("100")
+    assert build_tokenizer("NullTokenizer", vocab_size=100, null_tokenizer_eod_id=0).eod == 0
+    with pytest.raises(ConfigError, match="--null-tokenizer-eod-id 100 is outside"):
+        build_tokenizer("NullTokenizer", vocab_size=100, null_tokenizer_eod_id=100)
 
 
 @pytest.mark.parametrize(
@@ -163,7 +169,8 @@ def test_train_errors(tmp_path):
         train_sentencepiece(iter(["ab ab ab"]), prefix, 5000)
     assert "\n" not in str(info.value)
     with pytest.raises(ConfigError, match="raise --vocab-size"):
-        train_sentencepiece(iter(["abcdefghijklmnopqrstuvwxyz0123456789" * 3]), prefix, 280, model_type="unigram")
+        train_sentencepiece(iter(["abcdefghijklmnopqrstuvwxyz0123456789" * 3]), prefix, 280,
+                            model_type="unigram")
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"text": "ok"}\n{"text": \n')
     with pytest.raises(ConfigError, match=r"bad\.jsonl:2: not valid JSON"):
@@ -183,9 +190,10 @@ def test_train_tokenizer_cli(tmp_path, capsys):
     data = tmp_path / "corpus.jsonl"
     data.write_text("".join(json.dumps({"text": t}) + "\n" for t in _texts(100)))
     tool = _load_tool("train_tokenizer")
-    assert tool.main(["--input", str(data), "--vocab-size", "300", "--model-prefix", str(tmp_path / "t")]) == 0
+    prefix = ["--model-prefix", str(tmp_path / "t")]
+    assert tool.main(["--input", str(data), "--vocab-size", "300", *prefix]) == 0
     assert "300 pieces" in capsys.readouterr().out
-    assert tool.main(["--input", str(data), "--vocab-size", "10", "--model-prefix", str(tmp_path / "t")]) == 2
+    assert tool.main(["--input", str(data), "--vocab-size", "10", *prefix]) == 2
     error = capsys.readouterr().err
     assert error.startswith("error: ") and error.count("\n") == 1
 
@@ -201,3 +209,108 @@ def test_train_tokenizer_script_runs_standalone(tmp_path):
     )
     assert result.returncode == 0, result.stderr
     assert os.path.isfile(tmp_path / "t.model")
+
+
+# ------------------------------------------------- GPT-2 BPE, Llama 2, tiktoken, HF specials
+@pytest.fixture(scope="module")
+def gpt2_files(tmp_path_factory) -> tuple[str, str]:
+    from tokenizer_files import gpt2_files as make
+
+    return make(tmp_path_factory.mktemp("gpt2"))
+
+
+def test_gpt2_bpe_tokenizer_from_vocab_and_merges(gpt2_files, tmp_path):
+    """Megatron's GPT2BPETokenizer: vocab.json's size, <|endoftext|> as eod, GPT-2 byte-level
+    BPE (the same ids as transformers' GPT-2 tokenizer on the same files)."""
+    from transformers import GPT2Tokenizer
+
+    vocab, merges = gpt2_files
+    tokenizer = build_tokenizer("GPT2BPETokenizer", vocab_file=vocab, merge_file=merges)
+    table = json.load(open(vocab))
+    assert tokenizer.vocab_size == len(table) and tokenizer.eod == table["<|endoftext|>"]
+    reference = GPT2Tokenizer.from_pretrained(os.path.dirname(vocab), local_files_only=True)
+    for text in ["the quick brown fox", " leading space and  two\n\nlines", "héllo ✓ 🙂 {}"]:
+        ids = tokenizer.tokenize(text)
+        assert ids == reference.encode(text) and tokenizer.detokenize(ids) == text
+    assert tokenizer.eod not in tokenizer.tokenize("<|endoftext|>")  # plain text, as Megatron
+    with pytest.raises(ConfigError, match="needs --merge-file"):
+        build_tokenizer("GPT2BPETokenizer", vocab_file=vocab)
+    with pytest.raises(ConfigError, match="--vocab-file .*missing.json not found"):
+        build_tokenizer("GPT2BPETokenizer", vocab_file=str(tmp_path / "missing.json"),
+                        merge_file=merges)
+    no_eod = tmp_path / "vocab.json"
+    no_eod.write_text(json.dumps({k: v for k, v in table.items() if k != "<|endoftext|>"}))
+    with pytest.raises(ConfigError, match="has no <|endoftext|> token"):
+        build_tokenizer("GPT2BPETokenizer", vocab_file=str(no_eod), merge_file=merges)
+
+
+def test_llama2_tokenizer_starts_with_bos(sp_model):
+    llama = build_tokenizer("Llama2Tokenizer", sp_model)
+    plain = build_tokenizer("GPTSentencePieceTokenizer", sp_model)
+    ids = llama.tokenize("the lazy dog")
+    assert ids == [1, *plain.tokenize("the lazy dog")] and llama.eod == 2 == plain.eod
+    assert llama.vocab_size == 300 and llama.detokenize(ids) == "the lazy dog"
+
+
+def test_tiktokenizer_layout_patterns_and_errors(tmp_path):
+    """Megatron's TikTokenizer: S special tokens first (</s> = eod = 2), the file's tokens
+    shifted by S; v1 and v2 split camel case differently; special strings are special."""
+    from tokenizer_files import tiktoken_file
+
+    path, count = tiktoken_file(tmp_path / "tok.json")
+    kwargs = dict(tiktoken_num_special_tokens=10)
+    v2 = build_tokenizer("TikTokenizer", path, 10 + count, **kwargs)
+    v1 = build_tokenizer("TikTokenizer", path, 10 + count, tiktoken_pattern="v1", **kwargs)
+    assert (v2.vocab_size, v2.eod, v2.bos) == (10 + count, 2, 1)
+    text = "HelloWorld the lazy dog ✓"
+    for tokenizer in (v1, v2):
+        ids = tokenizer.tokenize(text)
+        assert min(ids) >= 10 and tokenizer.detokenize(ids) == text
+    o_w = 10 + 256  # the first merge of the file, "oW": only v1 keeps "HelloWorld" in one piece
+    assert o_w in v1.tokenize("HelloWorld") and o_w not in v2.tokenize("HelloWorld")
+    assert v2.tokenize("dog</s>")[-1] == 2
+    import pickle
+
+    assert pickle.loads(pickle.dumps(v1)).tokenize(text) == v1.tokenize(text)
+    smaller = build_tokenizer("TikTokenizer", path, 10 + 300, **kwargs)
+    assert smaller.vocab_size == 310 and max(smaller.tokenize(text)) < 310
+    for args, message in [
+        ((path, 11 + count), f"has {count} tokens but --vocab-size"),
+        ((str(tmp_path / "tok.txt"), 300), "not found"),
+    ]:
+        with pytest.raises(ConfigError, match=message) as info:
+            build_tokenizer("TikTokenizer", *args, **kwargs)
+        assert "\n" not in str(info.value)
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps([{"rank": 1, "token_bytes": "AA==", "token_str": ""}]))
+    with pytest.raises(ConfigError, match="entry 0 is not"):
+        build_tokenizer("TikTokenizer", str(bad), 300, **kwargs)
+    with pytest.raises(ConfigError, match="needs a .json vocabulary"):
+        build_tokenizer("TikTokenizer", str(tmp_path), 300, **kwargs)
+    with pytest.raises(ConfigError, match="must be at least the 7 special tokens"):
+        build_tokenizer("TikTokenizer", path, 300, tiktoken_num_special_tokens=5)
+    with pytest.raises(ConfigError, match="must list each token once and include"):
+        build_tokenizer("TikTokenizer", path, 300, special_tokens=["<s>"], **kwargs)
+
+
+def test_huggingface_special_tokens_as_megatron(tmp_path):
+    """Megatron's HuggingFaceTokenizer adds the tokenizer's special tokens (here a BOS) unless
+    --tokenizer-hf-no-include-special-tokens."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator(_texts(100), trainers.BpeTrainer(
+        vocab_size=300, special_tokens=["<s>", "</s>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A",
+                                                       special_tokens=[("<s>", 0)])
+    hf = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>")
+    hf.save_pretrained(str(tmp_path))
+    with_bos = build_tokenizer("HuggingFaceTokenizer", str(tmp_path))
+    without = build_tokenizer("HuggingFaceTokenizer", str(tmp_path),
+                              hf_include_special_tokens=False)
+    assert with_bos.tokenize("lazy dog") == [0, *without.tokenize("lazy dog")]
+    assert with_bos.eod == without.eod == 1

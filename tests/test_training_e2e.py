@@ -15,7 +15,9 @@ VOCAB = 256  # as in conftest.corpus
 
 def flags(corpus: str, tmp: Path, *extra: str) -> list[str]:
     return ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
-            "--num-query-groups", "2", "--ffn-hidden-size", "128", "--seq-length", "32",
+            "--hidden-dropout", "0", "--attention-dropout", "0", "--train-iters", "20",
+            "--lr-decay-iters", "100",
+            "--ffn-hidden-size", "128", "--seq-length", "32",
             "--max-position-embeddings", "32", "--micro-batch-size", "4",
             "--global-batch-size", "8", "--lr", "3e-3", "--min-lr", "3e-4",
             "--lr-warmup-iters", "5", "--data-path", corpus, "--split", "90,10,0",
@@ -114,4 +116,4 @@ def test_script_prints_one_line_without_traceback():
     assert proc.returncode == 2
     assert proc.stderr.strip() == ("error: --hidden-size 100 is not divisible by "
                                    "--num-attention-heads 8; choose a hidden size that is a "
-                                   "multiple of the heads")
+                                   "multiple of the heads or set --kv-channels")

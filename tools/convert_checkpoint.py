@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Convert checkpoints between Hugging Face Llama and megatron_h2.
+"""Convert checkpoints between Hugging Face (Llama, GPT-2) and megatron_h2.
 
     python tools/convert_checkpoint.py --from hf --to megatron_h2 --input HF_DIR --output SAVE
     python tools/convert_checkpoint.py --from megatron_h2 --to hf --input SAVE --output HF_DIR \
@@ -50,8 +50,8 @@ def parse_size(text: str) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(description="Convert checkpoints between Hugging Face Llama and "
-                                 "megatron_h2.")
+    parser = _Parser(description="Convert checkpoints between Hugging Face (Llama, GPT-2) "
+                                 "and megatron_h2.")
     parser.add_argument("--from", dest="src", required=True, help="hf or megatron_h2")
     parser.add_argument("--to", dest="dst", required=True, help="hf or megatron_h2")
     parser.add_argument("--input", required=True, help="directory to read")

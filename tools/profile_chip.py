@@ -4,11 +4,11 @@ the head, forward and backward, a layer's extra backward under selective recompu
 micro-batch sizes, and the optimizer step per parameter; writes the profile table that
 `tools/plan.py --profile` reads.
 
-    python tools/profile_chip.py --chip fast --chip slow --num-layers 8 --hidden-size 256 \\
-        --num-attention-heads 8 --num-query-groups 4 --ffn-hidden-size 704 --seq-length 256 \\
-        --vocab-size 4096 --micro-batch-sizes 1,2,4 --output runs/profile.yaml
+    python tools/profile_chip.py --chip fast --chip slow --model examples/models/tiny.yaml \\
+        --micro-batch-sizes 1,2,4 --output runs/profile.yaml
 
-Model flags are pretrain_gpt.py's (or `--model FILE`, a model YAML as in examples/models/).
+Model flags are pretrain_gpt.py's, as tools/plan.py reads them (or `--model FILE`, a model YAML
+as in examples/models/, whose keys they override).
 Measure with the thread count your training processes use (`--threads`).
 
 CPU emulation (every chip of a cluster is a single-threaded process on this machine):
@@ -34,6 +34,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from megatron_h2.errors import ConfigError  # noqa: E402
+from megatron_h2.planner.model import add_model_arguments, model_from_arguments  # noqa: E402
 
 CACHE_FORMAT = 1
 
@@ -43,10 +44,7 @@ def parse(argv: list[str] | None):
     p.add_argument("--chip", action="append",
                    help="chip name(s) of the cluster file this measurement stands for "
                         "(default: every chip type of --cluster)")
-    p.add_argument("--model", help="model YAML (keys are pretrain_gpt.py flag names)")
-    for flag in ("num-layers", "hidden-size", "ffn-hidden-size", "num-attention-heads",
-                 "num-query-groups", "seq-length", "vocab-size"):
-        p.add_argument(f"--{flag}", type=int)
+    add_model_arguments(p)
     p.add_argument("--micro-batch-sizes", default="1,2,4")
     p.add_argument("--device", help="cpu, cuda, ... (default: detect)")
     p.add_argument("--bf16", action="store_true")
@@ -90,26 +88,9 @@ def parse(argv: list[str] | None):
 
 
 def model_config(a):
-    import yaml
-
-    from megatron_h2.config import ModelConfig
-
-    values = {}
-    if a.model:
-        path = Path(a.model)
-        if not path.exists():
-            raise ConfigError(f"--model file {path} does not exist")
-        values.update(yaml.safe_load(path.read_text()) or {})
-    for key in ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads",
-                "num_query_groups", "seq_length", "vocab_size"):
-        if getattr(a, key) is not None:
-            values[key] = getattr(a, key)
-    known = {"num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads",
-             "num_query_groups", "seq_length", "max_position_embeddings", "vocab_size"}
-    kwargs = {k: v for k, v in values.items() if k in known}
-    if "vocab_size" not in kwargs:
-        raise ConfigError("give --vocab-size (or vocab_size in --model)")
-    return ModelConfig(**kwargs)
+    """The model of the flags and --model file (the vocabulary padded as pretrain_gpt.py and the
+    planner pad it)."""
+    return model_from_arguments(a, require_global_batch=False)[0]
 
 
 def micro_batch_sizes(a) -> list[int]:

@@ -17,7 +17,8 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--input", nargs="+", required=True,
                         help=".jsonl/.json files (read via --json-keys) or plain text files")
-    parser.add_argument("--json-keys", nargs="+", default=["text"], help="keys holding text (default: text)")
+    parser.add_argument("--json-keys", nargs="+", default=["text"],
+                        help="keys holding text (default: text)")
     parser.add_argument("--vocab-size", type=int, required=True, help="number of pieces")
     parser.add_argument("--model-prefix", required=True, help="output path without .model/.vocab")
     parser.add_argument("--model-type", choices=("bpe", "unigram"), default="bpe")

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import base64
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
@@ -23,26 +23,30 @@ from megatron_h2.checkpointing import (
     CheckpointReader,
     begin_save,
     commit_save,
+    corruption_message,
     incomplete_dir,
     open_checkpoint,
     write_part,
 )
-from megatron_h2.config import RunConfig
+from megatron_h2.checkpointing.housekeeping import SaveDirOwner, apply_retention
+from megatron_h2.config import ARCHITECTURE_FIELDS, ModelConfig, RunConfig, flag_name
 from megatron_h2.devices import Accelerator
 from megatron_h2.distributed.topology import Topology
-from megatron_h2.errors import ConfigError
+from megatron_h2.errors import ConfigError, JobConfigError
+from megatron_h2.hetero_plan import HeteroPlan
 from megatron_h2.optimizer.distributed_optimizer import DataParallelOptimizer
 from megatron_h2.parallel import TPContext, gather_tp_tensor, get_tp_shard, shard_tensor
 
 # Config fields that must match for a checkpoint's weights to mean the same model.
-MODEL_FIELDS = ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups",
-                "ffn_hidden_size", "vocab_size", "norm_epsilon", "rotary_base")
+MODEL_FIELDS = ("num_layers", "hidden_size", "num_attention_heads", "vocab_size",
+                *ARCHITECTURE_FIELDS)
 
 
 @dataclass
 class TrainProgress:
     iteration: int = 0
     consumed_samples: int = 0
+    scheduler: dict[str, Any] | None = None  # optimizer-parameter schedule state, if resumed
 
 
 def _b64(t: torch.Tensor) -> str:
@@ -64,6 +68,49 @@ def capture_rng(accelerator: Accelerator) -> dict[str, Any]:
             "device": _b64(dev.cpu()) if dev is not None else None}
 
 
+def check_rng_state(state: Any, where: str) -> None:
+    """Raise a one-line ConfigError unless ``state`` is a usable :func:`capture_rng` result
+    (each stream is tried on a throwaway generator, so nothing global changes)."""
+    try:
+        if not isinstance(state, dict):
+            raise TypeError(f"expected an object, found {type(state).__name__}")
+        py_version, py_state, py_gauss = state["python"]
+        random.Random().setstate((py_version, tuple(py_state), py_gauss))
+        name, keys, pos, has_gauss, gauss = state["numpy"]
+        np.random.RandomState().set_state((name, np.asarray(keys, dtype=np.uint32), pos,
+                                           has_gauss, gauss))
+        torch.Generator().set_state(_unb64(state["torch_cpu"]))
+        if state.get("device") is not None:
+            _unb64(state["device"])
+    except (KeyError, TypeError, ValueError, RuntimeError, OverflowError, IndexError) as exc:
+        raise ConfigError(f"{where} holds an invalid RNG state ({type(exc).__name__}: "
+                          f"{str(exc).splitlines()[0][:80] if str(exc) else ''}); load with "
+                          "--no-load-rng or an earlier iteration") from None
+
+
+def check_rng_metadata(meta: dict[str, Any], source: Path | None) -> None:
+    """Check every saved RNG state of a checkpoint's metadata (before anything is restored)."""
+    per_rank = meta.get("rng_per_rank")
+    if per_rank is None:
+        return
+    if not isinstance(per_rank, list) or not per_rank:
+        raise ConfigError(f"checkpoint {source}: rng_per_rank must be a non-empty list; load with "
+                          "--no-load-rng or an earlier iteration")
+    layout = meta.get("layout")
+    if isinstance(layout, dict) and _layout_world_size(layout) not in (None, len(per_rank)):
+        raise ConfigError(f"checkpoint {source} has {len(per_rank)} RNG states but its layout "
+                          f"needs {_layout_world_size(layout)}; load with --no-load-rng")
+    for rank, state in enumerate(per_rank):
+        check_rng_state(state, f"checkpoint {source} (rank {rank})")
+
+
+def _layout_world_size(layout: dict[str, Any]) -> int | None:
+    try:
+        return HeteroPlan.from_dict(layout).world_size
+    except (ConfigError, TypeError, ValueError):
+        return None
+
+
 def restore_rng(state: dict[str, Any], accelerator: Accelerator) -> None:
     py_version, py_state, py_gauss = state["python"]
     random.setstate((py_version, tuple(py_state), py_gauss))
@@ -79,10 +126,12 @@ def check_compatible(metadata: dict[str, Any], config: RunConfig, source: Path |
     saved = metadata.get("config", {}).get("model", {})
     for name in MODEL_FIELDS:
         mine = getattr(config.model, name)
-        if name in saved and saved[name] != mine:
-            flag = "--" + name.replace("_", "-")
-            raise ConfigError(f"checkpoint {source} was saved with {name}={saved[name]} but "
-                              f"this run has {flag} {mine}; use matching model flags")
+        was = saved.get(name, mine)
+        if was != mine:
+            flag = flag_name(next(f for f in fields(ModelConfig) if f.name == name)) \
+                if name != "vocab_size" else "--vocab-size (padded)"
+            raise ConfigError(f"checkpoint {source} was saved with {name}={was} but "
+                              f"this run has {name}={mine} ({flag}); use matching model flags")
 
 
 def _param_of_state(key: str) -> str:
@@ -91,14 +140,22 @@ def _param_of_state(key: str) -> str:
 
 
 class CheckpointIO:
-    """Saves and loads this rank's share of the training state (collective over the job)."""
+    """Saves and loads this rank's share of the training state (collective over the job).
+
+    Tensors are stored under their checkpoint names (``model.checkpoint_names``): the last
+    stage's copy of a tied embedding is the word embedding, which the first stage saves.
+    """
 
     def __init__(self, cfg: RunConfig, acc: Accelerator, topo: Topology, tp: TPContext,
                  model: nn.Module, optimizer: DataParallelOptimizer) -> None:
         self.cfg, self.acc, self.topo, self.tp = cfg, acc, topo, tp
         self.model, self.optimizer = model, optimizer
-        self.names = {p: n for n, p in model.named_parameters()}
-        self.params = dict(model.named_parameters())
+        aliases: dict[str, str] = getattr(model, "checkpoint_names", {})
+        self.names = {p: aliases.get(n, n) for n, p in model.named_parameters()}
+        self.params = {aliases.get(n, n): p for n, p in model.named_parameters()}
+        self.copies = set(aliases.values())  # names this rank holds a copy of, saved elsewhere
+        self.owner: SaveDirOwner | None = None  # rank 0's claim on --save (checked per save)
+        self.removed: list[int] = []  # iterations the last save's retention policy deleted
 
     def _barrier(self) -> None:
         if self.topo.distributed:
@@ -116,44 +173,69 @@ class CheckpointIO:
                 out[key] = value.detach()
         return out
 
-    def _rng_states(self) -> list[dict[str, Any]]:
-        mine = capture_rng(self.acc)
+    def _gather(self, mine: Any) -> list[Any]:
+        """Every rank's ``mine`` (picklable), in rank order."""
         if not self.topo.distributed:
             return [mine]
-        states: list[Any] = [None] * self.topo.world_size
-        dist.all_gather_object(states, mine, group=self.topo.cpu_group)
-        return states
+        out: list[Any] = [None] * self.topo.world_size
+        dist.all_gather_object(out, mine, group=self.topo.cpu_group)
+        return out
+
+    def _agree(self, problems: list[str]) -> list[str]:
+        """The union of every rank's ``problems``, the same on every rank."""
+        return sorted(set().union(*self._gather(problems)))
+
+    def _from_rank0(self, value: Any) -> Any:
+        if not self.topo.distributed:
+            return value
+        box = [value]
+        dist.broadcast_object_list(box, src=0, group=self.topo.cpu_group)
+        return box[0]
 
     def save(self, save_dir: str, progress: TrainProgress) -> Path:
         """Write a complete checkpoint for ``progress.iteration``; returns its directory."""
         topo, it = self.topo, progress.iteration
         if topo.rank == 0:
+            if self.owner is not None:
+                self.owner.check()  # another job may have taken the directory over
             begin_save(save_dir, it)
         self._barrier()
         optim = self.optimizer.named_state(self.names)  # collective over DP under ZeRO
+        entries: dict[str, Any] = {}
         if topo.dp_rank == 0:
-            model = self._gather_full({n: p.detach() for n, p in self.params.items()})
-            optim = self._gather_full(optim)
+            own = {n: p for n, p in self.params.items() if n not in self.copies}
+            model = self._gather_full({n: p.detach() for n, p in own.items()})
+            optim = self._gather_full({k: v for k, v in optim.items()
+                                       if _param_of_state(k) in own})
             if topo.tp_rank == 0:
                 tmp = incomplete_dir(save_dir, it)
-                write_part(tmp, "model", topo.stage, model)
+                entries.update([write_part(tmp, "model", topo.stage, model)])
                 if optim:
-                    write_part(tmp, "optim", topo.stage, optim)
-        rng = self._rng_states()
-        self._barrier()
+                    entries.update([write_part(tmp, "optim", topo.stage, optim)])
+        # completes once every writer has finished: the parts are on disk
+        gathered = self._gather((capture_rng(self.acc), entries))
         path = Path(save_dir) / f"iter_{it:07d}"
         if topo.rank == 0:
+            rng = [state for state, _ in gathered]
             meta = {"iteration": it, "consumed_samples": progress.consumed_samples,
                     "config": self.cfg.to_dict(), "rng": rng[0], "rng_per_rank": rng,
                     "layout": topo.plan.to_dict()}
-            path = commit_save(save_dir, incomplete_dir(save_dir, it), it, meta)
+            if progress.scheduler is not None:
+                meta["opt_param_scheduler"] = progress.scheduler
+            written = {name: e for _, part in gathered for name, e in part.items()}
+            path = commit_save(save_dir, incomplete_dir(save_dir, it), it, meta, written)
+            t = self.cfg.training
+            self.removed = apply_retention(save_dir, t.save_retain_interval, t.most_recent_k)
         self._barrier()
         return path
 
     def _load_model(self, reader: CheckpointReader) -> None:
+        not_finite = []
         with torch.no_grad():
             for name, param in self.params.items():
                 full = reader.get(name)
+                if full.is_floating_point() and not bool(torch.isfinite(full).all()):
+                    not_finite.append(name)
                 spec = get_tp_shard(param)
                 part = full if spec is None else shard_tensor(full, spec, self.tp.rank,
                                                               self.tp.size)
@@ -161,6 +243,11 @@ class CheckpointIO:
                     raise ConfigError(f"checkpoint tensor {name} has shape {tuple(full.shape)}, "
                                       "which does not fit this model; use matching model flags")
                 param.copy_(part)
+        bad = self._agree(not_finite)
+        if bad and self.cfg.training.check_for_nan_in_loss_and_grad:
+            raise JobConfigError(f"checkpoint {reader.path} holds NaN or Inf in {bad[0]}"
+                                 f"{f' and {len(bad) - 1} more' if len(bad) > 1 else ''}; "
+                                 "load an earlier iteration")
 
     def _load_optimizer(self, reader: CheckpointReader) -> bool:
         if not any(reader.has(f"{n}.exp_avg", "optim") for n in self.params):
@@ -176,27 +263,52 @@ class CheckpointIO:
         self.optimizer.load_named_state(self.names, tensors)
         return True
 
+    def _verify(self, reader: CheckpointReader, load_optim: bool) -> None:
+        """Check the checksums of the parts this job reads, each part by one of the ranks that
+        read it; every rank raises the same one-line error if any part is damaged."""
+        names = list(self.params)
+        if load_optim:
+            names += [f"{n}.{key}" for n in self.params for key in ("exp_avg", "exp_avg_sq",
+                                                                   "step")]
+        needs = self._gather(reader.parts_of(names))
+        mine = []
+        for index, part in enumerate(sorted(set().union(*needs))):
+            readers = [rank for rank, parts in enumerate(needs) if part in parts]
+            if readers[index % len(readers)] == self.topo.rank:
+                mine.append(part)
+        bad = self._agree(reader.verify(mine))
+        if bad:
+            message = corruption_message(reader.path, bad) if self.topo.rank == 0 else None
+            raise JobConfigError(self._from_rank0(message))
+
     def load(self, load_dir: str, iteration: int | None, load_optim: bool,
-             load_rng: bool, log) -> TrainProgress | None:
-        """Restore a checkpoint into model and optimizer; None if ``load_dir`` holds none."""
-        reader = open_checkpoint(load_dir, iteration)
+             load_rng: bool, log, verify: bool = True) -> TrainProgress | None:
+        """Restore a checkpoint into model and optimizer; None if ``load_dir`` holds none.
+        ``verify`` checks the checksums of every part read (collective)."""
+        reader = open_checkpoint(load_dir, iteration, verify)
         if reader is None:
             return None
         meta = reader.metadata
         check_compatible(meta, self.cfg, reader.path)
+        if verify:
+            self._verify(reader, load_optim)
+        else:
+            log(f"loading {reader.path} without checking checksums (--no-verify-checkpoint)")
         self._load_model(reader)
         if load_optim and not self._load_optimizer(reader):
             log("checkpoint has no optimizer state: the optimizer starts fresh")
         if load_rng:
-            self._restore_rng(meta, log)
+            self._restore_rng(meta, reader.path, log)
         return TrainProgress(iteration=reader.iteration,
-                             consumed_samples=int(meta.get("consumed_samples", 0)))
+                             consumed_samples=int(meta.get("consumed_samples", 0)),
+                             scheduler=meta.get("opt_param_scheduler") if load_optim else None)
 
-    def _restore_rng(self, meta: dict[str, Any], log) -> None:
+    def _restore_rng(self, meta: dict[str, Any], source: Path, log) -> None:
         per_rank = meta.get("rng_per_rank")
         if not per_rank:  # e.g. converted from Hugging Face: nothing to restore
             return
         if meta.get("layout") == self.topo.plan.to_dict():
+            check_rng_metadata(meta, source)
             restore_rng(per_rank[self.topo.rank], self.acc)
         else:
             log("checkpoint was saved under another parallel layout: RNG streams start from "

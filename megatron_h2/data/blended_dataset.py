@@ -46,7 +46,7 @@ def description_hash(description: dict[str, Any]) -> str:
     return hashlib.sha256(text.encode("utf-8")).hexdigest()[:32]
 
 
-def _atomic_write(path: str, write: Callable[[Any], None], mode: str = "wb") -> None:
+def atomic_write(path: str, write: Callable[[Any], None], mode: str = "wb") -> None:
     """Write via a temp file in the same folder and rename it over ``path``."""
     folder = os.path.dirname(path)
     handle, temp = tempfile.mkstemp(prefix=".tmp-", suffix=os.path.basename(path), dir=folder)
@@ -61,20 +61,26 @@ def _atomic_write(path: str, write: Callable[[Any], None], mode: str = "wb") -> 
 
 
 def cached_arrays(
-    cache_dir: str,
+    cache_dir: str | None,
     stem: str,
     description: dict[str, Any],
     names: Sequence[str],
     build: Callable[[], dict[str, np.ndarray]],
+    check: Callable[[dict[str, np.ndarray]], None] | None = None,
 ) -> tuple[dict[str, np.ndarray], bool]:
     """Load named arrays from ``cache_dir`` or build and save them; return (arrays, cache_hit).
 
     Files are ``{hash}-{stem}-{name}.npy`` plus ``{hash}-{stem}-description.json``, where the
     hash covers ``description``. Every file is written atomically and the description is
-    written last, so a crash never leaves something that looks like a finished cache. The build
-    runs under a file lock (``{hash}-{stem}.lock``): processes of several jobs sharing the cache
-    folder build the same arrays once, the others wait and load them.
+    written last, so a crash never leaves something that looks like a finished cache. Without
+    a ``cache_dir`` the arrays are built and kept in memory only. Loaded arrays go through
+    ``check`` (which raises ValueError on values that cannot be right); an unreadable or failing
+    cache is rebuilt, with one warning line. The build runs under a file lock
+    (``{hash}-{stem}.lock``): processes of several jobs sharing the cache folder build the same
+    arrays once, the others wait and load them.
     """
+    if cache_dir is None:
+        return build(), False
     base = os.path.join(cache_dir, f"{description_hash(description)}-{stem}")
     marker = f"{base}-description.json"
     paths = {name: f"{base}-{name}.npy" for name in names}
@@ -84,8 +90,11 @@ def cached_arrays(
 
     def load() -> dict[str, np.ndarray] | None:
         try:
-            return {name: np.load(path, mmap_mode="r") for name, path in paths.items()}
-        except (OSError, ValueError) as error:
+            arrays = {name: np.load(path, mmap_mode="r") for name, path in paths.items()}
+            if check is not None:
+                check(arrays)
+            return arrays
+        except (OSError, ValueError, EOFError) as error:
             logger.warning("rebuilding unreadable index cache %s (%s)", base, error)
             return None
 
@@ -97,21 +106,18 @@ def cached_arrays(
         built.update(build())
         for name, path in paths.items():
             array = built[name]
-            _atomic_write(path, lambda stream, a=array: np.save(stream, a, allow_pickle=False))
+            atomic_write(path, lambda stream, a=array: np.save(stream, a, allow_pickle=False))
         text = json.dumps(description, sort_keys=True, indent=2)
-        _atomic_write(marker, lambda stream: stream.write(text), mode="w")
+        atomic_write(marker, lambda stream: stream.write(text), mode="w")
 
     try:
         os.makedirs(cache_dir, exist_ok=True)
-        if os.path.isfile(marker):  # unreadable: rebuild whatever another process may do
+        if os.path.isfile(marker):  # unreadable or failing its check: rebuild it
             os.unlink(marker)
         build_once(f"{base}.lock", ready, build_and_save, f"the index cache {base}",
                    say=logger.warning)
     except OSError as error:
-        raise ConfigError(
-            f"cannot write the dataset index cache in {cache_dir} ({error.strerror or error}); "
-            f"pass a writable cache_dir (--data-cache-path)"
-        ) from None
+        raise cache_write_error(cache_dir, error) from None
     if built:
         return built, False
     arrays = load()  # another process built it while this one waited
@@ -119,6 +125,25 @@ def cached_arrays(
         raise ConfigError(f"the dataset index cache {base} written by another process is "
                           "unreadable; delete it and start again")
     return arrays, True
+
+
+def cache_write_error(cache_dir: str, error: OSError) -> ConfigError:
+    """The one-line error for a dataset cache folder that cannot be written."""
+    return ConfigError(f"cannot write the dataset index cache in {cache_dir} "
+                       f"({error.strerror or error}); pass a writable cache_dir "
+                       "(--data-cache-path)")
+
+
+def check_index_array(name: str, array: np.ndarray, length: int | None,
+                      bound: int | None, ndim: int = 1) -> None:
+    """ValueError unless ``array`` is an integer array of ``ndim`` dimensions, ``length`` rows
+    (if given) and values in ``[0, bound)`` (if given; else >= 0)."""
+    if array.ndim != ndim or not np.issubdtype(array.dtype, np.integer):
+        raise ValueError(f"{name} has shape {array.shape} and dtype {array.dtype}")
+    if length is not None and len(array) != length:
+        raise ValueError(f"{name} has {len(array)} rows, expected {length}")
+    if array.size and (int(array.min()) < 0 or (bound is not None and int(array.max()) >= bound)):
+        raise ValueError(f"{name} has values outside [0, {bound})")
 
 
 def build_blending_indices(weights: Sequence[float], size: int) -> tuple[np.ndarray, np.ndarray]:
@@ -200,7 +225,7 @@ class BlendedDataset:
         started = time.perf_counter()
         arrays, self.built_from_cache = cached_arrays(
             self.cache_dir, "BlendedDataset", self.description,
-            ("dataset_index", "dataset_sample_index"), self._build,
+            ("dataset_index", "dataset_sample_index"), self._build, self._check,
         )
         self.dataset_index = arrays["dataset_index"]
         self.dataset_sample_index = arrays["dataset_sample_index"]
@@ -220,6 +245,16 @@ class BlendedDataset:
                     f"build components with component_sizes()"
                 )
         return {"dataset_index": dataset_index, "dataset_sample_index": sample_index}
+
+    def _check(self, arrays: dict[str, np.ndarray]) -> None:
+        """ValueError unless cached blend arrays fit this blend (shape, range)."""
+        which, within = arrays["dataset_index"], arrays["dataset_sample_index"]
+        check_index_array("dataset_index", which, self.size, len(self.datasets))
+        check_index_array("dataset_sample_index", within, self.size, None)
+        for k, dataset in enumerate(self.datasets):
+            mine = within[which == k]
+            if mine.size and (int(mine.min()) < 0 or int(mine.max()) >= len(dataset)):
+                raise ValueError(f"dataset_sample_index points outside dataset {k}")
 
     def __len__(self) -> int:
         return self.size

@@ -32,7 +32,9 @@ DONE_MARKER = "DONE.json"
 TOKENIZER_TYPE = "GPTSentencePieceTokenizer"
 """The tokenizer type to pair with the returned SentencePiece model."""
 
-_SKIP_DIRS = frozenset({"site-packages", "dist-packages", "test", "tests", "idle_test", "__pycache__"})
+_SKIP_DIRS = frozenset(
+    {"site-packages", "dist-packages", "test", "tests", "idle_test", "__pycache__"}
+)
 _DOCUMENT_TARGET_BYTES = 2048
 _MIN_MAX_BYTES = 10_000
 
@@ -42,7 +44,9 @@ def stdlib_source_files(stdlib_dir: str | None = None) -> list[str]:
     root = stdlib_dir or sysconfig.get_paths()["stdlib"]
     found = []
     for folder, subdirs, files in os.walk(root):
-        subdirs[:] = sorted(d for d in subdirs if d not in _SKIP_DIRS and not d.startswith("config-"))
+        subdirs[:] = sorted(
+            d for d in subdirs if d not in _SKIP_DIRS and not d.startswith("config-")
+        )
         relative = os.path.relpath(folder, root)
         for name in files:
             if name.endswith(".py") and not name.startswith("test_"):
@@ -173,8 +177,8 @@ def ensure_default_corpus(
                            lambda: _build_into(final, vocab_size, max_bytes), "the default corpus")
     except OSError as error:
         raise ConfigError(
-            f"cannot create the default corpus cache in {parent} ({error}); pass a writable"
-            " cache dir"
+            f"cannot create the default corpus cache in {parent} ({error});"
+            " pass a writable cache dir"
         ) from None
     if built:
         print(f"default corpus ready: {_paths(final)[0]}", flush=True)

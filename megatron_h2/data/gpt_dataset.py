@@ -15,9 +15,11 @@ The three index arrays are cached as ``.npy`` files (see :func:`cached_arrays`) 
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import math
 import os
+import re
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -27,10 +29,19 @@ import numpy as np
 from megatron_h2.data.blended_dataset import (
     CACHE_FORMAT_VERSION,
     BlendedDataset,
+    atomic_write,
+    cache_write_error,
     cached_arrays,
+    check_index_array,
     component_sizes,
+    description_hash,
 )
-from megatron_h2.data.indexed_dataset import IndexedDataset, check_data_prefix, get_idx_path
+from megatron_h2.data.indexed_dataset import (
+    IndexedDataset,
+    check_data_prefix,
+    get_bin_path,
+    get_idx_path,
+)
 from megatron_h2.errors import ConfigError
 
 logger = logging.getLogger(__name__)
@@ -40,19 +51,29 @@ _MAX_SEED = 2**32 - 1
 
 
 def parse_split(split: str) -> list[float]:
-    """Parse ``"949,50,1"``-style weights into three normalised shares (missing ones are 0)."""
+    """Parse ``"949,50,1"``-style weights into three normalised shares (missing ones are 0).
+
+    As Megatron's parser, only the numbers count: ``'99,1,0'`` arriving with its quotes, or
+    ``"969, 30, 1"`` with spaces, are read alike; a minus sign is an error.
+    """
     hint = "use up to three comma-separated non-negative weights like '949,50,1'"
     if not isinstance(split, str) or not split.strip():
         raise ConfigError(f"--split {split!r} is empty; {hint}")
-    parts = [part.strip() for part in split.split(",")]
+    if "-" in split:
+        raise ConfigError(f"--split {split!r} has a negative weight; {hint}")
+    parts = re.findall(r"[.0-9]+", split)
+    if not parts or re.sub(r"[.0-9\s,'\"/:]", "", split):
+        raise ConfigError(f"--split {split!r} is not a list of numbers; {hint}")
     if len(parts) > 3:
         raise ConfigError(f"--split {split!r} has {len(parts)} parts (3 at most); {hint}")
     try:
         values = [float(part) for part in parts]
     except ValueError:
         raise ConfigError(f"--split {split!r} is not a list of numbers; {hint}") from None
-    if any(not math.isfinite(v) or v < 0 for v in values) or sum(values) <= 0:
-        raise ConfigError(f"--split {split!r} needs non-negative weights with a positive sum; {hint}")
+    if any(not math.isfinite(v) for v in values) or sum(values) <= 0:
+        raise ConfigError(
+            f"--split {split!r} needs non-negative weights with a positive sum; {hint}"
+        )
     values += [0.0] * (3 - len(values))
     total = sum(values)
     return [v / total for v in values]
@@ -61,7 +82,10 @@ def parse_split(split: str) -> list[float]:
 def split_document_ranges(
     shares: Sequence[float], num_documents: int
 ) -> list[tuple[int, int] | None]:
-    """Megatron's book-ends: split ``i`` gets ``[round(lo * N), round(hi * N))``; None if share 0."""
+    """Megatron's book-ends: split ``i`` gets ``[round(lo * N), round(hi * N))``.
+
+    None for a split whose share is 0.
+    """
     ranges: list[tuple[int, int] | None] = []
     low = 0.0
     for share in shares:
@@ -85,7 +109,8 @@ def _is_number(text: str) -> bool:
 def parse_data_path(data_path: Sequence[str]) -> list[tuple[float, str]]:
     """Parse Megatron's ``--data-path`` list into ``[(normalised_weight, prefix), ...]``.
 
-    Accepts ``["prefixA", "prefixB"]`` (equal weights) or ``["0.3", "prefixA", "0.7", "prefixB"]``.
+    Accepts ``["prefixA", "prefixB"]`` (equal weights here; the datasets weigh them by size, see
+    :func:`weights_given`) or ``["0.3", "prefixA", "0.7", "prefixB"]``.
     """
     hint = "use 'PREFIX [PREFIX ...]' or 'WEIGHT PREFIX [WEIGHT PREFIX ...]'"
     if isinstance(data_path, str) or not data_path:
@@ -106,6 +131,12 @@ def parse_data_path(data_path: Sequence[str]) -> list[tuple[float, str]]:
     return [(w / total, prefix) for w, prefix in zip(weights, items[1::2])]
 
 
+def weights_given(data_path: Sequence[str]) -> bool:
+    """Whether a ``--data-path``-style list gives weights; without them Megatron blends the
+    prefixes by their sizes (the samples of one epoch of each prefix's split)."""
+    return any(_is_number(str(item).strip()) for item in data_path)
+
+
 def index_fingerprint(path_prefix: str) -> str:
     """Hash of the ``.idx`` file; GPT indices depend only on it (lengths), not on the tokens."""
     digest = hashlib.blake2b(digest_size=16)
@@ -113,6 +144,56 @@ def index_fingerprint(path_prefix: str) -> str:
         for block in iter(lambda: stream.read(1 << 24), b""):
             digest.update(block)
     return digest.hexdigest()
+
+
+def _default_cache_dir(prefix: str) -> str:
+    return os.path.join(os.path.dirname(os.path.abspath(prefix)), "cache")
+
+
+def check_token_ids(prefix: str, vocab_size: int, cache_dir: str | None = None,
+                    tokenizer: str = "the tokenizer") -> None:
+    """Fail with one line if ``prefix``'s ``.bin`` holds a token id outside ``[0, vocab_size)``.
+
+    The scan (a vectorised min / max over the memory map) runs once per corpus: its result is
+    cached beside the dataset indices, keyed by the ``.idx`` fingerprint and the ``.bin`` size and
+    modification time.
+    """
+    bin_path = get_bin_path(prefix)
+    stat = os.stat(bin_path)
+    key = {"class": "TokenRange", "prefix": os.path.basename(prefix),
+           "index_fingerprint": index_fingerprint(prefix), "bin_bytes": stat.st_size,
+           "bin_mtime_ns": stat.st_mtime_ns}
+    folder = cache_dir or _default_cache_dir(prefix)
+    path = os.path.join(folder, f"{description_hash(key)}-token_range.json")
+    found = None
+    try:
+        with open(path) as stream:
+            cached = json.load(stream)
+        if cached.get("key") == key and all(
+                isinstance(cached.get(k), int) for k in ("low", "high")):
+            found = (cached["low"], cached["high"])
+    except (OSError, ValueError, AttributeError):
+        pass
+    if found is None:
+        dataset = IndexedDataset(prefix)
+        found = dataset.token_range() or (0, -1)
+        dataset.close()
+        text = json.dumps({"key": key, "low": found[0], "high": found[1]})
+        try:
+            os.makedirs(folder, exist_ok=True)
+            atomic_write(path, lambda stream: stream.write(text), mode="w")
+        except OSError as error:
+            raise cache_write_error(folder, error) from None
+    low, high = found
+    if low < 0:
+        raise ConfigError(f"dataset {prefix} holds the negative token id {low}; the data is "
+                          f"corrupt, regenerate it with tools/preprocess_data.py")
+    if high >= vocab_size:
+        raise ConfigError(
+            f"dataset {prefix} holds token id {high} but {tokenizer} has {vocab_size} ids "
+            f"(0..{vocab_size - 1}); preprocess the data with this tokenizer, or pass the "
+            f"tokenizer (--tokenizer-model / --vocab-size) it was made with"
+        )
 
 
 def build_document_index(
@@ -168,7 +249,8 @@ class GPTDataset:
         seed: seed of the numpy RandomState that shuffles documents and samples.
         num_samples: number of samples (``len``); documents repeat as needed.
         split_name: "train", "valid" or "test" (part of the cache key and messages).
-        cache_dir: index cache folder; default ``cache/`` beside the data prefix.
+        cache_dir: index cache folder; default ``cache/`` beside the data prefix (none for a
+            dataset without files, whose ``path_prefix`` is None: the indices stay in memory).
         fingerprint: precomputed :func:`index_fingerprint` of the data (optional).
     """
 
@@ -203,12 +285,11 @@ class GPTDataset:
             )
         needed = self.num_samples * self.seq_length + 1
         self.num_epochs = -(-needed // self.tokens_per_epoch)
-        default_cache = os.path.join(os.path.dirname(os.path.abspath(prefix)), "cache")
-        self.cache_dir = cache_dir or default_cache
+        self.cache_dir = cache_dir or (None if prefix is None else _default_cache_dir(prefix))
         self.description = {
             "class": "GPTDataset",
             "format": CACHE_FORMAT_VERSION,
-            "prefix": os.path.basename(prefix),
+            "prefix": os.path.basename(prefix or "mock"),
             "index_fingerprint": fingerprint or index_fingerprint(prefix),
             "split": split_name,
             "document_range": [begin, end],
@@ -220,6 +301,7 @@ class GPTDataset:
         arrays, self.built_from_cache = cached_arrays(
             self.cache_dir, f"GPTDataset-{split_name}", self.description,
             ("document_index", "sample_index", "shuffle_index"), self._build_indices,
+            self._check_indices,
         )
         self.document_index = arrays["document_index"]
         self.sample_index = arrays["sample_index"]
@@ -248,6 +330,24 @@ class GPTDataset:
             "sample_index": sample_index,
             "shuffle_index": shuffle_index,
         }
+
+    def _check_indices(self, arrays: dict[str, np.ndarray]) -> None:
+        """ValueError unless cached indices fit this split (shapes, dtypes, value ranges), so a
+        damaged cache is rebuilt instead of serving out-of-range samples."""
+        begin, end = self.document_range
+        documents, samples = arrays["document_index"], arrays["sample_index"]
+        check_index_array("document_index", documents, None, end)
+        if documents.size and int(documents.min()) < begin:
+            raise ValueError(f"document_index has documents outside [{begin}, {end})")
+        check_index_array("sample_index", samples, None, None, ndim=2)
+        if samples.shape[1] != 2 or len(samples) < 2 or np.any(np.diff(samples[:, 0]) < 0):
+            raise ValueError("sample_index rows are not increasing (position, offset) pairs")
+        check_index_array("sample_index positions", samples[:, 0], None, len(documents))
+        lengths = self.indexed_dataset.sequence_lengths[documents[samples[:, 0]]]
+        if np.any(samples[:, 1] >= np.maximum(lengths, 1)):
+            raise ValueError("sample_index has offsets beyond their documents")
+        check_index_array("shuffle_index", arrays["shuffle_index"], self.num_samples,
+                          len(samples) - 1)
 
     def __len__(self) -> int:
         return self.num_samples
@@ -278,6 +378,45 @@ def _check_num_samples(num_samples: Sequence[int]) -> tuple[int, int, int]:
     return train, valid, test
 
 
+def _checked(seq_length: int, seed: int, num_samples: Sequence[int]
+             ) -> tuple[int, int, tuple[int, int, int]]:
+    return (_check_int("seq_length", seq_length, 1), _check_int("seed", seed, 0, _MAX_SEED),
+            _check_num_samples(num_samples))
+
+
+Splits = tuple[GPTDataset | BlendedDataset | None, GPTDataset | BlendedDataset | None,
+               GPTDataset | BlendedDataset | None]
+
+
+def _open_blend(data_path: Sequence[str], mmap_bin_files: bool
+                ) -> tuple[list[tuple[float, str]], dict[str, tuple[IndexedDataset, str]]]:
+    """The blend of a ``--data-path``-style list and each prefix's dataset and fingerprint."""
+    blend = parse_data_path(data_path)
+    for _, prefix in blend:
+        check_data_prefix(prefix)
+    return blend, {prefix: (IndexedDataset(prefix, mmap=mmap_bin_files),
+                            index_fingerprint(prefix)) for _, prefix in blend}
+
+
+def _split_dataset(blend: list[tuple[float, str]],
+                   opened: dict[str, tuple[IndexedDataset, str]],
+                   ranges: dict[str, tuple[int, int]], name: str, count: int, seq_length: int,
+                   seed: int, cache_dir: str | None, by_size: bool) -> GPTDataset | BlendedDataset:
+    """One split: a GPTDataset per prefix over its document range, blended by weight, or with
+    ``by_size`` by the samples one epoch of each prefix's range holds (Megatron's blend of
+    prefixes given without weights)."""
+    weights = [w for w, _ in blend]
+    if by_size and len(blend) > 1:
+        samples = [max(1, (int(opened[prefix][0].sequence_lengths[slice(*ranges[prefix])]
+                                .sum(dtype=np.int64)) - 1) // seq_length) for _, prefix in blend]
+        weights = [n / sum(samples) for n in samples]
+    sizes = [count] if len(blend) == 1 else component_sizes(weights, count)
+    parts = [GPTDataset(opened[prefix][0], ranges[prefix], seq_length, seed, size, name,
+                        cache_dir, opened[prefix][1])
+             for (_, prefix), size in zip(blend, sizes)]
+    return parts[0] if len(parts) == 1 else BlendedDataset(parts, weights, count, cache_dir)
+
+
 def build_gpt_datasets(
     data_path: list[str],
     split: str,
@@ -285,26 +424,21 @@ def build_gpt_datasets(
     seed: int,
     num_samples: tuple[int, int, int],
     cache_dir: str | None = None,
-) -> tuple[GPTDataset | BlendedDataset | None, GPTDataset | BlendedDataset | None,
-           GPTDataset | BlendedDataset | None]:
+    mmap_bin_files: bool = True,
+) -> Splits:
     """train/valid/test; None where the split share or num_samples is 0.
 
     ``data_path`` is Megatron's ``--data-path`` list (see :func:`parse_data_path`); with
     several prefixes every split is a :class:`BlendedDataset` of per-prefix GPTDatasets
     cut by the same ``split``. All inputs are validated (one-line ConfigError) before any
     index is built, including a split that is requested (samples > 0, share > 0) but whose
-    share rounds to 0 documents of some prefix.
+    share rounds to 0 documents of some prefix. ``mmap_bin_files=False`` reads the ``.bin``
+    files without memory maps (``--no-mmap-bin-files``).
     """
-    blend = parse_data_path(data_path)
     shares = parse_split(split)
-    seq_length = _check_int("seq_length", seq_length, 1)
-    seed = _check_int("seed", seed, 0, _MAX_SEED)
-    counts = _check_num_samples(num_samples)
-    for _, prefix in blend:
-        check_data_prefix(prefix)
-    indexed = {prefix: IndexedDataset(prefix) for _, prefix in blend}
-    fingerprints = {prefix: index_fingerprint(prefix) for prefix in indexed}
-    ranges = {prefix: split_document_ranges(shares, len(ds)) for prefix, ds in indexed.items()}
+    seq_length, seed, counts = _checked(seq_length, seed, num_samples)
+    blend, opened = _open_blend(data_path, mmap_bin_files)
+    ranges = {prefix: split_document_ranges(shares, len(ds)) for prefix, (ds, _) in opened.items()}
     for i, name in enumerate(SPLIT_NAMES):
         if counts[i] and shares[i] > 0:
             for prefix, per_split in ranges.items():
@@ -312,23 +446,35 @@ def build_gpt_datasets(
                 if end <= begin:
                     raise ConfigError(
                         f"--split {split!r} leaves the {name} split of {prefix} with 0 of its "
-                        f"{len(indexed[prefix])} documents; give {name} a larger share or request "
-                        f"0 {name} samples"
+                        f"{len(opened[prefix][0])} documents; give {name} a larger share or "
+                        f"request 0 {name} samples"
                     )
+    return tuple(
+        _split_dataset(blend, opened, {p: r[i] for p, r in ranges.items()}, name, counts[i],
+                       seq_length, seed, cache_dir, not weights_given(data_path))
+        if counts[i] and shares[i] > 0 else None
+        for i, name in enumerate(SPLIT_NAMES))
+
+
+def build_per_split_datasets(
+    paths: Sequence[Sequence[str]],
+    seq_length: int,
+    seed: int,
+    num_samples: tuple[int, int, int],
+    cache_dir: str | None = None,
+    mmap_bin_files: bool = True,
+) -> Splits:
+    """Megatron's ``--train-data-path`` / ``--valid-data-path`` / ``--test-data-path``: each
+    split is its own blend (the ``--data-path`` format) of whole datasets, no ``--split``;
+    None where a split has no path or no samples."""
+    seq_length, seed, counts = _checked(seq_length, seed, num_samples)
     results: list[GPTDataset | BlendedDataset | None] = []
-    for i, name in enumerate(SPLIT_NAMES):
-        if counts[i] == 0 or shares[i] <= 0:
+    for path, count, name in zip(paths, counts, SPLIT_NAMES):
+        if not path or not count:
             results.append(None)
             continue
-        weights = [w for w, _ in blend]
-        sizes = [counts[i]] if len(blend) == 1 else component_sizes(weights, counts[i])
-        parts = [
-            GPTDataset(indexed[prefix], ranges[prefix][i], seq_length, seed, size, name,
-                       cache_dir, fingerprints[prefix])
-            for (_, prefix), size in zip(blend, sizes)
-        ]
-        if len(parts) == 1:
-            results.append(parts[0])
-        else:
-            results.append(BlendedDataset(parts, weights, counts[i], cache_dir))
+        blend, opened = _open_blend(path, mmap_bin_files)
+        whole = {prefix: (0, len(ds)) for prefix, (ds, _) in opened.items()}
+        results.append(_split_dataset(blend, opened, whole, name, count, seq_length, seed,
+                                      cache_dir, not weights_given(path)))
     return results[0], results[1], results[2]

@@ -55,7 +55,9 @@ def dtype_code(dtype: type[np.number] | np.dtype) -> int:
         if np.dtype(candidate) == wanted:
             return code
     names = ", ".join(np.dtype(t).name for t in DTYPE_CODES.values())
-    raise ConfigError(f"dtype {wanted.name} cannot be stored in a Megatron index; use one of {names}")
+    raise ConfigError(
+        f"dtype {wanted.name} cannot be stored in a Megatron index; use one of {names}"
+    )
 
 
 def optimal_dtype(vocab_size: int | None) -> type[np.number]:
@@ -213,8 +215,14 @@ def _read_header(idx_path: str, idx_size: int) -> tuple[np.dtype, int, int]:
             f"{idx_path} has unknown dtype code {code} (valid: {sorted(DTYPE_CODES)}); "
             f"the file is corrupt, regenerate it with tools/preprocess_data.py"
         )
+    dtype = np.dtype(DTYPE_CODES[code])
+    if not np.issubdtype(dtype, np.integer):
+        raise ConfigError(
+            f"{idx_path} declares {dtype.name} tokens (dtype code {code}) but token ids are "
+            f"integers; the file is corrupt, regenerate it with tools/preprocess_data.py"
+        )
     sequence_count, document_count = struct.unpack("<QQ", header[18:34])
-    return np.dtype(DTYPE_CODES[code]), sequence_count, document_count
+    return dtype, sequence_count, document_count
 
 
 class IndexedDataset:
@@ -226,10 +234,13 @@ class IndexedDataset:
 
     Args:
         path_prefix: the path without ``.bin``/``.idx``, e.g. ``data/corpus_text_document``.
+        mmap: memory-map the ``.bin`` (default); False reads each sequence with a file read
+            instead (Megatron's ``--no-mmap-bin-files``). The ``.idx`` is always mapped.
     """
 
-    def __init__(self, path_prefix: str) -> None:
+    def __init__(self, path_prefix: str, mmap: bool = True) -> None:
         self.path_prefix = path_prefix
+        self.mmap = mmap
         self._open()
 
     def _open(self) -> None:
@@ -247,7 +258,9 @@ class IndexedDataset:
         self.document_indices = np.frombuffer(self._idx_map, np.int64, documents, offset)
         bin_size = os.path.getsize(bin_path)
         self._check_consistency(bin_path, bin_size)
-        if bin_size:
+        if not self.mmap:
+            self._bin_map = None
+        elif bin_size:
             self._bin_map = np.memmap(bin_path, mode="r", dtype=np.uint8)
         else:  # numpy cannot map an empty file
             self._bin_map = np.zeros(0, dtype=np.uint8)
@@ -263,16 +276,25 @@ class IndexedDataset:
             )
 
     def _check_consistency(self, bin_path: str, bin_size: int) -> None:
-        lengths, pointers, docs = self.sequence_lengths, self.sequence_pointers, self.document_indices
+        lengths, pointers = self.sequence_lengths, self.sequence_pointers
+        docs = self.document_indices
         where = f"index {get_idx_path(self.path_prefix)}"
         if len(docs) == 0 or docs[0] != 0 or docs[-1] != len(lengths) or np.any(np.diff(docs) < 0):
             raise ConfigError(
                 f"{where} has an invalid document index (must start at 0, never decrease and end "
-                f"at the sequence count {len(lengths)}); regenerate it with tools/preprocess_data.py"
+                f"at the sequence count {len(lengths)}); "
+                "regenerate it with tools/preprocess_data.py"
             )
         if len(lengths) and int(lengths.min()) < 0:
             raise ConfigError(f"{where} has negative sequence lengths; regenerate it")
         item = self.dtype.itemsize
+        if len(pointers) and (pointers[0] != 0 or not np.array_equal(
+                np.diff(pointers), lengths[:-1].astype(np.int64) * item)):
+            raise ConfigError(
+                f"{where} has sequence pointers that are not the running sum of the sequence "
+                f"lengths ({self.dtype.name} tokens); the file is corrupt, regenerate it with "
+                f"tools/preprocess_data.py"
+            )
         ends = pointers + lengths.astype(np.int64) * item
         total = int(lengths.sum(dtype=np.int64)) * item
         out_of_file = len(ends) > 0 and (int(pointers.min()) < 0 or int(ends.max()) > bin_size)
@@ -283,11 +305,11 @@ class IndexedDataset:
                 f"with tools/preprocess_data.py"
             )
 
-    def __getstate__(self) -> str:
-        return self.path_prefix
+    def __getstate__(self) -> tuple[str, bool]:
+        return self.path_prefix, self.mmap
 
-    def __setstate__(self, state: str) -> None:
-        self.path_prefix = state
+    def __setstate__(self, state: tuple[str, bool]) -> None:
+        self.path_prefix, self.mmap = state
         self._open()
 
     def __len__(self) -> int:
@@ -299,7 +321,7 @@ class IndexedDataset:
         return self.get(idx)
 
     def get(self, idx: int, offset: int = 0, length: int | None = None) -> np.ndarray:
-        """Tokens ``[offset, offset + length)`` of sequence ``idx`` (to its end if length is None)."""
+        """Tokens ``[offset, offset + length)`` of sequence ``idx`` (to its end if no length)."""
         size = len(self.sequence_lengths)
         if not -size <= idx < size:
             raise IndexError(f"sequence {idx} out of range for {size} sequences")
@@ -312,7 +334,28 @@ class IndexedDataset:
                 f"of length {seq_length}"
             )
         start = int(self.sequence_pointers[idx]) + offset * self.dtype.itemsize
+        if self._bin_map is None:  # --no-mmap-bin-files: read just these tokens
+            tokens = np.empty(length, dtype=self.dtype)
+            with open(get_bin_path(self.path_prefix), "rb", buffering=0) as stream:
+                stream.seek(start)
+                stream.readinto(memoryview(tokens).cast("B"))
+            return tokens
         return np.frombuffer(self._bin_map, self.dtype, length, start)
+
+    def token_range(self, block: int = 1 << 20) -> tuple[int, int] | None:
+        """(min(0, smallest), largest) token id in the ``.bin`` (None if it is empty), read
+        through the memory map in cache-sized blocks (a vectorised scan, no copy)."""
+        tokens = np.frombuffer(self._bin_map, self.dtype)
+        if tokens.size == 0:
+            return None
+        signed = np.issubdtype(self.dtype, np.signedinteger)
+        low, high = 0, 0
+        for start in range(0, tokens.size, block):
+            chunk = tokens[start:start + block]
+            high = max(high, int(chunk.max()))
+            if signed:
+                low = min(low, int(chunk.min()))
+        return low, high
 
     @property
     def num_documents(self) -> int:

@@ -43,6 +43,7 @@ class _Job:
     tokenizer_type: str
     tokenizer_model: str | None
     vocab_size: int | None
+    tokenizer_options: dict
     append_eod: bool
     dtype: str
     log_interval: int
@@ -92,7 +93,9 @@ def _document_texts(job: _Job, number: int, raw: bytes) -> dict[str, str] | None
     try:
         line = raw.decode("utf-8")
     except UnicodeDecodeError:
-        raise ConfigError(f"{where}: line is not valid UTF-8; re-encode the input as UTF-8") from None
+        raise ConfigError(
+            f"{where}: line is not valid UTF-8; re-encode the input as UTF-8"
+        ) from None
     if not line.strip():
         return None
     record = parse_json_object(line, where)
@@ -130,7 +133,8 @@ def _encode(tokenizer: Tokenizer, text: str, append_eod: bool) -> list[int]:
 
 def _run_job(job: _Job) -> _JobResult:
     """Tokenize one byte range into ``{part_prefix}_{key}_document`` files."""
-    tokenizer = build_tokenizer(job.tokenizer_type, job.tokenizer_model, job.vocab_size)
+    tokenizer = build_tokenizer(job.tokenizer_type, job.tokenizer_model, job.vocab_size,
+                                **job.tokenizer_options)
     builders = {
         key: IndexedDatasetBuilder(
             get_bin_path(output_prefix_for_key(job.part_prefix, key)), np.dtype(job.dtype)
@@ -224,6 +228,7 @@ def preprocess_jsonl(
     workers: int = 1,
     log_interval: int = 1000,
     verbose: bool = True,
+    tokenizer_options: dict | None = None,
 ) -> dict[str, str]:
     """Tokenize ``input_path`` (jsonl) into one Megatron dataset per json key.
 
@@ -231,11 +236,13 @@ def preprocess_jsonl(
     Documents that tokenize to nothing are skipped (no empty sequences are written). With
     ``append_eod`` the tokenizer's eod id ends every document. Token dtype follows Megatron
     (uint16 below 65500 ids, else int32). Errors in the input raise a one-line ConfigError
-    naming the line number; no output files are left behind.
+    naming the line number; no output files are left behind. ``tokenizer_options`` are the
+    further keyword arguments of :func:`build_tokenizer` (``vocab_file``, ``merge_file``, ...).
     """
     json_keys = tuple(json_keys)
+    tokenizer_options = dict(tokenizer_options or {})
     _validate(input_path, json_keys, workers, log_interval)
-    tokenizer = build_tokenizer(tokenizer_type, tokenizer_model, vocab_size)
+    tokenizer = build_tokenizer(tokenizer_type, tokenizer_model, vocab_size, **tokenizer_options)
     dtype = np.dtype(optimal_dtype(tokenizer.vocab_size))
     out_dir = os.path.dirname(os.path.abspath(output_prefix))
     os.makedirs(out_dir, exist_ok=True)
@@ -244,7 +251,8 @@ def preprocess_jsonl(
     try:
         jobs = [
             _Job(input_path, start, end, first, os.path.join(scratch, f"part{i:05d}"), json_keys,
-                 tokenizer_type, tokenizer_model, vocab_size, append_eod, dtype.name,
+                 tokenizer_type, tokenizer_model, vocab_size, tokenizer_options, append_eod,
+                 dtype.name,
                  log_interval if verbose else 0, None if workers == 1 else i)
             for i, (start, end, first) in enumerate(_split_ranges(input_path, int(workers)))
         ]

@@ -1,7 +1,9 @@
-"""Tokenizers with Megatron's names, and a SentencePiece training helper.
+"""Tokenizers with Megatron's names and semantics, and a SentencePiece training helper.
 
 Every tokenizer exposes ``vocab_size``, ``eod`` (the id appended after each document),
-``tokenize(text) -> list[int]`` and ``detokenize(ids) -> str``.
+``tokenize(text) -> list[int]`` and ``detokenize(ids) -> str``. Everything is read from local
+files; nothing is downloaded. ``GPT2BPETokenizer`` and ``TikTokenizer`` live in
+:mod:`megatron_h2.data.bpe_tokenizers`.
 """
 
 from __future__ import annotations
@@ -11,14 +13,9 @@ import os
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Iterator, Sequence
 
+from megatron_h2.config import TOKENIZER_TYPES
 from megatron_h2.errors import ConfigError
 
-TOKENIZER_TYPES = (
-    "GPTSentencePieceTokenizer",
-    "HuggingFaceTokenizer",
-    "NullTokenizer",
-    "SentencePieceTokenizer",
-)
 MIN_SENTENCEPIECE_VOCAB = 260  # 256 byte pieces + unk/bos/eos + at least one merge
 _MAX_TRAIN_LINE_CHARS = 4096
 
@@ -86,17 +83,34 @@ class GPTSentencePieceTokenizer(SentencePieceTokenizer):
     """Megatron's GPT flavour of :class:`SentencePieceTokenizer` (eod = eos id, no extras)."""
 
 
+class Llama2Tokenizer(SentencePieceTokenizer):
+    """Megatron's Llama2Tokenizer: a SentencePiece model whose ``tokenize`` starts every text
+    with the BOS id (text completion); ``eod`` is the EOS id (appended by ``--append-eod``)."""
+
+    def __init__(self, model_file: str) -> None:
+        super().__init__(model_file)
+        self.bos = int(self._processor.bos_id())
+        if self.bos < 0:
+            raise ConfigError(f"SentencePiece model {model_file} has no bos piece, which "
+                              "Llama2Tokenizer puts first; use GPTSentencePieceTokenizer")
+
+    def tokenize(self, text: str) -> list[int]:
+        return [self.bos, *self._processor.encode(text)]
+
+
 class HuggingFaceTokenizer(Tokenizer):
     """A local ``transformers`` tokenizer directory; ``eod`` is its ``eos_token_id``.
 
-    ``tokenize`` does not add special tokens (no BOS); ``vocab_size`` is ``len(tokenizer)``,
-    which includes added tokens.
+    As Megatron's, ``tokenize`` adds the tokenizer's special tokens (e.g. a BOS first) unless
+    ``include_special_tokens`` is False (``--tokenizer-hf-no-include-special-tokens``);
+    ``vocab_size`` is ``len(tokenizer)``, which includes added tokens.
     """
 
-    def __init__(self, path: str) -> None:
+    def __init__(self, path: str, include_special_tokens: bool = True) -> None:
         from transformers import AutoTokenizer
 
         self.path = path
+        self.include_special_tokens = include_special_tokens
         try:
             self._tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
         except (OSError, ValueError, KeyError) as error:
@@ -114,29 +128,31 @@ class HuggingFaceTokenizer(Tokenizer):
         self.vocab_size = len(self._tokenizer)
 
     def tokenize(self, text: str) -> list[int]:
-        return list(self._tokenizer.encode(text, add_special_tokens=False))
+        return list(self._tokenizer.encode(text, add_special_tokens=self.include_special_tokens))
 
     def detokenize(self, ids: Sequence[int]) -> str:
         return self._tokenizer.decode([int(i) for i in ids])
 
-    def __getstate__(self) -> str:
-        return self.path
+    def __getstate__(self) -> tuple[str, bool]:
+        return self.path, self.include_special_tokens
 
-    def __setstate__(self, state: str) -> None:
-        self.__init__(state)
+    def __setstate__(self, state: tuple[str, bool]) -> None:
+        self.__init__(*state)
 
 
 class NullTokenizer(Tokenizer):
-    """Text is whitespace-separated integer ids; for pre-tokenized data and tests.
+    """Text is whitespace-separated integer ids; for pre-tokenized data, mock data and tests.
 
-    Like Megatron, ``NullTokenizer(V)`` accepts ids ``0..V-1`` and reserves ``V`` as the
-    eod id, so ``vocab_size == V + 1`` and ``eod == vocab_size - 1``.
+    As Megatron's: ``NullTokenizer(N)`` has ``vocab_size == N`` (ids ``0..N-1``) and its eod is
+    the last id, ``N - 1``, unless ``eod_id`` (``--null-tokenizer-eod-id``) says otherwise.
     """
 
-    def __init__(self, vocab_size: int) -> None:
-        self._max_id = int(vocab_size)
-        self.vocab_size = self._max_id + 1
-        self.eod = self._max_id
+    def __init__(self, vocab_size: int, eod_id: int | None = None) -> None:
+        self.vocab_size = int(vocab_size)
+        self.eod = self.vocab_size - 1 if eod_id is None else int(eod_id)
+        if not 0 <= self.eod < self.vocab_size:
+            raise ConfigError(f"--null-tokenizer-eod-id {self.eod} is outside the vocabulary "
+                              f"[0, {self.vocab_size}) of --vocab-size {self.vocab_size}")
 
     def tokenize(self, text: str) -> list[int]:
         ids: list[int] = []
@@ -148,9 +164,9 @@ class NullTokenizer(Tokenizer):
                     f"NullTokenizer expects whitespace-separated integers, got {word[:40]!r}; "
                     f"pre-tokenize the text or use another --tokenizer-type"
                 ) from None
-            if not 0 <= value < self._max_id:
+            if not 0 <= value < self.vocab_size:
                 raise ConfigError(
-                    f"NullTokenizer id {value} is outside [0, {self._max_id}); "
+                    f"NullTokenizer id {value} is outside [0, {self.vocab_size}); "
                     f"raise --vocab-size above the largest id"
                 )
             ids.append(value)
@@ -172,15 +188,21 @@ def _require_path(tokenizer_type: str, tokenizer_model: str | None) -> str:
 
 
 def build_tokenizer(
-    tokenizer_type: str, tokenizer_model: str | None = None, vocab_size: int | None = None
+    tokenizer_type: str, tokenizer_model: str | None = None, vocab_size: int | None = None, *,
+    vocab_file: str | None = None, merge_file: str | None = None,
+    tiktoken_pattern: str | None = None, tiktoken_num_special_tokens: int = 1000,
+    special_tokens: Sequence[str] | None = None, null_tokenizer_eod_id: int | None = None,
+    hf_include_special_tokens: bool = True,
 ) -> Tokenizer:
-    """Build a tokenizer by Megatron type name.
+    """Build a tokenizer by Megatron type name (the options are Megatron's tokenizer flags).
 
     Args:
         tokenizer_type: one of ``TOKENIZER_TYPES``.
-        tokenizer_model: SentencePiece ``.model`` file or Hugging Face tokenizer directory.
-        vocab_size: required for NullTokenizer (ids must be below it). For model-based
-            tokenizers it is optional; if given it must be at least the model's vocab size.
+        tokenizer_model: SentencePiece ``.model`` file, tiktoken ``.json`` vocabulary or
+            Hugging Face tokenizer directory.
+        vocab_size: NullTokenizer's vocabulary (required) and TikTokenizer's (default 131072);
+            for the other tokenizers, if given, at least the model's vocabulary.
+        vocab_file, merge_file: GPT2BPETokenizer's ``vocab.json`` and ``merges.txt``.
     """
     if tokenizer_type not in TOKENIZER_TYPES:
         raise ConfigError(
@@ -189,20 +211,30 @@ def build_tokenizer(
     if tokenizer_type == "NullTokenizer":
         if vocab_size is None or int(vocab_size) < 1:
             raise ConfigError(f"NullTokenizer needs --vocab-size >= 1, got {vocab_size}")
-        return NullTokenizer(int(vocab_size))
-    path = _require_path(tokenizer_type, tokenizer_model)
-    tokenizer: Tokenizer
-    if tokenizer_type == "HuggingFaceTokenizer":
-        tokenizer = HuggingFaceTokenizer(path)
-    elif os.path.isdir(path):
-        raise ConfigError(f"{tokenizer_type} needs a .model file, but {path} is a directory")
-    elif tokenizer_type == "GPTSentencePieceTokenizer":
-        tokenizer = GPTSentencePieceTokenizer(path)
+        return NullTokenizer(int(vocab_size), null_tokenizer_eod_id)
+    if tokenizer_type == "GPT2BPETokenizer":
+        from megatron_h2.data.bpe_tokenizers import GPT2BPETokenizer
+
+        tokenizer: Tokenizer = GPT2BPETokenizer(vocab_file, merge_file)
+    elif tokenizer_type == "TikTokenizer":
+        from megatron_h2.data.bpe_tokenizers import TikTokenizer
+
+        return TikTokenizer(_require_path(tokenizer_type, tokenizer_model), tiktoken_pattern,
+                            vocab_size, tiktoken_num_special_tokens, special_tokens)
     else:
-        tokenizer = SentencePieceTokenizer(path)
+        path = _require_path(tokenizer_type, tokenizer_model)
+        if tokenizer_type == "HuggingFaceTokenizer":
+            tokenizer = HuggingFaceTokenizer(path, hf_include_special_tokens)
+        elif os.path.isdir(path):
+            raise ConfigError(f"{tokenizer_type} needs a .model file, but {path} is a directory")
+        else:
+            kinds = {"GPTSentencePieceTokenizer": GPTSentencePieceTokenizer,
+                     "Llama2Tokenizer": Llama2Tokenizer,
+                     "SentencePieceTokenizer": SentencePieceTokenizer}
+            tokenizer = kinds[tokenizer_type](path)
     if vocab_size is not None and int(vocab_size) < tokenizer.vocab_size:
         raise ConfigError(
-            f"--vocab-size {vocab_size} is smaller than the vocab of {path} "
+            f"--vocab-size {vocab_size} is smaller than the vocabulary of the {tokenizer_type} "
             f"({tokenizer.vocab_size}); drop --vocab-size or raise it"
         )
     return tokenizer
@@ -290,7 +322,9 @@ def train_sentencepiece(
     import sentencepiece
 
     if model_type not in ("bpe", "unigram"):
-        raise ConfigError(f"unknown SentencePiece model type {model_type!r}; use 'bpe' or 'unigram'")
+        raise ConfigError(
+            f"unknown SentencePiece model type {model_type!r}; use 'bpe' or 'unigram'"
+        )
     if int(vocab_size) < MIN_SENTENCEPIECE_VOCAB:
         raise ConfigError(
             f"--vocab-size {vocab_size} is too small for a byte-fallback SentencePiece model; "

@@ -2,8 +2,11 @@
 
 An :class:`Accelerator` answers the questions the rest of megatron_h2 asks of a chip: which torch
 device type and collective backend it uses, how to synchronise, its memory statistics, its RNG
-state, its autocast dtype and its kernels. ``cpu`` and ``cuda`` are implemented; other vendors
-(``npu``, ``mlu``, ``xpu``, ...) plug in by subclassing and adding to :data:`ACCELERATORS`.
+state, its autocast dtype and its kernels. ``cpu`` and ``cuda`` are implemented, ``npu``, ``mlu``
+and ``xpu`` drive their vendors' torch plug-ins; other vendors plug in by subclassing
+:class:`Accelerator` and calling :func:`register_accelerator` (from a plug-in module that
+:func:`~megatron_h2.devices.plugins.load_plugins` imports at start-up; docs/devices.md walks
+through one).
 
 The accelerator is chosen by :func:`get_accelerator` at start-up (``--device`` or detection),
 never at import time.
@@ -20,16 +23,35 @@ import torch
 from megatron_h2.devices.kernels import Kernels, build_kernels
 from megatron_h2.errors import ConfigError
 
+PLUGINS_ENV = "MEGATRON_H2_PLUGINS"
+
 
 class Accelerator:
-    """Base class; subclasses set ``device_type`` and ``dist_backend``."""
+    """Base class; subclasses set ``device_type`` and ``dist_backend``.
 
+    ``name`` is what plans (``chips: {x: {device: NAME}}``) and ``--device`` call it (default:
+    ``device_type``); two accelerators may share a torch device type under different names
+    (a vendor plug-in that runs on the CPU, for instance). ``auto_detect`` says whether
+    :func:`detect_device_type` may pick it when no device is given.
+    """
+
+    name: str = ""
     device_type: str = ""
     dist_backend: str = ""
+    auto_detect: bool = True
 
     def __init__(self, index: int = 0) -> None:
         self.index = index
-        self.kernels: Kernels = build_kernels(self.device_type)
+        self.kernels: Kernels = self.build_kernels()
+
+    @classmethod
+    def registry_name(cls) -> str:
+        return cls.name or cls.device_type
+
+    def build_kernels(self) -> Kernels:
+        """This accelerator's kernel table (vendor kernels where they import, else native);
+        a plug-in overrides it to install its own kernels."""
+        return build_kernels(self.device_type)
 
     @classmethod
     def is_available(cls) -> bool:
@@ -70,7 +92,9 @@ class Accelerator:
         return torch.autocast(self.device_type, dtype=self.autocast_dtype)
 
     def describe(self) -> str:
-        return f"{self.device_type} (collectives: {self.dist_backend}, kernels: {self.kernels.names})"
+        name = self.registry_name()
+        kind = name if name == self.device_type else f"{name} (torch device {self.device_type})"
+        return f"{kind} (collectives: {self.dist_backend}, kernels: {self.kernels.names})"
 
 
 class CPUAccelerator(Accelerator):
@@ -176,15 +200,47 @@ class XPUAccelerator(_TorchBackendAccelerator):
     device_type, dist_backend = "xpu", "xccl"
 
 
-ACCELERATORS: MappingProxyType[str, type[Accelerator]] = MappingProxyType(
-    {"cpu": CPUAccelerator, "cuda": CUDAAccelerator, "npu": NPUAccelerator,
-     "mlu": MLUAccelerator, "xpu": XPUAccelerator})
+_REGISTRY: dict[str, type[Accelerator]] = {
+    "cpu": CPUAccelerator, "cuda": CUDAAccelerator, "npu": NPUAccelerator,
+    "mlu": MLUAccelerator, "xpu": XPUAccelerator}
+
+ACCELERATORS: MappingProxyType[str, type[Accelerator]] = MappingProxyType(_REGISTRY)
+"""Every known accelerator by name (read-only view; add to it with
+:func:`register_accelerator`)."""
+
+
+def register_accelerator(cls: type[Accelerator], *, replace: bool = False) -> type[Accelerator]:
+    """Make ``cls`` known under ``cls.name`` (or its ``device_type``); returns ``cls``, so it
+    works as a class decorator. Registering the same class again is a no-op; taking a name that
+    another class holds needs ``replace=True``."""
+    if not (isinstance(cls, type) and issubclass(cls, Accelerator)):
+        raise ConfigError(f"register_accelerator needs an Accelerator subclass, got {cls!r}")
+    name = cls.registry_name()
+    if not name or not name.isidentifier():
+        raise ConfigError(f"accelerator {cls.__name__} needs a name (letters, digits, _), "
+                          f"got {name!r}")
+    if not cls.device_type or not cls.dist_backend:
+        raise ConfigError(f"accelerator {name!r} ({cls.__name__}) must set device_type and "
+                          "dist_backend")
+    held = _REGISTRY.get(name)
+    if held is not None and held is not cls and not replace:
+        raise ConfigError(f"accelerator name {name!r} is taken by {held.__module__}."
+                          f"{held.__qualname__}; pick another name")
+    _REGISTRY[name] = cls
+    return cls
+
+
+def unregister_accelerator(name: str) -> None:
+    """Forget a plug-in accelerator (built-in ones stay)."""
+    if name in ("cpu", "cuda", "npu", "mlu", "xpu"):
+        raise ConfigError(f"built-in accelerator {name!r} cannot be unregistered")
+    _REGISTRY.pop(name, None)
 
 
 def detect_device_type() -> str:
     """The first available accelerator, preferring real accelerators over the CPU."""
     for name, cls in ACCELERATORS.items():
-        if name != "cpu" and cls.is_available():
+        if name != "cpu" and cls.auto_detect and cls.is_available():
             return name
     return "cpu"
 
@@ -197,7 +253,8 @@ def get_accelerator(device_type: str | None = None, index: int = 0) -> Accelerat
     name = device_type or detect_device_type()
     cls = ACCELERATORS.get(name)
     if cls is None:
-        raise ConfigError(f"unknown --device {name!r}; supported: {', '.join(ACCELERATORS)}")
+        raise ConfigError(f"unknown --device {name!r}; supported: {', '.join(ACCELERATORS)} "
+                          f"(vendor plug-ins load from ${PLUGINS_ENV}, see docs/devices.md)")
     if not cls.is_available():
         raise ConfigError(f"--device {name} is not available on this machine "
                           f"(torch {torch.__version__}); pick another device or install its "

@@ -142,15 +142,22 @@ def replica_ranks(plan: HeteroPlan, stage: int, dp_rank: int) -> list[int]:
 def rank_boundaries(plan: HeteroPlan, rank: int, seq_length: int, sequence_parallel: bool
                     ) -> tuple[BoundaryPlan | None, BoundaryPlan | None]:
     """``(plan on the boundary with the previous stage, plan on the one with the next stage)``
-    of ``rank``; None where its stage is the first / last."""
+    of ``rank``; None where its stage is the first / last.
+
+    With virtual stages (``plan.virtual_pipeline_size > 1``) the last stage's chunk ``c`` feeds
+    the first stage's chunk ``c + 1``: the first stage's previous stage is then the last one and
+    the last stage's next stage the first one (the wrap-around boundary ``p - 1 -> 0``).
+    """
     stage, dp_rank, _ = plan.rank_coordinates(rank)
+    p = plan.pipeline_parallel_size
+    ring = plan.virtual_pipeline_size > 1
     prev = nxt = None
-    if stage > 0:
-        prev = boundary_plan(replica_ranks(plan, stage - 1, dp_rank),
+    if stage > 0 or ring:
+        prev = boundary_plan(replica_ranks(plan, (stage - 1) % p, dp_rank),
                              replica_ranks(plan, stage, dp_rank), rank, seq_length,
                              sequence_parallel)
-    if stage < plan.pipeline_parallel_size - 1:
+    if stage < p - 1 or ring:
         nxt = boundary_plan(replica_ranks(plan, stage, dp_rank),
-                            replica_ranks(plan, stage + 1, dp_rank), rank, seq_length,
+                            replica_ranks(plan, (stage + 1) % p, dp_rank), rank, seq_length,
                             sequence_parallel)
     return prev, nxt

@@ -3,8 +3,11 @@
 Neighbouring stages on chips of different vendors cannot use each other's collective library
 (NCCL, HCCL, ...). Their traffic crosses the :class:`Bridge`::
 
-    device tensor -> (cast to the wire dtype) -> pinned host buffer -> chunks over a gloo group
+    device tensor -> (cast to the wire dtype) -> pinned host buffer -> chunks over a transport
     -> host buffer -> device tensor -> (cast back to the activation dtype)
+
+The transport (:mod:`~megatron_h2.distributed.transport`) carries the chunks: gloo isend /
+irecv by default, or a transfer library such as NIXL, chosen per pair of chip types by the plan.
 
 Each chunk (``chunk_mb``, default 4 MiB) is its own ``isend`` / ``irecv``, so on an accelerator
 the device-to-host copy of chunk ``c + 1`` overlaps the wire time of chunk ``c``, and the
@@ -32,6 +35,7 @@ from dataclasses import dataclass, fields
 import torch
 import torch.distributed as dist
 
+from megatron_h2.distributed.transport import GlooTransport, Transport, Work
 from megatron_h2.errors import ConfigError
 
 MIB = 1 << 20
@@ -49,12 +53,15 @@ class BridgeConfig:
     ``force`` routes every stage boundary through the bridge (exercises the cross-vendor path
     where every chip is the same); ``dtype`` (e.g. ``torch.bfloat16``) is the wire dtype, cast
     on the sender and back to the activation dtype on the receiver (None: no cast);
-    ``chunk_mb`` is the size of one wire message in MiB.
+    ``chunk_mb`` is the size of one wire message in MiB; ``timeout_s`` bounds how long a
+    transfer library's transfer may wait for its peer (gloo's own timeout is the process
+    group's).
     """
 
     force: bool = False
     dtype: torch.dtype | None = None
     chunk_mb: float = 4.0
+    timeout_s: float = 600.0
 
     def __post_init__(self) -> None:
         if not isinstance(self.chunk_mb, (int, float)) or not (
@@ -93,14 +100,14 @@ class SendHandle:
     """An in-flight send. Holds every buffer it reads until :meth:`wait`, so none is freed or
     reused while on the wire. ``works`` is a list of requests, or a future of one (stager)."""
 
-    def __init__(self, stats: LinkStats, works: list[dist.Work] | Future,
+    def __init__(self, stats: LinkStats, works: list[Work] | Future,
                  keep: Sequence[torch.Tensor]) -> None:
         self.stats = stats
         self._works = works
         self._keep = tuple(keep)
         self.done = False
 
-    def _resolved(self, block: bool) -> list[dist.Work] | None:
+    def _resolved(self, block: bool) -> list[Work] | None:
         if isinstance(self._works, Future):
             if not block and not self._works.done():
                 return None
@@ -129,7 +136,7 @@ class SendHandle:
 class RecvHandle:
     """A posted receive; :meth:`wait` blocks until the data is there and returns it."""
 
-    def __init__(self, stats: LinkStats, steps: list[tuple[dist.Work, Callable[[], object] | None]],
+    def __init__(self, stats: LinkStats, steps: list[tuple[Work, Callable[[], object] | None]],
                  finish: Callable[[], torch.Tensor]) -> None:
         self.stats = stats
         self._steps = steps  # per request: the request, then what to do once it has arrived
@@ -169,10 +176,11 @@ def _nbytes(t: torch.Tensor) -> int:
 
 
 class Bridge:
-    """Host-staged, chunked, asynchronous transport over a CPU (gloo) process group.
+    """Host-staged, chunked, asynchronous transfers over a :class:`Transport`.
 
-    ``group`` must be a gloo group containing both ends; peers are global ranks. ``device`` is
-    this rank's device: tensors handed to :meth:`post` live there, results are returned there.
+    ``transport`` carries the chunks (default: gloo isend / irecv on ``group``, which must then
+    be a gloo group containing both ends); peers are global ranks. ``device`` is this rank's
+    device: tensors handed to :meth:`post` live there, results are returned there.
     ``staged`` (default: the device is not the CPU) copies through separate host buffers and
     posts sends from the stager thread; tests set it on the CPU to exercise that path.
     """
@@ -181,8 +189,9 @@ class Bridge:
 
     def __init__(self, group: dist.ProcessGroup | None, device: torch.device,
                  config: BridgeConfig, stats: LinkStats | None = None,
-                 staged: bool | None = None) -> None:
+                 staged: bool | None = None, transport: Transport | None = None) -> None:
         self.group, self.device, self.config = group, torch.device(device), config
+        self.transport = transport if transport is not None else GlooTransport(group)
         self.stats = stats if stats is not None else LinkStats()
         self.staged = self.device.type != "cpu" if staged is None else staged
         self.pin = _can_pin(self.device)
@@ -196,10 +205,11 @@ class Bridge:
         return send_handles, recv_handles
 
     def close(self) -> None:
-        """Stop the stager thread (after the pending sends were waited for)."""
+        """Stop the stager thread and the transport (after the pending sends were waited for)."""
         if self._stager is not None:
             self._stager.shutdown(wait=True)
             self._stager = None
+        self.transport.close()
 
     def _wire_dtype(self, dtype: torch.dtype) -> torch.dtype:
         return self.config.dtype or dtype
@@ -215,7 +225,7 @@ class Bridge:
         if not self.staged:
             chunks = self._chunks(wire.view(-1))
             self.stats.chunks += len(chunks)
-            works = [dist.isend(c, peer, group=self.group) for c in chunks]
+            works = [self.transport.isend(c, peer) for c in chunks]
             return SendHandle(self.stats, works, keep=(wire,))
         host = _host_empty(wire.shape, wire.dtype, self.pin)
         pairs = list(zip(self._chunks(host.view(-1)), self._chunks(wire.view(-1))))
@@ -237,23 +247,23 @@ class Bridge:
         return event
 
     def _send_staged(self, chunks: list[torch.Tensor], events: list[torch.Event | None],
-                     peer: int) -> list[dist.Work]:
+                     peer: int) -> list[Work]:
         """Stager thread: post each chunk as soon as its device-to-host copy has finished."""
         works = []
         for chunk, event in zip(chunks, events):
             if event is not None:
                 event.synchronize()
-            works.append(dist.isend(chunk, peer, group=self.group))
+            works.append(self.transport.isend(chunk, peer))
         return works
 
     def _irecv(self, shape: tuple[int, ...], dtype: torch.dtype, peer: int) -> RecvHandle:
         wire_dtype = self._wire_dtype(dtype)
         host = _host_empty(shape, wire_dtype, self.pin)  # [*shape]
         host_chunks = self._chunks(host.view(-1))
-        works = [dist.irecv(c, peer, group=self.group) for c in host_chunks]
+        works = [self.transport.irecv(c, peer) for c in host_chunks]
         self.stats.bytes_recv += _nbytes(host)
         if not self.staged:
-            steps: list[tuple[dist.Work, Callable[[], object] | None]] = [(w, None) for w in works]
+            steps: list[tuple[Work, Callable[[], object] | None]] = [(w, None) for w in works]
             return RecvHandle(self.stats, steps, lambda: host.to(dtype))
         dev = torch.empty(shape, dtype=wire_dtype, device=self.device)
         dev_chunks = self._chunks(dev.view(-1))

@@ -148,6 +148,10 @@ class GradBuckets:
             :meth:`finish_sync`.
         reduce_scatter: reduce-scatter instead of all-reduce; each rank then gets only its
             range of each bucket, in :attr:`Bucket.shard_grad` (for the distributed optimizer).
+        deferred: parameters (of ``params``) whose gradients are still changed after backward
+            and before :meth:`finish_sync` (the pipeline's tied embedding copies, summed across
+            stages): they get a bucket of their own, the last, which only :meth:`finish_sync`
+            launches.
 
     Every ``param.grad`` is a view into a persistent buffer: zero gradients with
     :meth:`zero_grad`, never by setting ``.grad = None`` (that detaches it from the buffer;
@@ -156,17 +160,23 @@ class GradBuckets:
 
     def __init__(self, params: Sequence[nn.Parameter], dp_group: ProcessGroup | None,
                  bucket_size_mb: float = 25.0, overlap: bool = True,
-                 reduce_scatter: bool = False) -> None:
+                 reduce_scatter: bool = False, deferred: Sequence[nn.Parameter] = ()) -> None:
         self.params = list(params)
         _check_params(self.params)
+        late = {id(p) for p in deferred}
+        if late - {id(p) for p in self.params}:
+            raise ValueError("GradBuckets: a deferred parameter is not among the parameters")
         self.dp_group = dp_group if group_size(dp_group) > 1 else None
         self.dp_size = group_size(self.dp_group)
         self.dp_rank = group_rank(self.dp_group)
         self.overlap = overlap
         self.reduce_scatter = reduce_scatter
         device = self.params[0].device if self.params else torch.device("cpu")
-        self.buckets = [Bucket(i, group, self.dp_size, device)
-                        for i, group in enumerate(partition_params(self.params, bucket_size_mb))]
+        groups = partition_params([p for p in self.params if id(p) not in late], bucket_size_mb)
+        if late:
+            groups.append([p for p in self.params if id(p) in late])
+        self.buckets = [Bucket(i, group, self.dp_size, device) for i, group in enumerate(groups)]
+        self._first_deferred = len(groups) - 1 if late else len(groups)
         self._where: dict[nn.Parameter, tuple[Bucket, ParamSlot]] = {
             slot.param: (bucket, slot) for bucket in self.buckets for slot in bucket.slots}
         for bucket in self.buckets:
@@ -181,6 +191,7 @@ class GradBuckets:
                     view.copy_(slot.param.grad)
                 slot.param.grad = view
         self._armed = False
+        self._armed_params: set[nn.Parameter] | None = set()  # None: every parameter
         self._next_launch = 0
         self._needs_sync = False
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready)
@@ -199,15 +210,22 @@ class GradBuckets:
                     slot.param.grad = bucket.grad_view(slot)
         self._needs_sync = False
 
-    def start_sync(self) -> None:
+    def start_sync(self, params: Sequence[nn.Parameter] | None = None) -> None:
         """Arm the hooks: call just before the last backward of the step (no-op without overlap).
 
         During that backward a bucket is launched as soon as all its parameters have their
         gradient (and all earlier buckets are launched). Earlier micro-batches only accumulate.
+        ``params``: arm only these (call once per model chunk, before the last backward that
+        reaches that chunk's parameters); the hooks of other parameters keep accumulating.
         """
-        self._check_idle("start_sync")
+        if params is None:
+            self._check_idle("start_sync")
         if self.overlap and self.dp_size > 1:
             self._armed = True
+            if params is None:
+                self._armed_params = None
+            elif self._armed_params is not None:
+                self._armed_params.update(params)
 
     def finish_sync(self) -> None:
         """Launch every bucket not launched yet, in order, then wait for all collectives."""
@@ -224,6 +242,7 @@ class GradBuckets:
             bucket.launched = False
             bucket.ready.clear()
         self._armed = False
+        self._armed_params = set()
         self._next_launch = 0
         self._needs_sync = False
 
@@ -232,12 +251,6 @@ class GradBuckets:
         """True when gradients arrived since the last :meth:`finish_sync` / :meth:`zero_grad`
         and there is a group to synchronise them over."""
         return self._needs_sync and self.dp_size > 1
-
-    def remove_hooks(self) -> None:
-        """Detach the gradient hooks (the buffers stay attached as ``.grad``)."""
-        for handle in self._hooks:
-            handle.remove()
-        self._hooks = []
 
     # ----------------------------------------------------------------- internals
     def _check_idle(self, what: str) -> None:
@@ -262,13 +275,14 @@ class GradBuckets:
         if not self._is_attached(bucket, slot):
             raise RuntimeError(self._detached_message(slot))
         self._needs_sync = True
-        if not self._armed:
+        if not self._armed or (self._armed_params is not None
+                               and param not in self._armed_params):
             return
         if bucket.launched:
             raise RuntimeError("a gradient arrived after its bucket's sync was launched; call "
                                "start_sync() only before the last backward of the step")
         bucket.ready.add(param)
-        while (self._next_launch < len(self.buckets)
+        while (self._next_launch < self._first_deferred
                and len(self.buckets[self._next_launch].ready)
                == len(self.buckets[self._next_launch].slots)):
             self._launch_next()

@@ -1,9 +1,10 @@
 """Point-to-point traffic between neighbouring pipeline stages of one DP replica.
 
 The two sides of a stage boundary may have different TP degrees and run on chips of different
-vendors. Per boundary, :class:`PipeComm` picks the transport (:class:`~.bridge.DirectLink` when
+vendors. Per boundary, :class:`PipeComm` picks the path (:class:`~.bridge.DirectLink` when
 both stages use the same device type, the host-staged :class:`~.bridge.Bridge` when they differ
-or ``BridgeConfig.force`` is set) and the transfer plan (:mod:`~.boundary`), which re-shards the
+or ``BridgeConfig.force`` is set; the bridge's transport is the one the plan names for the two
+chip types, gloo by default) and the transfer plan (:mod:`~.boundary`), which re-shards the
 activation ``[mbs, seq, h]`` (``[mbs, seq / TP, h]`` per rank with sequence parallelism) between
 the two TP groups. Shapes are fixed for a run, so no shape is ever exchanged.
 
@@ -17,6 +18,7 @@ schedule's data dependencies are the only waits.
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -33,6 +35,7 @@ from megatron_h2.distributed.bridge import (
     SendHandle,
 )
 from megatron_h2.distributed.topology import Topology
+from megatron_h2.distributed.transport import make_transport
 from megatron_h2.errors import ConfigError
 
 
@@ -45,7 +48,8 @@ class CommObserver(Protocol):
     ``wait`` (micro-batch -1: :meth:`PipeComm.wait_sends` blocked on sends still in flight).
     """
 
-    def on_comm(self, kind: str, micro_batch: int, start_s: float, end_s: float) -> None: ...
+    def on_comm(self, kind: str, micro_batch: int, start_s: float, end_s: float,
+                chunk: int = 0) -> None: ...
 
 
 @dataclass
@@ -100,32 +104,59 @@ class PipeComm:
             raise ConfigError(f"PipeComm devices name no device type for stages {missing}")
         self.devices = {s: _device_type(d) for s, d in devices.items()}
         self.bridge_stats, self.direct_stats = LinkStats(), LinkStats()
+        self.transports: dict[int, str] = {}  # bridged boundary (upstream stage) -> transport
+        self.stage, self.stages = topo.stage, topo.pp_size
+        self.chunks = topo.plan.virtual_pipeline_size
         prev_plan, next_plan = rank_boundaries(topo.plan, topo.rank, seq_length,
                                                sequence_parallel)
+        prev_up, next_up = (topo.stage - 1) % topo.pp_size, topo.stage
         bridge_group: dist.ProcessGroup | None = None
-        if any(self._bridged(topo.stage + d) for d, p in ((-1, prev_plan), (0, next_plan))
-               if p is not None):
+        if any(self._bridged(up) for up, p in ((prev_up, prev_plan), (next_up, next_plan))
+               if p is not None and not self._wraps(up)):
             if cpu_group is None:
                 cpu_group = getattr(topo, "cpu_group", None)
             bridge_group = _check_cpu_group(cpu_group)
-        self.prev = None if prev_plan is None else _Side(
-            prev_plan, self._link(topo.stage - 1, bridge_group))
-        self.next = None if next_plan is None else _Side(
-            next_plan, self._link(topo.stage, bridge_group))
+        # links are made in boundary order (the wrap-around boundary last): transports that
+        # exchange set-up data with their peers then meet in the same order on every rank
+        sides: dict[str, _Side] = {}
+        for name, up, plan in sorted((("prev", prev_up, prev_plan), ("next", next_up, next_plan)),
+                                     key=lambda side: side[1]):
+            if plan is not None:
+                sides[name] = _Side(plan, self._link(topo, up, bridge_group, plan))
+        self.prev, self.next = sides.get("prev"), sides.get("next")
         self._pending: list[SendHandle] = []  # sends in flight, oldest first
         self._counts = dict.fromkeys(
             ("send_forward", "recv_forward", "send_backward", "recv_backward"), 0)
 
     # ------------------------------------------------------------------------------- set-up
     def _bridged(self, upstream: int) -> bool:
-        """Whether the boundary between ``upstream`` and ``upstream + 1`` uses the bridge."""
+        """Whether the boundary from stage ``upstream`` to the next one uses the bridge."""
         return (self.bridge_config.force
-                or self.devices[upstream] != self.devices[upstream + 1])
+                or self.devices[upstream] != self.devices[(upstream + 1) % self.stages])
 
-    def _link(self, upstream: int, group: dist.ProcessGroup | None) -> Bridge | DirectLink:
-        if self._bridged(upstream):
-            return Bridge(group, self.device, self.bridge_config, self.bridge_stats)
-        return DirectLink(self.device, self.direct_stats)
+    def _wraps(self, upstream: int) -> bool:
+        """The wrap-around boundary (last stage -> first stage, with virtual stages)."""
+        return upstream == self.stages - 1
+
+    def _link(self, topo: Topology, upstream: int, group: dist.ProcessGroup | None,
+              plan: BoundaryPlan) -> Bridge | DirectLink:
+        wrap = self._wraps(upstream)
+        if wrap and (topo.wrap_group is None or topo.wrap_cpu_group is None):
+            raise ConfigError("virtual pipeline stages need the wrap-around boundary's process "
+                              "groups; build the topology with build_topology")
+        if not self._bridged(upstream):
+            return DirectLink(self.device, self.direct_stats, topo.wrap_group if wrap else None)
+        group = topo.wrap_cpu_group if wrap else group
+        stages = topo.plan.stages
+        name = topo.plan.transport_between(stages[upstream].chip,
+                                           stages[(upstream + 1) % self.stages].chip)
+        self.transports[upstream] = name
+        peers = sorted({tr.peer for tr in (*plan.fwd_send, *plan.fwd_recv, *plan.bwd_send,
+                                           *plan.bwd_recv)})
+        cfg = self.bridge_config
+        transport = make_transport(name, group, topo.rank, peers,
+                                   cfg.chunk_elements(1), f"b{upstream}", cfg.timeout_s)
+        return Bridge(group, self.device, cfg, self.bridge_stats, transport=transport)
 
     @property
     def paths(self) -> dict[str, str | None]:
@@ -172,9 +203,10 @@ class PipeComm:
         self._observe(recv_kind, index, posted, time.time())
         return out
 
-    def _observe(self, kind: str, micro_batch: int, start_s: float, end_s: float) -> None:
+    def _observe(self, kind: str, micro_batch: int, start_s: float, end_s: float,
+                 chunk: int = 0) -> None:
         if self.observer is not None:
-            self.observer.on_comm(kind, micro_batch, start_s, end_s)
+            self.observer.on_comm(kind, micro_batch, start_s, end_s, chunk)
 
     def _assemble(self, plan: tuple[Transfer, ...], handles: list[RecvHandle]) -> torch.Tensor:
         if len(handles) == 1 and plan[0].num_rows == self.shape[1]:
@@ -233,6 +265,60 @@ class PipeComm:
         out = self._exchange(self.prev, self._grad(grad), self.prev.plan.bwd_send,
                              "send_backward", self.prev.plan.fwd_recv, "recv_forward")
         return out.requires_grad_()
+
+    # ----------------------------------------------------------- chunk-aware exchange
+    def _side_of(self, way: str, chunk: int, sending: bool) -> _Side:
+        """The boundary a message of virtual stage (this stage, ``chunk``) crosses: forward
+        sends and backward receives go downstream, the others upstream."""
+        downstream = (way == "forward") == sending
+        exists = (not (self.stage == self.stages - 1 and chunk == self.chunks - 1)
+                  if downstream else not (self.stage == 0 and chunk == 0))
+        side = self.next if downstream else self.prev
+        if not exists or side is None or not 0 <= chunk < self.chunks:
+            where = "after" if downstream else "before"
+            raise ValueError(f"no virtual stage {where} chunk {chunk} of stage {self.stage}")
+        return side
+
+    def exchange(self, sends: Sequence[tuple[str, int, int, torch.Tensor | None]],
+                 recv: tuple[str, int, int] | None) -> torch.Tensor | None:
+        """Post ``recv`` (``(way, chunk, micro_batch)``: ``way`` ``forward`` for the input
+        activation of this stage's ``chunk``, ``backward`` for the gradient of its output),
+        then every send ``(way, chunk, micro_batch, tensor)`` (``forward``: the chunk's output,
+        ``backward``: the gradient of its input, None for zeros); wait for the receive only and
+        return it ([b, s_local, h]; an activation requires grad). Messages of one boundary and
+        direction must be received in the order they are sent."""
+        self._reap()
+        start = time.time()
+        recv_side = None if recv is None else self._side_of(recv[0], recv[1], False)
+        posts: dict[int, tuple[_Side, list, list]] = {}
+        if recv_side is not None:
+            plan = recv_side.plan.fwd_recv if recv[0] == "forward" else recv_side.plan.bwd_recv
+            posts[id(recv_side)] = (recv_side, [], [
+                ((self.shape[0], tr.num_rows, self.shape[2]), self.dtype, tr.peer)
+                for tr in plan])
+        sent = []
+        for way, chunk, micro_batch, tensor in sends:
+            side = self._side_of(way, chunk, True)
+            if way == "backward":
+                tensor = self._grad(tensor)
+            plan = side.plan.fwd_send if way == "forward" else side.plan.bwd_send
+            posts.setdefault(id(side), (side, [], []))[1].extend(self._pieces(tensor, plan))
+            sent.append((f"send_{way}", micro_batch, chunk))
+        handles = None
+        for side, send_pieces, recv_specs in posts.values():  # the receive's side first
+            send_handles, recv_handles = side.link.post(send_pieces, recv_specs)
+            self._pending.extend(send_handles)
+            if recv_specs:
+                handles = recv_handles
+        posted = time.time()
+        for kind, micro_batch, chunk in sent:
+            self._observe(kind, micro_batch, start, posted, chunk)
+        if recv is None:
+            return None
+        plan = recv_side.plan.fwd_recv if recv[0] == "forward" else recv_side.plan.bwd_recv
+        out = self._assemble(plan, handles)
+        self._observe(f"recv_{recv[0]}", recv[2], posted, time.time(), recv[1])
+        return out.requires_grad_() if recv[0] == "forward" else out
 
     def _grad(self, grad: torch.Tensor | None) -> torch.Tensor:
         """An input that got no gradient still answers its sender, with zeros."""

@@ -25,6 +25,7 @@ from datetime import timedelta
 import torch.distributed as dist
 
 from megatron_h2.devices import ACCELERATORS, Accelerator, get_accelerator
+from megatron_h2.distributed.boundary import replica_ranks
 from megatron_h2.errors import ConfigError, RankConfigError
 from megatron_h2.hetero_plan import ChipSpec, HeteroPlan, StageSpec
 
@@ -82,7 +83,7 @@ class TPContext:
     split along the sequence dimension across the group.
     """
 
-    group: ProcessGroup | None
+    group: dist.ProcessGroup | None
     rank: int
     size: int
     sequence_parallel: bool = False
@@ -99,7 +100,7 @@ class TPContext:
         return TPContext(group=None, rank=0, size=1)
 
     @staticmethod
-    def from_group(group: ProcessGroup, sequence_parallel: bool = False) -> TPContext:
+    def from_group(group: dist.ProcessGroup, sequence_parallel: bool = False) -> TPContext:
         """The context of the calling rank in an initialised process group."""
         return TPContext(group=group, rank=dist.get_rank(group),
                          size=dist.get_world_size(group), sequence_parallel=sequence_parallel)
@@ -120,6 +121,11 @@ class Topology:
     cpu_group: dist.ProcessGroup | None = None  # gloo over every rank (None: the default group)
     tp_ranks: list[int] = field(default_factory=list)
     dp_ranks: list[int] = field(default_factory=list)
+    # With virtual stages: the groups of the wrap-around boundary (last stage -> first stage of
+    # this DP replica), the chip backend's and gloo (the same group when the backend is gloo).
+    # A boundary of its own keeps its messages apart from the 0 -> 1 boundary's when PP = 2.
+    wrap_group: dist.ProcessGroup | None = None
+    wrap_cpu_group: dist.ProcessGroup | None = None
 
     @property
     def stage_spec(self) -> StageSpec:
@@ -151,8 +157,19 @@ class Topology:
 
     @property
     def layer_range(self) -> tuple[int, int]:
+        """This stage's global layers ``(start, stop)`` (one model chunk only)."""
         r = self.plan.layer_ranges()[self.stage]
         return r.start, r.stop
+
+    @property
+    def chunk_ranges(self) -> list[tuple[int, int]]:
+        """``(start, stop)`` of the global layers of each of this stage's model chunks."""
+        return [(r.start, r.stop) for r in self.plan.chunk_layer_ranges()[self.stage]]
+
+    @property
+    def virtual_pipeline_size(self) -> int:
+        """Model chunks per stage (V)."""
+        return self.plan.virtual_pipeline_size
 
     @property
     def distributed(self) -> bool:
@@ -170,9 +187,10 @@ class Topology:
                          sequence_parallel=sequence_parallel and self.tp_size > 1)
 
     def describe(self) -> str:
+        layers = ", ".join(f"{a}-{b - 1}" for a, b in self.chunk_ranges)
         return (f"rank {self.rank}/{self.world_size}: stage {self.stage}/{self.pp_size} "
-                f"(layers {self.layer_range[0]}-{self.layer_range[1] - 1}), tp {self.tp_rank}/"
-                f"{self.tp_size}, dp {self.dp_rank}/{self.dp_size}")
+                f"(layers {layers}), tp {self.tp_rank}/{self.tp_size}, dp {self.dp_rank}/"
+                f"{self.dp_size}")
 
 
 def build_topology(plan: HeteroPlan, rank: int, world_size: int) -> Topology:
@@ -200,11 +218,39 @@ def build_topology(plan: HeteroPlan, rank: int, world_size: int) -> Topology:
                      else None)
             if rank in ranks:
                 topo.dp_group, topo.dp_ranks = group, ranks
+    if plan.virtual_pipeline_size > 1:
+        _build_wrap_groups(topo)
     return topo
 
 
-def init_process_group(backend: str, env: LaunchEnv, timeout_minutes: float) -> None:
-    """Join the job's default process group (env:// rendezvous set up by torchrun / srun)."""
-    if env.world_size > 1 and not dist.is_initialized():
-        dist.init_process_group(backend=backend, rank=env.rank, world_size=env.world_size,
-                                timeout=timedelta(minutes=timeout_minutes))
+def _build_wrap_groups(topo: Topology) -> None:
+    """Groups of the wrap-around boundary of every DP replica (collective, like the others)."""
+    plan, last = topo.plan, topo.pp_size - 1
+    ends = (plan.stages[0], plan.stages[last])
+    devices = {plan.chips[spec.chip].device for spec in ends}
+    backend = ACCELERATORS[devices.pop()].dist_backend if len(devices) == 1 else "gloo"
+    for d in range(plan.data_parallel_size):
+        ranks = sorted(replica_ranks(plan, 0, d) + replica_ranks(plan, last, d))
+        cpu = dist.new_group(ranks, backend="gloo")
+        chip = cpu if backend == "gloo" else dist.new_group(ranks, backend=backend)
+        if topo.rank in ranks:
+            topo.wrap_group, topo.wrap_cpu_group = chip, cpu
+
+
+def init_process_group(backend: str, env: LaunchEnv,
+                       timeout_minutes: float) -> dist.Store | None:
+    """Join the job's default process group (env:// rendezvous set up by torchrun / srun).
+
+    Returns the job's rendezvous store under a ``megatron_h2/`` prefix, for
+    :class:`~megatron_h2.distributed.failures.JobFailures` (None when there is one process or the
+    group already exists).
+    """
+    if env.world_size == 1 or dist.is_initialized():
+        return None
+    timeout = timedelta(minutes=timeout_minutes)
+    # The rendezvous torch's init_process_group would do itself, done here to keep the store.
+    store, _, _ = next(dist.rendezvous("env://", env.rank, env.world_size, timeout=timeout))
+    store.set_timeout(timeout)
+    dist.init_process_group(backend=backend, store=dist.PrefixStore("default_pg", store),
+                            rank=env.rank, world_size=env.world_size, timeout=timeout)
+    return dist.PrefixStore("megatron_h2", store)

@@ -1,11 +1,13 @@
 """Optimizers: AdamW with Megatron's parameter groups, the data-parallel optimizers (replicated
-and ZeRO-1 distributed) and the learning-rate schedule."""
+and ZeRO-1 distributed) and the learning-rate / weight-decay schedule."""
 
 from megatron_h2.optimizer.adamw import (
     ADAM_STATES,
+    EMBEDDING_OR_OUTPUT,
     build_optimizer,
     load_named_optimizer_state,
     optimizer_state_to_named,
+    param_groups,
 )
 from megatron_h2.optimizer.distributed_optimizer import (
     DataParallelOptimizer,
@@ -14,8 +16,9 @@ from megatron_h2.optimizer.distributed_optimizer import (
     build_data_parallel_optimizer,
     clip_grad_norm,
 )
-from megatron_h2.optimizer.lr_schedule import LRSchedule
+from megatron_h2.optimizer.lr_schedule import OptimizerParamScheduler
 
-__all__ = ["ADAM_STATES", "DataParallelOptimizer", "DistributedOptimizer", "LRSchedule",
-           "ReplicatedOptimizer", "build_data_parallel_optimizer", "build_optimizer",
-           "clip_grad_norm", "load_named_optimizer_state", "optimizer_state_to_named"]
+__all__ = ["ADAM_STATES", "EMBEDDING_OR_OUTPUT", "DataParallelOptimizer", "DistributedOptimizer",
+           "OptimizerParamScheduler", "ReplicatedOptimizer", "build_data_parallel_optimizer",
+           "build_optimizer", "clip_grad_norm", "load_named_optimizer_state",
+           "optimizer_state_to_named", "param_groups"]

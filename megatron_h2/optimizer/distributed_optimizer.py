@@ -24,6 +24,7 @@ A training step with either::
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
@@ -37,9 +38,11 @@ from megatron_h2.distributed.grad_sync import Bucket, GradBuckets, all_gather_fl
 from megatron_h2.errors import ConfigError
 from megatron_h2.optimizer.adamw import (
     ADAM_STATES,
+    adamw_kwargs,
     build_optimizer,
     load_named_optimizer_state,
     optimizer_state_to_named,
+    param_groups,
 )
 
 Names = dict[nn.Parameter, str]
@@ -107,12 +110,6 @@ def clip_grad_norm(optimizer: DataParallelOptimizer, max_norm: float) -> torch.T
     if max_norm > 0:
         optimizer.clip_((max_norm / (norm + 1e-6)).clamp(max=1.0))
     return norm
-
-
-def _adamw_kwargs(config: OptimizerConfig, kernels: Kernels | None) -> dict:
-    extra = {"fused": True} if kernels is not None and kernels.fused_adamw else {"foreach": True}
-    return {"lr": config.lr, "betas": (config.adam_beta1, config.adam_beta2),
-            "eps": config.adam_eps, **extra}
 
 
 def _check_synced(grad_buckets: GradBuckets) -> None:
@@ -226,17 +223,18 @@ def _pieces_of(bucket: Bucket, rank: int, master: torch.Tensor) -> list[_Piece]:
 class DistributedOptimizer:
     """ZeRO-1 AdamW: optimizer state and the update sharded over the data-parallel group.
 
-    ``grad_buckets`` must be in reduce-scatter mode. Hyper-parameters and weight-decay grouping
-    are those of :func:`build_optimizer` (no decay for parameters with ``ndim < 2``); because a
-    rank's range may cover parts of several parameters, the inner ``torch.optim.AdamW`` runs on
-    one view of the master shard per owned parameter piece, grouped by decay.
+    ``grad_buckets`` must be in reduce-scatter mode. Hyper-parameters and parameter groups are
+    those of :func:`build_optimizer` (:func:`param_groups`: no decay for parameters with
+    ``ndim < 2``, ``--decoupled-lr`` for the embedding and output layer, which needs ``names``);
+    because a rank's range may cover parts of several parameters, the inner ``torch.optim.AdamW``
+    runs on one view of the master shard per owned parameter piece, grouped like the parameter.
 
     The parameters are fp32 and are themselves the master copy: the master shard is refreshed
     from them at every step, so loading model weights needs no extra call.
     """
 
     def __init__(self, grad_buckets: GradBuckets, config: OptimizerConfig,
-                 kernels: Kernels | None = None) -> None:
+                 kernels: Kernels | None = None, names: Names | None = None) -> None:
         if not grad_buckets.reduce_scatter:
             raise ValueError("DistributedOptimizer needs GradBuckets(reduce_scatter=True)")
         self.grad_buckets = grad_buckets
@@ -245,15 +243,16 @@ class DistributedOptimizer:
                          for b in grad_buckets.buckets]
         self.pieces = [piece for bucket, master in zip(grad_buckets.buckets, self._masters)
                        for piece in _pieces_of(bucket, self.dp_rank, master)]
-        decay = [p.master for p in self.pieces if p.param.ndim >= 2]
-        no_decay = [p.master for p in self.pieces if p.param.ndim < 2]
+        if names is None and config.decoupled_lr is not None:
+            raise ValueError("--decoupled-lr needs the parameter names (names=...)")
+        names = names or {}
+        groups = param_groups([(names.get(p.param, ""), p.param, p.master) for p in self.pieces],
+                              config)
         if not self.pieces:  # this rank owns only padding; torch.optim needs a parameter
             placeholder = torch.zeros(0)
             placeholder.grad = torch.zeros(0)
-            no_decay.append(placeholder)
-        self.optimizer = torch.optim.AdamW(
-            [{"params": decay, "weight_decay": config.weight_decay},
-             {"params": no_decay, "weight_decay": 0.0}], **_adamw_kwargs(config, kernels))
+            groups[1]["params"].append(placeholder)
+        self.optimizer = torch.optim.AdamW(groups, **adamw_kwargs(config, kernels))
         self._has_state = False
         self.sharded = True
 
@@ -381,11 +380,14 @@ def build_data_parallel_optimizer(model: nn.Module, config: OptimizerConfig,
                                   dp_group: dist.ProcessGroup | None, *,
                                   use_distributed_optimizer: bool = False,
                                   bucket_size_mb: float = 25.0, overlap: bool = True,
-                                  kernels: Kernels | None = None) -> DataParallelOptimizer:
-    """GradBuckets over ``model``'s trainable parameters plus the matching optimizer."""
+                                  kernels: Kernels | None = None,
+                                  deferred: Sequence[nn.Parameter] = ()) -> DataParallelOptimizer:
+    """GradBuckets over ``model``'s trainable parameters plus the matching optimizer
+    (``deferred``: see :class:`GradBuckets`)."""
     params = [p for p in model.parameters() if p.requires_grad]
     buckets = GradBuckets(params, dp_group, bucket_size_mb, overlap,
-                          reduce_scatter=use_distributed_optimizer)
+                          reduce_scatter=use_distributed_optimizer, deferred=deferred)
     if use_distributed_optimizer:
-        return DistributedOptimizer(buckets, config, kernels)
+        names = {p: n for n, p in model.named_parameters()}
+        return DistributedOptimizer(buckets, config, kernels, names)
     return ReplicatedOptimizer(build_optimizer(model, config, kernels), buckets)

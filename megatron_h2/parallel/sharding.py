@@ -9,7 +9,9 @@ the number of query groups); ``blocks=2`` is the fused [gate; up] ``linear_fc1``
 Sharded parameters carry their spec as ``param.tp_shard``; replicated parameters have no such
 attribute. Under sequence parallelism, replicated parameters whose grads are partial per rank
 (the RMSNorm weights) carry ``param.sequence_parallel = True``, and their grads must be summed
-over the TP group with :func:`allreduce_sequence_parallel_grads` before the optimizer step.
+over the TP group before the optimizer step: :func:`allreduce_sequence_parallel_grads` does it
+for plain ``.grad`` tensors; the training step sums the optimizer's own gradient pieces with
+:func:`allreduce_coalesced_`.
 """
 
 from __future__ import annotations

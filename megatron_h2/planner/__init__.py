@@ -2,16 +2,16 @@
 
 Typical use::
 
-    from megatron_h2.planner import Cluster, CostConfig, CostModel, ModelSpec, SearchOptions, search
-    from megatron_h2.planner import simulate
+    from megatron_h2.planner import Cluster, CostConfig, CostModel, SearchOptions, search
+    from megatron_h2.planner import model_from_yaml, simulate
 
     cluster = Cluster.from_yaml("examples/clusters/hetero_1024.yaml")
-    model = ModelSpec.from_yaml("examples/models/llama_100b.yaml")
+    model = model_from_yaml("examples/models/llama_100b.yaml")  # a config.ModelConfig
     cost = CostModel(cluster, model, CostConfig(use_distributed_optimizer=True))
-    result = search(cost, SearchOptions(global_batch_size=2048, top_k=5))
+    result = search(cost, SearchOptions(global_batch_size=2048, top_k=5))  # every schedule
     best = result.best                      # Candidate(plan: HeteroPlan, estimate: PlanEstimate)
     best.plan.to_yaml("plan.yaml")          # what pretrain_gpt.py --hetero-plan reads
-    timeline = simulate(best.plan, cost)    # event-driven 1F1B step
+    timeline = simulate(best.plan, cost)    # event-driven step under the plan's schedule
 
 The command line is ``tools/plan.py`` (:mod:`megatron_h2.planner.cli`); the cluster, model and
 profile formats, the cost model and the search are documented in ``docs/planner.md``.
@@ -26,7 +26,8 @@ from megatron_h2.planner.cost_model import (
     StageCosts,
     StageEstimate,
 )
-from megatron_h2.planner.model import ModelSpec
+from megatron_h2.planner.model import model_from_dict, model_from_yaml
+from megatron_h2.planner.orders import check_schedule, held_states, stage_order
 from megatron_h2.planner.partition import Split, StageSlot, solve_split
 from megatron_h2.planner.profile import ChipProfile, MeasuredTimes, ProfileTable
 from megatron_h2.planner.search import Candidate, SearchOptions, SearchResult, SearchStats, search
@@ -50,7 +51,6 @@ __all__ = [
     "Event",
     "HomogeneousResult",
     "MeasuredTimes",
-    "ModelSpec",
     "PlanEstimate",
     "ProfileTable",
     "SearchOptions",
@@ -61,11 +61,16 @@ __all__ = [
     "StageCosts",
     "StageEstimate",
     "StageSlot",
+    "check_schedule",
     "chrome_trace",
     "compare_homogeneous",
+    "held_states",
+    "model_from_dict",
+    "model_from_yaml",
     "search",
     "simulate",
     "solve_split",
+    "stage_order",
     "write_chrome_trace",
     "write_timeline_png",
 ]

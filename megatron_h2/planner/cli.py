@@ -18,6 +18,8 @@ from pathlib import Path
 from typing import NoReturn
 
 from megatron_h2.errors import ConfigError
+from megatron_h2.hetero_plan import SCHEDULES
+from megatron_h2.planner.alternatives import schedule_alternatives
 from megatron_h2.planner.cluster import Cluster
 from megatron_h2.planner.compare import compare_homogeneous
 from megatron_h2.planner.cost_model import CostConfig, CostModel
@@ -35,6 +37,7 @@ from megatron_h2.planner.report import (
 from megatron_h2.planner.search import SearchOptions, SearchResult, search
 from megatron_h2.planner.simulator import (
     SimulationResult,
+    schedule_label,
     simulate,
     write_chrome_trace,
     write_timeline_png,
@@ -50,7 +53,9 @@ def build_parser() -> argparse.ArgumentParser:
     """The command-line interface of tools/plan.py."""
     parser = _Parser(
         prog="tools/plan.py",
-        description="Find the fastest heterogeneous plan (HeteroPP) that fits in every chip's memory.",
+        description=(
+            "Find the fastest heterogeneous plan (HeteroPP) that fits in every chip's memory."
+        ),
     )
     parser.add_argument(
         "--cluster", required=True, metavar="FILE", help="cluster YAML (docs/planner.md)"
@@ -96,6 +101,21 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="F",
         help="fraction of peak TFLOPS reached where no profile says otherwise (default 0.5)",
     )
+    parser.add_argument(
+        "--schedules",
+        default=",".join(SCHEDULES),
+        metavar="LIST",
+        help="pipeline schedules to consider, comma-separated (default: all of "
+        + ", ".join(SCHEDULES)
+        + ")",
+    )
+    parser.add_argument(
+        "--max-virtual-stages",
+        type=int,
+        default=4,
+        metavar="V",
+        help="most model chunks per stage for the interleaved schedule (default 4)",
+    )
     return parser
 
 
@@ -117,7 +137,15 @@ def _run(args: argparse.Namespace) -> int:
         config_args["compute_efficiency"] = args.compute_efficiency
     cost = CostModel(cluster, model, CostConfig(**config_args), profile)
     sizes = None if args.micro_batch_size is None else (args.micro_batch_size,)
-    options = SearchOptions(global_batch, args.top, sizes, time_limit_s=args.time_limit)
+    schedules = tuple(name.strip() for name in args.schedules.split(",") if name.strip())
+    options = SearchOptions(
+        global_batch,
+        args.top,
+        sizes,
+        time_limit_s=args.time_limit,
+        schedules=schedules,
+        max_virtual_stages=args.max_virtual_stages,
+    )
     for target in (args.output, args.launch_script, args.timeline, args.trace):
         if target:
             Path(target).parent.mkdir(parents=True, exist_ok=True)
@@ -131,7 +159,8 @@ def _run(args: argparse.Namespace) -> int:
     print("\nplan 1 in detail (busy = simulated forward+backward share of the step):")
     print(plan_detail(best, simulation))
     print("\nwhy:")
-    for line in explain(best, simulation, cluster):
+    alternatives = schedule_alternatives(cost, best.plan, options)
+    for line in explain(best, simulation, cluster, alternatives):
         print(f"  - {line}")
     print(f"  - {search_summary(result)}")
     _write_outputs(args, result, cost, simulation)
@@ -153,7 +182,8 @@ def _write_outputs(
             "Written by tools/plan.py (megatron_h2 HeteroAuto).",
             f"model: {describe(cost.model)}",
             f"cluster: {args.cluster}",
-            f"predicted step {est.step_time_s:.3f} s (1F1B simulation {simulation.step_time_s:.3f} s),"
+            f"schedule: {schedule_label(best.plan)}; predicted step {est.step_time_s:.3f} s"
+            f" (simulation {simulation.step_time_s:.3f} s),"
             f" {est.tokens_per_s:,.0f} tokens/s, MFU {100 * est.mfu:.1f}%",
             f"stages: {stage_summary(best.plan)}",
             f"run with: {script_path}",

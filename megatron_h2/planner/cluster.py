@@ -148,7 +148,7 @@ class Cluster:
         )
 
     def link_gb_per_s(self, first: str, second: str) -> float:
-        """Per-chip bandwidth of a pipeline link between stages on chip types ``first``, ``second``."""
+        """Per-chip bandwidth of a pipeline link from a stage on ``first`` to one on ``second``."""
         if first == second:
             return self.chip(first).inter_node_gb_per_s
         assert self.cross_chip_gb_per_s is not None

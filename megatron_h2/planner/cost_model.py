@@ -10,11 +10,15 @@ on chip type ``c`` with TP degree ``t``, micro-batch ``b`` (``T = b x seq`` toke
 * TP: two ring all-reduces of ``T x h`` bf16 values per layer in forward and two in backward
   (two more in backward under full recompute), over ``intra_node_gb_per_s``;
 * memory: parameters x bytes per parameter (18 = 2 bf16 weight + 4 fp32 grad + 4 fp32 master +
-  8 Adam; 6 + 12/d with the distributed optimizer) + in-flight micro-batches x activations per
-  layer (by recompute mode) + one layer's full activations as backward working space, plus the
-  embedding on the first stage and the head (with its logits) on the last;
-* pipeline: per micro-batch, ``T x h`` bf16 values each way per stage boundary, at the chip type's
-  ``inter_node_gb_per_s`` or at ``cross_chip_gb_per_s`` where the chip type changes;
+  8 Adam; 6 + 12/d with the distributed optimizer) + the activations the schedule keeps (per
+  layer, by recompute mode, for each chunk-micro-batch between its forward and backward, and
+  the weight gradients' inputs for each one whose weight-gradient work a zero-bubble schedule
+  has deferred; :mod:`.orders` gives the counts) + one layer's full activations as backward
+  working space, plus the embedding on the first stage and the head (with its logits) on the
+  last;
+* pipeline: per micro-batch, ``T x h`` bf16 values each way per stage boundary (``V`` times,
+  plus the wrap-around link from the last stage to the first, with ``V`` model chunks), at the
+  chip type's ``inter_node_gb_per_s`` or at ``cross_chip_gb_per_s`` where the chip type changes;
 * DP: a ring all-reduce (or reduce-scatter + all-gather) of the stage's gradients once per step;
 * optimizer: where the profile table measures it, ``optimizer_ns_per_param`` x the parameters a
   chip holds (divided by DP under the distributed optimizer), once per step after the stage's
@@ -22,25 +26,24 @@ on chip type ``c`` with TP degree ``t``, micro-batch ``b`` (``T = b x seq`` toke
   :meth:`CostModel.evaluate` and so in the simulator; the search's split solver and bounds leave
   it out (they stay consistent with each other) and candidates are ranked by ``evaluate``.
 
-The step time of a plan with ``m`` micro-batches and per-stage work ``w_i`` (forward + backward of
-one micro-batch) under 1F1B is ``(m - 1) x max_i w_i + sum_i w_i + 2 x sum of link times +
-max_i DP sync_i``: the gradient synchronisation is not overlapped with compute and is counted as
-if every stage started it when the pipeline drains (an upper bound: later stages drain earlier,
-which the event simulator credits).
+The step time of each schedule is :func:`step_time_terms` plus the slowest end-of-step sync
+(not overlapped with compute, counted as if every stage started it when the pipeline drains: an
+upper bound, which the event simulator refines). Under 1F1B, with per-stage work ``w_i``
+(forward + backward of one micro-batch), it is ``(m - 1) x max_i w_i + sum_i w_i + 2 x sum of
+link times + max_i DP sync_i``.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
-import numpy as np
-
-from megatron_h2.config import RECOMPUTE_MODES, Recompute
+from megatron_h2.config import RECOMPUTE_MODES, ModelConfig, Recompute, state_bytes_per_param
 from megatron_h2.errors import ConfigError
-from megatron_h2.hetero_plan import HeteroPlan, positive_float
+from megatron_h2.hetero_plan import HeteroPlan, StageSpec, positive_float
 from megatron_h2.planner.cluster import ChipType, Cluster
-from megatron_h2.planner.model import ModelSpec
+from megatron_h2.planner.orders import check_schedule, held_states
+from megatron_h2.planner.stage_costs import StageCosts
 
 if TYPE_CHECKING:
     from megatron_h2.planner.profile import ProfileTable
@@ -73,139 +76,14 @@ class CostConfig:
             raise ConfigError("use_distributed_optimizer must be true or false")
 
     def bytes_per_param(self, data_parallel_size: int) -> float:
-        """Static bytes per parameter: bf16 weight, fp32 grad, fp32 master + Adam (maybe sharded)."""
-        optimizer = 12.0 / data_parallel_size if self.use_distributed_optimizer else 12.0
-        return 2.0 + 4.0 + optimizer
-
-
-@dataclass(frozen=True)
-class StageCosts:
-    """Per-layer and per-edge costs of one stage kind: (chip type, TP, micro-batch, DP).
-
-    Times are seconds per micro-batch; memory is bytes per chip. ``layer_backward`` and
-    ``layer_activation`` are indexed like :data:`MODES`.
-    """
-
-    chip: str
-    tensor_parallel_size: int
-    micro_batch_size: int
-    data_parallel_size: int
-    layer_forward: float
-    layer_backward: tuple[float, float, float]
-    embedding_forward: float
-    embedding_backward: float
-    head_forward: float
-    head_backward: float
-    layer_static: float
-    embedding_static: float
-    head_static: float
-    layer_activation: tuple[float, float, float]
-    head_activation: float
-    working: float
-    capacity: float
-    layer_params: float
-    embedding_params: float
-    head_params: float
-    sync_per_param: float
-    sync_fixed: float
-    optimizer_per_param: float = 0.0
-
-    def layer_time(self, mode: int) -> float:
-        """Forward + backward of one layer for one micro-batch under recompute ``MODES[mode]``.
-
-        For bounds and summaries; plan times use :meth:`forward` + :meth:`backward`.
-        """
-        return self.layer_forward + self.layer_backward[mode]
-
-    def edge_time(self, first: bool, last: bool) -> float:
-        """Forward + backward of the embedding (first stage) and head (last stage) per micro-batch."""
-        time = 0.0
-        if first:
-            time += self.embedding_forward + self.embedding_backward
-        if last:
-            time += self.head_forward + self.head_backward
-        return time
-
-    def forward(self, layers: int, first: bool, last: bool) -> float:
-        """Forward time of a stage for one micro-batch."""
-        edge = (self.embedding_forward if first else 0.0) + (self.head_forward if last else 0.0)
-        return edge + layers * self.layer_forward
-
-    def backward(self, layers: int, mode: int, first: bool, last: bool) -> float:
-        """Backward time (with recompute) of a stage for one micro-batch."""
-        edge = (self.embedding_backward if first else 0.0) + (self.head_backward if last else 0.0)
-        return edge + layers * self.layer_backward[mode]
-
-    def edge_memory(self, in_flight: int, first: bool, last: bool) -> float:
-        """Bytes of the embedding and head (weights, optimizer, head activations) on the stage."""
-        memory = 0.0
-        if first:
-            memory += self.embedding_static
-        if last:
-            memory += self.head_static + in_flight * self.head_activation
-        return memory
-
-    def memory(self, layers: int, mode: int, in_flight: int, first: bool, last: bool) -> float:
-        """Peak bytes per chip of a stage holding ``in_flight`` micro-batches of activations."""
-        per_layer = self.layer_static + in_flight * self.layer_activation[mode]
-        working = self.working if layers > 0 else 0.0
-        return self.edge_memory(in_flight, first, last) + working + layers * per_layer
-
-    def max_layers(self, mode: int, in_flight: int, first: bool, last: bool) -> int:
-        """Most layers that fit the chip's memory (-1 if not even the embedding/head fit)."""
-        if self.memory(0, mode, in_flight, first, last) > self.capacity:
-            return -1
-        per_layer = self.layer_static + in_flight * self.layer_activation[mode]
-        room = self.capacity - self.edge_memory(in_flight, first, last) - self.working
-        guess = max(int(room // per_layer), 0) if per_layer > 0 else 1 << 20
-        while guess > 0 and self.memory(guess, mode, in_flight, first, last) > self.capacity:
-            guess -= 1
-        while (
-            self.memory(guess + 1, mode, in_flight, first, last) <= self.capacity
-            and guess < 1 << 20
-        ):
-            guess += 1
-        return guess
-
-    def max_layers_many(
-        self, mode: int, in_flight: np.ndarray, first: bool, last: bool
-    ) -> np.ndarray:
-        """:meth:`max_layers` for many in-flight counts at once (same arithmetic, vectorised)."""
-        k = np.asarray(in_flight, dtype=np.float64)
-        edge = np.zeros_like(k)
-        if first:
-            edge = edge + self.embedding_static
-        if last:
-            edge = edge + (self.head_static + k * self.head_activation)
-        per_layer = self.layer_static + k * self.layer_activation[mode]
-        fixed = edge + self.working
-        guess = np.maximum(np.floor((self.capacity - fixed) / per_layer), 0.0)
-        guess = np.where(fixed + guess * per_layer > self.capacity, np.maximum(guess - 1, 0), guess)
-        guess = np.where(fixed + (guess + 1) * per_layer <= self.capacity, guess + 1, guess)
-        guess = np.where(
-            (guess > 0) & (fixed + guess * per_layer > self.capacity), guess - 1, guess
-        )
-        return np.where(edge > self.capacity, -1, guess).astype(np.int64)
-
-    def params(self, layers: int, first: bool, last: bool) -> float:
-        """Parameters per chip of a stage."""
-        edge = (self.embedding_params if first else 0.0) + (self.head_params if last else 0.0)
-        return edge + layers * self.layer_params
-
-    def optimizer_step(self, layers: int, first: bool, last: bool) -> float:
-        """Seconds of the once-per-step optimizer work (0 unless the profile measures it)."""
-        return self.params(layers, first, last) * self.optimizer_per_param
-
-    def dp_sync(self, layers: int, first: bool, last: bool) -> float:
-        """Seconds of the once-per-step gradient synchronisation across the DP replicas."""
-        if self.data_parallel_size == 1:
-            return 0.0
-        return self.sync_fixed + self.params(layers, first, last) * self.sync_per_param
+        """Static bytes per parameter of bf16 training (:func:`~megatron_h2.config.
+        state_bytes_per_param`): bf16 weight, fp32 grad, fp32 main + Adam (maybe sharded)."""
+        return state_bytes_per_param(True, data_parallel_size, self.use_distributed_optimizer)
 
 
 @dataclass(frozen=True)
 class StageEstimate:
-    """Predicted numbers for one stage of a plan."""
+    """Predicted numbers for one stage of a plan (times per micro-batch, memory per chip)."""
 
     chip: str
     tensor_parallel_size: int
@@ -214,17 +92,35 @@ class StageEstimate:
     forward_s: float
     backward_s: float
     in_flight: int
+    """Peak chunk-micro-batches between forward and backward (micro-batches without chunks)."""
     memory_bytes: float
     capacity_bytes: float
     dp_sync_s: float
     """End-of-step work after the stage's last backward: DP gradient sync + optimizer step."""
     optimizer_s: float = 0.0
     """The optimizer's part of ``dp_sync_s`` (0 unless the profile table measures it)."""
+    chunk_layers: tuple[int, ...] = ()
+    chunk_forward_s: tuple[float, ...] = ()
+    chunk_backward_s: tuple[float, ...] = ()
+    chunk_weight_s: tuple[float, ...] = ()
+    """Per chunk: the weight-gradient part of ``chunk_backward_s``."""
+    deferred: int = 0
+    """Peak micro-batches whose weight-gradient work is deferred (zero-bubble)."""
 
     @property
     def work_s(self) -> float:
-        """Forward + backward of one micro-batch."""
+        """Forward + backward of one micro-batch (all chunks)."""
         return self.forward_s + self.backward_s
+
+    @property
+    def chunk_work_s(self) -> float:
+        """Forward + backward of the stage's largest chunk for one micro-batch."""
+        return max(f + b for f, b in zip(self.chunk_forward_s, self.chunk_backward_s))
+
+    @property
+    def weight_grad_s(self) -> float:
+        """Weight-gradient part of the backward of one micro-batch (all chunks)."""
+        return sum(self.chunk_weight_s)
 
     @property
     def fits(self) -> bool:
@@ -246,17 +142,29 @@ class PlanEstimate:
     tokens_per_s: float
     mfu: float
     chips_used: dict[str, int] = field(default_factory=dict)
+    schedule: str = "1f1b"
+    virtual_pipeline_size: int = 1
+    wrap_link_s: float = 0.0
+    """One-way time of the link from the last stage back to the first (interleaved only)."""
 
     @property
     def fits(self) -> bool:
         """Whether every stage fits in memory."""
         return all(stage.fits for stage in self.stages)
 
+    def period_s(self, stage: int) -> float:
+        """Steady-state time per micro-batch that ``stage`` sets in the step formula: its work,
+        or under ``interleaved`` V x its largest chunk's work."""
+        est = self.stages[stage]
+        if self.schedule == "interleaved":
+            return self.virtual_pipeline_size * est.chunk_work_s
+        return est.work_s
+
     @property
     def bottleneck(self) -> int:
-        """Index of the stage with the most work per micro-batch."""
-        works = [stage.work_s for stage in self.stages]
-        return works.index(max(works))
+        """Index of the stage that sets the steady state (largest :meth:`period_s`)."""
+        periods = [self.period_s(i) for i in range(len(self.stages))]
+        return periods.index(max(periods))
 
     @property
     def bubble_fraction(self) -> float:
@@ -265,13 +173,56 @@ class PlanEstimate:
         return 1.0 - busy / (len(self.stages) * self.step_time_s)
 
 
+def zero_bubble_share(stages: int, micro_batches: int) -> float:
+    """beta of the zero-bubble step formula: the share of the other stages' weight-gradient work
+    that fills the bubble besides their own (1 once there are at least as many micro-batches as
+    stages)."""
+    return 1.0 if stages == 1 else min(micro_batches - 1, stages - 1) / (stages - 1)
+
+
+def step_time_terms(
+    schedule: str,
+    num_micro_batches: int,
+    chunks: int,
+    stages: tuple[StageEstimate, ...],
+    links: tuple[float, ...],
+    wrap_link: float,
+) -> tuple[float, float]:
+    """(pipeline part, link part) of the step time; the step adds ``max_i Z_i``.
+
+    With ``W_i`` stage ``i``'s forward + backward per micro-batch (all its chunks), ``G_i`` the
+    weight-gradient part of ``W_i``, ``Z_i`` its end-of-step sync, ``l_j`` the one-way link
+    times and ``l_ring = sum l + l_wrap`` (see docs/planner.md)::
+
+        1f1b:         (m - 1) max W + sum W                                  + 2 sum l
+        interleaved:  ((m V - 1) max W + sum W) / V                  + 2 sum l + 2 (V - 1) l_ring
+        zero-bubble:  (m - 1) max W + sum (W - (1 + b) G) + max ((1 + b) G + Z) - max Z + 2 sum l
+
+    with ``b = min(m - 1, p - 1) / (p - 1)`` (:func:`zero_bubble_share`). Each is exact on a
+    uniform pipeline (equal stages, equal chunks) whose transfers hide behind compute.
+    """
+    m, p = num_micro_batches, len(stages)
+    link = 2.0 * sum(links)
+    work = [s.work_s for s in stages]
+    if schedule == "interleaved":
+        ring = sum(links) + wrap_link  # one trip round the ring of stages
+        pipeline = ((m * chunks - 1) * max(work) + sum(work)) / chunks
+        return pipeline, link + 2.0 * (chunks - 1) * ring
+    if schedule == "zero-bubble":
+        share = 1.0 + zero_bubble_share(p, m)
+        fill = sum(w - share * s.weight_grad_s for w, s in zip(work, stages))
+        tail = max(share * s.weight_grad_s + s.dp_sync_s for s in stages)
+        return (m - 1) * max(work) + fill + tail - max(s.dp_sync_s for s in stages), link
+    return (m - 1) * max(work) + sum(work), link
+
+
 class CostModel:
     """Cost model of one model on one cluster (optionally refined by a profile table)."""
 
     def __init__(
         self,
         cluster: Cluster,
-        model: ModelSpec,
+        model: ModelConfig,
         config: CostConfig | None = None,
         profile: ProfileTable | None = None,
     ) -> None:
@@ -315,7 +266,7 @@ class CostModel:
             return measured.selective_recompute_ms / 1000.0 / tp * chip.emulate_slowdown
         tokens = mbs * self.model.seq_length
         core_share = (
-            self.model.attention_core_flops_per_token
+            self.model.attention_core_flops_per_token()
             * tokens
             / self.model.layer_forward_flops(tokens)
         )
@@ -357,12 +308,7 @@ class CostModel:
 
     def _build(self, chip: ChipType, tp: int, mbs: int, dp: int) -> StageCosts:
         model, cfg = self.model, self.config
-        h, f, kv, a = (
-            model.hidden_size,
-            model.ffn_hidden_size,
-            model.kv_size,
-            model.num_attention_heads,
-        )
+        h = model.hidden_size
         tokens = mbs * model.seq_length
         lf, lb, ef, eb, hf, hb = self._compute_times(chip, tp, mbs)
         hidden_bytes = tokens * h * BF16_BYTES
@@ -374,13 +320,8 @@ class CostModel:
             bwd_plain + self._selective_extra(chip, tp, mbs, lf),
             bwd_plain + fwd,
         )
-        vocab = model.padded_vocab(tp)
         bpp = cfg.bytes_per_param(dp)
-        activation = (
-            tokens * (8 * h + (4 * h + 4 * kv + 6 * f + 4 * a) / tp),
-            tokens * (4 * h + (2 * h + 4 * kv + 4 * f) / tp),
-            tokens * 2.0 * h,
-        )
+        activation = tuple(model.layer_activation_bytes(tokens, tp, mode) for mode in MODES)
         layer_params = model.layer_params_per_chip(tp)
         sync_group_local = chip.chips_per_node % (tp * dp) == 0
         sync_bw = chip.intra_node_gb_per_s if sync_group_local else chip.inter_node_gb_per_s
@@ -392,6 +333,11 @@ class CostModel:
             per_param, fixed_steps = 6.0 * steps / dp, 2 * steps
         else:  # all-reduce fp32 grads
             per_param, fixed_steps = 2.0 * 4.0 * steps / dp, 2 * steps
+        # the weight-gradient share of the backward: dW of the matrices (FLOP share, also for
+        # measured times); TP all-reduces and recompute belong to the input-gradient part
+        weight_share = model.layer_weight_grad_flops(tokens) / (
+            2.0 * model.layer_forward_flops(tokens)
+        )
         return StageCosts(
             chip=chip.name,
             tensor_parallel_size=tp,
@@ -407,7 +353,7 @@ class CostModel:
             embedding_static=model.embedding_params_per_chip(tp) * bpp,
             head_static=model.head_params_per_chip(tp) * bpp,
             layer_activation=activation,
-            head_activation=tokens * (4 * h + 6 * vocab / tp),
+            head_activation=model.head_activation_bytes(tokens, tp),
             working=activation[0],
             capacity=self.usable_bytes(chip),
             layer_params=layer_params,
@@ -416,6 +362,14 @@ class CostModel:
             sync_per_param=per_param / self._bandwidth(sync_bw),
             sync_fixed=fixed_steps * cfg.collective_latency_s,
             optimizer_per_param=optimizer,
+            layer_weight_grad=lb * weight_share,
+            embedding_weight_grad=eb,
+            head_weight_grad=hb
+            * model.head_weight_grad_flops(tokens)
+            / (2.0 * model.head_forward_flops(tokens)),
+            layer_weight_inputs=model.layer_weight_grad_bytes(tokens, tp),
+            embedding_weight_inputs=model.embedding_weight_grad_bytes(tokens),
+            head_weight_inputs=model.head_weight_grad_bytes(tokens, tp),
         )
 
     # ------------------------------------------------------------------------------ whole plan
@@ -423,42 +377,64 @@ class CostModel:
         """Predict step time, memory per stage, throughput and MFU of ``plan`` (no search).
 
         The plan's chip names must be chip types of the cluster. The model's layer count, heads
-        and query groups are checked with :meth:`HeteroPlan.validate`.
+        and query groups are checked with :meth:`HeteroPlan.validate`, the micro-batch count
+        against the schedule with :func:`~megatron_h2.planner.orders.check_schedule`.
         """
         model = self.model
-        plan.validate(model.num_layers, model.num_attention_heads, model.groups)
+        plan.validate(model.num_layers, model.num_attention_heads, model.num_query_groups)
+        if not plan.uniform_dp:
+            raise ConfigError("the cost model does not evaluate stages with their own "
+                              "data_parallel_size yet")
         p, m = plan.pipeline_parallel_size, plan.num_micro_batches
         mbs, dp = plan.micro_batch_size, plan.data_parallel_size
-        stages = []
-        for index, spec in enumerate(plan.stages):
-            costs = self.stage_costs(spec.chip, spec.tensor_parallel_size, mbs, dp)
-            first, last, mode = index == 0, index == p - 1, MODES.index(spec.recompute)
-            in_flight = min(p - index, m)
-            optimizer = costs.optimizer_step(spec.num_layers, first, last)
-            stages.append(
-                StageEstimate(
-                    chip=spec.chip,
-                    tensor_parallel_size=spec.tensor_parallel_size,
-                    num_layers=spec.num_layers,
-                    recompute=spec.recompute,
-                    forward_s=costs.forward(spec.num_layers, first, last),
-                    backward_s=costs.backward(spec.num_layers, mode, first, last),
-                    in_flight=in_flight,
-                    memory_bytes=costs.memory(spec.num_layers, mode, in_flight, first, last),
-                    capacity_bytes=costs.capacity,
-                    dp_sync_s=costs.dp_sync(spec.num_layers, first, last) + optimizer,
-                    optimizer_s=optimizer,
-                )
-            )
+        schedule, chunks = str(plan.schedule), plan.virtual_pipeline_size
+        check_schedule(schedule, p, m, chunks)
+        stages = tuple(
+            self.stage_estimate(spec, index, p, m, mbs, dp, schedule)
+            for index, spec in enumerate(plan.stages)
+        )
         links = tuple(
             self.link_s(a.chip, b.chip, mbs) for a, b in zip(plan.stages, plan.stages[1:])
         )
-        works = [s.work_s for s in stages]
-        pipeline = (m - 1) * max(works) + sum(works)
-        link_total = 2.0 * sum(links)
+        wrap = self.link_s(plan.stages[-1].chip, plan.stages[0].chip, mbs) if chunks > 1 else 0.0
+        pipeline, link_total = step_time_terms(schedule, m, chunks, stages, links, wrap)
         sync = max(s.dp_sync_s for s in stages)
         step = pipeline + sync + link_total
-        return self._finish(plan, tuple(stages), links, pipeline, link_total, sync, step)
+        estimate = self._finish(plan, stages, links, pipeline, link_total, sync, step)
+        return replace(estimate, schedule=schedule, virtual_pipeline_size=chunks, wrap_link_s=wrap)
+
+    def stage_estimate(
+        self, spec: StageSpec, index: int, p: int, m: int, mbs: int, dp: int, schedule: str
+    ) -> StageEstimate:
+        """Times per chunk, peak memory and end-of-step work of stage ``index`` of ``p``."""
+        costs = self.stage_costs(spec.chip, spec.tensor_parallel_size, mbs, dp)
+        first, last, mode = index == 0, index == p - 1, MODES.index(spec.recompute)
+        chunks = spec.chunks
+        v = len(chunks)
+        times = [
+            costs.chunk_times(n, mode, first and c == 0, last and c == v - 1)
+            for c, n in enumerate(chunks)
+        ]
+        states = held_states(schedule, p, m, v, index)
+        optimizer = costs.optimizer_step(spec.num_layers, first, last)
+        return StageEstimate(
+            chip=spec.chip,
+            tensor_parallel_size=spec.tensor_parallel_size,
+            num_layers=spec.num_layers,
+            recompute=spec.recompute,
+            forward_s=sum(t[0] for t in times),
+            backward_s=sum(t[1] for t in times),
+            in_flight=max(sum(active) for active, _ in states),
+            memory_bytes=costs.held_memory(chunks, mode, states, first, last),
+            capacity_bytes=costs.capacity,
+            dp_sync_s=costs.dp_sync(spec.num_layers, first, last) + optimizer,
+            optimizer_s=optimizer,
+            chunk_layers=chunks,
+            chunk_forward_s=tuple(t[0] for t in times),
+            chunk_backward_s=tuple(t[1] for t in times),
+            chunk_weight_s=tuple(t[2] for t in times),
+            deferred=max(sum(deferred) for _, deferred in states),
+        )
 
     def _finish(
         self,
@@ -483,7 +459,7 @@ class CostModel:
             / self.cluster.chip(name).emulate_slowdown
             for name, count in used.items()
         )
-        mfu = tokens * self.model.model_flops_per_token() / step / peak
+        mfu = tokens * self.model.flops_per_token(causal=True) / step / peak
         return PlanEstimate(
             step_time_s=step,
             pipeline_s=pipeline,

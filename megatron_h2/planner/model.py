@@ -1,196 +1,163 @@
-"""The model the planner plans for: a LLaMA-style decoder described by ``pretrain_gpt.py`` flags.
+"""The model the planner plans for, read from ``pretrain_gpt.py`` flags or a model YAML file.
 
-The architecture is fixed: RMSNorm, rotary positions (no position-embedding table), grouped-query
-attention (q: h x h, k and v: h x (groups x head_dim), o: h x h, no biases), a SwiGLU MLP of three
-h x ffn matrices, an untied input embedding and output head, the vocabulary padded to a multiple
-of 128 x TP. All counts below are exact for that architecture; the cost model turns them into
-bytes and seconds.
+The description itself is :class:`megatron_h2.config.ModelConfig`, the one the runtime builds:
+parameter counts, FLOPs, activation bytes and the vocabulary padding come from there. This module
+only reads it from the planner's inputs. ``vocab_size`` in a flag or file is the tokenizer's
+size; the model holds it padded to a multiple of :data:`VOCAB_PAD_MULTIPLE` (Megatron's
+``--make-vocab-size-divisible-by`` default), as the runtime pads it.
 """
 
 from __future__ import annotations
 
 import argparse
 from collections.abc import Mapping
-from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
+from megatron_h2.config import (
+    ARCHITECTURE_FIELDS,
+    ModelConfig,
+    cli_fields,
+    flag_name,
+    pad_vocab_size,
+)
 from megatron_h2.errors import ConfigError
 from megatron_h2.hetero_plan import check_keys, load_yaml_mapping, positive_int
 
 VOCAB_PAD_MULTIPLE = 128
-"""Megatron's ``--make-vocab-size-divisible-by`` default: the vocab is padded to 128 x TP."""
+"""Megatron's ``--make-vocab-size-divisible-by`` default, which the runtime pads to as well."""
 
-
-@dataclass(frozen=True)
-class ModelSpec:
-    """Architecture flags, named as ``pretrain_gpt.py`` names them (with ``_`` for ``-``)."""
-
-    num_layers: int
-    hidden_size: int
-    ffn_hidden_size: int
-    num_attention_heads: int
-    seq_length: int
-    vocab_size: int
-    num_query_groups: int | None = None
-    max_position_embeddings: int | None = None
-
-    def __post_init__(self) -> None:
-        for name in (
-            "num_layers",
-            "hidden_size",
-            "ffn_hidden_size",
-            "num_attention_heads",
-            "seq_length",
-            "vocab_size",
-        ):
-            positive_int(getattr(self, name), name)
-        if self.num_query_groups is None:
-            object.__setattr__(self, "num_query_groups", self.num_attention_heads)
-        groups = positive_int(self.num_query_groups, "num_query_groups")
-        if self.max_position_embeddings is None:
-            object.__setattr__(self, "max_position_embeddings", self.seq_length)
-        positive_int(self.max_position_embeddings, "max_position_embeddings")
-        if self.hidden_size % self.num_attention_heads:
-            raise ConfigError(
-                f"hidden_size {self.hidden_size} is not divisible by num_attention_heads"
-                f" {self.num_attention_heads}; the head dimension must be a whole number"
-            )
-        if self.num_attention_heads % groups:
-            raise ConfigError(
-                f"num_attention_heads {self.num_attention_heads} is not divisible by"
-                f" num_query_groups {groups}; use a divisor of the heads"
-            )
-        if self.seq_length > self.max_position_embeddings:
-            raise ConfigError(
-                f"seq_length {self.seq_length} exceeds max_position_embeddings"
-                f" {self.max_position_embeddings}; raise max_position_embeddings"
-            )
-
-    # ------------------------------------------------------------------------------ shapes
-    @property
-    def groups(self) -> int:
-        """Query groups (K/V heads), never None after construction."""
-        assert self.num_query_groups is not None
-        return self.num_query_groups
-
-    @property
-    def head_dim(self) -> int:
-        """Hidden size per attention head."""
-        return self.hidden_size // self.num_attention_heads
-
-    @property
-    def kv_size(self) -> int:
-        """Width of the K (and of the V) projection: groups x head_dim."""
-        return self.groups * self.head_dim
-
-    def padded_vocab(self, tensor_parallel_size: int) -> int:
-        """Vocabulary padded to a multiple of 128 x TP, as the embedding and head store it."""
-        multiple = VOCAB_PAD_MULTIPLE * tensor_parallel_size
-        return -(-self.vocab_size // multiple) * multiple
-
-    # ---------------------------------------------------------------------------- parameters
-    @property
-    def layer_matrix_params(self) -> int:
-        """Weights of one layer's matrices (q, k, v, o and the three MLP matrices)."""
-        h, f = self.hidden_size, self.ffn_hidden_size
-        return 2 * h * h + 2 * h * self.kv_size + 3 * h * f
-
-    def layer_params_per_chip(self, tp: int) -> float:
-        """Parameters of one layer held by one TP rank (matrices split, the two norms replicated)."""
-        return self.layer_matrix_params / tp + 2 * self.hidden_size
-
-    def embedding_params_per_chip(self, tp: int) -> float:
-        """Vocab-parallel input embedding held by one TP rank."""
-        return self.padded_vocab(tp) * self.hidden_size / tp
-
-    def head_params_per_chip(self, tp: int) -> float:
-        """Final RMSNorm plus vocab-parallel output layer held by one TP rank."""
-        return self.padded_vocab(tp) * self.hidden_size / tp + self.hidden_size
-
-    def total_params(self) -> int:
-        """All parameters of the unpadded model (layers, embedding, final norm, head)."""
-        per_layer = self.layer_matrix_params + 2 * self.hidden_size
-        return (
-            self.num_layers * per_layer + 2 * self.vocab_size * self.hidden_size + self.hidden_size
-        )
-
-    # --------------------------------------------------------------------------------- FLOPs
-    def layer_forward_flops(self, tokens: int) -> float:
-        """Forward FLOPs of one layer over ``tokens`` tokens (matmuls + causal attention core)."""
-        return tokens * (2.0 * self.layer_matrix_params + self.attention_core_flops_per_token)
-
-    @property
-    def attention_core_flops_per_token(self) -> float:
-        """QK^T and AV with a causal mask (half of the square): 2 x seq x hidden per token."""
-        return 2.0 * self.seq_length * self.hidden_size
-
-    def head_forward_flops(self, tokens: int) -> float:
-        """Forward FLOPs of the output layer (logits over the unpadded vocabulary)."""
-        return tokens * 2.0 * self.hidden_size * self.vocab_size
-
-    def model_flops_per_token(self) -> float:
-        """Training FLOPs per token without recompute (3 x forward), the MFU numerator."""
-        layer = 2.0 * self.layer_matrix_params + self.attention_core_flops_per_token
-        return 3.0 * (self.num_layers * layer + 2.0 * self.hidden_size * self.vocab_size)
-
-    # ------------------------------------------------------------------------------ building
-    @classmethod
-    def from_dict(cls, data: Any, source: str = "model") -> ModelSpec:
-        """Build from a mapping with the field names as keys (unknown keys are errors)."""
-        names = [f.name for f in fields(cls)]
-        required = [n for n in names if n not in ("num_query_groups", "max_position_embeddings")]
-        entry = check_keys(data, required, ("num_query_groups", "max_position_embeddings"), source)
-        return cls(**dict(entry))
-
-    @classmethod
-    def from_yaml(cls, path: str | Path) -> ModelSpec:
-        """Read a model file whose keys are the field names (``global_batch_size`` is ignored)."""
-        data = dict(load_yaml_mapping(path, "model"))
-        data.pop("global_batch_size", None)
-        return cls.from_dict(data, source=f"model file '{path}'")
-
-    def to_flags(self) -> list[str]:
-        """The ``pretrain_gpt.py`` flags that describe this model."""
-        flags = []
-        for field in fields(self):
-            flags += [f"--{field.name.replace('_', '-')}", str(getattr(self, field.name))]
-        return flags
-
-
-MODEL_FLAGS: tuple[str, ...] = (
+SHAPE_FLAGS: tuple[str, ...] = (
     "num_layers",
     "hidden_size",
     "ffn_hidden_size",
     "num_attention_heads",
     "num_query_groups",
+    "kv_channels",
     "seq_length",
     "max_position_embeddings",
     "vocab_size",
 )
+"""The integer size flags of ``pretrain_gpt.py`` (``vocab_size``: the tokenizer's, unpadded)."""
 
+_FIELDS = {f.name: f for f in cli_fields(ModelConfig)}
+ARCHITECTURE_FLAGS: dict[str, str] = {
+    flag_name(_FIELDS[name])[2:].replace("-", "_"): name
+    for name in ARCHITECTURE_FIELDS if name not in SHAPE_FLAGS
+}
+"""Architecture keys (``pretrain_gpt.py`` flag names with underscores, e.g. ``swiglu``,
+``normalization``, ``disable_bias_linear``) -> the ModelConfig field each sets. A bool key is
+the flag given (true) or not; unset keys take Megatron's defaults, as on the command line."""
+
+MODEL_FLAGS: tuple[str, ...] = SHAPE_FLAGS + tuple(ARCHITECTURE_FLAGS)
+"""Every key of a model file: the flags of ``pretrain_gpt.py`` that describe the model."""
 
 REQUIRED_MODEL_FLAGS: tuple[str, ...] = (
     "num_layers",
     "hidden_size",
-    "ffn_hidden_size",
     "num_attention_heads",
     "seq_length",
     "vocab_size",
 )
+
+
+def _architecture_value(key: str, value: Any) -> Any:
+    """The ModelConfig value of architecture key ``key`` given as ``value`` (checked)."""
+    f = _FIELDS[ARCHITECTURE_FLAGS[key]]
+    meta = f.metadata["cli"]
+    if isinstance(f.default, bool):
+        if not isinstance(value, bool):
+            raise ConfigError(f"{key} must be true or false (the flag {flag_name(f)} given or "
+                              f"not), got {value!r}")
+        return not value if meta["negative"] else value
+    if meta["choices"] is not None and value not in meta["choices"]:
+        raise ConfigError(f"{key} must be one of {', '.join(meta['choices'])}, got {value!r}")
+    if isinstance(f.default, float) and (isinstance(value, bool)
+                                          or not isinstance(value, int | float)):
+        raise ConfigError(f"{key} must be a number, got {value!r}")
+    if f.name == "rotary_seq_len_interpolation_factor":
+        return positive_int(value, key)
+    return float(value) if isinstance(f.default, float) else value
+
+
+def model_from_dict(data: Any, source: str = "model") -> ModelConfig:
+    """The model of a mapping whose keys are :data:`MODEL_FLAGS` (unknown keys are errors)."""
+    optional = tuple(n for n in MODEL_FLAGS if n not in REQUIRED_MODEL_FLAGS)
+    entry = dict(check_keys(data, REQUIRED_MODEL_FLAGS, optional, source))
+    fields: dict[str, Any] = {}
+    try:
+        for name, value in entry.items():
+            if name in ARCHITECTURE_FLAGS:
+                fields[ARCHITECTURE_FLAGS[name]] = _architecture_value(name, value)
+            elif value is not None:
+                fields[name] = positive_int(value, name)
+        if "num_query_groups" in fields and not fields.get("group_query_attention"):
+            raise ConfigError("num_query_groups needs group_query_attention: true (as "
+                              "pretrain_gpt.py's --num-query-groups needs --group-query-attention)")
+        fields["vocab_size"] = pad_vocab_size(fields["vocab_size"], VOCAB_PAD_MULTIPLE)
+        return ModelConfig(**fields)
+    except ConfigError as exc:
+        raise ConfigError(f"{source}: {exc}") from None
+
+
+def model_from_yaml(path: str | Path) -> ModelConfig:
+    """Read a model file whose keys are the flag names (``global_batch_size`` is ignored)."""
+    data = dict(load_yaml_mapping(path, "model"))
+    data.pop("global_batch_size", None)
+    return model_from_dict(data, source=f"model file '{path}'")
+
+
+def model_flags(model: ModelConfig, vocab: bool = True) -> list[str]:
+    """The ``pretrain_gpt.py`` flags that describe ``model`` (architecture flags only where
+    they differ from Megatron's defaults; ``vocab=False`` leaves out ``--vocab-size``, which
+    only the NullTokenizer reads)."""
+    flags = []
+    for name, value in model_flags_mapping(model).items():
+        if name == "vocab_size" and not vocab:
+            continue
+        flag = "--" + name.replace("_", "-")
+        if isinstance(value, bool):
+            flags += [flag] if value else []
+        else:
+            flags += [flag, str(value)]
+    return flags
+
+
+def model_flags_mapping(model: ModelConfig) -> Mapping[str, Any]:
+    """The model as a flag-name -> value mapping (for YAML model files): every size, and the
+    architecture keys whose value differs from Megatron's default."""
+    out: dict[str, Any] = {name: getattr(model, name) for name in SHAPE_FLAGS}
+    if not model.group_query_attention:
+        del out["num_query_groups"]  # one per head
+    for key, name in ARCHITECTURE_FLAGS.items():
+        f = _FIELDS[name]
+        value = getattr(model, name)
+        if value != f.default and not (name == "add_qkv_bias" and model.add_bias_linear):
+            out[key] = (not value) if f.metadata["cli"]["negative"] else value
+    return out
 
 
 def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the ``pretrain_gpt.py`` model flags plus ``--model FILE`` (flags override the file)."""
     group = parser.add_argument_group("model (same flags as pretrain_gpt.py)")
     group.add_argument("--model", metavar="FILE", help="YAML file with the model flags as keys")
-    for name in MODEL_FLAGS:
+    for name in SHAPE_FLAGS:
         group.add_argument(f"--{name.replace('_', '-')}", type=int, metavar="N")
+    for key, name in ARCHITECTURE_FLAGS.items():
+        f = _FIELDS[name]
+        flag = "--" + key.replace("_", "-")
+        if isinstance(f.default, bool):
+            group.add_argument(flag, action="store_true", default=None)
+        else:
+            group.add_argument(flag, type=type(f.default) if f.default is not None else int,
+                               choices=f.metadata["cli"]["choices"])
     group.add_argument("--global-batch-size", type=int, metavar="N")
 
 
-def model_from_arguments(args: argparse.Namespace) -> tuple[ModelSpec, int]:
-    """Return the model and the global batch size from parsed flags (and ``--model`` file)."""
+def model_from_arguments(args: argparse.Namespace,
+                         require_global_batch: bool = True) -> tuple[ModelConfig, int | None]:
+    """Return the model and the global batch size from parsed flags (and ``--model`` file);
+    the batch size may be absent (None) with ``require_global_batch=False``."""
     data: dict[str, Any] = {}
     if args.model:
         data = dict(load_yaml_mapping(args.model, "model"))
@@ -206,26 +173,22 @@ def model_from_arguments(args: argparse.Namespace) -> tuple[ModelSpec, int]:
         raise ConfigError(
             f"model flag {flag} is missing; give it on the command line or in --model FILE"
         )
-    if global_batch is None:
+    if global_batch is None and require_global_batch:
         raise ConfigError(
             "--global-batch-size is missing; give it on the command line or in --model FILE"
         )
-    return ModelSpec.from_dict(data, source="model flags"), positive_int(
-        global_batch, "global_batch_size"
-    )
+    model = model_from_dict(data, source="model flags")
+    return model, None if global_batch is None else positive_int(global_batch,
+                                                                 "global_batch_size")
 
 
-def describe(model: ModelSpec) -> str:
+def describe(model: ModelConfig) -> str:
     """One line such as ``96 layers, hidden 9216, ... (85.7B parameters)``."""
-    params = model.total_params()
+    params = model.num_parameters()
     size = f"{params / 1e9:.1f}B" if params >= 1e9 else f"{params / 1e6:.1f}M"
     return (
         f"{model.num_layers} layers, hidden {model.hidden_size}, ffn {model.ffn_hidden_size},"
-        f" {model.num_attention_heads} heads / {model.groups} query groups, seq {model.seq_length},"
-        f" vocab {model.vocab_size} ({size} parameters)"
+        f" {model.num_attention_heads} heads / {model.num_query_groups} query groups,"
+        f" seq {model.seq_length}, vocab {model.vocab_size} ({size} parameters;"
+        f" {model.describe_architecture()})"
     )
-
-
-def model_flags_mapping(model: ModelSpec) -> Mapping[str, int]:
-    """The model as a flag-name -> value mapping (for YAML model files)."""
-    return {f.name: getattr(model, f.name) for f in fields(model)}

@@ -1,20 +1,28 @@
 """Stage two of the search: the exact layer split for a fixed sequence of stages.
 
-Given the stages of a pipeline (chip type, TP, position) the split ``l_0 .. l_{p-1}`` (every
-stage at least one layer) minimises the cost model's step time
+Given the stages of a pipeline (chip type, TP, position) and its schedule, the split
+``l_0 .. l_{p-1}`` (every stage at least one layer per model chunk) minimises the cost model's
+step time, which for every schedule has the form
 
-    T(l) = (m - 1) * max_i w_i(l_i) + max_i a_i(l_i) + sum_i w_i(l_i) + links
+    T(l) = F * max_i w_i(l_i) + sum_i f_i(l_i) + max_i z_i(l_i) + links
 
-where ``w_i(l)`` is the stage's forward + backward time per micro-batch with ``l`` layers under
-the fastest recompute mode that fits its memory (``inf`` when none fits), ``a_i(l)`` its DP
-gradient synchronisation, and ``m`` the number of micro-batches. Both are non-decreasing in ``l``.
+with each stage's recompute mode the fastest that fits its memory (``inf`` when none fits):
 
-For bounds ``W`` on the slowest stage and ``Z`` on the slowest synchronisation each stage can take
-at most ``cap_i(W, Z)`` layers, and the best split under those bounds is a small min-plus dynamic
-programme over the stages, ``S(W, Z)``. The optimum is ``min (m - 1) W + Z + S(W, Z)`` over the
-finitely many values ``W`` and ``Z`` that some ``w_i(l)`` and ``a_i(l)`` take. Both are scanned
-upwards from their smallest feasible values until ``(m - 1) W + Z + S(inf, inf)`` cannot beat the
-best found, so the result is exact.
+* ``1f1b``: ``F = m - 1``, ``w = f = W`` (forward + backward per micro-batch), ``z = Z`` (DP
+  sync);
+* ``interleaved`` (``V`` equal chunks per stage): ``F = m V - 1``, ``w = f = W / V``,
+  ``z = Z``; the split counts *units* of ``V`` layers (one per chunk), so ``l_i = V u_i``;
+* ``zero-bubble``: ``F = m - 1``, ``w = W``, ``f = W - (1 + b) G``, ``z = (1 + b) G + Z`` with
+  ``G`` the weight-gradient part of ``W`` and ``b`` from
+  :func:`~megatron_h2.planner.cost_model.zero_bubble_share`.
+
+All of ``w``, ``f`` and ``z`` are non-decreasing in ``l``. For bounds ``W`` on the slowest stage
+and ``Z`` on the largest ``z`` each stage can take at most ``cap_i(W, Z)`` units, and the best
+split under those bounds is a greedy fill or a small min-plus dynamic programme over the stages,
+``S(W, Z)``. The optimum is ``min F W + Z + S(W, Z)`` over the finitely many values ``W`` and
+``Z`` that some ``w_i(l)`` and ``z_i(l)`` take. Both are scanned upwards from their smallest
+feasible values until ``F W + Z + S(inf, inf)`` cannot beat the best found, so the result is
+exact.
 """
 
 from __future__ import annotations
@@ -24,19 +32,20 @@ from dataclasses import dataclass
 import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
-from megatron_h2.planner.cost_model import MODES, StageCosts
+from megatron_h2.planner.cost_model import MODES, zero_bubble_share
+from megatron_h2.planner.stage_costs import StageCosts
 
 INF = float("inf")
 
 
 @dataclass(frozen=True)
 class StageSlot:
-    """A stage of a fixed pipeline before its layers are known."""
+    """A stage of a fixed pipeline before its layers are known (what it holds in memory comes
+    with its recompute modes' layer caps)."""
 
     costs: StageCosts
     first: bool
     last: bool
-    in_flight: int
 
 
 @dataclass(frozen=True)
@@ -49,38 +58,62 @@ class Split:
 
 
 class StageTable:
-    """Per stage and layer count: work, DP sync time and recompute mode (index into MODES)."""
+    """Per stage and unit count: the three terms of the step time and the recompute mode.
+
+    A unit is one layer per model chunk (``chunks`` layers). ``mode_caps[i]`` holds, per
+    recompute mode, the most units stage ``i`` fits in memory.
+    """
 
     def __init__(
-        self, slots: list[StageSlot], num_layers: int, mode_caps: list[tuple[int, int, int]]
+        self,
+        slots: list[StageSlot],
+        num_units: int,
+        mode_caps: list[tuple[int, int, int]],
+        schedule: str = "1f1b",
+        chunks: int = 1,
+        micro_batches: int = 1,
     ):
-        p, size = len(slots), num_layers + 1
-        layers = np.arange(size, dtype=np.float64)
+        p, size = len(slots), num_units + 1
+        layers = np.arange(size, dtype=np.float64) * chunks
         self.work = np.full((p, size), INF)
-        self.sync = np.zeros((p, size))
+        self.fill = np.full((p, size), INF)
+        self.tail = np.zeros((p, size))
         self.mode = np.full((p, size), -1, dtype=np.int8)
+        share = 1.0 + zero_bubble_share(p, micro_batches)
         for i, (slot, caps) in enumerate(zip(slots, mode_caps)):
             c, first, last = slot.costs, slot.first, slot.last
             edge_f = (c.embedding_forward if first else 0.0) + (c.head_forward if last else 0.0)
             edge_b = (c.embedding_backward if first else 0.0) + (c.head_backward if last else 0.0)
+            edge_g = (c.embedding_weight_grad if first else 0.0) + (
+                c.head_weight_grad if last else 0.0
+            )
             mode = np.full(size, -1, dtype=np.int8)
             for index in range(len(MODES) - 1, -1, -1):  # the fastest fitting mode wins
                 mode[: max(caps[index] + 1, 0)] = index
             backward = np.asarray(c.layer_backward)[np.maximum(mode, 0)]
             work = (edge_f + layers * c.layer_forward) + (edge_b + layers * backward)
-            self.mode[i] = mode
-            self.work[i] = np.where(mode >= 0, work, INF)
+            sync = np.zeros(size)
             if c.data_parallel_size > 1:
                 edge = (c.embedding_params if first else 0.0) + (c.head_params if last else 0.0)
-                self.sync[i] = c.sync_fixed + (edge + layers * c.layer_params) * c.sync_per_param
-        self.num_layers = num_layers
+                sync = c.sync_fixed + (edge + layers * c.layer_params) * c.sync_per_param
+            weight = edge_g + layers * c.layer_weight_grad
+            fill, tail = work, sync
+            if schedule == "interleaved":
+                work = fill = work / chunks
+            elif schedule == "zero-bubble":
+                fill, tail = work - share * weight, sync + share * weight
+            self.mode[i] = mode
+            self.work[i] = np.where(mode >= 0, work, INF)
+            self.fill[i] = np.where(mode >= 0, fill, INF)
+            self.tail[i] = tail
+        self.num_layers = num_units
         with np.errstate(invalid="ignore"):
-            marginal = np.diff(self.work, axis=1)  # marginal[i, l - 1] = work(l) - work(l - 1)
+            marginal = np.diff(self.fill, axis=1)  # marginal[i, l - 1] = fill(l) - fill(l - 1)
         with np.errstate(invalid="ignore"):
             drops = marginal[:, 1:] < marginal[:, :-1] * (1 - 1e-12) - 1e-300
         drops &= np.isfinite(marginal[:, 1:])
-        # work_i is convex on 1..convex_i: the greedy fill is exact while caps stay within it
-        first_drop = np.where(drops.any(axis=1), drops.argmax(axis=1), num_layers)
+        # fill_i is convex on 1..convex_i: the greedy fill is exact while caps stay within it
+        first_drop = np.where(drops.any(axis=1), drops.argmax(axis=1), num_units)
         self.convex = first_drop + 1
         self.marginal = np.where(np.isfinite(marginal), marginal, INF)
 
@@ -89,9 +122,9 @@ class StageTable:
         return bool((caps >= 1).all() and caps.sum() >= self.num_layers)
 
     def best_sum(self, caps: np.ndarray) -> tuple[float, list[int]] | None:
-        """Min of sum_i work_i(l_i) with 1 <= l_i <= caps_i and sum l_i = L.
+        """Min of sum_i fill_i(l_i) with 1 <= l_i <= caps_i and sum l_i = L (in units).
 
-        Greedy (one layer each, then the cheapest marginal layers) where every stage's work is
+        Greedy (one unit each, then the cheapest marginal units) where every stage's fill is
         convex up to its cap; a min-plus dynamic programme otherwise.
         """
         if (caps < 1).any() or caps.sum() < self.num_layers:
@@ -103,7 +136,7 @@ class StageTable:
     def _greedy(self, caps: np.ndarray) -> tuple[float, list[int]]:
         p = len(caps)
         extra = self.num_layers - p
-        base = float(self.work[:, 1].sum())
+        base = float(self.fill[:, 1].sum())
         if extra == 0:
             return base, [1] * p
         steps = np.arange(1, self.num_layers)[None, :]  # marginal column j adds layer j + 1
@@ -113,7 +146,7 @@ class StageTable:
         counts = np.bincount(chosen // pool.shape[1], minlength=p)
         split = [1 + int(c) for c in counts]
         rows = np.arange(p)
-        return float(self.work[rows, split].sum()), split
+        return float(self.fill[rows, split].sum()), split
 
     def _programme(self, caps: np.ndarray) -> tuple[float, list[int]] | None:
         size = self.num_layers + 1
@@ -124,7 +157,7 @@ class StageTable:
             high = int(min(caps[i], self.num_layers))
             if high < 1:
                 return None
-            row = self.work[i, 1 : high + 1]
+            row = self.fill[i, 1 : high + 1]
             padded = np.concatenate((np.full(high, INF), total))
             windows = sliding_window_view(padded, high)[
                 :size
@@ -144,10 +177,10 @@ class StageTable:
         return float(total[self.num_layers]), split
 
     def step_time(self, split: list[int], factor: int, links_s: float) -> float:
-        """Step time of a concrete split, as the cost model defines it."""
+        """Step time of a concrete split (in units), as the cost model defines it."""
         rows = np.arange(len(split))
-        work = self.work[rows, split]
-        return float(factor * work.max() + self.sync[rows, split].max() + work.sum() + links_s)
+        terms = factor * self.work[rows, split].max() + self.tail[rows, split].max()
+        return float(terms + self.fill[rows, split].sum() + links_s)
 
 
 def _smallest(count: int, ok: object) -> int:
@@ -178,27 +211,36 @@ def solve_split(
     links_s: float,
     mode_caps: list[tuple[int, int, int]],
     cutoff: float = INF,
+    schedule: str = "1f1b",
+    chunks: int = 1,
 ) -> Split | None:
-    """Exact best split of ``num_layers`` over ``slots``; None if nothing fits or cannot beat ``cutoff``.
+    """Exact best split of ``num_layers`` over ``slots``.
 
-    ``mode_caps[i]`` holds, per recompute mode, the most layers stage ``i`` fits in memory.
-    ``links_s`` is the constant point-to-point part of the step time.
+    None if nothing fits or nothing beats ``cutoff``.
+
+    ``mode_caps[i]`` holds, per recompute mode, the most layers per chunk stage ``i`` fits in
+    memory. ``links_s`` is the constant point-to-point part of the step time. Interleaved
+    splits give every chunk of a stage the same number of layers (``num_layers`` must then be a
+    multiple of ``chunks``, else there is no split).
     """
-    table = StageTable(slots, num_layers, mode_caps)
-    factor = num_micro_batches - 1
+    if num_layers % chunks:
+        return None
+    m = num_micro_batches
+    table = StageTable(slots, num_layers // chunks, mode_caps, schedule, chunks, m)
+    factor = m * chunks - 1 if schedule == "interleaved" else m - 1
     valid = table.mode >= 0
     loose = valid.sum(axis=1) - 1
     if not table.feasible(loose):
         return None
     works = np.unique(table.work[valid])
-    syncs = np.unique(table.sync[valid])
-    w_caps, z_caps = _cap_matrix(works, table.work, valid), _cap_matrix(syncs, table.sync, valid)
+    syncs = np.unique(table.tail[valid])
+    w_caps, z_caps = _cap_matrix(works, table.work, valid), _cap_matrix(syncs, table.tail, valid)
     w_first = _smallest(len(works), lambda j: table.feasible(w_caps[j]))
     z_min = syncs[_smallest(len(syncs), lambda k: table.feasible(z_caps[k]))]
-    if factor * works[w_first] + z_min + works[w_first] + links_s >= cutoff:
-        return None
     floor = table.best_sum(loose)
     if floor is None:
+        return None
+    if factor * works[w_first] + z_min + floor[0] + links_s >= cutoff:
         return None
     best, best_value = None, cutoff
     seen: set[bytes] = set()
@@ -209,7 +251,9 @@ def solve_split(
         unbounded = table.best_sum(by_work)  # the same W with no bound on the sync
         if unbounded is None:
             continue
-        k_first = _smallest(len(syncs), lambda k: table.feasible(np.minimum(by_work, z_caps[k])))
+        k_first = _smallest(
+            len(syncs), lambda k, w=by_work: table.feasible(np.minimum(w, z_caps[k]))
+        )
         for k in range(k_first, len(syncs)):
             if factor * works[j] + syncs[k] + unbounded[0] + links_s >= best_value:
                 break
@@ -228,4 +272,4 @@ def solve_split(
         return None
     rows = np.arange(len(best))
     modes = tuple(int(m) for m in table.mode[rows, best])
-    return Split(tuple(best), modes, best_value)
+    return Split(tuple(n * chunks for n in best), modes, best_value)

@@ -1,7 +1,8 @@
 """Profile tables: measured per-layer times (or efficiencies) that replace the FLOP-based guess.
 
-A profile table is YAML. ``tools/profile_chip.py`` produces it by timing one transformer layer,
-the embedding, the head and the optimizer step on one chip; it can also be written by hand::
+A profile table is YAML. ``tools/profile_chip.py`` (:mod:`megatron_h2.training.profile_chip`)
+writes it by timing one transformer layer, the embedding, the head and the optimizer step on one
+chip; it can also be written by hand::
 
     model:                       # optional: the shape it was measured for; must match the model
       hidden_size: 64
@@ -50,6 +51,7 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
+from megatron_h2.config import ModelConfig
 from megatron_h2.errors import ConfigError
 from megatron_h2.hetero_plan import (
     check_keys,
@@ -58,7 +60,6 @@ from megatron_h2.hetero_plan import (
     positive_float,
     positive_int,
 )
-from megatron_h2.planner.model import ModelSpec
 
 _MODEL_KEYS = (
     "hidden_size",
@@ -152,7 +153,7 @@ class ProfileTable:
         if self.model is not None:
             object.__setattr__(self, "model", dict(self.model))
 
-    def check(self, model: ModelSpec, chip_names: list[str]) -> None:
+    def check(self, model: ModelConfig, chip_names: list[str]) -> None:
         """Raise ConfigError if the table names unknown chips or was measured for another model."""
         for name in self.chips:
             if name not in chip_names:

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from megatron_h2.hetero_plan import HeteroPlan
+from megatron_h2.planner.alternatives import Alternative
 from megatron_h2.planner.cluster import Cluster
 from megatron_h2.planner.compare import Comparison
-from megatron_h2.planner.cost_model import PlanEstimate
+from megatron_h2.planner.cost_model import PlanEstimate, zero_bubble_share
 from megatron_h2.planner.search import Candidate, SearchResult
-from megatron_h2.planner.simulator import SimulationResult
+from megatron_h2.planner.simulator import SimulationResult, schedule_label
 
 GIB = 2**30
 
@@ -51,6 +54,13 @@ def stage_summary(plan: HeteroPlan) -> str:
     return " | ".join(parts)
 
 
+def schedule_short(plan: HeteroPlan) -> str:
+    """``1F1B``, ``ZB-H1`` or ``int V=2`` for tables."""
+    if plan.schedule == "interleaved":
+        return f"int V={plan.virtual_pipeline_size}"
+    return "ZB-H1" if plan.schedule == "zero-bubble" else "1F1B"
+
+
 def memory_use(estimate: PlanEstimate) -> str:
     """Peak memory over usable memory, worst stage per chip type, e.g. ``H100 91%``."""
     worst: dict[str, float] = {}
@@ -72,6 +82,7 @@ def candidates_table(result: SearchResult) -> str:
         "mbs",
         "m",
         "PP",
+        "schedule",
         "chips",
         "memory (peak/usable)",
         "stages",
@@ -89,6 +100,7 @@ def candidates_table(result: SearchResult) -> str:
                 str(plan.micro_batch_size),
                 str(plan.num_micro_batches),
                 str(plan.pipeline_parallel_size),
+                schedule_short(plan),
                 str(plan.world_size),
                 memory_use(est),
                 stage_summary(plan),
@@ -98,74 +110,78 @@ def candidates_table(result: SearchResult) -> str:
 
 
 def plan_detail(candidate: Candidate, simulation: SimulationResult | None) -> str:
-    """One row per stage of a plan, with the simulated utilisation when given."""
+    """One row per stage of a plan, with the simulated utilisation when given.
+
+    ``layers`` lists the chunks (``3+3``) under interleaving; ``in flight`` counts the
+    (chunk-)micro-batches whose activations the stage holds at its peak, ``W held`` (zero-bubble)
+    those whose weight-gradient inputs it holds for deferred work.
+    """
     plan, est = candidate.plan, candidate.estimate
     small = min(stage.capacity_bytes for stage in est.stages) < 4 * GIB
     unit, scale = ("MiB", 2**20) if small else ("GiB", GIB)
-    header = [
-        "stage",
-        "chip",
-        "TP",
-        "ranks",
-        "layers",
-        "recompute",
-        "in flight",
-        "F+B ms",
-        "sync ms",
-        f"peak {unit}",
-        f"usable {unit}",
-        "busy",
-    ]
+    split = plan.schedule == "zero-bubble"
+    header = ["stage", "chip", "TP", "ranks", "layers", "recompute", "in flight"]
+    header += ["W held"] if split else []
+    header += ["F+B ms", "sync ms", f"peak {unit}", f"usable {unit}", "busy"]
     rows = []
     for index, stage in enumerate(est.stages):
         ranks = plan.stage_ranks(index)
         busy = f"{100 * simulation.utilization[index]:.0f}%" if simulation else "-"
-        rows.append(
-            [
-                str(index),
-                stage.chip,
-                str(stage.tensor_parallel_size),
-                f"{ranks.start}-{ranks.stop - 1}",
-                str(stage.num_layers),
-                stage.recompute,
-                str(stage.in_flight),
-                f"{1e3 * stage.work_s:.1f}",
-                f"{1e3 * stage.dp_sync_s:.1f}",
-                f"{stage.memory_bytes / scale:.1f}",
-                f"{stage.capacity_bytes / scale:.1f}",
-                busy,
-            ]
-        )
+        row = [
+            str(index),
+            stage.chip,
+            str(stage.tensor_parallel_size),
+            f"{ranks.start}-{ranks.stop - 1}",
+            "+".join(str(n) for n in plan.stages[index].chunks),
+            stage.recompute,
+            str(stage.in_flight),
+        ]
+        row += [str(stage.deferred)] if split else []
+        row += [
+            f"{1e3 * stage.work_s:.1f}",
+            f"{1e3 * stage.dp_sync_s:.1f}",
+            f"{stage.memory_bytes / scale:.1f}",
+            f"{stage.capacity_bytes / scale:.1f}",
+            busy,
+        ]
+        rows.append(row)
     return _table(header, rows)
 
 
 def explain(
-    candidate: Candidate, simulation: SimulationResult | None, cluster: Cluster
+    candidate: Candidate,
+    simulation: SimulationResult | None,
+    cluster: Cluster,
+    alternatives: Sequence[Alternative] = (),
 ) -> list[str]:
-    """Plain-language reasons: what bounds the step time, what memory forced, what is unused."""
+    """Plain-language reasons: the schedule and what it saves, what bounds the step time, what
+    memory forced, what is unused, and the same stages under the other schedules."""
     plan, est = candidate.plan, candidate.estimate
-    m, p = plan.num_micro_batches, plan.pipeline_parallel_size
+    m, p, v = plan.num_micro_batches, plan.pipeline_parallel_size, plan.virtual_pipeline_size
     k = est.bottleneck
     slow = est.stages[k]
+    work = sum(s.work_s for s in est.stages)
+    steady = (m - 1 / v) * slow.work_s if plan.schedule == "interleaved" else (m - 1) * slow.work_s
     lines = [
-        f"slowest stage: {k} ({slow.chip}, TP{slow.tensor_parallel_size}, {slow.num_layers} layers) at"
+        f"schedule: {schedule_label(plan)}; slowest stage: {k} ({slow.chip},"
+        f" TP{slow.tensor_parallel_size}, {slow.num_layers} layers) at"
         f" {1e3 * slow.work_s:.1f} ms per micro-batch; with {m} micro-batches it sets"
-        f" {(m - 1) * slow.work_s:.2f} s of the {est.step_time_s:.2f} s step",
-        f"pipeline fill and drain (sum of stage work): {sum(s.work_s for s in est.stages):.2f} s;"
-        f" DP gradient sync: {est.dp_sync_s:.2f} s; point-to-point: {est.link_s:.3f} s",
+        f" {steady:.2f} s of the {est.step_time_s:.2f} s step",
+        _fill_line(plan, est, work)
+        + f"; DP gradient sync: {est.dp_sync_s:.2f} s; point-to-point: {est.link_s:.3f} s",
     ]
     if simulation is not None:
         gap = 100 * (simulation.step_time_s / est.step_time_s - 1)
         lines.append(
-            f"event simulation of 1F1B: {simulation.step_time_s:.3f} s ({gap:+.1f}% vs the formula),"
+            f"event simulation of {schedule_label(plan)}: {simulation.step_time_s:.3f} s"
+            f" ({gap:+.1f}% vs the formula),"
             f" bubble {100 * simulation.bubble_fraction:.1f}% of stage time"
         )
     recomputed = [i for i, s in enumerate(est.stages) if s.recompute != "none"]
     tight = [i for i, s in enumerate(est.stages) if s.memory_bytes > 0.9 * s.capacity_bytes]
     if recomputed:
         lines.append(
-            f"memory forces recompute on stages {_ranges(recomputed)}"
-            f" (early stages hold up to {min(p, m)} micro-batches of activations)"
+            f"memory forces recompute on stages {_ranges(recomputed)} ({_held(plan, est)})"
         )
     if tight:
         lines.append(f"stages {_ranges(tight)} use over 90% of their usable memory")
@@ -173,8 +189,17 @@ def explain(
         lines.append("memory is not binding: no stage recomputes or is above 90% of its memory")
     crossings = sum(1 for a, b in zip(plan.stages, plan.stages[1:]) if a.chip != b.chip)
     if crossings:
+        each = f" ({v} transfers each way per micro-batch)" if v > 1 else ""
         lines.append(
-            f"{crossings} pipeline link(s) cross chip types at {cluster.cross_chip_gb_per_s:g} GB/s"
+            f"{crossings} pipeline link(s) cross chip types at"
+            f" {cluster.cross_chip_gb_per_s:g} GB/s{each}"
+        )
+    if v > 1:
+        crosses = plan.stages[-1].chip != plan.stages[0].chip
+        lines.append(
+            f"the wrap-around link from stage {p - 1} to stage 0 carries {v - 1} transfer(s) each"
+            f" way per micro-batch ({1e3 * est.wrap_link_s:.1f} ms each"
+            f"{', across chip types' if crosses else ''})"
         )
     for chip in cluster.chips:
         used = est.chips_used.get(chip.name, 0)
@@ -183,7 +208,69 @@ def explain(
             lines.append(
                 f"{chip.name}: {what} (using more would not make the step faster under this batch)"
             )
+    if alternatives:
+        lines.append("the same stages under each schedule: " + _alternatives(est, alternatives))
     return lines
+
+
+def _fill_line(plan: HeteroPlan, est: PlanEstimate, work: float) -> str:
+    """What the pipeline's fill and drain cost under the plan's schedule."""
+    v, m, p = plan.virtual_pipeline_size, plan.num_micro_batches, plan.pipeline_parallel_size
+    if plan.schedule == "interleaved":
+        return (
+            f"pipeline fill and drain (sum of stage work / V): {work / v:.2f} s, 1/{v} of"
+            f" 1F1B's {work:.2f} s"
+        )
+    if plan.schedule == "zero-bubble":
+        share = 1.0 + zero_bubble_share(p, m)
+        weight = sum(s.weight_grad_s for s in est.stages)
+        return (
+            f"pipeline fill and drain: {work - share * weight:.2f} s (1F1B's {work:.2f} s less"
+            f" {share:g} x the stages' weight-gradient work, which fills the bubble)"
+        )
+    return f"pipeline fill and drain (sum of stage work): {work:.2f} s"
+
+
+def _held(plan: HeteroPlan, est: PlanEstimate) -> str:
+    """What early (or all) stages keep in memory under the plan's schedule."""
+    p, m, v = plan.pipeline_parallel_size, plan.num_micro_batches, plan.virtual_pipeline_size
+    if plan.schedule == "interleaved":
+        first = est.stages[0].in_flight
+        return (
+            f"interleaving keeps more in flight: stage 0 holds {first} chunk-micro-batches,"
+            f" {first / v:.1f} micro-batches' worth, against {min(p, m)} under 1F1B"
+        )
+    if plan.schedule == "zero-bubble":
+        return (
+            f"under zero-bubble every stage holds up to {min(p, m)} micro-batches: activations"
+            " of p - s and the weight-gradient inputs of the deferred ones"
+        )
+    return f"early stages hold up to {min(p, m)} micro-batches of activations"
+
+
+def _alternatives(est: PlanEstimate, alternatives: Sequence[Alternative]) -> str:
+    """``1f1b 21.077 s (+6.9%); interleaved V=2-4: cannot run (...); zero-bubble ... (chosen)``:
+    interleaved variants that fail for the same reason are given once."""
+    parts: list[tuple[str, list[int], str]] = []  # (schedule, V values, text)
+    for alt in alternatives:
+        if alt.candidate is None:
+            text = f"cannot run ({alt.reason})"
+            if parts and parts[-1][0] == alt.schedule == "interleaved" and parts[-1][2] == text:
+                parts[-1][1].append(alt.chunks)
+                continue
+        else:
+            step = alt.candidate.estimate.step_time_s
+            chosen = (alt.schedule, alt.chunks) == (est.schedule, est.virtual_pipeline_size)
+            note = "chosen" if chosen else f"{100 * (step / est.step_time_s - 1):+.1f}%"
+            text = f"{step:.3f} s ({note})"
+        parts.append((alt.schedule, [alt.chunks], text))
+    out = []
+    for schedule, chunks, text in parts:
+        if schedule == "interleaved":
+            values = str(chunks[0]) if len(chunks) == 1 else f"{chunks[0]}-{chunks[-1]}"
+            schedule = f"interleaved V={values}"
+        out.append(f"{schedule}{':' if text.startswith('cannot') else ''} {text}")
+    return "; ".join(out)
 
 
 def _ranges(indices: list[int]) -> str:
@@ -203,7 +290,8 @@ def search_summary(result: SearchResult) -> str:
     s = result.stats
     best = result.best.estimate.step_time_s
     line = (
-        f"searched {s.batch_shapes} (micro-batch, DP) shapes ({s.batch_shapes_pruned} pruned whole),"
+        f"searched {s.batch_shapes} (micro-batch, DP, schedule) shapes"
+        f" ({s.batch_shapes_pruned} pruned whole),"
         f" {s.nodes:,} pipeline prefixes ({s.nodes_pruned:,} options pruned by bound),"
         f" {s.splits_solved:,} layer splits in {s.elapsed_s:.1f} s"
     )
@@ -228,7 +316,8 @@ def comparison_text(comparison: Comparison) -> str:
                 [
                     result.chip,
                     f"{result.tokens_per_s:,.0f}",
-                    f"DP{cand.plan.data_parallel_size} mbs{cand.plan.micro_batch_size} {stage_summary(cand.plan)}",
+                    f"DP{cand.plan.data_parallel_size} mbs{cand.plan.micro_batch_size}"
+                    f" {schedule_short(cand.plan)} {stage_summary(cand.plan)}",
                 ]
             )
     rows.append(["sum", f"{comparison.homogeneous_sum:,.0f}", ""])

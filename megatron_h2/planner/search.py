@@ -1,9 +1,11 @@
 """Two-stage plan search (HeteroAuto): structure by branch and bound, layer split exactly.
 
-Stage one chooses the *structure* of the pipeline: the micro-batch size ``b`` and DP degree
-``d`` (a "batch shape"), which chip types are used, in which order along the pipeline, and for
+Stage one chooses the *structure* of the pipeline: the micro-batch size ``b``, DP degree ``d``
+and pipeline schedule (``1f1b``, ``zero-bubble``, or ``interleaved`` with ``V`` model chunks per
+stage) (a "batch shape"), which chip types are used, in which order along the pipeline, and for
 each used chip type its TP degree and number of stages. Stage two (:mod:`.partition`) finds the
-exact best layer split of a structure, with each stage's recompute mode the fastest that fits.
+exact best layer split of a structure (equal chunks on every stage under ``interleaved``), with
+each stage's recompute mode the fastest that fits.
 
 Stage one is a branch and bound over pipeline *suffixes*: starting from the last stage (which
 holds the head and keeps one micro-batch in flight), blocks of stages of one chip type are
@@ -28,7 +30,14 @@ from typing import Any
 import numpy as np
 
 from megatron_h2.errors import ConfigError
-from megatron_h2.hetero_plan import ChipSpec, HeteroPlan, StageSpec, positive_int
+from megatron_h2.hetero_plan import (
+    SCHEDULES,
+    ChipSpec,
+    HeteroPlan,
+    StageSpec,
+    closest,
+    positive_int,
+)
 from megatron_h2.planner.bounds import BatchShape, Kind
 from megatron_h2.planner.cost_model import MODES, CostModel, PlanEstimate
 from megatron_h2.planner.partition import INF, Split, StageSlot, solve_split
@@ -45,9 +54,13 @@ class SearchOptions:
     micro_batch_sizes: tuple[int, ...] | None = None
     max_micro_batch_size: int = 8
     time_limit_s: float = 55.0
-    grid_points: int = 128
-    dive_shapes: int = 8
-    dive_nodes: int = 48
+    grid_points: int = 64
+    dive_shapes: int = 24
+    dive_nodes: int = 24
+    schedules: tuple[str, ...] = SCHEDULES
+    """Pipeline schedules to consider (``1f1b``, ``interleaved``, ``zero-bubble``)."""
+    max_virtual_stages: int = 4
+    """Most model chunks per stage (``V``) under ``interleaved``."""
 
     def __post_init__(self) -> None:
         positive_int(self.global_batch_size, "global_batch_size")
@@ -61,14 +74,39 @@ class SearchOptions:
                 positive_int(size, "micro_batch_size")
                 if self.global_batch_size % size:
                     raise ConfigError(
-                        f"global batch size {self.global_batch_size} is not divisible by micro batch"
-                        f" size {size}; pick a micro batch size that divides it"
+                        f"global batch size {self.global_batch_size} is not divisible by micro"
+                        f" batch size {size}; pick a micro batch size that divides it"
                     )
+        object.__setattr__(self, "schedules", tuple(self.schedules))
+        if not self.schedules:
+            raise ConfigError("schedules is empty; give at least one of " + ", ".join(SCHEDULES))
+        for schedule in self.schedules:
+            if schedule not in SCHEDULES:
+                raise ConfigError(
+                    f"unknown pipeline schedule {schedule!r}{closest(str(schedule), SCHEDULES)};"
+                    f" choose from {', '.join(SCHEDULES)}"
+                )
+        positive_int(self.max_virtual_stages, "max_virtual_stages", minimum=2)
         if not self.time_limit_s > 0:
             raise ConfigError(f"time limit must be positive, got {self.time_limit_s}")
 
+    def schedule_variants(self, num_layers: int) -> list[tuple[str, int]]:
+        """(schedule, model chunks) pairs to search; interleaved with every ``V`` from 2 to
+        :attr:`max_virtual_stages` that divides the layers (chunks are equal)."""
+        variants = []
+        for schedule in SCHEDULES:
+            if schedule not in self.schedules:
+                continue
+            if schedule == "interleaved":
+                chunks = range(2, self.max_virtual_stages + 1)
+                variants += [(schedule, v) for v in chunks if num_layers % v == 0]
+            else:
+                variants.append((schedule, 1))
+        return variants
+
     def micro_batch_candidates(self) -> list[int]:
-        """Micro-batch sizes to try: the given ones, else powers of two dividing the global batch."""
+        """Micro-batch sizes to try: the given ones, else the powers of two dividing the global
+        batch."""
         if self.micro_batch_sizes is not None:
             return sorted(set(self.micro_batch_sizes))
         sizes, size = [], 1
@@ -118,6 +156,8 @@ class _Found:
     value: float
     micro_batch_size: int
     data_parallel_size: int
+    schedule: str
+    chunks: int
     blocks: tuple[tuple[int, int], ...]  # (kind index, stages), pipeline order
     split: Split
     kinds: tuple[Kind, ...] = field(compare=False)
@@ -136,7 +176,7 @@ class _Search:
         self.best: list[tuple[float, int, _Found]] = []  # max-heap by value via negation
         self.counter = itertools.count()
         self.deadline = time.monotonic() + options.time_limit_s
-        self.evaluated: set[tuple[int, int, tuple[tuple[int, int], ...]]] = set()
+        self.evaluated: set[tuple[int, int, str, int, tuple[tuple[int, int], ...]]] = set()
 
     @property
     def threshold(self) -> float:
@@ -149,16 +189,33 @@ class _Search:
         self.stats.exhaustive = False
         self.stats.lower_bound_s = min(self.stats.lower_bound_s, bound)
 
-    def run(self) -> list[_Found]:
+    def _shapes(self) -> list[BatchShape]:
+        """Every (micro-batch size, DP degree, schedule, V) shape with some stage kind. The
+        zero-bubble and interleaved shapes are lazy: the 1F1B shape of the same micro-batch size
+        and DP degree bounds them (:meth:`BatchShape.cheap_bound`) until they are needed."""
         shapes = []
         largest = max(c.count for c in self.cost.cluster.chips)
+        variants = self.options.schedule_variants(self.cost.model.num_layers)
+        gbs = self.options.global_batch_size
         for mbs in self.options.micro_batch_candidates():
-            per_dp = self.options.global_batch_size // mbs
-            for dp in range(1, min(per_dp, largest) + 1):
-                if per_dp % dp == 0:
-                    shape = BatchShape(self.cost, self.options.global_batch_size, mbs, dp)
-                    if shape.kinds:
+            per_dp = gbs // mbs
+            for dp in (d for d in range(1, min(per_dp, largest) + 1) if per_dp % d == 0):
+                plain = BatchShape(self.cost, gbs, mbs, dp) if ("1f1b", 1) in variants else None
+                for schedule, chunks in variants:
+                    if (schedule, chunks) == ("1f1b", 1):
+                        shape = plain
+                    else:
+                        shape = BatchShape(self.cost, gbs, mbs, dp, schedule, chunks, lazy=True)
+                        if plain is not None and plain.kinds and shape.kinds:
+                            shape.pre_bound = shape.cheap_bound(plain.w_floor)
+                        else:
+                            shape.prepare()
+                    if shape is not None and shape.kinds:
                         shapes.append(shape)
+        return shapes
+
+    def run(self) -> list[_Found]:
+        shapes = self._shapes()
         self.stats.batch_shapes = len(shapes)
         shapes.sort(key=lambda s: s.root_bound())
         for shape in shapes[: self.options.dive_shapes]:  # short dives: good incumbents early
@@ -167,11 +224,10 @@ class _Search:
                 or time.monotonic() > self.deadline
             ):
                 break
-            w_high = (
-                self.threshold / max(shape.micro_batches - 1, 1)
-                if self.threshold < INF
-                else shape.w_max
-            )
+            shape.prepare()
+            if shape.root_bound() >= self.threshold * (1 - _SLACK):
+                continue
+            w_high = self.threshold / max(shape.factor, 1) if self.threshold < INF else shape.w_max
             shape.build_grid(w_high, 64)
             self._explore(
                 shape, (), (), 0, (1 << len(shape.types)) - 1, 0.0, budget=self.options.dive_nodes
@@ -183,6 +239,10 @@ class _Search:
                 continue
             if time.monotonic() > self.deadline:
                 self._abandon(shape.root_bound())
+                continue
+            shape.prepare()
+            if shape.root_bound() >= self.threshold * (1 - _SLACK):
+                self.stats.batch_shapes_pruned += 1
                 continue
             self._prepare_shape(shape)
             options = self._options(shape, (), (), 0, (1 << len(shape.types)) - 1, 0.0)
@@ -235,7 +295,7 @@ class _Search:
                 block = shape.block(kind, position, np.array([position + count]))[:, 0]
                 chip_bit = 1 << shape.types.index(shape.kinds[kind].chip)
                 links += self._block_links(shape, suffix, kind, count)
-                groups += ((float(shape.unit[kind, 0]), block, count),)
+                groups += ((float(shape.fill_unit[kind]), block, count),)
                 suffix = ((kind, count),) + suffix
                 position, mask = position + count, mask & ~chip_bit
             self.stats.nodes += 1
@@ -268,7 +328,7 @@ class _Search:
             self._explore(
                 shape, (), (), 0, (1 << len(shape.types)) - 1, 0.0, budget=self.options.dive_nodes
             )
-        factor = max(shape.micro_batches - 1, 1)
+        factor = max(shape.factor, 1)
         w_high = self.threshold / factor if self.threshold < INF else shape.w_max
         shape.build_grid(w_high, self.options.grid_points)
 
@@ -294,7 +354,7 @@ class _Search:
                 self._evaluate(shape, suffix)
                 continue
             block = shape.block(kind, position, np.array([position + count]))[:, 0]
-            unit = float(shape.unit[kind, 0])
+            unit = float(shape.fill_unit[kind])
             chip_bit = 1 << shape.types.index(shape.kinds[kind].chip)
             visited += self._explore(
                 shape,
@@ -319,86 +379,134 @@ class _Search:
         """Children (kind, stages) and the close-here leaf (kind -1), with bounds, best first."""
         options: list[tuple[float, int, int]] = []
         fixed = [(u, caps[:, None], count) for u, caps, count in groups]
-        need = max((u for u, _, _ in groups), default=0.0)
-        if suffix:
+        grows = shape.schedule != "1f1b"  # held memory grows with the pipeline's length
+        if grows and suffix:
+            fixed, start = [], 0
+            for (kind, count), (unit, _, _) in zip(reversed(suffix), groups):
+                caps = shape.placed_block(kind, start, count, position + 1)
+                fixed.append((unit, caps[:, None], count))
+                start += count
+        need = max((float(shape.unit[kind, 0]) for kind, _ in suffix), default=0.0)
+        if suffix and shape.closes(position):
             edges = float(shape.head_time[suffix[-1][0]] + shape.embedding_time[suffix[0][0]])
             sync = shape.sync_bound(suffix, 0)
-            leaf = shape.bound(fixed, 0, np.array([position]), links + sync, edges, need)
+            placed = [(u, caps[:, None], count) for u, caps, count in groups]
+            leaf = shape.bound(placed, 0, np.array([position]), links, edges, need, sync)
+            if leaf[0] < self.threshold * (1 - _SLACK):  # tighter: the exact memory caps
+                closed, front = [], 0
+                for (kind, count), (unit, _, _) in zip(suffix, reversed(groups)):
+                    caps = shape.closed_block(kind, position, front, count)
+                    closed.append((unit, caps[:, None], count))
+                    front += count
+                leaf = shape.bound(closed, 0, np.array([position]), links, edges, need, sync)
             options.append((float(leaf[0]), -1, 0))
         room = shape.positions - position
-        for t_index, chip in enumerate(shape.types):
+        for t_index, chip in enumerate(shape.types):  # one bound call per chip type
             if not mask >> t_index & 1:
                 continue
             others = mask & ~(1 << t_index)
-            for kind in shape.kinds_of[chip]:
-                most = min(shape.kinds[kind].max_stages, room)
-                if most < 1:
-                    continue
-                counts = np.arange(1, most + 1)
-                ends = position + counts
-                unit = float(shape.unit[kind, 0])
-                parts = fixed + [(unit, shape.block(kind, position, ends), counts)]
+            kinds = [k for k in shape.kinds_of[chip] if min(shape.kinds[k].max_stages, room) >= 1]
+            if not kinds:
+                continue
+            counts = [np.arange(1, min(shape.kinds[k].max_stages, room) + 1) for k in kinds]
+            columns = np.cumsum([0] + [len(c) for c in counts])
+            width = int(columns[-1])
+            parts, needs, edges, child_links, syncs = list(fixed), [], [], [], []
+            for kind, count, lo, hi in zip(kinds, counts, columns[:-1], columns[1:]):
+                caps = np.zeros((len(shape.grid), width))  # this kind's options only
+                caps[:, lo:hi] = shape.block(kind, position, position + count)
+                stages = np.zeros(width)
+                stages[lo:hi] = count
+                parts.append((float(shape.fill_unit[kind]), caps, stages))
+                needs.append(np.full(len(count), max(need, float(shape.unit[kind, 0]))))
                 last = suffix[-1][0] if suffix else kind
-                edges = float(shape.head_time[last]) + shape.embedding_min
-                child_links = links + self._block_links(shape, suffix, kind, counts)
-                sync = shape.sync_bound(suffix + ((kind, counts),), others)
-                bounds = shape.bound(
-                    parts, others, ends, child_links + sync, edges, max(need, unit)
-                )
-                options.extend((float(b), kind, int(n)) for n, b in zip(counts, bounds))
+                edges.append(np.full(len(count), shape.head_time[last] + shape.embedding_min))
+                child_links.append(links + self._block_links(shape, suffix, kind, count))
+                syncs.append(shape.sync_bound(suffix + ((kind, count),), others))
+            ends = position + np.concatenate(counts)
+            bounds = shape.bound(
+                parts, others, ends, np.concatenate(child_links), np.concatenate(edges),
+                np.concatenate(needs), np.concatenate(syncs),
+            )  # fmt: skip
+            for kind, count, lo in zip(kinds, counts, columns[:-1]):
+                options.extend((float(bounds[lo + i]), kind, int(n)) for i, n in enumerate(count))
         options.sort(key=lambda item: (item[0], -item[2]))
         return options
 
     def _block_links(self, shape: BatchShape, suffix: _Suffix, kind: int, count: Any) -> Any:
-        """Both-direction link time added by prepending ``count`` stages of ``kind``."""
+        """Link time in the step formula added by prepending ``count`` stages of ``kind``."""
         name = shape.kinds[kind].name
         total = (count - 1) * shape.link(name, name)
         if suffix:
             total = total + shape.link(name, shape.kinds[suffix[0][0]].name)
-        return 2.0 * total
+        return shape.link_factor * total
 
     def _evaluate(self, shape: BatchShape, suffix: _Suffix) -> None:
         """Stage two for a closed pipeline (``suffix`` is in pipeline order from the front)."""
-        key = (shape.mbs, shape.dp, suffix)
+        key = (shape.mbs, shape.dp, shape.schedule, shape.chunks, suffix)
         if key in self.evaluated:
             return
         self.evaluated.add(key)
-        stages = [kind for kind, count in suffix for _ in range(count)]
-        p, m = len(stages), shape.micro_batches
-        slots, caps = [], []
-        for i, kind in enumerate(stages):
-            first, last, in_flight = i == 0, i == p - 1, min(p - i, m)
-            slots.append(StageSlot(shape.kinds[kind].costs, first, last, in_flight))
-            caps.append(shape.mode_caps(kind, in_flight, first, last))
-        names = [shape.kinds[k].name for k in stages]
-        links = 2.0 * sum(shape.link(a, b) for a, b in zip(names, names[1:]))
         self.stats.splits_solved += 1
-        split = solve_split(slots, shape.layers, m, links, caps, cutoff=self.threshold)
+        split = solve_structure(shape, suffix, cutoff=self.threshold)
         if split is None:
             return
-        found = _Found(split.step_time_s, shape.mbs, shape.dp, suffix, split, shape.kinds)
+        found = _Found(
+            split.step_time_s,
+            shape.mbs,
+            shape.dp,
+            shape.schedule,
+            shape.chunks,
+            suffix,
+            split,
+            shape.kinds,
+        )
         heapq.heappush(self.best, (-found.value, next(self.counter), found))
         if len(self.best) > self.options.top_k:
             heapq.heappop(self.best)
+
+
+def solve_structure(shape: BatchShape, suffix: _Suffix, cutoff: float = INF) -> Split | None:
+    """Stage two: the exact best split of a closed pipeline of ``shape`` whose blocks ``suffix``
+    are (kind index, stages) in pipeline order; None if nothing fits or beats ``cutoff``."""
+    stages = [kind for kind, count in suffix for _ in range(count)]
+    p, m = len(stages), shape.micro_batches
+    slots, caps = [], []
+    for i, kind in enumerate(stages):
+        slots.append(StageSlot(shape.kinds[kind].costs, i == 0, i == p - 1))
+        caps.append(shape.mode_caps(kind, p, i))
+    names = [shape.kinds[k].name for k in stages]
+    links = shape.link_factor * sum(shape.link(a, b) for a, b in zip(names, names[1:]))
+    if shape.chunks > 1:
+        links += 2.0 * (shape.chunks - 1) * shape.link(names[-1], names[0])
+    layers = shape.cost.model.num_layers
+    return solve_split(
+        slots, layers, m, links, caps, cutoff, schedule=shape.schedule, chunks=shape.chunks
+    )
 
 
 def to_plan(found: _Found, cost: CostModel, global_batch_size: int) -> HeteroPlan:
     """Turn a search result into the plan file object."""
     stages, index = [], 0
     chips: dict[str, ChipSpec] = {}
+    v = found.chunks
     for kind_index, count in found.blocks:
         kind = found.kinds[kind_index]
         chip = cost.cluster.chip(kind.name)
         chips[kind.name] = ChipSpec(chip.device, chip.emulate_slowdown)
         for _ in range(count):
-            stages.append(
-                StageSpec(
-                    kind.name, kind.tp, found.split.layers[index], MODES[found.split.modes[index]]
-                )
-            )
+            layers = found.split.layers[index]
+            chunk_layers = (layers // v,) * v if v > 1 else ()
+            mode = MODES[found.split.modes[index]]
+            stages.append(StageSpec(kind.name, kind.tp, layers, mode, chunk_layers))
             index += 1
     return HeteroPlan(
-        found.data_parallel_size, found.micro_batch_size, global_batch_size, chips, stages
+        found.data_parallel_size,
+        found.micro_batch_size,
+        global_batch_size,
+        chips,
+        stages,
+        schedule=found.schedule,
     )
 
 
@@ -431,7 +539,8 @@ def _nothing_fits(cost: CostModel, options: SearchOptions) -> str:
     need = model.layer_params_per_chip(1) * cost.config.bytes_per_param(1) / 2**30
     largest = max(cost.usable_bytes(chip) for chip in cost.cluster.chips) / 2**30
     return (
-        f"no plan fits in memory: {model.num_layers} layers need about {need * model.num_layers:.1f} GiB"
-        f" of weights and optimizer state (plus activations) against at most {largest:.1f} GiB usable"
-        " per chip; add chips, use --use-distributed-optimizer, or plan a smaller model"
+        f"no plan fits in memory: {model.num_layers} layers need about"
+        f" {need * model.num_layers:.1f} GiB of weights and optimizer state (plus activations)"
+        f" against at most {largest:.1f} GiB usable per chip; add chips, use"
+        " --use-distributed-optimizer, or plan a smaller model"
     )

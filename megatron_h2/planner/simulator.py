@@ -1,17 +1,21 @@
-"""Event-driven simulation of one training step of a plan under Megatron's 1F1B schedule.
+"""Event-driven simulation of one training step of a plan under its pipeline schedule.
 
-Every stage runs Megatron's non-interleaved one-forward-one-backward order: stage ``s`` of ``p``
-first runs ``min(p - s - 1, m)`` warm-up forwards, then alternates forward and backward in the
-steady state, then drains the remaining backwards (cool-down). A forward of micro-batch ``i`` on
-stage ``s`` needs the forward of ``i`` on stage ``s - 1`` plus the link time; a backward needs
-the backward of ``i`` on stage ``s + 1`` plus the link time (on the last stage, its own forward).
-Point-to-point transfers are modelled as latencies that do not occupy the stages (DiComm-style
-asynchronous sends). After its last backward each stage runs its DP gradient synchronisation;
-the step ends when the last one finishes. Durations come from the cost model.
+Every stage runs its schedule's order of actions (:mod:`.orders`: Megatron's 1F1B, Megatron's
+interleaved 1F1B over ``V`` model chunks, or ZB-H1 with the backward split into input-gradient
+``B`` and weight-gradient ``W`` work), each action as soon as its input is there and the stage
+is free. Model chunk ``c`` of stage ``s`` is virtual stage ``v = c p + s``: a forward of
+micro-batch ``i`` on ``v`` needs the forward of ``i`` on ``v - 1`` plus the link time (from the
+last stage to the first for ``v = c p``: the wrap-around link), a backward needs the backward on
+``v + 1`` plus the link time (on the last virtual stage, its own forward), and a weight-gradient
+action follows its stage's own backward. Point-to-point transfers are latencies that do not
+occupy the stages (DiComm-style asynchronous sends). After its last action each stage runs its
+DP gradient synchronisation (and optimizer step); the step ends when the last one finishes.
+Durations come from the cost model.
 
-The result gives the step time, the bubble share, per-stage utilisation and peak memory (from
-the simulated peak of micro-batches in flight), and can be written as a timeline picture (PNG,
-needs matplotlib) or as a Chrome / Perfetto trace (JSON trace events, open in ui.perfetto.dev).
+This is the reference the closed-form step time of :mod:`.cost_model` is checked against. The
+result gives the step time, the bubble share, per-stage utilisation and peak memory (walking
+each stage's simulated actions), and can be written as a timeline picture (PNG, needs
+matplotlib) or a Chrome / Perfetto trace (JSON trace events, open in ui.perfetto.dev).
 """
 
 from __future__ import annotations
@@ -25,17 +29,22 @@ from megatron_h2.config import RECOMPUTE_MODES
 from megatron_h2.errors import ConfigError
 from megatron_h2.hetero_plan import HeteroPlan
 from megatron_h2.planner.cost_model import CostModel, PlanEstimate
+from megatron_h2.planner.orders import Action, stage_order
+
+KIND_NAMES = {"F": "forward", "B": "backward", "W": "weight gradient", "sync": "DP sync"}
 
 
 @dataclass(frozen=True)
 class Event:
-    """One interval on one stage: a forward ("F"), backward ("B") or DP sync ("sync")."""
+    """One interval on one stage: forward "F", backward "B" (under zero-bubble the
+    input-gradient part), weight-gradient "W" (zero-bubble) or "sync", on model ``chunk``."""
 
     stage: int
     kind: str
     micro_batch: int
     start_s: float
     end_s: float
+    chunk: int = 0
 
 
 @dataclass(frozen=True)
@@ -52,12 +61,12 @@ class SimulationResult:
 
     @property
     def utilization(self) -> tuple[float, ...]:
-        """Per stage: forward + backward time over the step time."""
+        """Per stage: compute time (F, B, W) over the step time."""
         return tuple(busy / self.step_time_s for busy in self.busy_s)
 
     @property
     def bubble_fraction(self) -> float:
-        """Share of stage-time not spent in forward or backward (pipeline bubble + DP sync)."""
+        """Share of stage-time not spent in compute (pipeline bubble + DP sync)."""
         return 1.0 - sum(self.busy_s) / (len(self.busy_s) * self.step_time_s)
 
     def peak_memory_by_chip(self) -> dict[str, float]:
@@ -70,24 +79,61 @@ class SimulationResult:
 
 def one_f_one_b(stages: int, micro_batches: int, stage: int) -> list[tuple[str, int]]:
     """Megatron's non-interleaved 1F1B order of (kind, micro-batch) for one stage."""
-    warmup = min(stages - stage - 1, micro_batches)
-    order = [("F", i) for i in range(warmup)]
-    steady = micro_batches - warmup
-    for i in range(steady):
-        order += [("F", warmup + i), ("B", i)]
-    order += [("B", i) for i in range(steady, micro_batches)]
-    return order
+    return [(kind, i) for kind, _, i in stage_order("1f1b", stages, micro_batches, 1, stage)]
+
+
+class _Timing:
+    """Durations and link times of a plan's estimate, by (stage, chunk) and virtual hop."""
+
+    def __init__(self, estimate: PlanEstimate) -> None:
+        split = estimate.schedule == "zero-bubble"
+        self.durations = {
+            "F": [s.chunk_forward_s for s in estimate.stages],
+            "B": [
+                tuple(b - w for b, w in zip(s.chunk_backward_s, s.chunk_weight_s))
+                if split
+                else s.chunk_backward_s
+                for s in estimate.stages
+            ],
+            "W": [s.chunk_weight_s for s in estimate.stages],
+        }
+        self.links, self.wrap = estimate.link_times_s, estimate.wrap_link_s
+        self.p, self.v = len(estimate.stages), estimate.virtual_pipeline_size
+
+    def duration(self, kind: str, stage: int, chunk: int) -> float:
+        return self.durations[kind][stage][chunk]
+
+    def hop(self, sender: int) -> float:
+        """Link time from stage ``sender`` to the next stage in virtual order."""
+        return self.wrap if sender == self.p - 1 else self.links[sender]
+
+    def ready(
+        self, action: Action, stage: int, ends: dict[tuple[str, int, int, int], float]
+    ) -> float | None:
+        """When the input of ``action`` on ``stage`` has arrived, or None if not yet known."""
+        kind, chunk, i = action
+        p, v = self.p, chunk * self.p + stage
+        if kind == "W":
+            return ends[("B", stage, chunk, i)]
+        if kind == "F":
+            if v == 0:
+                return 0.0
+            sender = (v - 1) % p
+            end = ends.get(("F", sender, (v - 1) // p, i))
+            return None if end is None else end + self.hop(sender)
+        if v == p * self.v - 1:
+            return ends.get(("F", stage, chunk, i))
+        end = ends.get(("B", (v + 1) % p, (v + 1) // p, i))
+        return None if end is None else end + self.hop(stage)
 
 
 def simulate(plan: HeteroPlan, cost: CostModel) -> SimulationResult:
     """Simulate one step of ``plan`` with durations from ``cost`` (see the module docstring)."""
     estimate = cost.evaluate(plan)
-    p, m = plan.pipeline_parallel_size, plan.num_micro_batches
-    forward = [s.forward_s for s in estimate.stages]
-    backward = [s.backward_s for s in estimate.stages]
-    links = estimate.link_times_s
-    orders = [one_f_one_b(p, m, s) for s in range(p)]
-    ends: dict[tuple[str, int, int], float] = {}
+    p, m, v = plan.pipeline_parallel_size, plan.num_micro_batches, plan.virtual_pipeline_size
+    timing = _Timing(estimate)
+    orders = [stage_order(str(plan.schedule), p, m, v, s) for s in range(p)]
+    ends: dict[tuple[str, int, int, int], float] = {}
     pointer, free = [0] * p, [0.0] * p
     events: list[Event] = []
     wake = [(0.0, s) for s in range(p)]
@@ -95,110 +141,113 @@ def simulate(plan: HeteroPlan, cost: CostModel) -> SimulationResult:
     while wake:
         _, s = heapq.heappop(wake)
         while pointer[s] < len(orders[s]):
-            kind, i = orders[s][pointer[s]]
-            ready = _ready(kind, s, i, p, ends, links)
+            action = orders[s][pointer[s]]
+            ready = timing.ready(action, s, ends)
             if ready is None:
                 break  # woken again when the dependency finishes
+            kind, chunk, i = action
             start = max(free[s], ready)
-            end = start + (forward[s] if kind == "F" else backward[s])
-            ends[(kind, s, i)] = end
-            events.append(Event(s, kind, i, start, end))
+            end = start + timing.duration(kind, s, chunk)
+            ends[(kind, s, chunk, i)] = end
+            events.append(Event(s, kind, i, start, end, chunk))
             free[s], pointer[s] = end, pointer[s] + 1
-            neighbour = s + 1 if kind == "F" else s - 1
-            if 0 <= neighbour < p:
-                heapq.heappush(wake, (end, neighbour))
+            if kind != "W" and p > 1:
+                heapq.heappush(wake, (end, (s + 1) % p if kind == "F" else (s - 1) % p))
     if any(pointer[s] < len(orders[s]) for s in range(p)):
-        raise AssertionError("1F1B simulation deadlocked; the schedule is inconsistent")
+        raise AssertionError("pipeline simulation deadlocked; the schedule is inconsistent")
     step = 0.0
     for s, stage in enumerate(estimate.stages):
         events.append(Event(s, "sync", -1, free[s], free[s] + stage.dp_sync_s))
         step = max(step, free[s] + stage.dp_sync_s)
-    busy = tuple(m * (forward[s] + backward[s]) for s in range(p))
-    peaks = _peak_in_flight(events, p)
-    memory = tuple(_stage_memory(plan, cost, s, peaks[s]) for s in range(p))
+    busy = tuple(
+        sum(e.end_s - e.start_s for e in events if e.stage == s and e.kind != "sync")
+        for s in range(p)
+    )
     events.sort(key=lambda e: (e.stage, e.start_s))
+    peaks, memory = zip(*(_walk_memory(plan, cost, events, s) for s in range(p)))
     return SimulationResult(plan, estimate, step, tuple(events), busy, peaks, memory)
 
 
-def _ready(
-    kind: str,
-    s: int,
-    i: int,
-    p: int,
-    ends: dict[tuple[str, int, int], float],
-    links: tuple[float, ...],
-) -> float | None:
-    """When the input of (kind, stage s, micro-batch i) has arrived, or None if not yet known."""
-    if kind == "F":
-        if s == 0:
-            return 0.0
-        end = ends.get(("F", s - 1, i))
-        return None if end is None else end + links[s - 1]
-    if s == p - 1:
-        return ends.get(("F", s, i))
-    end = ends.get(("B", s + 1, i))
-    return None if end is None else end + links[s]
-
-
-def _peak_in_flight(events: list[Event], stages: int) -> tuple[int, ...]:
-    """Most micro-batches whose activations a stage holds at once (forward started, backward not done)."""
-    peaks = []
-    for s in range(stages):
-        changes = sorted(
-            [(e.start_s, 1) for e in events if e.stage == s and e.kind == "F"]
-            + [(e.end_s, -1) for e in events if e.stage == s and e.kind == "B"],
-            key=lambda item: (item[0], item[1]),
-        )
-        level = peak = 0
-        for _, delta in changes:
-            level += delta
-            peak = max(peak, level)
-        peaks.append(peak)
-    return tuple(peaks)
-
-
-def _stage_memory(plan: HeteroPlan, cost: CostModel, s: int, in_flight: int) -> float:
+def _walk_memory(
+    plan: HeteroPlan, cost: CostModel, events: list[Event], s: int
+) -> tuple[int, float]:
+    """Peak chunk-micro-batches in flight and peak memory of stage ``s`` along its events."""
     spec, p = plan.stages[s], plan.pipeline_parallel_size
     costs = cost.stage_costs(
         spec.chip, spec.tensor_parallel_size, plan.micro_batch_size, plan.data_parallel_size
     )
     mode = RECOMPUTE_MODES.index(spec.recompute)
-    return costs.memory(spec.num_layers, mode, in_flight, s == 0, s == p - 1)
+    chunks = spec.chunks
+    active, deferred = [0] * len(chunks), [0] * len(chunks)
+    split = plan.schedule == "zero-bubble"
+    peak_count, peak_bytes = 0, 0.0
+    for e in (e for e in events if e.stage == s):
+        if e.kind == "F":
+            active[e.chunk] += 1
+        elif e.kind == "B":
+            active[e.chunk] -= 1
+            deferred[e.chunk] += 1 if split else 0
+        elif e.kind == "W":
+            deferred[e.chunk] -= 1
+        state = ((tuple(active), tuple(deferred)),)
+        peak_count = max(peak_count, sum(active))
+        peak_bytes = max(peak_bytes, costs.held_memory(chunks, mode, state, s == 0, s == p - 1))
+    return peak_count, peak_bytes
+
+
+def event_name(event: Event, chunks: int) -> str:
+    """Short label: ``F3`` (forward of micro-batch 3), ``B3 c1`` (backward on chunk 1), ``W3``."""
+    if event.kind == "sync":
+        return "DP sync"
+    chunk = f" c{event.chunk}" if chunks > 1 else ""
+    return f"{event.kind}{event.micro_batch}{chunk}"
 
 
 def chrome_trace(result: SimulationResult) -> dict[str, object]:
-    """The simulated step as Chrome / Perfetto trace events (microseconds; one track per stage)."""
+    """The simulated step as Chrome / Perfetto trace events (microseconds; one track per stage).
+
+    Each event is named by :func:`event_name` and carries its kind, micro-batch and model chunk.
+    """
+    plan = result.plan
+    label = f"megatron_h2 plan (simulated, {schedule_label(plan)})"
     events: list[dict[str, object]] = [
-        {
-            "name": "process_name",
-            "ph": "M",
-            "pid": 0,
-            "args": {"name": "megatron_h2 plan (simulated)"},
-        },
+        {"name": "process_name", "ph": "M", "pid": 0, "args": {"name": label}},
     ]
-    for s, spec in enumerate(result.plan.stages):
-        label = f"stage {s}: {spec.chip} TP{spec.tensor_parallel_size} {spec.num_layers} layers"
+    for s, spec in enumerate(plan.stages):
+        layers = "/".join(str(n) for n in spec.chunks)
+        label = f"stage {s}: {spec.chip} TP{spec.tensor_parallel_size} {layers} layers"
         events.append(
             {"name": "thread_name", "ph": "M", "pid": 0, "tid": s, "args": {"name": label}}
         )
         events.append(
             {"name": "thread_sort_index", "ph": "M", "pid": 0, "tid": s, "args": {"sort_index": s}}
         )
+    v = plan.virtual_pipeline_size
     for e in result.events:
-        name = "DP sync" if e.kind == "sync" else f"{e.kind}{e.micro_batch}"
         events.append(
             {
-                "name": name,
-                "cat": e.kind,
+                "name": event_name(e, v),
+                "cat": KIND_NAMES[e.kind],
                 "ph": "X",
                 "pid": 0,
                 "tid": e.stage,
                 "ts": e.start_s * 1e6,
                 "dur": (e.end_s - e.start_s) * 1e6,
-                "args": {"micro_batch": e.micro_batch, "chip": result.plan.stages[e.stage].chip},
+                "args": {
+                    "micro_batch": e.micro_batch,
+                    "chunk": e.chunk,
+                    "chip": plan.stages[e.stage].chip,
+                },
             }
         )
     return {"traceEvents": events, "displayTimeUnit": "ms"}
+
+
+def schedule_label(plan: HeteroPlan) -> str:
+    """``1F1B``, ``interleaved 1F1B, V=2`` or ``zero-bubble (ZB-H1)``."""
+    if plan.schedule == "interleaved":
+        return f"interleaved 1F1B, V={plan.virtual_pipeline_size}"
+    return "zero-bubble (ZB-H1)" if plan.schedule == "zero-bubble" else "1F1B"
 
 
 def write_chrome_trace(result: SimulationResult, path: str | Path) -> None:
@@ -206,8 +255,17 @@ def write_chrome_trace(result: SimulationResult, path: str | Path) -> None:
     Path(path).write_text(json.dumps(chrome_trace(result)))
 
 
+CHUNK_HATCHES = ("", "..", "oo", "**", "++", "OO")
+"""Hatching of model chunks 0, 1, ... in the timeline picture."""
+
+
 def write_timeline_png(result: SimulationResult, path: str | Path) -> None:
-    """Draw the simulated step (one row per stage) as a PNG; needs matplotlib."""
+    """Draw the simulated step (one row per stage) as a PNG; needs matplotlib.
+
+    Colour: the chip type; light: forward, dark: backward (its input-gradient part under
+    zero-bubble), mid with ``//``: deferred weight-gradient work, grey: DP sync; model chunks
+    1, 2, ... are hatched ``..``, ``oo``, ... on top.
+    """
     try:
         import matplotlib
 
@@ -218,42 +276,57 @@ def write_timeline_png(result: SimulationResult, path: str | Path) -> None:
         raise ConfigError(
             "--timeline needs matplotlib; pip install matplotlib (or use --trace FILE.json)"
         ) from None
-    chips = list(dict.fromkeys(stage.chip for stage in result.plan.stages))
+    plan = result.plan
+    chips = list(dict.fromkeys(stage.chip for stage in plan.stages))
     palette = plt.get_cmap("tab10")
     colours = {chip: palette(i % 10) for i, chip in enumerate(chips)}
-    p = result.plan.pipeline_parallel_size
-    fig, ax = plt.subplots(figsize=(12, 0.45 * p + 1.6))
+    p, v = plan.pipeline_parallel_size, plan.virtual_pipeline_size
+    fig, ax = plt.subplots(figsize=(13, 0.45 * p + 1.8))
+    shade = {"F": 0.45, "B": 1.0, "W": 0.75}
     for e in result.events:
-        chip = result.plan.stages[e.stage].chip
-        colour = "0.55" if e.kind == "sync" else colours[chip]
-        alpha = 0.55 if e.kind == "F" else 1.0
+        colour = "0.55" if e.kind == "sync" else colours[plan.stages[e.stage].chip]
+        hatch = CHUNK_HATCHES[e.chunk % len(CHUNK_HATCHES)] if v > 1 else ""
+        if e.kind == "W":
+            hatch += "//"
         ax.broken_barh(
             [(e.start_s, e.end_s - e.start_s)],
             (e.stage - 0.4, 0.8),
             facecolors=colour,
-            alpha=alpha,
+            alpha=shade.get(e.kind, 1.0),
             edgecolor="white",
             linewidth=0.2,
+            hatch=hatch or None,
         )
     ax.set_yticks(range(p))
     ax.set_yticklabels(
         [
-            f"{s}: {st.chip} TP{st.tensor_parallel_size} L{st.num_layers}"
-            for s, st in enumerate(result.plan.stages)
+            f"{s}: {st.chip} TP{st.tensor_parallel_size} L{'/'.join(str(n) for n in st.chunks)}"
+            for s, st in enumerate(plan.stages)
         ],
         fontsize=7,
     )
     ax.invert_yaxis()
     ax.set_xlabel("time in the step (s)")
+    parts = ["light: forward", "dark: backward"]
+    if plan.schedule == "zero-bubble":
+        parts = ["light: forward", "dark: input gradients", "//: weight gradients"]
+    if v > 1:
+        parts.append("chunk 1+ hatched")
     ax.set_title(
-        f"1F1B step {result.step_time_s:.3f} s, bubble {100 * result.bubble_fraction:.1f}%"
-        f" (light: forward, dark: backward, grey: DP sync)",
+        f"{schedule_label(plan)} step {result.step_time_s:.3f} s, bubble"
+        f" {100 * result.bubble_fraction:.1f}% ({', '.join(parts)}, grey: DP sync)",
         fontsize=9,
     )
     handles = [Patch(color=colours[c], label=c) for c in chips] + [
         Patch(color="0.55", label="DP sync")
     ]
-    ax.legend(handles=handles, fontsize=7, loc="lower right")
+    if plan.schedule == "zero-bubble":
+        handles.append(Patch(facecolor="white", edgecolor="0.3", hatch="//", label="W"))
+    handles += [
+        Patch(facecolor="white", edgecolor="0.3", hatch=CHUNK_HATCHES[c], label=f"chunk {c}")
+        for c in range(1, v)
+    ]
+    ax.legend(handles=handles, fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

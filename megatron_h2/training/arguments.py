@@ -1,190 +1,328 @@
-"""Megatron-compatible command line, mapped onto the typed configs of ``megatron_h2.config``.
+"""The command line of ``pretrain_gpt.py``, generated from the typed configs.
 
-Only the mapping lives here; every check sits next to its field in the dataclasses.
+Every flag is a field of a config dataclass declared with :func:`megatron_h2.config.flag`
+(name, help, choices, default), so ``--help`` shows each flag's meaning and default and there is
+no second list of flags. Flags that Megatron-LM scripts pass but that change nothing here are
+listed once in :data:`COMPAT_FLAGS` and reported at start-up. Abbreviated flags are not
+accepted (``--num-layer`` is an error, as is any unknown flag, in one line naming the closest
+known flag).
 """
 
 from __future__ import annotations
 
 import argparse
+import difflib
+import types
+import typing
 from dataclasses import dataclass, fields
+from typing import Any
 
 from megatron_h2.config import (
+    LLAMA_ARCHITECTURE,
     DataConfig,
     ModelConfig,
     OptimizerConfig,
     ParallelConfig,
     RunConfig,
     TrainingConfig,
+    cli_fields,
+    flag,
+    flag_name,
 )
 from megatron_h2.errors import ConfigError
+from megatron_h2.training.megatron_compat import unsupported_reason
 
 
 @dataclass
 class LaunchOptions:
     """Options that shape this launch but are not part of the saved run config."""
 
-    ckpt_step: int | None = None
-    no_load_optim: bool = False
-    no_load_rng: bool = False
-    finetune: bool = False
+    ckpt_step: int | None = flag(None, "Load this iteration instead of the latest.")
+    no_load_optim: bool = flag(False, "Do not load the optimizer state when loading a checkpoint.")
+    no_load_rng: bool = flag(False, "Do not load the RNG states when loading a checkpoint.")
+    finetune: bool = flag(False, "Load model weights only and start at iteration 0.")
     explicit: frozenset[str] = frozenset()  # config fields the user set on the command line
+    no_effect: tuple[str, ...] = ()  # compatibility flags given (reported at start-up)
+    demo_flags: tuple[str, ...] = ()  # what the embedded demo set that the user did not
 
 
-def _add_model(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("model")
-    g.add_argument("--num-layers", type=int)
-    g.add_argument("--hidden-size", type=int)
-    g.add_argument("--ffn-hidden-size", type=int)
-    g.add_argument("--num-attention-heads", type=int)
-    g.add_argument("--num-query-groups", type=int)
-    g.add_argument("--group-query-attention", action="store_true",
-                   help="accepted for Megatron compatibility; --num-query-groups sets the groups")
-    g.add_argument("--seq-length", type=int)
-    g.add_argument("--max-position-embeddings", type=int)
-    g.add_argument("--norm-epsilon", type=float)
-    g.add_argument("--rotary-base", type=float)
-    g.add_argument("--init-method-std", type=float)
-    g.add_argument("--hidden-dropout", type=float)
-    g.add_argument("--attention-dropout", type=float)
-    g.add_argument("--recompute-granularity", choices=["full", "selective"])
-    g.add_argument("--recompute-activations", action="store_true",
-                   help="Megatron's shorthand for --recompute-granularity selective")
-    # Fixed architecture choices: accepted so that Megatron LLaMA scripts run unchanged.
-    g.add_argument("--normalization", choices=["RMSNorm"])
-    g.add_argument("--position-embedding-type", choices=["rope"])
-    for flag in ("--swiglu", "--disable-bias-linear", "--untie-embeddings-and-output-weights",
-                 "--use-rotary-position-embeddings", "--no-masked-softmax-fusion"):
-        g.add_argument(flag, action="store_true", help="always on in megatron_h2")
+GROUPS: tuple[tuple[str, type], ...] = (
+    ("model", ModelConfig),
+    ("data", DataConfig),
+    ("optimizer", OptimizerConfig),
+    ("training", TrainingConfig),
+    ("parallelism (DP = world size / (TP x PP))", ParallelConfig),
+    ("checkpoint loading", LaunchOptions),
+)
+
+# Flags Megatron-LM's scripts pass that megatron_h2 accepts without effect, with the reason
+# (said once at start-up), and whether they take a value.
+COMPAT_FLAGS: dict[str, tuple[bool, str]] = {
+    "--use-mcore-models": (False, "there is one model implementation"),
+    "--no-masked-softmax-fusion": (False, "attention runs through torch's SDPA"),
+    "--distributed-backend": (True, "each chip type's backend comes from the device layer"),
+    "--num-workers": (True, "samples are read from memory-mapped files in the training process"),
+    "--no-create-attention-mask-in-dataloader": (False, "attention is causal inside SDPA; no "
+                                                 "mask tensor is ever built"),
+    "--attention-softmax-in-fp32": (False, "torch's scaled_dot_product_attention computes the "
+                                    "softmax in fp32 already"),
+    "--openai-gelu": (False, "Megatron-Core ignores it too; the GeLU follows "
+                      "--no-bias-gelu-fusion"),
+    "--no-bias-swiglu-fusion": (False, "SwiGLU is computed the same way fused or not"),
+    "--no-bias-dropout-fusion": (False, "bias, dropout and residual add are computed the same "
+                                 "way fused or not"),
+    "--no-rope-fusion": (False, "rotary embeddings are computed the same way fused or not"),
+}
 
 
-def _add_training(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("training")
-    g.add_argument("--micro-batch-size", type=int)
-    g.add_argument("--global-batch-size", type=int)
-    g.add_argument("--train-iters", type=int)
-    g.add_argument("--seed", type=int)
-    g.add_argument("--bf16", action="store_true", help="bf16 autocast with fp32 master weights")
-    g.add_argument("--fp16", action="store_true", help="not supported: use --bf16")
-    g.add_argument("--device", help="cpu, cuda, ... (default: detect)")
-    g.add_argument("--log-interval", type=int)
-    g.add_argument("--eval-interval", type=int)
-    g.add_argument("--eval-iters", type=int)
-    g.add_argument("--exit-interval", type=int)
-    g.add_argument("--tensorboard-dir")
-    g.add_argument("--log-jsonl", help="append one JSON object per logged iteration")
-    g = p.add_argument_group("optimizer")
-    g.add_argument("--optimizer", choices=["adam"], help="AdamW (decoupled weight decay)")
-    g.add_argument("--lr", type=float)
-    g.add_argument("--min-lr", type=float)
-    g.add_argument("--lr-warmup-iters", type=int)
-    g.add_argument("--lr-decay-style", choices=["cosine", "linear", "constant"])
-    g.add_argument("--lr-decay-iters", type=int)
-    g.add_argument("--weight-decay", type=float)
-    g.add_argument("--adam-beta1", type=float)
-    g.add_argument("--adam-beta2", type=float)
-    g.add_argument("--adam-eps", type=float)
-    g.add_argument("--clip-grad", type=float)
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> typing.NoReturn:
+        raise ConfigError(message)
 
 
-def _add_data_and_checkpoint(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("data")
-    g.add_argument("--data-path", nargs="+",
-                   help="PREFIX [PREFIX ...] or W1 PREFIX1 W2 PREFIX2 ... (default: embedded "
-                        "corpus built from the Python standard library)")
-    g.add_argument("--split")
-    g.add_argument("--tokenizer-type")
-    g.add_argument("--tokenizer-model")
-    g.add_argument("--vocab-size", type=int, help="vocabulary size for NullTokenizer")
-    g.add_argument("--make-vocab-size-divisible-by", type=int)
-    g.add_argument("--data-cache-path")
-    g.add_argument("--num-workers", type=int)
-    g = p.add_argument_group("checkpointing")
-    g.add_argument("--save")
-    g.add_argument("--load")
-    g.add_argument("--save-interval", type=int)
-    g.add_argument("--ckpt-step", type=int, help="load this iteration instead of the latest")
-    g.add_argument("--no-load-optim", action="store_true")
-    g.add_argument("--no-load-rng", action="store_true")
-    g.add_argument("--finetune", action="store_true",
-                   help="load weights only and start at iteration 0")
+def _base_type(annotation: Any) -> Any:
+    """``int | None`` -> int; ``list[int] | None`` -> list[int]."""
+    if isinstance(annotation, types.UnionType) or typing.get_origin(annotation) is typing.Union:
+        args = [a for a in typing.get_args(annotation) if a is not type(None)]
+        return args[0]
+    return annotation
 
 
-def _int_list(text: str) -> list[int]:
-    try:
-        return [int(x) for x in text.split(",")]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers such as 3,1, got "
-                                         f"{text!r}") from None
+def _add_field(group: argparse._ArgumentGroup, cls: type, f, hint: Any) -> None:
+    meta = f.metadata["cli"]
+    dest = f"{cls.__name__}.{f.name}"
+    default = f.default_factory() if callable(f.default_factory) else f.default
+    text = meta["help"]
+    if meta["required"]:
+        alternatives = " or ".join(flag_name(g) for g in fields(cls) if g.name in meta["unless"])
+        text += f" (required, or {alternatives})" if alternatives else " (required)"
+    elif "default:" not in text:
+        text += f" (default: {default!r})"
+    kind = _base_type(hint)
+    common = {"dest": dest, "default": argparse.SUPPRESS, "help": text}
+    if kind is bool:
+        action = "store_false" if meta["negative"] else "store_true"
+        group.add_argument(flag_name(f), action=action, **common)
+    else:
+        if typing.get_origin(kind) is list and meta["parse"] is None:
+            item = typing.get_args(kind)[0]
+            common["nargs"] = meta["nargs"] or "+"
+            kind = item
+        if typing.get_origin(kind) is typing.Literal:
+            kind = str
+        parse = meta["parse"] or kind
+        group.add_argument(flag_name(f), type=_converter(parse),
+                           choices=meta["choices"],
+                           metavar=None if meta["choices"] else (meta["metavar"] or f.name.upper()),
+                           **common)
+    for name, value, help_text in meta["shortcuts"]:
+        group.add_argument(name, action="store_const", const=value, dest=dest,
+                           default=argparse.SUPPRESS, help=help_text)
 
 
-def _add_parallel(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("parallelism (DP = world size / (TP x PP))")
-    g.add_argument("--tensor-model-parallel-size", type=int)
-    g.add_argument("--pipeline-model-parallel-size", type=int)
-    g.add_argument("--pipeline-layer-split", type=_int_list,
-                   help="layers per pipeline stage, e.g. 3,1 (embedding on the first stage, "
-                        "head and loss on the last)")
-    g.add_argument("--decoder-first-pipeline-num-layers", type=int)
-    g.add_argument("--decoder-last-pipeline-num-layers", type=int)
-    g.add_argument("--sequence-parallel", action="store_true")
-    g.add_argument("--use-distributed-optimizer", action="store_true",
-                   help="shard optimizer state over data-parallel ranks (ZeRO-1)")
-    g.add_argument("--distributed-timeout-minutes", type=float)
-    g.add_argument("--ddp-bucket-size-mb", type=float)
-    g.add_argument("--overlap-grad-reduce", action="store_true",
-                   help="always on: gradient all-reduce overlaps the last backward")
-    g = p.add_argument_group("heterogeneous clusters")
-    g.add_argument("--hetero-plan", help="YAML plan (tools/plan.py writes one): pipeline stages "
-                   "on chip types, each with its own TP, layers and recompute")
-    g.add_argument("--force-bridge", action="store_true",
-                   help="route every stage boundary through the host-staged cross-vendor bridge")
-    g.add_argument("--bridge-dtype", choices=["fp32", "bf16"],
-                   help="precision of activations and gradients crossing the bridge")
-    g.add_argument("--bridge-chunk-mb", type=float)
-    g.add_argument("--timeline-trace", help="write a Chrome/Perfetto trace of every rank's "
-                   "forward, backward, send and receive per micro-batch")
+def _converter(parse):
+    def convert(text: str):
+        try:
+            return parse(text)
+        except ConfigError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+        except ValueError:
+            kind = getattr(parse, "__name__", "value")
+            raise argparse.ArgumentTypeError(f"expected {kind}, got {text!r}") from None
+
+    convert.__name__ = getattr(parse, "__name__", "value")
+    return convert
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="pretrain_gpt.py", description="Megatron-style GPT pretraining (megatron_h2). With "
-        "no flags, trains a small model on an embedded corpus.")
-    _add_model(p)
-    _add_training(p)
-    _add_data_and_checkpoint(p)
-    _add_parallel(p)
+    """The ``pretrain_gpt.py`` parser, one argument group per config dataclass."""
+    p = _Parser(prog="pretrain_gpt.py", allow_abbrev=False,
+                description="Megatron-style GPT pretraining (megatron_h2). With no flags, "
+                            "trains a small model on an embedded corpus.")
+    for title, cls in GROUPS:
+        group = p.add_argument_group(title)
+        hints = typing.get_type_hints(cls)
+        for f in cli_fields(cls):
+            _add_field(group, cls, f, hints[f.name])
+    compat = p.add_argument_group("accepted for Megatron compatibility, without effect")
+    for name, (takes_value, reason) in COMPAT_FLAGS.items():
+        kwargs = {"metavar": "VALUE"} if takes_value else {"action": "store_true"}
+        compat.add_argument(name, dest=f"compat.{name}", default=argparse.SUPPRESS,
+                            help=reason, **kwargs)
     return p
 
 
-def _pick(ns: argparse.Namespace, cls: type, renames: dict[str, str] | None = None,
-          exclude: tuple[str, ...] = ()) -> dict:
-    """Flags that were given (not None) and that name a field of ``cls``."""
-    renames = renames or {}
-    names = {f.name for f in fields(cls)} - set(exclude)
-    out = {}
-    for key, value in vars(ns).items():
-        key = renames.get(key, key)
-        if key in names and value is not None:
-            out[key] = value
-    return out
+def add_config_flags(group: argparse._ArgumentGroup, cls: type, names: tuple[str, ...]) -> None:
+    """Add the flags of the fields ``names`` of config class ``cls`` to ``group``, for tools
+    that share flags with ``pretrain_gpt.py``; read them back with :func:`config_values`."""
+    hints = typing.get_type_hints(cls)
+    for f in cli_fields(cls):
+        if f.name in names:
+            _add_field(group, cls, f, hints[f.name])
+
+
+def config_values(ns: argparse.Namespace, cls: type) -> dict[str, Any]:
+    """``{field: value}`` of the flags of ``cls`` given on a command line parsed with
+    :func:`add_config_flags`."""
+    prefix = f"{cls.__name__}."
+    return {k[len(prefix):]: v for k, v in vars(ns).items() if k.startswith(prefix)}
+
+
+def _known_flags(parser: argparse.ArgumentParser) -> list[str]:
+    return [s for action in parser._actions for s in action.option_strings]
+
+
+def parse_flags(argv: list[str] | None) -> tuple[dict[str, dict[str, Any]], tuple[str, ...]]:
+    """``{class name: {field: value}}`` of the flags given, and the compatibility flags given."""
+    parser = build_parser()
+    ns, unknown = parser.parse_known_args(argv)
+    if unknown:
+        bad = next((u for u in unknown if u.startswith("-")), unknown[0])
+        name = bad.split("=", 1)[0]
+        reason = unsupported_reason(name)
+        if reason is not None:
+            raise ConfigError(f"{name} is not supported: {reason}")
+        close = difflib.get_close_matches(name, _known_flags(parser), n=1, cutoff=0.6)
+        hint = f"; did you mean {close[0]}?" if close else "; see pretrain_gpt.py --help"
+        what = "unknown flag" if name.startswith("-") else "unexpected value"
+        raise ConfigError(f"{what} {name}{hint}")
+    given: dict[str, dict[str, Any]] = {cls.__name__: {} for _, cls in GROUPS}
+    compat = []
+    for dest, value in vars(ns).items():
+        owner, _, name = dest.partition(".")
+        if owner == "compat":
+            compat.append(name)
+        else:
+            given[owner][name] = value
+    return given, tuple(compat)
+
+
+# The embedded demo (no --data-path): the required flags take their dataclass defaults, and
+# these values replace Megatron's defaults where they suit a small model trained for minutes;
+# the model is LLaMA-style.
+DEMO_OVERRIDES: dict[str, dict[str, Any]] = {
+    "ModelConfig": {**LLAMA_ARCHITECTURE, "hidden_dropout": 0.0, "attention_dropout": 0.0},
+    "OptimizerConfig": {"lr_warmup_iters": 20, "lr_decay_style": "cosine", "min_lr": 1e-4,
+                        "weight_decay": 0.1, "adam_beta2": 0.95},
+    "TrainingConfig": {"global_batch_size": 8, "train_iters": 200, "log_interval": 10,
+                       "eval_interval": 100, "eval_iters": 5},
+}
+
+
+# Flags that name the training data; without any of them the run is the embedded demo.
+DATA_SOURCES = ("data_path", "mock_data", "train_data_path", "valid_data_path", "test_data_path")
+
+
+def _check_required(given: dict[str, dict[str, Any]]) -> None:
+    plan_owned = {"micro_batch_size"} if given["ParallelConfig"].get("hetero_plan") else set()
+    for _, cls in GROUPS:
+        for f in cli_fields(cls):
+            if f.name in plan_owned:
+                continue
+            meta = f.metadata["cli"]
+            if meta["required"] and f.name not in given[cls.__name__] \
+                    and not _alternative_given(f, given):
+                alternatives = "".join(f" (or {flag_name(g)})" for g in fields(cls)
+                                       if g.name in meta["unless"])
+                raise ConfigError(f"{flag_name(f)}{alternatives} is required with --data-path "
+                                  "or --mock-data (only the embedded demo, without them, has "
+                                  "defaults for it)")
+
+
+def _alternative_given(f, given: dict[str, dict[str, Any]]) -> bool:
+    """Whether a flag that replaces the field ``f`` (its ``unless``) was given."""
+    return any(name in mine for mine in given.values() for name in f.metadata["cli"]["unless"])
+
+
+def _demo_overrides(cls: type, given: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """The demo's values for ``cls`` minus those whose alternative flag the user gave."""
+    skip = {f.name for f in cli_fields(cls) if _alternative_given(f, given)}
+    return {k: v for k, v in DEMO_OVERRIDES.get(cls.__name__, {}).items() if k not in skip}
+
+
+def as_flag(f, value: Any) -> str:
+    """How field ``f`` set to ``value`` is spelled on the command line (a bool flag alone)."""
+    if isinstance(value, bool):
+        return flag_name(f) if value != f.metadata["cli"]["negative"] else ""
+    return f"{flag_name(f)} {value}"
+
+
+def demo_settings(given: dict[str, dict[str, Any]]) -> list[str]:
+    """The flags the embedded demo uses that the user did not give, as ``--flag value``."""
+    out = []
+    for _, cls in GROUPS:
+        overrides = DEMO_OVERRIDES.get(cls.__name__, {})
+        for f in cli_fields(cls):
+            if f.name in given[cls.__name__] or _alternative_given(f, given):
+                continue
+            if f.name in overrides:
+                out.append(as_flag(f, overrides[f.name]))
+            elif f.metadata["cli"]["required"]:
+                out.append(as_flag(f, f.default))
+    return [x for x in out if x]
+
+
+def _inert_model_flags(model: ModelConfig, given: dict[str, Any]) -> list[str]:
+    """Model flags given that the rest of the flags make ineffective (as in Megatron)."""
+    rules = [
+        ("num_query_groups", not model.group_query_attention,
+         "without --group-query-attention every head has its own key and value"),
+        ("add_qkv_bias", model.add_bias_linear, "implied by the biases of every linear layer"),
+        ("bias_gelu_fusion", model.activation not in ("gelu", "gelu_tanh") or
+         not model.add_bias_linear, "only selects the GeLU of an MLP with biases"),
+        ("rope_scaling_factor", not model.use_rope_scaling, "needs --use-rope-scaling"),
+    ]
+    rotary = "needs --position-embedding-type rope"
+    rules += [(name, model.position_embedding_type != "rope", rotary)
+              for name in ("rotary_percent", "rotary_base", "rotary_seq_len_interpolation_factor",
+                           "use_rope_scaling")]
+    by_name = {f.name: f for f in cli_fields(ModelConfig)}
+    return [f"{flag_name(by_name[name])} ({why})" for name, inert, why in rules
+            if inert and name in given]
 
 
 def config_from_args(argv: list[str] | None = None) -> tuple[RunConfig, LaunchOptions]:
     """Parse Megatron-style flags into a validated :class:`RunConfig`."""
-    ns = build_parser().parse_args(argv)
-    if ns.fp16:
-        raise ConfigError("--fp16 is not supported; use --bf16 (fp32 master weights, no loss "
-                          "scaling needed)")
-    if ns.recompute_activations and ns.recompute_granularity is None:
-        ns.recompute_granularity = "selective"
-    model = ModelConfig(**_pick(ns, ModelConfig, {"recompute_granularity": "recompute"},
-                               exclude=("vocab_size",)))
-    data = DataConfig(**_pick(ns, DataConfig))
-    optim = OptimizerConfig(**_pick(ns, OptimizerConfig))
-    training = TrainingConfig(**_pick(ns, TrainingConfig))
-    parallel = ParallelConfig(**_pick(ns, ParallelConfig))
-    explicit = frozenset(k for k, v in vars(ns).items() if v not in (None, False))
-    launch = LaunchOptions(ckpt_step=ns.ckpt_step, no_load_optim=ns.no_load_optim,
-                           no_load_rng=ns.no_load_rng, finetune=ns.finetune, explicit=explicit)
-    return RunConfig(model=model, data=data, optimizer=optim, training=training,
-                     parallel=parallel), launch
+    given, compat = parse_flags(argv)
+    if any(given["DataConfig"].get(name) for name in DATA_SOURCES):
+        _check_required(given)
+        values = given
+        demo = ()
+    else:  # the embedded demo
+        values = {cls.__name__: {**_demo_overrides(cls, given), **given[cls.__name__]}
+                  for _, cls in GROUPS}
+        demo = tuple(demo_settings(given))
+    parts = {cls.__name__: cls(**values[cls.__name__]) for _, cls in GROUPS}
+    explicit = frozenset(name for mine in given.values() for name in mine)
+    launch = parts["LaunchOptions"]
+    inert = tuple(_inert_model_flags(parts["ModelConfig"], given["ModelConfig"]))
+    launch.explicit, launch.no_effect, launch.demo_flags = explicit, compat + inert, demo
+    return RunConfig(model=parts["ModelConfig"], data=parts["DataConfig"],
+                     optimizer=parts["OptimizerConfig"], training=parts["TrainingConfig"],
+                     parallel=parts["ParallelConfig"]), launch
+
+
+def describe_no_effect(launch: LaunchOptions) -> str | None:
+    """One start-up line naming the flags given that change nothing here, and why."""
+    if not launch.no_effect:
+        return None
+    parts = [f"{name} ({COMPAT_FLAGS[name][1]})" if name in COMPAT_FLAGS else name
+             for name in launch.no_effect]
+    return "accepted, no effect: " + "; ".join(parts)
+
+
+def describe_demo(launch: LaunchOptions, model: ModelConfig) -> str | None:
+    """The start-up line of the embedded demo: what it set, and whether the model is LLaMA-style
+    (None outside the demo)."""
+    if not launch.demo_flags:
+        return None
+    llama = all(getattr(model, k) == v for k, v in LLAMA_ARCHITECTURE.items())
+    kind = "a LLaMA-style model" if llama else "the model of the flags"
+    return (f"embedded demo (no --data-path), {kind}: " + " ".join(launch.demo_flags)
+            + " (Megatron's defaults otherwise)")
+
+
+__all__ = ["COMPAT_FLAGS", "GROUPS", "LaunchOptions", "add_config_flags", "as_flag",
+           "build_parser", "config_from_args", "config_values", "demo_settings", "describe_demo",
+           "describe_no_effect",
+           "parse_flags"]

@@ -4,20 +4,33 @@ any process group starts."""
 
 from __future__ import annotations
 
-from megatron_h2.config import ModelConfig, ParallelConfig, RunConfig, TrainingConfig
-from megatron_h2.devices import ACCELERATORS
+from dataclasses import fields
+
+from megatron_h2.config import (
+    ModelConfig,
+    ParallelConfig,
+    RunConfig,
+    TrainingConfig,
+    flag_name,
+)
+from megatron_h2.devices import ACCELERATORS, PLUGINS_ENV
+from megatron_h2.distributed.transport import check_transport
 from megatron_h2.errors import ConfigError
 from megatron_h2.hetero_plan import ChipSpec, HeteroPlan, StageSpec
+from megatron_h2.pipeline_orders import check_micro_batches
 
-# Flags that a heterogeneous plan replaces: giving both is ambiguous, so it is an error.
-PLAN_OWNED_FLAGS = {"tensor_model_parallel_size": "--tensor-model-parallel-size",
-                    "pipeline_model_parallel_size": "--pipeline-model-parallel-size",
-                    "pipeline_layer_split": "--pipeline-layer-split",
-                    "decoder_first_pipeline_num_layers": "--decoder-first-pipeline-num-layers",
-                    "decoder_last_pipeline_num_layers": "--decoder-last-pipeline-num-layers",
-                    "recompute_granularity": "--recompute-granularity",
-                    "recompute_activations": "--recompute-activations",
-                    "device": "--device"}
+# Config fields that a heterogeneous plan replaces: giving both is ambiguous, so it is an error.
+PLAN_OWNED: tuple[tuple[type, str], ...] = (
+    (ParallelConfig, "tensor_model_parallel_size"),
+    (ParallelConfig, "pipeline_model_parallel_size"),
+    (ParallelConfig, "pipeline_layer_split"),
+    (ParallelConfig, "decoder_first_pipeline_num_layers"),
+    (ParallelConfig, "decoder_last_pipeline_num_layers"),
+    (ModelConfig, "recompute"),
+    (TrainingConfig, "device"),
+    (ParallelConfig, "virtual_pipeline_model_parallel_size"),
+    (ParallelConfig, "num_layers_per_virtual_pipeline_stage"),
+)
 
 
 def uniform_plan(parallel: ParallelConfig, model: ModelConfig, training: TrainingConfig,
@@ -32,26 +45,40 @@ def uniform_plan(parallel: ParallelConfig, model: ModelConfig, training: Trainin
                           f"--tensor-model-parallel-size {tp} x --pipeline-model-parallel-size "
                           f"{pp} = {tp * pp}; launch a multiple of {tp * pp} processes")
     dp = world_size // (tp * pp)
+    if training.global_batch_size is None:  # Megatron's default: one micro-batch per replica
+        training.global_batch_size = training.micro_batch_size * dp
     if training.global_batch_size % (training.micro_batch_size * dp):
         raise ConfigError(f"--global-batch-size {training.global_batch_size} is not divisible by "
                           f"--micro-batch-size {training.micro_batch_size} x data-parallel size "
                           f"{dp}; make it a multiple of {training.micro_batch_size * dp}")
-    stages = [StageSpec(chip="default", tensor_parallel_size=tp, num_layers=n,
-                        recompute=model.recompute)
-              for n in parallel.stage_layers(model.num_layers)]
+    layers = parallel.chunk_layers(model.num_layers)  # [stage][chunk]
+    chunks = len(layers[0])
+    schedule = parallel.pipeline_schedule or ("interleaved" if chunks > 1 else "1f1b")
+    check_micro_batches(schedule, pp, chunks,
+                        training.global_batch_size // (training.micro_batch_size * dp))
+    stages = [StageSpec(chip="default", tensor_parallel_size=tp, num_layers=sum(counts),
+                        recompute=model.recompute,
+                        chunk_layers=tuple(counts) if chunks > 1 else ())
+              for counts in layers]
     return HeteroPlan(data_parallel_size=dp, micro_batch_size=training.micro_batch_size,
                       global_batch_size=training.global_batch_size,
-                      chips={"default": ChipSpec(device=device)}, stages=stages)
+                      chips={"default": ChipSpec(device=device)}, stages=stages,
+                      schedule=schedule)
 
 
 def load_hetero_plan(cfg: RunConfig, explicit: frozenset[str]) -> HeteroPlan:
     """Read ``--hetero-plan`` and reconcile it with the flags (the plan owns the layout and the
     batch sizes; model-shape flags stay on the command line)."""
     plan = HeteroPlan.from_yaml(cfg.parallel.hetero_plan)
-    for field_name, flag in PLAN_OWNED_FLAGS.items():
+    for cls, field_name in PLAN_OWNED:
         if field_name in explicit:
+            flag = flag_name(next(f for f in fields(cls) if f.name == field_name))
             raise ConfigError(f"{flag} conflicts with --hetero-plan, which sets the layout per "
                               f"stage; drop {flag} or edit the plan")
+    schedule = cfg.parallel.pipeline_schedule
+    if "pipeline_schedule" in explicit and schedule != plan.schedule:
+        raise ConfigError(f"--pipeline-schedule {schedule} differs from the plan's schedule "
+                          f"{plan.schedule}; drop the flag or edit the plan")
     t = cfg.training
     for name in ("micro_batch_size", "global_batch_size"):
         if name in explicit and getattr(t, name) != getattr(plan, name):
@@ -59,10 +86,13 @@ def load_hetero_plan(cfg: RunConfig, explicit: frozenset[str]) -> HeteroPlan:
                               f"plan's {name} {getattr(plan, name)}; drop the flag or edit the "
                               "plan")
         setattr(t, name, getattr(plan, name))
+    for link in plan.transports:
+        check_transport(link.transport)  # its library must be installed on every rank
     for name, chip in plan.chips.items():
         if chip.device not in ACCELERATORS:
             raise ConfigError(f"chip '{name}' has unknown device '{chip.device}'; supported: "
-                              f"{', '.join(ACCELERATORS)}")
+                              f"{', '.join(ACCELERATORS)} (vendor plug-ins load from "
+                              f"${PLUGINS_ENV}, see docs/devices.md)")
     return plan
 
 
@@ -71,6 +101,11 @@ def check_plan_for_model(plan: HeteroPlan, model: ModelConfig, parallel: Paralle
     """Everything about the layout that must hold before any process group starts."""
     plan.validate(model.num_layers, model.num_attention_heads, model.num_query_groups,
                   world_size=world_size)
+    if not plan.uniform_dp:
+        raise ConfigError("stages with their own data_parallel_size are not run yet; give every "
+                          "stage the plan's data_parallel_size")
+    check_micro_batches(plan.schedule, plan.pipeline_parallel_size, plan.virtual_pipeline_size,
+                        plan.num_micro_batches)
     for index, stage in enumerate(plan.stages):
         tp = stage.tensor_parallel_size
         if model.vocab_size % tp:

@@ -49,6 +49,8 @@ class MetricsWriter:
                 f"global batch size: {record['global_batch_size']:5d} | "
                 f"lm loss: {record['lm_loss']:.6E} | "
                 f"grad norm: {record['grad_norm']:.3f} |")
+        if record.get("skipped_iterations"):
+            line += f" number of skipped iterations: {record['skipped_iterations']:3d} |"
         log(line)
         self._write_jsonl(record)
         if self.tb:

@@ -5,6 +5,7 @@ the plan emulates a slower chip, feeds the timeline, and reduces per-stage figur
 from __future__ import annotations
 
 import contextlib
+import statistics
 import time
 from collections.abc import Iterator
 from typing import Protocol
@@ -17,14 +18,16 @@ from megatron_h2.distributed.topology import Topology
 
 
 class Recorder(Protocol):
-    def record(self, kind: str, micro_batch: int, start_s: float, end_s: float) -> None: ...
+    def record(self, kind: str, micro_batch: int, start_s: float, end_s: float,
+               iteration: int | None = None, chunk: int = 0) -> None: ...
 
 
 class StageClock:
     """A :class:`~megatron_h2.pipeline.schedules.ComputeObserver` for one rank.
 
-    ``slowdown`` > 1 makes each forward / backward take that many times as long (it sleeps for
-    the difference), so a heterogeneous cluster can be rehearsed on one machine.
+    ``slowdown`` > 1 makes each forward / backward (and weight-gradient pass) take that many
+    times as long (it sleeps for the difference), so a heterogeneous cluster can be rehearsed on
+    one machine.
     """
 
     def __init__(self, acc: Accelerator, slowdown: float = 1.0,
@@ -34,7 +37,7 @@ class StageClock:
         self.padded_s = 0.0
 
     @contextlib.contextmanager
-    def compute(self, kind: str, micro_batch: int) -> Iterator[None]:
+    def compute(self, kind: str, micro_batch: int, chunk: int = 0) -> Iterator[None]:
         wall = time.time()
         start = time.perf_counter()
         yield
@@ -48,7 +51,7 @@ class StageClock:
             elapsed += pad
         self.compute_s += elapsed
         if self.recorder is not None:
-            self.recorder.record(kind, micro_batch, wall, wall + elapsed)
+            self.recorder.record(kind, micro_batch, wall, wall + elapsed, chunk=chunk)
 
     def take(self) -> float:
         """Compute seconds since the last call."""
@@ -56,9 +59,33 @@ class StageClock:
         return value
 
 
+STRAGGLER_THRESHOLD = 0.2
+"""A rank whose compute is this much above its peers' median is reported as a straggler."""
+
+
+def straggler_report(chips: list[str], stages: list[int], compute_s: list[float],
+                     threshold: float = STRAGGLER_THRESHOLD) -> str:
+    """``stragglers: fast: rank 3 +45%; slow: none`` for ranks (indexed by rank) whose compute
+    is more than ``threshold`` above the median of their peers: the ranks of their stage, which
+    run the same layers on the same chip type with the same TP (comparing stages of one type
+    that hold different layers would flag the work, not the chip)."""
+    by_stage: dict[int, list[float]] = {}
+    for stage, seconds in zip(stages, compute_s):
+        by_stage.setdefault(stage, []).append(seconds)
+    medians = {stage: statistics.median(values) for stage, values in by_stage.items()}
+    found: dict[str, list[str]] = {chip: [] for chip in dict.fromkeys(chips)}
+    for rank, (chip, stage, seconds) in enumerate(zip(chips, stages, compute_s)):
+        median = medians[stage]
+        if median > 0 and seconds > (1.0 + threshold) * median:
+            found[chip].append(f"rank {rank} +{seconds / median - 1.0:.0%}")
+    parts = [f"{chip}: {', '.join(ranks) if ranks else 'none'}" for chip, ranks in found.items()]
+    return f"stragglers (> {threshold:.0%} over their stage's median): " + "; ".join(parts)
+
+
 def stage_report(topo: Topology, compute_s: float, wall_s: float, comm: dict[str, float],
                  iterations: int) -> str:
-    """One log line with every stage's compute per iteration, bubble share and bridge traffic.
+    """One log line with every stage's compute per iteration, bubble share and bridge traffic,
+    and the stragglers of every chip type.
 
     Collective over the job (all ranks call it at the same iterations); each stage is reported
     by the slowest of its ranks.
@@ -83,4 +110,7 @@ def stage_report(topo: Topology, compute_s: float, wall_s: float, comm: dict[str
     traffic = (f"bridge {bridge / iterations / 2**20:.2f} MiB/it, direct "
                f"{direct / iterations / 2**20:.2f} MiB/it, max comm wait "
                f"{wait / iterations * 1e3:.1f} ms/it")
-    return " | ".join(parts) + " | " + traffic
+    stages = [int(r[0]) for r in rows]
+    chips = [topo.plan.stages[stage].chip for stage in stages]
+    stragglers = straggler_report(chips, stages, [float(r[1]) / iterations for r in rows])
+    return " | ".join(parts) + " | " + traffic + " | " + stragglers

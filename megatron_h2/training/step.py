@@ -8,22 +8,26 @@ so every rank sees the same numbers; with one process all of it reduces to the p
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 import torch.distributed as dist
-from torch import nn
 
 from megatron_h2.config import RunConfig
 from megatron_h2.devices import Accelerator
 from megatron_h2.distributed.bridge import BridgeConfig
 from megatron_h2.distributed.p2p import PipeComm
+from megatron_h2.distributed.tied_embedding import tied_embedding_sync
 from megatron_h2.distributed.topology import Topology
 from megatron_h2.errors import TrainingError
+from megatron_h2.models.gpt import GPTModel
+from megatron_h2.models.gpt.model import TIED_COPY_ATTR
 from megatron_h2.optimizer.distributed_optimizer import DataParallelOptimizer
 from megatron_h2.parallel import TPContext, allreduce_coalesced_, get_tp_shard
-from megatron_h2.pipeline.schedules import forward_backward_1f1b, forward_only
+from megatron_h2.pipeline.schedules import StageChunks, forward_only, run_schedule
+from megatron_h2.pipeline_orders import schedule_order
 from megatron_h2.training.stage_clock import StageClock
 from megatron_h2.training.timeline import Timeline
 
@@ -48,15 +52,23 @@ class StepResult:
     loss: float
     grad_norm: float
     lr: float
+    global_batch_size: int = 0
+    skipped: bool = False  # the judge rejected the step: no update was applied
+
+
+Judge = Callable[[int, float, float], bool]
+"""``judge(iteration, loss, grad_norm)``: True to update, False to skip; raises to stop."""
 
 
 class StepRunner:
     """Runs steps of one rank's stage model; built once per run."""
 
     def __init__(self, cfg: RunConfig, acc: Accelerator, topo: Topology, tp: TPContext,
-                 model: nn.Module, optimizer: DataParallelOptimizer,
-                 timeline: Timeline | None = None) -> None:
+                 model: GPTModel, optimizer: DataParallelOptimizer,
+                 timeline: Timeline | None = None, eod_mask: int | None = None) -> None:
+        """``eod_mask``: the token whose positions carry no loss (``--eod-mask-loss``)."""
         self.cfg, self.acc, self.topo, self.tp = cfg, acc, topo, tp
+        self.eod_mask = eod_mask
         self.model, self.optimizer = model, optimizer
         t, m, par = cfg.training, cfg.model, cfg.parallel
         self.per_replica = t.global_batch_size // topo.dp_size
@@ -64,49 +76,86 @@ class StepRunner:
         self.timeline = timeline if timeline is not None and timeline.recording else None
         self.clock = StageClock(acc, topo.chip.emulate_slowdown, self.timeline)
         bridge = BridgeConfig(force=par.force_bridge, chunk_mb=par.bridge_chunk_mb,
-                              dtype=torch.bfloat16 if par.bridge_dtype == "bf16" else None)
+                              dtype=torch.bfloat16 if par.bridge_dtype == "bf16" else None,
+                              timeout_s=par.distributed_timeout_minutes * 60)
         self.comm = PipeComm(topo, t.micro_batch_size, m.seq_length, m.hidden_size,
                              par.sequence_parallel, torch.float32, acc.device, bridge,
                              topo.cpu_group, observer=self.timeline)
+        # the stage's model chunks (virtual pipeline stages): parameters of each, and whether
+        # zero-bubble may split its backward (not for layers recomputed in full)
+        chunks = model.num_chunks
+        self.chunks = StageChunks(topo.stage, topo.pp_size,
+                                  [model.chunk_parameters(c) for c in range(chunks)],
+                                  [topo.stage_spec.recompute != "full"] * chunks)
         self.sp_params = [p for p in model.parameters() if getattr(p, "sequence_parallel", False)]
-        # Norm weights: a parameter replicated over TP counts once in the global norm.
-        self.norm_weight = {p: (1.0 if get_tp_shard(p) is not None else 1.0 / tp.size)
+        # Norm weights: a parameter replicated over TP counts once in the global norm, the last
+        # stage's copy of a tied embedding not at all (the first stage counts it).
+        self.norm_weight = {p: (0.0 if getattr(p, TIED_COPY_ATTR, False)
+                                else 1.0 if get_tp_shard(p) is not None else 1.0 / tp.size)
                             for p in model.parameters()}
+        self.tied = tied_embedding_sync(topo, model.tied_embedding_weight(), m.vocab_size)
         self.needs_data = topo.is_first_stage or topo.is_last_stage
 
-    def _replica_samples(self, dataset, start: int) -> torch.Tensor | None:
-        """This DP replica's slice of the global batch that starts at sample ``start``."""
+    def _replica_samples(self, dataset, start: int, per_replica: int) -> torch.Tensor | None:
+        """This DP replica's ``per_replica`` samples of the global batch that starts at sample
+        ``start``."""
         if not self.needs_data:
             return None
-        first = start + self.topo.dp_rank * self.per_replica
-        return stack_samples(dataset, first, self.per_replica)
+        first = start + self.topo.dp_rank * per_replica
+        return stack_samples(dataset, first, per_replica)
 
-    def _forward_step(self, samples: torch.Tensor | None, losses: list[torch.Tensor]):
+    def _loss_divisor(self, samples: torch.Tensor | None, global_batch_size: int
+                      ) -> float | None:
+        """What each micro-batch's summed token loss is divided by: the tokens counted in the
+        loss over the whole global batch, or None where each micro-batch averages over its own
+        counted tokens first (Megatron without --calculate-per-token-loss). The two agree
+        unless --eod-mask-loss leaves micro-batches with different counts."""
+        if self.eod_mask is None:
+            return float(global_batch_size * self.cfg.model.seq_length)
+        if not self.cfg.training.calculate_per_token_loss:
+            return None
+        mine = 0.0
+        if samples is not None and self.topo.is_last_stage and self.tp.rank == 0:
+            mine = float((samples[:, :-1] != self.eod_mask).sum())
+        return world_sum([mine], self.topo)[0]  # collective: every rank asks
+
+    def _forward_step(self, samples: torch.Tensor | None, sums: list[tuple], global_batch: int,
+                      divisor: float | None):
         mbs = self.cfg.training.micro_batch_size
-        total_tokens = self.cfg.training.global_batch_size * self.cfg.model.seq_length
+        micro_batches = global_batch // mbs  # over all DP replicas
 
-        def step(i: int, inp: torch.Tensor | None) -> torch.Tensor:
+        def step(chunk: int, i: int, inp: torch.Tensor | None) -> torch.Tensor:
+            first, last = self.chunks.first(chunk), self.chunks.last(chunk)
             tokens = labels = None
-            if samples is not None:
+            if samples is not None and (first or last):
                 mb = samples[i * mbs:(i + 1) * mbs].to(self.acc.device, non_blocking=True)
                 tokens, labels = mb[:, :-1], mb[:, 1:]  # [b, s] each
             with self.acc.autocast(self.cfg.training.bf16):
-                out = self.model(tokens=tokens if self.topo.is_first_stage else None,
-                                 hidden_states=inp,
-                                 labels=labels if self.topo.is_last_stage else None)
-            if not self.topo.is_last_stage:
-                return out  # [b, s, h] activation for the next stage
-            loss = out.sum() / total_tokens  # share of the global batch's mean loss
-            losses.append(loss.detach())
-            return loss
+                out = self.model(tokens=tokens if first else None, hidden_states=inp,
+                                 labels=labels if last else None, chunk=chunk)
+            if not last:
+                return out  # [b, s, h] activation for the next virtual stage
+            if self.eod_mask is None:  # out: [b, s] per-token losses
+                total, count = out.sum(), out.numel()
+            else:
+                mask = (tokens != self.eod_mask).to(out.dtype)  # no loss where the input is eod
+                total, count = (out * mask).sum(), mask.sum()
+            sums.append((total.detach(), count))
+            if divisor is not None:  # share of the global batch's per-token mean loss
+                return total / divisor
+            return total / torch.clamp(count, min=1.0) / micro_batches
 
         return step
 
-    def _reported_loss(self, losses: list[torch.Tensor]) -> float:
-        """Mean per-token loss of the global batch (summed over DP replicas, counted once per
-        TP group on the last stage)."""
-        mine = float(sum(l.item() for l in losses)) if losses and self.tp.rank == 0 else 0.0
-        return world_sum([mine], self.topo)[0]
+    def _reported_loss(self, sums: list[tuple]) -> float:
+        """Mean loss per counted token of the global batch, as Megatron reports it (summed over
+        DP replicas, counted once per TP group on the last stage)."""
+        mine = [0.0, 0.0]
+        if sums and self.tp.rank == 0:
+            mine = [float(sum(float(total) for total, _ in sums)),
+                    float(sum(float(count) for _, count in sums))]
+        total, count = world_sum(mine, self.topo)
+        return total / max(count, 1.0)
 
     def _reduce_sequence_parallel_grads(self) -> None:
         """Sum over TP the grads of parameters that saw only s/t positions (the norms).
@@ -128,33 +177,54 @@ class StepRunner:
         replicas = 1 if self.optimizer.sharded else self.topo.dp_size
         return math.sqrt(world_sum([local], self.topo)[0] / replicas)
 
-    def train_step(self, dataset, start: int, iteration: int, lr: float) -> StepResult:
-        """Forward and backward of one global batch starting at sample ``start``, then update."""
+    def train_step(self, dataset, start: int, iteration: int, lr: float,
+                   global_batch_size: int | None = None,
+                   judge: Judge | None = None) -> StepResult:
+        """Forward and backward of one global batch starting at sample ``start``, then update
+        unless ``judge`` rejects the step (without a judge, a non-finite loss or gradient norm
+        raises TrainingError).
+
+        The caller has set each parameter group's learning rate (``lr`` is the one reported);
+        ``global_batch_size`` (default ``--global-batch-size``) may change between steps under
+        a batch-size schedule, and with it the number of micro-batches.
+        """
+        batch = global_batch_size or self.cfg.training.global_batch_size
+        per_replica = batch // self.topo.dp_size
         self.model.train()
         self.optimizer.zero_grad()
-        losses: list[torch.Tensor] = []
-        samples = self._replica_samples(dataset, start)
+        losses: list[tuple] = []
+        samples = self._replica_samples(dataset, start, per_replica)
         if self.timeline is not None:
             self.timeline.set_iteration(iteration)
-        forward_backward_1f1b(self._forward_step(samples, losses), self.num_micro, self.comm,
-                              self.topo.stage, self.topo.pp_size,
-                              before_last_backward=self.optimizer.grad_buckets.start_sync,
-                              observer=self.clock)
+        divisor = self._loss_divisor(samples, batch)
+        micro_batches = per_replica // self.cfg.training.micro_batch_size
+        order = schedule_order(self.topo.plan.schedule, self.topo.stage, self.topo.pp_size,
+                               self.chunks.chunks, range(micro_batches))
+        buckets = self.optimizer.grad_buckets
+        run_schedule(order, self._forward_step(samples, losses, batch, divisor), self.comm,
+                     self.chunks,
+                     before_last_grads=lambda c: buckets.start_sync(self.chunks.params[c]),
+                     observer=self.clock)
         self.comm.wait_sends()
+        if self.tied is not None:  # before the DP sync, which defers the tied weight's bucket
+            self.tied.sum_grads()
         self.optimizer.grad_buckets.finish_sync()
         self._reduce_sequence_parallel_grads()
         grad_norm = self._grad_norm()
         loss = self._reported_loss(losses)
-        if not (math.isfinite(loss) and math.isfinite(grad_norm)):
+        if judge is not None:
+            if not judge(iteration, loss, grad_norm):
+                return StepResult(loss=loss, grad_norm=grad_norm, lr=lr,
+                                  global_batch_size=batch, skipped=True)
+        elif not (math.isfinite(loss) and math.isfinite(grad_norm)):
             raise TrainingError(f"loss {loss} / grad norm {grad_norm} is not finite at "
                                 f"iteration {iteration}; lower --lr or resume from the last "
                                 "checkpoint")
         clip = self.cfg.optimizer.clip_grad
         if clip > 0:
             self.optimizer.clip_(min(1.0, clip / (grad_norm + 1e-6)))
-        self.optimizer.set_lr(lr)
         self.optimizer.step()
-        return StepResult(loss=loss, grad_norm=grad_norm, lr=lr)
+        return StepResult(loss=loss, grad_norm=grad_norm, lr=lr, global_batch_size=batch)
 
     @torch.no_grad()
     def eval_loss(self, dataset, num_batches: int) -> float:
@@ -162,9 +232,11 @@ class StepRunner:
         self.model.eval()
         total = 0.0
         for b in range(num_batches):
-            losses: list[torch.Tensor] = []
-            samples = self._replica_samples(dataset, b * self.cfg.training.global_batch_size)
-            forward_only(self._forward_step(samples, losses), self.num_micro, self.comm)
+            losses: list[tuple] = []
+            batch = self.cfg.training.global_batch_size
+            samples = self._replica_samples(dataset, b * batch, self.per_replica)
+            step = self._forward_step(samples, losses, batch, self._loss_divisor(samples, batch))
+            forward_only(step, range(self.num_micro), self.comm, self.chunks)
             self.comm.wait_sends()
             total += self._reported_loss(losses)
         self.model.train()

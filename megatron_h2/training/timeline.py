@@ -43,9 +43,10 @@ TraceEvent = dict[str, Any]
 
 DEFAULT_MAX_ITERATIONS = 20
 DEFAULT_MAX_EVENTS = 500_000
-COMPUTE_KINDS = frozenset({"forward", "backward"})
-KINDS = ("forward", "backward", "send_forward", "recv_forward", "send_backward", "recv_backward",
-         "optimizer", "wait")
+COMPUTE_KINDS = frozenset({"forward", "backward", "backward_input", "backward_weight"})
+"""``backward`` is a whole backward; zero-bubble splits it into ``backward_input`` (B: the input
+gradient) and ``backward_weight`` (W: the weight gradients, deferred)."""
+_LETTER = {"forward": "F", "backward": "B", "backward_input": "B", "backward_weight": "W"}
 _COMM_PART = re.compile(r"(send|recv)_(forward|backward)")
 
 
@@ -54,19 +55,21 @@ def is_comm_kind(kind: str) -> bool:
     return kind == "wait" or kind.startswith(("send", "recv"))
 
 
-def event_name(kind: str, micro_batch: int) -> str:
-    """Short name shown on a trace slice: ``F3``, ``B3``, ``send F3``, ``recv B3``, ``optimizer``.
+def event_name(kind: str, micro_batch: int, chunk: int | None = None) -> str:
+    """Short name shown on a trace slice: ``F3``, ``B3``, ``W3``, ``send F3``, ``recv B3``,
+    ``optimizer``; with a ``chunk`` (virtual pipeline stages) ``F3 c1``, ``send F3 c1``.
 
     Combined kinds such as ``send_forward_recv_backward`` become ``send F3 + recv B``; unknown
     kinds are shown as ``<kind> <micro_batch>`` (or the bare kind for a negative micro-batch).
     """
+    tail = "" if chunk is None else f" c{chunk}"
     if kind in COMPUTE_KINDS:
-        return f"{kind[0].upper()}{micro_batch}"
+        return f"{_LETTER[kind]}{micro_batch}{tail}"
     parts = _COMM_PART.findall(kind)
     if parts and "_".join(f"{op}_{way}" for op, way in parts) == kind:
         names = [f"{op} {way[0].upper()}" for op, way in parts]
         names[0] += str(micro_batch) if micro_batch >= 0 else ""
-        return " + ".join(names)
+        return " + ".join(names) + tail
     return kind if micro_batch < 0 else f"{kind} {micro_batch}"
 
 
@@ -81,21 +84,23 @@ class Timeline:
     ``rank`` is the global rank (the trace's thread id), ``stage`` its pipeline stage (the
     process id), ``label`` the stage row's title (default ``stage <s>``). Only the first
     ``max_iterations`` distinct iterations and at most ``max_events`` events are kept.
+    ``chunks`` > 1 (virtual pipeline stages): events name their model chunk and carry it in
+    ``args.chunk``.
     """
 
     def __init__(self, rank: int, stage: int, enabled: bool, label: str | None = None,
                  max_iterations: int = DEFAULT_MAX_ITERATIONS,
-                 max_events: int = DEFAULT_MAX_EVENTS) -> None:
+                 max_events: int = DEFAULT_MAX_EVENTS, chunks: int = 1) -> None:
         if max_iterations < 1 or max_events < 1:
             raise ValueError(f"max_iterations ({max_iterations}) and max_events ({max_events})"
                              " must be positive")
-        self.rank, self.stage, self.enabled = rank, stage, enabled
+        self.rank, self.stage, self.enabled, self.chunks = rank, stage, enabled, chunks
         self.label = label or f"stage {stage}"
         self.max_iterations, self.max_events = max_iterations, max_events
         self.dropped = 0
         self._iteration = 0
         self._iterations: set[int] = set()
-        self._records: list[tuple[str, int, int, float, float]] = []
+        self._records: list[tuple[str, int, int, float, float, int]] = []
         self._null: AbstractContextManager[None] = nullcontext()
 
     @classmethod
@@ -105,7 +110,7 @@ class Timeline:
         stage = plan.rank_coordinates(rank)[0]
         spec = plan.stages[stage]
         return cls(rank, stage, enabled, stage_label(stage, spec.chip, spec.tensor_parallel_size),
-                   max_iterations=max_iterations)
+                   max_iterations=max_iterations, chunks=plan.virtual_pipeline_size)
 
     @property
     def iteration(self) -> int:
@@ -123,8 +128,9 @@ class Timeline:
         self._iteration = iteration
 
     def record(self, kind: str, micro_batch: int, start_s: float, end_s: float,
-               iteration: int | None = None) -> None:
-        """Keep one interval: ``kind`` of ``micro_batch`` ran from ``start_s`` to ``end_s``.
+               iteration: int | None = None, chunk: int = 0) -> None:
+        """Keep one interval: ``kind`` of ``micro_batch`` (on model ``chunk``) ran from
+        ``start_s`` to ``end_s``.
 
         Times are :func:`time.time` seconds; ``micro_batch`` is -1 for work that belongs to no
         micro-batch (the optimizer step); ``iteration`` defaults to :attr:`iteration`.
@@ -140,28 +146,29 @@ class Timeline:
         if len(self._records) >= self.max_events:
             self.dropped += 1
             return
-        self._records.append((kind, micro_batch, it, start_s, end_s))
+        self._records.append((kind, micro_batch, it, start_s, end_s, chunk))
 
-    def on_comm(self, kind: str, micro_batch: int, start_s: float, end_s: float) -> None:
+    def on_comm(self, kind: str, micro_batch: int, start_s: float, end_s: float,
+                chunk: int = 0) -> None:
         """Hook for the pipeline communication layer: one send / receive (``record`` alias)."""
-        self.record(kind, micro_batch, start_s, end_s)
+        self.record(kind, micro_batch, start_s, end_s, chunk=chunk)
 
-    def span(self, kind: str, micro_batch: int) -> AbstractContextManager[None]:
+    def span(self, kind: str, micro_batch: int, chunk: int = 0) -> AbstractContextManager[None]:
         """Context manager that records the time spent inside it as ``kind`` of ``micro_batch``.
 
         When the timeline is disabled or past its bound it returns a shared no-op context.
         """
         if not self.recording:
             return self._null
-        return self._span(kind, micro_batch)
+        return self._span(kind, micro_batch, chunk)
 
     @contextmanager
-    def _span(self, kind: str, micro_batch: int) -> Iterator[None]:
+    def _span(self, kind: str, micro_batch: int, chunk: int) -> Iterator[None]:
         start = time.time()
         try:
             yield
         finally:
-            self.record(kind, micro_batch, start, time.time())
+            self.record(kind, micro_batch, start, time.time(), chunk=chunk)
 
     def __len__(self) -> int:
         return len(self._records)
@@ -187,11 +194,15 @@ class Timeline:
             {"ph": "M", "name": "thread_sort_index", "pid": pid, "tid": tid,
              "args": {"sort_index": tid}},
         ]
-        for kind, micro_batch, iteration, start, end in self._records:
-            out.append({"name": event_name(kind, micro_batch), "cat": kind, "ph": "X",
-                        "ts": start * 1e6, "dur": max(0.0, (end - start) * 1e6),
-                        "pid": pid, "tid": tid,
-                        "args": {"iteration": iteration, "micro_batch": micro_batch}})
+        chunked = self.chunks > 1
+        for kind, micro_batch, iteration, start, end, chunk in self._records:
+            args = {"iteration": iteration, "micro_batch": micro_batch}
+            if chunked and micro_batch >= 0:
+                args["chunk"] = chunk
+            out.append({"name": event_name(kind, micro_batch, chunk if "chunk" in args else None),
+                        "cat": kind, "ph": "X", "ts": start * 1e6,
+                        "dur": max(0.0, (end - start) * 1e6), "pid": pid, "tid": tid,
+                        "args": args})
         return out
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import time
@@ -9,19 +10,26 @@ from types import FrameType
 
 from megatron_h2.checkpointing.distributed import CheckpointIO, TrainProgress
 from megatron_h2.config import RunConfig
-from megatron_h2.models.gpt import flops_per_token
-from megatron_h2.optimizer.lr_schedule import LRSchedule
+from megatron_h2.optimizer.lr_schedule import OptimizerParamScheduler
+from megatron_h2.training.batch_schedule import BatchSchedule
+from megatron_h2.training.health import HealthMonitor
 from megatron_h2.training.metrics import MetricsWriter
+from megatron_h2.training.precision import PrecisionMonitor
 from megatron_h2.training.stage_clock import stage_report
 from megatron_h2.training.step import StepResult, StepRunner, world_sum
 
 
 class ExitSignal:
-    """Turns SIGTERM / SIGINT into a request to save and stop after the current iteration."""
+    """Turns ``signals`` into a request to save and stop after the current iteration.
 
-    def __init__(self, log) -> None:
+    Ctrl-C (SIGINT) always does; ``--exit-signal-handler`` adds ``--exit-signal`` (SIGTERM),
+    which otherwise ends the process at once, as in Megatron.
+    """
+
+    def __init__(self, log, signals: tuple[signal.Signals, ...] = (signal.SIGINT,)) -> None:
         self.received: int | None = None
         self._log = log
+        self._signals = signals
         self._previous: dict[int, object] = {}
 
     def _handler(self, signum: int, frame: FrameType | None) -> None:
@@ -32,7 +40,7 @@ class ExitSignal:
                   "this iteration (send again to stop at once)")
 
     def __enter__(self) -> ExitSignal:
-        for sig in (signal.SIGTERM, signal.SIGINT):
+        for sig in self._signals:
             self._previous[sig] = signal.signal(sig, self._handler)
         return self
 
@@ -44,16 +52,21 @@ class ExitSignal:
 FAULT_ENV = "MEGATRON_H2_INJECT_FAULT"
 
 
-def injected_fault(rank: int) -> int | None:
-    """Iteration at which this rank must fail, from ``$MEGATRON_H2_INJECT_FAULT=RANK:ITER``.
+def injected_fault(rank: int) -> tuple[int, bool] | None:
+    """(iteration, kill) at which this rank must fail, from
+    ``$MEGATRON_H2_INJECT_FAULT=RANK:ITER`` (raise an error) or ``RANK:ITER:kill`` (die at once
+    from SIGKILL, as a lost chip would).
 
     For rehearsing failure handling (tests, drills); unset in normal runs.
     """
     value = os.environ.get(FAULT_ENV, "")
     if not value:
         return None
-    fault_rank, _, iteration = value.partition(":")
-    return int(iteration) if fault_rank.isdigit() and int(fault_rank) == rank else None
+    fault_rank, _, rest = value.partition(":")
+    iteration, _, mode = rest.partition(":")
+    if not (fault_rank.isdigit() and iteration.isdigit()) or int(fault_rank) != rank:
+        return None
+    return int(iteration), mode == "kill"
 
 
 class Trainer:
@@ -61,12 +74,48 @@ class Trainer:
 
     def __init__(self, cfg: RunConfig, runner: StepRunner, train_ds, valid_ds,
                  metrics: MetricsWriter, progress: TrainProgress, ckpt: CheckpointIO,
-                 log) -> None:
-        self.cfg, self.runner = cfg, runner
-        self.schedule = LRSchedule(cfg.optimizer, cfg.training.train_iters)
+                 log, started: float | None = None,
+                 precision: PrecisionMonitor | None = None,
+                 tokenizer_vocab: int | None = None) -> None:
+        """``started`` (``time.perf_counter()``) is when the program started, for
+        ``--exit-duration-in-mins``; default: now."""
+        self.cfg, self.runner, self.precision = cfg, runner, precision
+        self.started = time.perf_counter() if started is None else started
+        self.batch = BatchSchedule.from_config(cfg.training, cfg.model.seq_length)
+        self.train_iters = self.batch.train_iterations(cfg.training)
+        self.schedule = OptimizerParamScheduler.from_config(cfg.optimizer, cfg.training)
+        if progress.scheduler is not None:  # resumed with the optimizer: continue its schedule
+            self.schedule.load_state_dict(
+                progress.scheduler, override=cfg.optimizer.override_opt_param_scheduler,
+                use_checkpoint=cfg.optimizer.use_checkpoint_opt_param_scheduler)
         self.train_ds, self.valid_ds = train_ds, valid_ds
         self.metrics, self.progress, self.ckpt, self.log = metrics, progress, ckpt, log
-        self.fault_at = injected_fault(runner.topo.rank)
+        self.fault = injected_fault(runner.topo.rank)
+        self.started_at = progress.iteration
+        # (directory, iteration) of the newest checkpoint known good: loaded or saved by this run
+        self.last_good: tuple[str, int] | None = (
+            (cfg.training.load, progress.iteration) if progress.iteration else None)
+        self.health = HealthMonitor(cfg.training, (tokenizer_vocab or 0, cfg.model.vocab_size),
+                                    log, self._last_good_text)
+
+    def _report_first_iteration(self, iteration: int) -> None:
+        """Tell an elastic launcher (``$MEGATRON_H2_ELASTIC_DIR``) when this run's first
+        iteration finished: the end of a recovery."""
+        folder = os.environ.get("MEGATRON_H2_ELASTIC_DIR")
+        if not folder or self.runner.topo.rank != 0:
+            return
+        note = {"iteration": iteration, "time": time.time(),
+                "attempt": int(os.environ.get("MEGATRON_H2_ATTEMPT", "0") or 0)}
+        tmp = os.path.join(folder, f".first_iteration.{os.getpid()}.tmp")
+        with open(tmp, "w") as fh:
+            json.dump(note, fh)
+        os.replace(tmp, os.path.join(folder, "first_iteration.json"))
+
+    def _last_good_text(self) -> str:
+        if self.last_good is None:
+            return "none: this run has saved no checkpoint and started from scratch"
+        where, it = self.last_good
+        return f"iteration {it} in {where} (resume with --load {where} --ckpt-step {it})"
 
     def evaluate(self) -> float | None:
         t = self.cfg.training
@@ -75,36 +124,75 @@ class Trainer:
         return self.runner.eval_loss(self.valid_ds, t.eval_iters)
 
     def save(self) -> None:
-        if self.cfg.training.save:
-            start = time.perf_counter()
-            path = self.ckpt.save(self.cfg.training.save, self.progress)
-            self.log(f"saved checkpoint at iteration {self.progress.iteration} to {path} "
-                     f"({time.perf_counter() - start:.2f} s)")
+        """Save (collective), unless the state is suspect: a bad state is never checkpointed."""
+        save_dir, it = self.cfg.training.save, self.progress.iteration
+        if not save_dir:
+            return
+        if self.health.suspect:
+            self.log(f"not saving at iteration {it}: the state is suspect "
+                     f"({self.health.flat_why} for {self.health.flat_streak} iteration(s)); the "
+                     f"last good checkpoint is {self._last_good_text()}")
+            return
+        start = time.perf_counter()
+        self.progress.scheduler = self.schedule.state_dict()
+        path = self.ckpt.save(save_dir, self.progress)
+        self.last_good = (save_dir, it)
+        self.log(f"saved checkpoint at iteration {it} to {path} "
+                 f"({time.perf_counter() - start:.2f} s)")
+        if self.ckpt.removed:
+            self.log(f"removed checkpoints of iterations {', '.join(map(str, self.ckpt.removed))}"
+                     " (--save-retain-interval / --most-recent-k)")
 
-    def _stop_requested(self, stop: ExitSignal, it: int) -> bool:
+    def _stop_requested(self, stop: ExitSignal, it: int) -> str | None:
+        """Why training must stop after iteration ``it`` (None: go on); the same on every rank."""
         t = self.cfg.training
-        if t.exit_interval is not None and it % t.exit_interval == 0:
-            return True
+        minutes = (time.perf_counter() - self.started) / 60.0
         # every rank must agree, or some would wait in the next step's collectives
-        return world_sum([1.0 if stop.received is not None else 0.0], self.runner.topo)[0] > 0
+        signalled, timed_out = world_sum(
+            [1.0 if stop.received is not None else 0.0,
+             1.0 if t.exit_duration_in_mins is not None and minutes > t.exit_duration_in_mins
+             else 0.0], self.runner.topo)
+        if signalled:
+            return "after receiving a signal"
+        if timed_out:
+            return f"after {minutes:.2f} minutes (--exit-duration-in-mins)"
+        if t.exit_interval is not None and it % t.exit_interval == 0:
+            return "at --exit-interval"
+        return None
+
+    def _exit_signals(self) -> tuple[signal.Signals, ...]:
+        t = self.cfg.training
+        extra = (signal.Signals[t.exit_signal],) if t.exit_signal_handler else ()
+        return tuple(dict.fromkeys((signal.SIGINT, *extra)))
 
     def run(self) -> TrainProgress:
-        """Train until ``train_iters`` (or an exit signal / ``--exit-interval``)."""
+        """Train until the run's length (or an exit signal / ``--exit-interval``)."""
         t = self.cfg.training
         last_saved = self.progress.iteration
         window: list[StepResult] = []
         window_start = time.perf_counter()
-        with ExitSignal(self.log) as stop:
-            while self.progress.iteration < t.train_iters:
+        with ExitSignal(self.log, self._exit_signals()) as stop:
+            while self.progress.iteration < self.train_iters:
                 it = self.progress.iteration + 1
-                if it == self.fault_at:
+                if self.fault is not None and it == self.fault[0]:
+                    if self.fault[1]:
+                        os.kill(os.getpid(), signal.SIGKILL)
                     raise RuntimeError(f"injected fault at iteration {it} (${FAULT_ENV})")
+                batch = self.batch.batch_at(self.progress.consumed_samples)
+                lr = self.schedule.apply(self.runner.optimizer)
                 window.append(self.runner.train_step(self.train_ds, self.progress.consumed_samples,
-                                                     it, self.schedule.lr_at(it)))
+                                                     it, lr, batch, self.health))
+                self.schedule.step(batch)
+                if it == self.started_at + 1:
+                    self._report_first_iteration(it)
                 self.progress.iteration = it
-                self.progress.consumed_samples += t.global_batch_size
+                self.progress.consumed_samples += batch
+                if self.precision is not None and it % t.precision_check_interval == 0:
+                    check_start = time.perf_counter()
+                    self.log(self.precision.run(it))  # collective: every rank checks its stage
+                    window_start += time.perf_counter() - check_start  # not iteration time
                 val_loss = self.evaluate() if it % t.eval_interval == 0 else None
-                if it % t.log_interval == 0 or val_loss is not None or it == t.train_iters:
+                if it % t.log_interval == 0 or val_loss is not None or it == self.train_iters:
                     self.runner.acc.synchronize()
                     self._log(window, time.perf_counter() - window_start, val_loss)
                     window, window_start = [], time.perf_counter()
@@ -113,7 +201,7 @@ class Trainer:
                     self.save()
                     last_saved = it
                 if exiting:
-                    self.log(f"stopping at iteration {it} as requested")
+                    self.log(f"stopping at iteration {it} {exiting}")
                     break
         if self.progress.iteration != last_saved:
             self.save()
@@ -129,7 +217,7 @@ class Trainer:
         stages = stage_report(runner.topo, compute, elapsed, comm, n) \
             if runner.topo.pp_size > 1 else None
         seconds = elapsed / n
-        tokens = cfg.training.global_batch_size * cfg.model.seq_length
+        tokens = sum(r.global_batch_size for r in window) / n * cfg.model.seq_length
         record = {"iteration": self.progress.iteration,
                   "consumed_samples": self.progress.consumed_samples,
                   "lr": window[-1].lr,
@@ -137,8 +225,9 @@ class Trainer:
                   "grad_norm": window[-1].grad_norm,
                   "iteration_ms": seconds * 1000.0,
                   "tokens_per_sec": tokens / seconds,
-                  "tflops": flops_per_token(cfg.model) * tokens / seconds / 1e12,
-                  "global_batch_size": cfg.training.global_batch_size}
+                  "tflops": cfg.model.flops_per_token() * tokens / seconds / 1e12,
+                  "global_batch_size": window[-1].global_batch_size,
+                  "skipped_iterations": self.health.skipped_iterations}
         if val_loss is not None:
             record["val_loss"] = val_loss
         self.metrics.train_step(record)

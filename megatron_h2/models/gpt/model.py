@@ -1,16 +1,29 @@
-"""The GPT (LLaMA-style) model, built for a contiguous range of global layers.
+"""The GPT model, built for a contiguous range of global layers.
 
 A pipeline stage builds only its own layers: ``layer_range=(start, end)`` selects global layer
-indices, ``pre_process`` adds the word embedding and ``post_process`` the final norm and output
-head. Layers live in ``decoder.layers`` keyed by their *global* index, so a parameter is named
+indices, ``pre_process`` adds the embeddings and ``post_process`` the final norm and output
+layer. Layers live in ``decoder.layers`` keyed by their *global* index, so a parameter is named
 ``decoder.layers.7.mlp.linear_fc1.weight`` whatever the split, and checkpoints do not depend on
 the pipeline layout.
+
+With tied embeddings (Megatron's default) the output layer multiplies by the word embedding's
+weight. A stage that has the output layer but not the embedding (pipeline parallelism) holds a
+copy, ``output_layer.weight``, initialised like the embedding; the training step sums the two
+copies' gradients every step (:mod:`megatron_h2.distributed.tied_embedding`), and checkpoints
+store the weight once, under :data:`WORD_EMBEDDING` (see :attr:`GPTModel.checkpoint_names`).
+
+With virtual pipeline stages a stage holds several model chunks, each a range of global layers
+(``chunks=[(0, 2), (4, 6)]``): one module holds them all, so names, initialisation, the
+optimizer, gradient buckets and checkpoints cover every chunk as one stage model, and
+``forward(..., chunk=c)`` runs chunk ``c`` alone: the embedding before chunk 0 (with
+``pre_process``), the final norm and head after the last chunk (with ``post_process``).
 """
 
 from __future__ import annotations
 
 import math
 import zlib
+from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
@@ -19,7 +32,7 @@ from torch.utils.checkpoint import checkpoint
 
 from megatron_h2.config import ModelConfig
 from megatron_h2.devices.kernels import Kernels
-from megatron_h2.models.gpt.layers import RMSNorm, RotaryEmbedding, TransformerLayer
+from megatron_h2.models.gpt.layers import Norm, RotaryEmbedding, TransformerLayer
 from megatron_h2.parallel import (
     ColumnParallelLinear,
     TPContext,
@@ -27,38 +40,47 @@ from megatron_h2.parallel import (
     gather_from_tp_region,
     get_tp_shard,
     load_shard_,
+    mark_sequence_parallel,
     vocab_parallel_cross_entropy,
 )
+
+WORD_EMBEDDING = "embedding.word_embeddings.weight"
+OUTPUT_WEIGHT = "output_layer.weight"
+TIED_COPY_ATTR = "tied_embedding_copy"
+"""Set on the last stage's copy of a tied word embedding (it is not a parameter of its own: the
+gradient norm counts it once, checkpoints store it once)."""
 
 
 class Decoder(nn.Module):
     """The stage's transformer layers (keyed by global index) and, on the last stage, the final
-    norm."""
+    norm. ``chunks`` are the global layer ranges of the stage's model chunks."""
 
-    def __init__(self, config: ModelConfig, kernels: Kernels, layer_range: tuple[int, int],
-                 post_process: bool, tp: TPContext) -> None:
+    def __init__(self, config: ModelConfig, kernels: Kernels,
+                 chunks: Sequence[tuple[int, int]], post_process: bool, tp: TPContext) -> None:
         super().__init__()
-        rotary = RotaryEmbedding(config.kv_channels, config.max_position_embeddings,
-                                 config.rotary_base)
+        self.chunks = [range(*r) for r in chunks]
+        has_layers = any(len(r) for r in self.chunks)
+        rotary = (RotaryEmbedding(config) if config.position_embedding_type == "rope"
+                  and has_layers else None)
         self.layers = nn.ModuleDict({str(i): TransformerLayer(config, kernels, rotary, tp)
-                                     for i in range(*layer_range)})
-        self.final_layernorm = (RMSNorm(config.hidden_size, config.norm_epsilon, kernels, tp)
-                                if post_process else None)
+                                     for r in self.chunks for i in r})
+        self.final_layernorm = Norm(config, kernels, tp) if post_process else None
         self.recompute_full = config.recompute == "full"
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for layer in self.layers.values():
+    def forward(self, x: torch.Tensor, chunk: int = 0) -> torch.Tensor:
+        for i in self.chunks[chunk]:
+            layer = self.layers[str(i)]
             if self.recompute_full and self.training and torch.is_grad_enabled():
                 x = checkpoint(layer, x, use_reentrant=False)
             else:
                 x = layer(x)
-        if self.final_layernorm is not None:
+        if self.final_layernorm is not None and chunk == len(self.chunks) - 1:
             x = self.final_layernorm(x)
         return x
 
 
 class GPTModel(nn.Module):
-    """LLaMA-style decoder-only language model (untied input and output embeddings).
+    """Decoder-only language model of ``config``'s architecture (see :class:`ModelConfig`).
 
     ``tp`` shards it over a tensor-parallel group (default: no TP); the embedding and output
     layer are vocabulary-parallel and the loss never gathers the full vocabulary.
@@ -66,49 +88,104 @@ class GPTModel(nn.Module):
 
     def __init__(self, config: ModelConfig, kernels: Kernels | None = None,
                  layer_range: tuple[int, int] | None = None, pre_process: bool = True,
-                 post_process: bool = True, tp: TPContext | None = None) -> None:
+                 post_process: bool = True, tp: TPContext | None = None,
+                 chunks: Sequence[tuple[int, int]] | None = None) -> None:
         super().__init__()
         if config.vocab_size <= 0:
             raise ValueError("ModelConfig.vocab_size must be set (padded tokenizer vocabulary)")
+        if chunks is not None and layer_range is not None:
+            raise ValueError("give either layer_range or chunks, not both")
         kernels = kernels or Kernels()
         self.tp = tp = tp or TPContext.single()
         self.config = config
-        self.layer_range = layer_range or (0, config.num_layers)
+        self.chunk_ranges = [tuple(r) for r in chunks] if chunks is not None else [
+            layer_range or (0, config.num_layers)]
+        self.layer_range = (self.chunk_ranges[0][0], self.chunk_ranges[-1][1])
         self.pre_process, self.post_process = pre_process, post_process
         self.embedding = _Embedding(config, tp) if pre_process else None
-        self.decoder = Decoder(config, kernels, self.layer_range, post_process, tp)
-        self.output_layer = (ColumnParallelLinear(config.hidden_size, config.vocab_size, tp)
+        self.decoder = Decoder(config, kernels, self.chunk_ranges, post_process, tp)
+        shares = config.tied_embeddings and pre_process  # uses the embedding's own weight
+        self.output_layer = (ColumnParallelLinear(config.hidden_size, config.vocab_size, tp,
+                                                  skip_weight=shares)
                              if post_process else None)
+        self.checkpoint_names: dict[str, str] = {}
+        """Parameter name -> name in checkpoints, where they differ (the tied copy)."""
+        if post_process and config.tied_embeddings and not pre_process:
+            setattr(self.output_layer.weight, TIED_COPY_ATTR, True)
+            self.checkpoint_names[OUTPUT_WEIGHT] = WORD_EMBEDDING
+
+    def tied_embedding_weight(self) -> nn.Parameter | None:
+        """This stage's word-embedding weight or tied copy whose gradient must be summed with the
+        other end's (None when the weights are untied or both ends are on this stage)."""
+        if not self.config.tied_embeddings or self.pre_process == self.post_process:
+            return None
+        return (self.embedding.word_embeddings.weight if self.pre_process
+                else self.output_layer.weight)
+
+    @property
+    def num_chunks(self) -> int:
+        """Model chunks (virtual pipeline stages) this stage model holds."""
+        return len(self.chunk_ranges)
+
+    def chunk_parameters(self, chunk: int) -> list[nn.Parameter]:
+        """The parameters ``forward(..., chunk=chunk)`` uses."""
+        last = chunk == self.num_chunks - 1
+        parts: list[nn.Module | None] = [self.embedding if chunk == 0 else None]
+        parts += [self.decoder.layers[str(i)] for i in self.decoder.chunks[chunk]]
+        parts += [self.decoder.final_layernorm, self.output_layer] if last else []
+        if last and self.output_layer is not None and self.output_layer.weight is None:
+            parts.append(self.embedding.word_embeddings)  # the tied head's weight
+        unique = {id(p): p for part in parts if part is not None for p in part.parameters()}
+        return list(unique.values())
 
     def forward(self, tokens: torch.Tensor | None = None,
                 hidden_states: torch.Tensor | None = None,
-                labels: torch.Tensor | None = None) -> torch.Tensor:
-        """First stage: ``tokens`` [b, s]; later stages: ``hidden_states`` [b, s, h].
+                labels: torch.Tensor | None = None, chunk: int = 0) -> torch.Tensor:
+        """First stage: ``tokens`` [b, s]; later stages (and later chunks): ``hidden_states``
+        [b, s, h]. ``chunk``: which model chunk to run (virtual pipeline stages).
 
-        Returns per-token cross-entropy [b, s] (fp32) when this stage has the head and
-        ``labels`` [b, s] are given, logits [b, s, V] when it has the head without labels, and
-        hidden states [b, s, h] otherwise.
+        Returns per-token cross-entropy [b, s] (fp32) when this stage has the head, ``chunk`` is
+        the last one and ``labels`` [b, s] are given, logits [b, s, V] when it has the head
+        without labels, and hidden states [b, s, h] otherwise.
         """
-        x = self.embedding(tokens) if self.embedding is not None else hidden_states
-        x = self.decoder(x)  # [b, s, h] ([b, s/t, h] under sequence parallelism)
-        if self.output_layer is None:
+        if self.embedding is not None and chunk == 0:
+            x = self.embedding(tokens)
+        else:
+            x = hidden_states
+        x = self.decoder(x, chunk)  # [b, s, h] ([b, s/t, h] under sequence parallelism)
+        if self.output_layer is None or chunk != self.num_chunks - 1:
             return x
-        logits = self.output_layer(x)  # [b, s, V/t]
+        shared = (self.embedding.word_embeddings.weight if self.output_layer.weight is None
+                  else None)
+        logits = self.output_layer(x, shared)  # [b, s, V/t]
         if labels is None:
             return gather_from_tp_region(logits, self.tp)  # [b, s, V]
         return vocab_parallel_cross_entropy(logits, labels, self.tp)  # [b, s] fp32
 
 
 class _Embedding(nn.Module):
-    """Word embedding of the first stage. [b, s] -> [b, s, h] ([b, s/t, h] under SP)."""
+    """Word embedding plus, with ``learned_absolute`` positions, a position table (replicated
+    over TP) of the first stage. [b, s] -> [b, s, h] ([b, s/t, h] under SP)."""
 
     def __init__(self, config: ModelConfig, tp: TPContext) -> None:
         super().__init__()
+        self.tp = tp
         self.word_embeddings = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp)
+        self.position_embeddings = (
+            nn.Embedding(config.max_position_embeddings, config.hidden_size)
+            if config.position_embedding_type == "learned_absolute" else None)
+        if self.position_embeddings is not None and tp.sequence_parallel and tp.size > 1:
+            mark_sequence_parallel(self.position_embeddings.weight)  # sees s/t positions
         self.dropout = config.hidden_dropout
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        return F.dropout(self.word_embeddings(tokens), self.dropout, self.training)
+        x = self.word_embeddings(tokens)  # [b, s, h] ([b, s/t, h] under SP)
+        if self.position_embeddings is not None:
+            local = x.shape[1]  # this rank's positions: all, or its sequence shard under SP
+            start = self.tp.rank * local if self.tp.sequence_parallel else 0
+            positions = torch.arange(start, start + local, device=tokens.device)
+            x = x + self.position_embeddings(positions)  # [b, s, h] + [s, h]
+        return F.dropout(x, self.dropout, self.training)
 
 
 def full_shape(param: torch.Tensor, tp: TPContext) -> tuple[int, ...]:
@@ -121,44 +198,28 @@ def full_shape(param: torch.Tensor, tp: TPContext) -> tuple[int, ...]:
 
 
 def init_parameters(model: GPTModel, config: ModelConfig, seed: int) -> None:
-    """Initialise every parameter from a generator seeded by (seed, parameter name).
+    """Initialise every parameter as Megatron does, from a generator seeded by (seed, name).
 
-    Norm scales start at one; matrices are N(0, std), with the output projections of each layer
-    (``linear_proj``, ``linear_fc2``) scaled by 1/sqrt(2 x num_layers) as in Megatron. The full
-    tensor is drawn and this rank keeps its shard, and the seed depends only on the global
-    parameter name, so the initial weights are the same under every pipeline split and every
-    tensor-parallel degree.
+    Norm scales start at one (zero when zero-centred), biases at zero; matrices and embedding
+    tables are N(0, std), with the output projections of each layer (``linear_proj``,
+    ``linear_fc2``) scaled by 1/sqrt(2 x num_layers). The full tensor is drawn and this rank keeps
+    its shard, and the seed depends only on the parameter's checkpoint name, so the initial
+    weights are the same under every pipeline split and every tensor-parallel degree, and the
+    last stage's copy of a tied embedding equals the first stage's.
     """
     scaled_std = config.init_method_std / math.sqrt(2.0 * config.num_layers)
     with torch.no_grad():
         for name, param in model.named_parameters():
+            if name.endswith(".bias"):
+                param.zero_()
+                continue
             if name.endswith("layernorm.weight"):
-                param.fill_(1.0)
+                param.fill_(0.0 if config.apply_layernorm_1p else 1.0)
                 continue
             std = scaled_std if name.endswith(("linear_proj.weight", "linear_fc2.weight")) \
                 else config.init_method_std
+            name = model.checkpoint_names.get(name, name)
             gen = torch.Generator().manual_seed((seed * 1_000_003 + zlib.crc32(name.encode()))
                                                 % (2**63))
             full = torch.randn(full_shape(param, model.tp), generator=gen, dtype=torch.float32)
             load_shard_(param, full * std, model.tp)
-
-
-def num_parameters(config: ModelConfig) -> int:
-    """Parameter count of the full model."""
-    h, f, d = config.hidden_size, config.ffn_hidden_size, config.kv_channels
-    attn = h * (config.num_attention_heads + 2 * config.num_query_groups) * d + h * h
-    layer = attn + 3 * h * f + 2 * h
-    return config.num_layers * layer + 2 * config.vocab_size * h + h
-
-
-def flops_per_token(config: ModelConfig) -> float:
-    """Model FLOPs of one training token (forward + backward = 3x forward, no recompute).
-
-    Counts matrix multiplies: projections, MLP, the output head, and attention scores and
-    values over the full (non-causal-halved) sequence, as Megatron's MFU accounting does.
-    """
-    h, f, d, s = config.hidden_size, config.ffn_hidden_size, config.kv_channels, config.seq_length
-    proj = h * (config.num_attention_heads + 2 * config.num_query_groups) * d + h * h + 3 * h * f
-    attn = 2 * s * h  # QK^T and AV per token
-    forward = 2 * (config.num_layers * (proj + attn) + h * config.vocab_size)
-    return 3.0 * forward

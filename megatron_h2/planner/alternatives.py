@@ -1,0 +1,79 @@
+"""Why this schedule: the chosen plan's stages under every pipeline schedule the search considers.
+
+For the best plan's structure (the chip type and TP degree of its stages in pipeline order,
+micro-batch size and DP degree) :func:`schedule_alternatives` solves the layer split again under
+each other schedule and ``V`` (exactly, as the search does) and reports the step time, or why the
+schedule cannot run that pipeline (the micro-batch rule, equal chunks, memory).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from megatron_h2.hetero_plan import HeteroPlan
+from megatron_h2.planner.bounds import BatchShape
+from megatron_h2.planner.cost_model import CostModel
+from megatron_h2.planner.orders import schedule_problem
+from megatron_h2.planner.search import Candidate, SearchOptions, _Found, solve_structure, to_plan
+
+
+@dataclass(frozen=True)
+class Alternative:
+    """One schedule for the chosen stages: its best plan, or why there is none."""
+
+    schedule: str
+    chunks: int
+    candidate: Candidate | None
+    reason: str = ""
+
+    @property
+    def label(self) -> str:
+        """``1f1b``, ``zero-bubble`` or ``interleaved V=2``."""
+        return (
+            f"{self.schedule} V={self.chunks}" if self.schedule == "interleaved" else self.schedule
+        )
+
+
+def schedule_alternatives(
+    cost: CostModel, plan: HeteroPlan, options: SearchOptions
+) -> list[Alternative]:
+    """The stages of ``plan`` under each schedule variant of ``options`` (best split each)."""
+    layers = cost.model.num_layers
+    p, m = plan.pipeline_parallel_size, plan.num_micro_batches
+    out = []
+    for schedule, chunks in options.schedule_variants(layers):
+        problem = None
+        if schedule_problem(schedule, p, m, chunks) is not None:
+            problem = "needs two or more stages"
+            if p > 1 and m % p:
+                problem = f"{m} micro-batches are not a multiple of {p} stages"
+        elif layers < p * chunks:
+            problem = f"{layers} layers cannot give {p} stages {chunks} chunks each"
+        if problem is not None:
+            out.append(Alternative(schedule, chunks, None, problem))
+            continue
+        shape = BatchShape(
+            cost, plan.global_batch_size, plan.micro_batch_size, plan.data_parallel_size,
+            schedule, chunks, lazy=True,
+        )  # fmt: skip
+        kinds = [(k.name, k.tp) for k in shape.kinds]
+        blocks: list[list[int]] = []
+        for stage in plan.stages:
+            kind = kinds.index((stage.chip, stage.tensor_parallel_size))
+            if blocks and blocks[-1][0] == kind:
+                blocks[-1][1] += 1
+            else:
+                blocks.append([kind, 1])
+        suffix = tuple((kind, count) for kind, count in blocks)
+        split = solve_structure(shape, suffix)
+        if split is None:
+            out.append(Alternative(schedule, chunks, None, "no layer split fits in memory"))
+            continue
+        found = _Found(
+            split.step_time_s, shape.mbs, shape.dp, schedule, chunks, suffix, split, shape.kinds
+        )
+        alternative = to_plan(found, cost, plan.global_batch_size)
+        out.append(
+            Alternative(schedule, chunks, Candidate(alternative, cost.evaluate(alternative)))
+        )
+    return out

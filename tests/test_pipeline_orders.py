@@ -1,0 +1,144 @@
+"""Pipeline schedule orders: Megatron's rules, torch's orders, and that every order runs
+without a hang or a mismatched message under our point-to-point discipline."""
+
+from __future__ import annotations
+
+import pytest
+
+from megatron_h2.errors import ConfigError
+from megatron_h2.pipeline_orders import (
+    Action,
+    check_micro_batches,
+    check_orders,
+    forward_order,
+    interleaved,
+    one_f_one_b,
+    schedule_order,
+    zero_bubble,
+)
+
+
+def names(order: list[Action]) -> list[str]:
+    return [str(a) for a in order]
+
+
+def test_one_f_one_b_is_megatrons_order():
+    assert names(one_f_one_b(0, 3, range(4))) == ["F0", "F1", "F2", "B0", "F3", "B1", "B2",
+                                                  "B3"]
+    assert names(one_f_one_b(2, 3, range(4))) == ["F0", "B0", "F1", "B1", "F2", "B2", "F3",
+                                                  "B3"]
+    assert names(one_f_one_b(0, 4, range(2))) == ["F0", "F1", "B0", "B1"]  # m < p: all warm-up
+
+
+def test_interleaved_is_megatrons_order():
+    # p = 2, V = 2, m = 4: chunk 0 of micro-batches 0, 1, chunk 1 of 0, 1, chunk 0 of 2, 3 ...
+    # stage 0 warms up (2 - 0 - 1) x 2 + (2 - 1) x 2 = 4 forwards
+    assert names(interleaved(0, 2, 2, range(4))) == [
+        "F0", "F1", "F0.1", "F1.1", "F2", "B0.1", "F3", "B1.1", "F2.1", "B0", "F3.1", "B1",
+        "B2.1", "B3.1", "B2", "B3"]
+    # m == p: the same warm-up rule (stage 1 of 2: (V - 1) x p = 2 forwards, then 1F1B)
+    assert names(interleaved(1, 2, 2, range(2))) == ["F0", "F1", "F0.1", "B0.1", "F1.1",
+                                                     "B1.1", "B0", "B1"]
+
+
+def test_zero_bubble_defers_weight_gradients_by_the_stage_index():
+    # ZB-H1, p = 3, stage 2 (last): no warm-up, W of micro-batch i two steps after its B
+    assert names(zero_bubble(2, 3, 1, range(4))) == [
+        "F0", "B0", "F1", "B1", "F2", "B2", "W0", "F3", "B3", "W1", "W2", "W3"]
+    assert names(zero_bubble(0, 3, 1, range(4))) == [
+        "F0", "F1", "F2", "B0", "W0", "F3", "B1", "W1", "B2", "W2", "B3", "W3"]
+
+
+def test_zero_bubble_keeps_1f1b_peak_memory():
+    """Activations live from F until W: at most p micro-batches on every stage (1F1B's stage 0)."""
+    for p in (2, 4, 6):
+        for s in range(p):
+            live = peak = 0
+            for a in zero_bubble(s, p, 1, range(3 * p)):
+                live += {"F": 1, "B": 0, "W": -1}[a.kind]
+                peak = max(peak, live)
+            assert peak == p
+
+
+@pytest.mark.parametrize("zb", [False, True])
+def test_orders_equal_torch_pipelining(zb):
+    """The interleaved 1F1B and zero-bubble orders are those of torch's
+    ScheduleInterleaved1F1B / ScheduleInterleavedZeroBubble."""
+    schedules = pytest.importorskip("torch.distributed.pipelining.schedules")
+    helper = getattr(schedules, "_get_1f1b_rank_ops", None)
+    warmups = getattr(schedules, "_get_warmup_ops", None)
+    if helper is None or warmups is None:
+        pytest.skip("this torch has no pipelining order helpers")
+    kinds = {"F": "F", "B": "B", "I": "B", "W": "W"}
+    checked = 0
+    for p in (2, 3, 4):
+        for v in ((1, 2, 3) if zb else (2, 3)):
+            for m in (p, 2 * p, 3 * p):
+                for s in range(p):
+                    warm = warmups(s, v, p, p, m, multiply_factor=1 if zb else 2)
+
+                    def fwd(step, v=v, p=p, s=s):
+                        return ((step // p) % v) * p + s
+
+                    def bwd(step, v=v, p=p, s=s, warm=warm):
+                        return (v - 1 - ((step - warm) // p) % v) * p + s
+
+                    ops = helper(v, p, warm, v * m - warm, warm, s, fwd, bwd, s if zb else 0,
+                                 enable_zero_bubble=zb)
+                    theirs = [Action(kinds[a.computation_type.value], a.stage_index // p,
+                                     a.microbatch_index) for a in ops if a is not None]
+                    mine = (zero_bubble if zb else interleaved)(s, p, v, range(m))
+                    assert mine == theirs, (p, v, m, s)
+                    checked += 1
+    assert checked > 20
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "interleaved", "zero-bubble"])
+def test_every_order_runs_without_hang_or_mismatch(schedule):
+    checked = 0
+    for p in (1, 2, 3, 4, 6):
+        for v in (1, 2, 3):
+            for m in range(1, 3 * p + 1):
+                try:
+                    check_micro_batches(schedule, p, v, m)
+                except ConfigError:
+                    continue
+                micro_batches = [10 + 3 * j for j in range(m)]  # any ids, not 0..m-1
+                check_orders([schedule_order(schedule, s, p, v, micro_batches)
+                              for s in range(p)], v)
+                check_orders([forward_order(s, p, v, micro_batches) for s in range(p)], v)
+                checked += 1
+    assert checked >= 20
+
+
+def test_check_orders_catches_a_deadlock_and_a_mismatch():
+    good = [one_f_one_b(s, 2, range(3)) for s in range(2)]
+    check_orders(good, 1)
+    hang = [list(good[0]), list(good[1])]
+    hang[1][0], hang[1][1] = hang[1][1], hang[1][0]  # stage 1 runs B0 before F0
+    with pytest.raises(AssertionError, match="deadlocks"):
+        check_orders(hang, 1)
+    swapped = [[Action("F", 0, 1), Action("F", 0, 0), Action("B", 0, 0), Action("B", 0, 1)],
+               [Action("F", 0, 0), Action("B", 0, 0), Action("F", 0, 1), Action("B", 0, 1)]]
+    with pytest.raises(AssertionError, match="order"):
+        check_orders(swapped, 1)
+    with pytest.raises(AssertionError, match="twice"):
+        check_orders([good[0] + [good[0][0]], good[1]], 1)
+
+
+@pytest.mark.parametrize("schedule, p, v, m, fragment", [
+    ("interleaved", 4, 2, 6, "multiple of the pipeline size 4"),
+    ("zero-bubble", 2, 2, 3, "multiple of the pipeline size 2"),
+    ("interleaved", 1, 2, 4, "need at least 2 pipeline stages"),
+    ("1f1b", 2, 2, 4, "runs one model chunk per stage"),
+    ("interleaved", 2, 1, 4, "needs virtual pipeline stages"),
+    ("gpipe", 2, 1, 4, "must be one of"),
+])
+def test_micro_batch_rules(schedule, p, v, m, fragment):
+    with pytest.raises(ConfigError, match=fragment):
+        check_micro_batches(schedule, p, v, m)
+
+
+def test_zero_bubble_without_virtual_stages_takes_any_micro_batch_count():
+    check_micro_batches("zero-bubble", 4, 1, 3)
+    check_micro_batches("1f1b", 4, 1, 5)
