@@ -50,9 +50,10 @@ def test_calibrated_cluster_keeps_everything_else():
     data = calibrated_cluster(CLUSTER, links)
     assert CLUSTER["chips"]["fast"]["intra_node_gb_per_s"] == 5  # the input is not changed
     for name in ("fast", "slow"):
-        kept = {k: v for k, v in data["chips"][name].items() if not k.endswith("gb_per_s")}
-        assert kept == {k: v for k, v in CLUSTER["chips"][name].items()
-                        if not k.endswith("gb_per_s")}
+        assert data["chips"][name]["chips_per_node"] == 1  # no TP between processes
+        changed = ("chips_per_node", "intra_node_gb_per_s", "inter_node_gb_per_s")
+        kept = {k: v for k, v in data["chips"][name].items() if k not in changed}
+        assert kept == {k: v for k, v in CLUSTER["chips"][name].items() if k not in changed}
     assert Cluster.from_dict(yaml.safe_load(yaml.safe_dump(data))).chip("slow").count == 1
     with pytest.raises(ConfigError, match="chips"):
         calibrated_cluster({"cross_chip_gb_per_s": 1}, links)

@@ -58,16 +58,19 @@ def calibrated_cluster(cluster: Mapping[str, Any], links: LinkTimes,
     """A copy of the cluster YAML mapping whose bandwidths are those measured on this machine.
 
     For CPU emulation, where every chip is a process of this machine and every link is gloo
-    over loopback: collectives (TP and DP groups, inside and between nodes of a chip type) get
-    the all-reduce figure, pipeline transfers between chip types the point-to-point one, those
-    within a chip type the inter-node (all-reduce) figure, which matters little: a step waits
-    for each link only while the pipeline fills and drains.
+    over loopback: DP groups get the all-reduce figure, pipeline transfers between chip types
+    the point-to-point one, those within a chip type the inter-node (all-reduce) figure, which
+    matters little: a step waits for each link only while the pipeline fills and drains. Every
+    chip becomes its own node (``chips_per_node: 1``), so plans have no tensor parallelism:
+    TP all-reduces among processes that share the cores (~10 ms each on two cores, as they wait
+    for a core) are neither measured here nor described by the cost model's TP formula.
     """
     collective, p2p = fitted_gb_per_s(links, config)
     data = copy.deepcopy(dict(cluster))
     if not isinstance(data.get("chips"), Mapping):
         raise ConfigError("the cluster to calibrate has no 'chips' mapping")
     for chip in data["chips"].values():
+        chip["chips_per_node"] = 1
         chip["intra_node_gb_per_s"] = collective
         chip["inter_node_gb_per_s"] = collective
     if "cross_chip_gb_per_s" in data or len(data["chips"]) > 1:
