@@ -69,7 +69,7 @@ OMP_NUM_THREADS=1 "$PYTHON" -m torch.distributed.run --standalone --nproc-per-no
 
 echo "== 4/4 timelines and step time"
 "$PYTHON" tools/show_timeline.py "$OUT/timeline.json" --output "$OUT/measured_timeline.png"
-echo "predicted timeline: $OUT/predicted_timeline.png (the planner's 1F1B simulation)"
+echo "predicted timeline: $OUT/predicted_timeline.png (the planner's simulation of its schedule)"
 echo "measured trace:     $OUT/timeline.json (open in ui.perfetto.dev or chrome://tracing)"
 echo "plan: $OUT/plan.yaml | checkpoint: $OUT/checkpoints | TensorBoard: $OUT/tensorboard"
 "$PYTHON" tools/step_time.py --plan "$OUT/plan.yaml" --cluster "$OUT/cluster.yaml" \

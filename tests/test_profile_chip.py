@@ -36,9 +36,10 @@ def test_bad_input_is_one_line(tmp_path, capsys):
     assert err.startswith("error: ") and "\n" not in err
 
 
-SMALL = ["--hidden-size", "64", "--num-attention-heads", "4", "--num-query-groups", "2",
-         "--ffn-hidden-size", "128", "--seq-length", "32", "--vocab-size", "256",
-         "--micro-batch-sizes", "1", "--reps", "2", "--warmup", "1", "--max-wait", "0"]
+SMALL = ["--num-layers", "1", "--hidden-size", "64", "--num-attention-heads", "4",
+         "--group-query-attention", "--num-query-groups", "2", "--ffn-hidden-size", "128",
+         "--seq-length", "32", "--vocab-size", "256", "--micro-batch-sizes", "1", "--reps", "2",
+         "--warmup", "1", "--max-wait", "0"]
 
 
 def test_measures_optimizer_and_selective_recompute_and_names_the_cluster_chips(tmp_path):
