@@ -114,9 +114,7 @@ def rank_slowdowns(plan_path: str) -> list[float]:
 
 def link_bytes(cfg) -> tuple[int, int]:
     """fp32 gradients of the whole model, fp32 activations of one sample."""
-    from megatron_h2.models.gpt import num_parameters
-
-    return int(num_parameters(cfg)) * 4, cfg.seq_length * cfg.hidden_size * 4
+    return int(cfg.num_parameters()) * 4, cfg.seq_length * cfg.hidden_size * 4
 
 
 # ----------------------------------------------------------------------- measuring processes
