@@ -128,6 +128,14 @@ def stage_dps(plan: HeteroPlan) -> tuple[int, ...]:
     return tuple(plan.stage_dp(s) for s in range(plan.pipeline_parallel_size))
 
 
+def describe_dp(plan: HeteroPlan) -> str:
+    """``2`` with one DP degree, ``2/1/2 per stage (micro-batch j on replica j mod DP)``."""
+    if plan.uniform_dp:
+        return str(plan.data_parallel_size)
+    return ("/".join(map(str, stage_dps(plan))) + " per stage (micro-batch j on replica j mod "
+            "DP)")
+
+
 def check_routing(plan: HeteroPlan, batch_sizes: list[int]) -> None:
     """Every global batch size splits into micro-batches that each stage's replicas can run
     under the plan's schedule (Megatron's rules per replica); with per-stage DP degrees, the

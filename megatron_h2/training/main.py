@@ -73,6 +73,7 @@ from megatron_h2.training.health import JobTrainingError
 from megatron_h2.training.layout import (
     check_plan_for_model,
     check_routing,
+    describe_dp,
     load_hetero_plan,
     stage_dps,
     uniform_plan,
@@ -372,14 +373,6 @@ def _train(cfg: RunConfig, launch: LaunchOptions, env: LaunchEnv, failures: JobF
     if demo:
         say("this was the embedded demo; see README.md for training on your own data")
     return progress
-
-
-def describe_dp(plan: HeteroPlan) -> str:
-    """``2`` with one DP degree, ``2/1/2 per stage (micro-batch j on replica j mod DP)``."""
-    if plan.uniform_dp:
-        return str(plan.data_parallel_size)
-    return ("/".join(map(str, stage_dps(plan))) + " per stage (micro-batch j on replica j mod "
-            "DP)")
 
 
 def pipeline_line(plan: HeteroPlan) -> str:
