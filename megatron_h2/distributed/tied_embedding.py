@@ -40,8 +40,9 @@ def vocab_rows(tp_rank: int, tp_size: int, vocab_size: int) -> tuple[int, int]:
 
 
 class TiedEmbeddingSync:
-    """Sums ``weight.grad`` with the other end's copy (collective over the first and the last
-    stage; every rank of both calls :meth:`sum_grads` in the same step)."""
+    """Sums the weight's accumulated gradient (``main_grad`` where the gradient buckets keep one,
+    else ``.grad``) with the other end's copy (collective over the first and the last stage;
+    every rank of both calls :meth:`sum_grads` in the same step)."""
 
     def __init__(self, topo: Topology, weight: nn.Parameter, vocab_size: int) -> None:
         if not (topo.is_first_stage or topo.is_last_stage) or topo.pp_size == 1:
@@ -61,7 +62,9 @@ class TiedEmbeddingSync:
     def sum_grads(self) -> None:
         """``grad += other end's grad`` on this rank's rows, through host memory (both ends add
         the same two values, so the copies stay bitwise equal)."""
-        grad = self.weight.grad  # [V/tp, h] on the device
+        grad = getattr(self.weight, "main_grad", None)  # [V/tp, h] on the device
+        if grad is None:
+            grad = self.weight.grad
         posted = []
         for ex in self.exchanges:
             mine = grad[ex.start:ex.end].to("cpu", copy=True)  # [rows, h] host copy
