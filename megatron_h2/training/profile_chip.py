@@ -3,7 +3,8 @@ head, per micro-batch size, written as the planner's profile table (see
 :mod:`megatron_h2.planner.profile` for the format).
 
 Times are medians over repetitions after warm-up, at TP 1 and without recompute, on the device
-this process runs on; the cost model scales them for TP, recompute and emulated slowdown.
+this process runs on; the cost model scales them for TP, recompute and emulated slowdown. With
+``bf16`` the parts run as ``--bf16`` trains: bf16 weights and activations, no autocast.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import yaml
 
 from megatron_h2.config import ModelConfig
 from megatron_h2.devices import Accelerator
-from megatron_h2.models.gpt import GPTModel, init_parameters
+from megatron_h2.models.gpt import GPTModel, cast_parameters, init_parameters
 
 PROFILE_MODEL_KEYS = ("hidden_size", "ffn_hidden_size", "num_attention_heads",
                       "num_query_groups", "seq_length", "vocab_size")
@@ -39,16 +40,14 @@ def _timed_ms(acc: Accelerator, fn: Callable[[], None]) -> float:
 
 
 def _time_part(acc: Accelerator, model: GPTModel, make_input: Callable[[], dict],
-               bf16: bool, warmup: int, reps: int) -> PartTimes:
+               warmup: int, reps: int) -> PartTimes:
     """Forward alone and forward + backward, measured alternately; backward = the difference
     of the medians."""
     model.train()
     inputs = make_input()
 
     def forward() -> torch.Tensor:
-        with acc.autocast(bf16):
-            out = model(**inputs)
-        return out.float().sum()
+        return model(**inputs).float().sum()
 
     def forward_only() -> None:
         with torch.no_grad():
@@ -72,13 +71,14 @@ def _time_part(acc: Accelerator, model: GPTModel, make_input: Callable[[], dict]
 
 
 def _input_makers(
-    cfg: ModelConfig, mbs: int, dev: torch.device
+    cfg: ModelConfig, mbs: int, dev: torch.device, dtype: torch.dtype
 ) -> tuple[Callable[[], dict], Callable[[], dict], Callable[[], dict]]:
     """Fresh inputs of one micro-batch for the layer, the embedding and the head."""
     s, h, v = cfg.seq_length, cfg.hidden_size, cfg.vocab_size
 
     def hidden() -> dict:
-        return {"hidden_states": torch.randn(mbs, s, h, device=dev, requires_grad=True)}
+        return {"hidden_states": torch.randn(mbs, s, h, device=dev, dtype=dtype,
+                                             requires_grad=True)}
 
     def tokens() -> dict:
         return {"tokens": torch.randint(0, v, (mbs, s), device=dev)}
@@ -98,15 +98,17 @@ def profile_model(config: ModelConfig, acc: Accelerator, micro_batch_sizes: list
     layer = GPTModel(cfg, acc.kernels, (0, 1), pre_process=False, post_process=False).to(dev)
     embed = GPTModel(cfg, acc.kernels, (0, 0), pre_process=True, post_process=False).to(dev)
     head = GPTModel(cfg, acc.kernels, (0, 0), pre_process=False, post_process=True).to(dev)
+    dtype = torch.bfloat16 if bf16 else torch.float32
     for part in (layer, embed, head):
         init_parameters(part, cfg, seed=0)
+        cast_parameters(part, dtype)
     table: dict[int, dict[str, float]] = {}
     for mbs in micro_batch_sizes:
-        hidden, tokens, labelled = _input_makers(cfg, mbs, dev)
+        hidden, tokens, labelled = _input_makers(cfg, mbs, dev, dtype)
         row = {}
         for name, model, make in (("layer", layer, hidden), ("embedding", embed, tokens),
                                   ("head", head, labelled)):
-            t = _time_part(acc, model, make, bf16, warmup, reps)
+            t = _time_part(acc, model, make, warmup, reps)
             row[f"{name}_forward_ms"] = round(t.forward_ms, 4)
             row[f"{name}_backward_ms"] = round(t.backward_ms, 4)
         log(f"micro-batch {mbs}: layer forward {row['layer_forward_ms']:.2f} ms, backward "
