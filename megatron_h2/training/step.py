@@ -229,9 +229,12 @@ class StepRunner:
         grad_norm = self._grad_norm()
         loss = self._reported_loss(losses)
         if scale is not None:
-            overflow = not math.isfinite(grad_norm)  # the same verdict on every rank
+            # the same verdict on every rank; as Megatron, an Inf is the scaler's business, a
+            # NaN the health check's while --check-for-nan-in-loss-and-grad is on
+            overflow = not math.isfinite(grad_norm)
             self.scaler.update(overflow)
-            if overflow and not self.cfg.training.check_for_nan_in_loss_and_grad:
+            nan_checked = math.isnan(grad_norm) and self.cfg.training.check_for_nan_in_loss_and_grad
+            if overflow and not nan_checked:
                 return StepResult(loss=loss, grad_norm=grad_norm, lr=lr, global_batch_size=batch,
                                   skipped=True, overflow=True, loss_scale=scale)
             if not overflow:  # unscale: the norm, then the gradients the optimizer applies
