@@ -1,4 +1,6 @@
-"""Training-step throughput: megatron_h2's GPTModel vs transformers' LlamaForCausalLM.
+"""Training-step throughput: megatron_h2's GPTModel vs transformers' LlamaForCausalLM, and
+(``--compare precision``) megatron_h2's ``--bf16`` (bf16 weights, fp32 main weights and
+gradients) vs bf16 autocast over fp32 weights.
 
 Both models get the identical shape (vocabulary, hidden size, layers, heads, key/value heads,
 FFN width, RoPE base 10000, RMSNorm epsilon, untied embeddings, no dropout), the same weights
@@ -12,10 +14,20 @@ steps of one model then the same of the other (the order flips every round). Tok
 median over rounds; the ratio ours/HF is reported both as median(ours)/median(HF) and as the
 median of the per-round ratios.
 
+``--compare precision`` measures two of our steps the same way (alternating rounds, one
+process): ``bf16`` is what ``pretrain_gpt.py --bf16`` runs (the model cast to bf16, the data-
+parallel optimizer with fp32 main weights and fp32 gradient buckets, no autocast; the bf16
+weights' gradients are added to the fp32 buckets by a hook), ``autocast`` is the fp32 model
+under ``torch.autocast(bf16)`` with the fp32 optimizer (what ``--bf16`` ran before). Same
+weights, batch, loss and AdamW settings; it reports tokens/s of both, their ratio and the
+model-state bytes each holds.
+
 Examples::
 
     python bench/bench_train_step.py                       # tiny preset, CPU, ~1 minute
     python bench/bench_train_step.py --device cuda --preset 350m --bf16 --json out.jsonl
+    python bench/bench_train_step.py --compare precision   # --bf16 vs autocast, CPU
+    python bench/bench_train_step.py --compare precision --device cuda --preset 350m
 """
 
 from __future__ import annotations
@@ -62,7 +74,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     p.add_argument("--preset", choices=tuple(PRESETS), default="tiny",
                    help="default shape; any explicit shape flag below overrides it")
-    p.add_argument("--bf16", action="store_true", help="bf16 autocast for both models")
+    p.add_argument("--compare", choices=("hf", "precision"), default="hf",
+                   help="hf: ours vs transformers' Llama; precision: our --bf16 (bf16 weights, "
+                        "fp32 main) vs bf16 autocast on fp32 weights")
+    p.add_argument("--bf16", action="store_true", help="bf16 autocast for both models "
+                   "(--compare hf)")
     for name in SHAPE_FLAGS:
         p.add_argument("--" + name.replace("_", "-"), type=int, default=None,
                        help="(preset value when omitted)")
@@ -206,6 +222,85 @@ def make_step(kind: str, model, optimizer, tokens, labels, autocast_ctx, hf_loss
     return step
 
 
+def bf16_steps(config: ModelConfig, accelerator, args: argparse.Namespace, tokens, labels
+               ) -> tuple[dict[str, object], dict[str, torch.nn.Module], dict[str, object]]:
+    """``--compare precision``: (steps, models, optimizers) of our ``--bf16`` training step and
+    of bf16 autocast over fp32 weights, from the same initial weights."""
+    from megatron_h2.models.gpt import cast_parameters
+    from megatron_h2.optimizer import build_data_parallel_optimizer
+
+    cfg = OptimizerConfig(lr=args.lr, weight_decay=args.weight_decay)
+    models, opts, steps = {}, {}, {}
+    for name in ("bf16", "autocast"):
+        model = build_ours(config, accelerator, args.seed)
+        if name == "bf16":
+            cast_parameters(model, torch.bfloat16)
+        opt = build_data_parallel_optimizer(model, cfg, None, kernels=accelerator.kernels)
+        models[name], opts[name] = model, opt
+
+        def step(model=model, opt=opt, autocast=name == "autocast") -> torch.Tensor:
+            opt.zero_grad()
+            with accelerator.autocast(autocast):
+                loss = model(tokens=tokens, labels=labels).mean()
+            loss.backward()
+            opt.grad_buckets.finish_sync()
+            opt.step()
+            return loss.detach()
+
+        steps[name] = step
+    return steps, models, opts
+
+
+def state_bytes(model: torch.nn.Module, optimizer) -> int:
+    """Bytes of the distinct storages of weights, gradients and optimizer state."""
+    tensors = [t for p in model.parameters() for t in (p, p.grad, getattr(p, "main_grad", None))]
+    tensors += [b.buffer for b in optimizer.grad_buckets.buckets] + optimizer.grads.tensors
+    for group in optimizer.optimizer.param_groups:
+        tensors += group["params"] + [t.grad for t in group["params"]]
+    tensors += [v for st in optimizer.optimizer.state.values() for k, v in st.items()
+                if k != "step"]
+    return sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+                for t in tensors if t is not None and t.numel()}.values())
+
+
+def alternate_rounds(steps: dict, names: tuple[str, str], args: argparse.Namespace,
+                     tokens_per_step: int, accelerator) -> tuple[dict, dict, int, float]:
+    """Warm-up, then rounds of ``--steps-per-round`` steps of each of ``names`` (order per
+    ``--order``, "ours-first" meaning the first name); returns tokens/s per round, peak memory
+    (GiB, where the device reports it), rounds run and seconds."""
+    sync = accelerator.synchronize
+    for _ in range(args.warmup):  # allocator, kernel selection, optimizer state creation
+        for name in names:
+            steps[name]()
+    sync()
+    per_round: dict[str, list[float]] = {n: [] for n in names}
+    peak_mem: dict[str, float] = {n: 0.0 for n in names}
+    bench_start = time.perf_counter()
+    rounds_done = 0
+    first, second = names
+    for r in range(args.rounds):
+        if args.order == "alternate":
+            order = names if r % 2 == 0 else (second, first)
+        else:
+            order = names if args.order == "ours-first" else (second, first)
+        for name in order:
+            accelerator.reset_peak_memory()
+            seconds = timed_steps(steps[name], args.steps_per_round, sync)
+            per_round[name].append(args.steps_per_round * tokens_per_step / seconds)
+            peak_mem[name] = max(peak_mem[name],
+                                 accelerator.memory_stats().get("peak_gib", 0.0))
+        rounds_done = r + 1
+        print(f"  round {r + 1}/{args.rounds}: {first} {per_round[first][-1]:,.0f} tok/s, "
+              f"{second} {per_round[second][-1]:,.0f} tok/s, "
+              f"ratio {per_round[first][-1] / per_round[second][-1]:.3f}", flush=True)
+        if (args.max_seconds and rounds_done >= 3 and rounds_done < args.rounds
+                and time.perf_counter() - bench_start > args.max_seconds):
+            print(f"  time budget --max-seconds {args.max_seconds:g} reached: stopping after "
+                  f"{rounds_done} of {args.rounds} rounds (machine busy or shape too large?)")
+            break
+    return per_round, peak_mem, rounds_done, time.perf_counter() - bench_start
+
+
 def timed_steps(step, n: int, sync) -> float:
     """Seconds for n steps, device synchronised at both ends."""
     sync()
@@ -261,6 +356,8 @@ def main(argv: list[str] | None = None) -> int:
         print("error: --warmup must be >= 0", file=sys.stderr)
         return 2
 
+    if args.compare == "precision":
+        return compare_precision(args, accelerator, config)
     device = accelerator.device
     sync = accelerator.synchronize
     import transformers
@@ -325,39 +422,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"initial loss: ours {first_ours:.5f}  hf {first_hf:.5f}  "
               f"(|diff| {abs(first_ours - first_hf):.2e})")
 
-    # Warm-up (allocator, kernel selection, optimizer state creation), interleaved.
-    for _ in range(args.warmup):
-        for name in ("ours", "hf"):
-            steps[name]()
-    sync()
-
-    per_round: dict[str, list[float]] = {"ours": [], "hf": []}
-    peak_mem: dict[str, float] = {"ours": 0.0, "hf": 0.0}
-    bench_start = time.perf_counter()
-    rounds_done = 0
-    for r in range(args.rounds):
-        if args.order == "alternate":
-            order = ("ours", "hf") if r % 2 == 0 else ("hf", "ours")
-        elif args.order == "ours-first":
-            order = ("ours", "hf")
-        else:
-            order = ("hf", "ours")
-        for name in order:
-            accelerator.reset_peak_memory()
-            seconds = timed_steps(steps[name], args.steps_per_round, sync)
-            per_round[name].append(args.steps_per_round * tokens_per_step / seconds)
-            peak_mem[name] = max(peak_mem[name],
-                                 accelerator.memory_stats().get("peak_gib", 0.0))
-        rounds_done = r + 1
-        print(f"  round {r + 1}/{args.rounds}: ours {per_round['ours'][-1]:,.0f} tok/s, "
-              f"hf {per_round['hf'][-1]:,.0f} tok/s, "
-              f"ratio {per_round['ours'][-1] / per_round['hf'][-1]:.3f}", flush=True)
-        if (args.max_seconds and rounds_done >= 3 and rounds_done < args.rounds
-                and time.perf_counter() - bench_start > args.max_seconds):
-            print(f"  time budget --max-seconds {args.max_seconds:g} reached: stopping after "
-                  f"{rounds_done} of {args.rounds} rounds (machine busy or shape too large?)")
-            break
-    bench_seconds = time.perf_counter() - bench_start
+    per_round, peak_mem, rounds_done, bench_seconds = alternate_rounds(
+        steps, ("ours", "hf"), args, tokens_per_step, accelerator)
 
     med = {k: statistics.median(v) for k, v in per_round.items()}
     ratios = [o / h for o, h in zip(per_round["ours"], per_round["hf"])]
@@ -432,6 +498,62 @@ def main(argv: list[str] | None = None) -> int:
     if args.profile > 0:
         for name in ("ours", "hf"):
             profile_steps(name, steps[name], args.profile, sync, device.type)
+    return 0
+
+
+def compare_precision(args: argparse.Namespace, accelerator, config: ModelConfig) -> int:
+    """``--compare precision``: our --bf16 step against bf16 autocast over fp32 weights."""
+    print(f"torch {torch.__version__}, python {platform.python_version()}")
+    print(f"device: {accelerator.describe()}")
+    if accelerator.device.type == "cuda":
+        print(f"gpu: {torch.cuda.get_device_name(accelerator.device)}")
+    print(f"threads: {torch.get_num_threads()} (os.cpu_count()={os.cpu_count()}); load average "
+          f"(1, 5, 15 min): {', '.join(f'{x:.2f}' for x in os.getloadavg())}")
+    b, s = args.micro_batch_size, config.seq_length
+    gen = torch.Generator().manual_seed(args.seed)
+    data = torch.randint(0, config.vocab_size, (b, s + 1), generator=gen)
+    tokens = data[:, :-1].contiguous().to(accelerator.device)
+    labels = data[:, 1:].contiguous().to(accelerator.device)
+    steps, models, opts = bf16_steps(config, accelerator, args, tokens, labels)
+    fpt = config.flops_per_token()
+    print(f"model: layers={config.num_layers} hidden={config.hidden_size} "
+          f"ffn={config.ffn_hidden_size} heads={config.num_attention_heads} seq={s} "
+          f"vocab={config.vocab_size} params={config.num_parameters() / 1e6:.2f}M; "
+          f"micro_batch={b} tokens/step={b * s}; rounds={args.rounds} x "
+          f"{args.steps_per_round} steps, warmup={args.warmup}")
+    print("bf16: bf16 weights + fp32 main weights and gradient buckets (pretrain_gpt.py "
+          "--bf16); autocast: fp32 weights under torch.autocast(bf16), fp32 optimizer")
+    first = [steps[name]().item() for name in ("bf16", "autocast")]
+    print(f"first-step loss: bf16 {first[0]:.5f}  autocast {first[1]:.5f}")
+    per_round, peak_mem, rounds_done, seconds = alternate_rounds(
+        steps, ("bf16", "autocast"), args, b * s, accelerator)
+    med = {k: statistics.median(v) for k, v in per_round.items()}
+    ratios = [x / y for x, y in zip(per_round["bf16"], per_round["autocast"])]
+    nbytes = {k: state_bytes(models[k], opts[k]) / config.num_parameters() for k in models}
+    print("\nresults (median over rounds):")
+    for name in ("bf16", "autocast"):
+        line = (f"  {name:9s} {med[name]:12,.0f} tokens/s  {1e3 * b * s / med[name]:9.1f} "
+                f"ms/step  {med[name] * fpt / 1e12:8.3f} model TFLOP/s  model state "
+                f"{nbytes[name]:.1f} bytes/param")
+        if accelerator.device.type == "cuda":
+            line += f"  peak mem {peak_mem[name]:.2f} GiB"
+        print(line)
+    print(f"  ratio bf16/autocast: {med['bf16'] / med['autocast']:.3f}x (median of per-round "
+          f"ratios {statistics.median(ratios):.3f}x, range {min(ratios):.3f}..{max(ratios):.3f})"
+          f"  [{seconds:.1f} s, {rounds_done} rounds; load average after "
+          f"{os.getloadavg()[0]:.2f}]")
+    if args.json:
+        record = {"bench": "train_step_precision", "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+                  "device": accelerator.device.type, "torch": torch.__version__,
+                  "threads": torch.get_num_threads(), "preset": args.preset,
+                  "params": config.num_parameters(), "micro_batch_size": b, "seq_length": s,
+                  "bf16_tokens_per_s": med["bf16"], "autocast_tokens_per_s": med["autocast"],
+                  "ratio": med["bf16"] / med["autocast"],
+                  "ratio_paired_median": statistics.median(ratios),
+                  "bf16_rounds": per_round["bf16"], "autocast_rounds": per_round["autocast"],
+                  "bytes_per_param": nbytes, "load_average": os.getloadavg()}
+        with open(args.json, "a", encoding="utf-8") as fh:
+            fh.write(json.dumps(record) + "\n")
     return 0
 
 

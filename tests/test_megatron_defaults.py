@@ -52,6 +52,16 @@ MEGATRON = {  # (config section, field): Megatron's default for the flag
     ("training", "seed"): 1234,  # --seed
     ("training", "log_interval"): 100,  # --log-interval
     ("training", "eval_iters"): 100,  # --eval-iters
+    ("training", "bf16"): False,  # --bf16
+    ("training", "fp16"): False,  # --fp16
+    ("training", "grad_reduce_in_bf16"): False,  # --grad-reduce-in-bf16
+    ("training", "accumulate_allreduce_grads_in_fp32"): False,  # on by validate_args with --bf16
+    ("training", "loss_scale"): None,  # --loss-scale: None = dynamic loss scaling
+    ("training", "initial_loss_scale"): 2**32,  # --initial-loss-scale
+    ("training", "min_loss_scale"): 1.0,  # --min-loss-scale
+    ("training", "loss_scale_window"): 1000,  # --loss-scale-window
+    ("training", "hysteresis"): 2,  # --hysteresis
+    ("training", "check_for_nan_in_loss_and_grad"): True,  # off by validate_args for dynamic fp16
 }
 
 
@@ -98,3 +108,23 @@ def test_programmatic_defaults_equal_the_flags():
     for (section, name), value in MEGATRON.items():
         if section == "model":
             assert getattr(m, name) == value, name
+
+
+@pytest.mark.parametrize("flags, params, grads, accumulate, nan_check", [
+    ([], "fp32", "fp32", False, True),
+    (["--bf16"], "bf16", "fp32", True, True),  # bf16 accumulates and reduces in fp32
+    (["--bf16", "--grad-reduce-in-bf16"], "bf16", "bf16", False, True),
+    (["--bf16", "--accumulate-allreduce-grads-in-fp32"], "bf16", "fp32", True, True),
+    (["--fp16"], "fp16", "fp16", False, False),  # dynamic scaling: the NaN check is off
+    (["--fp16", "--loss-scale", "1024"], "fp16", "fp16", False, True),  # static: stays on
+    (["--fp16", "--accumulate-allreduce-grads-in-fp32"], "fp16", "fp32", True, False),
+])
+def test_precision_rules_are_megatrons(flags, params, grads, accumulate, nan_check):
+    """Megatron's validate_args: --bf16 turns on --accumulate-allreduce-grads-in-fp32 unless
+    --grad-reduce-in-bf16; --fp16 keeps fp16 gradient buckets unless that flag is given, and
+    dynamic loss scaling turns off --check-for-nan-in-loss-and-grad. The weights are in the
+    dtype of --bf16 / --fp16 (Megatron's params_dtype)."""
+    t = config_from_args(REQUIRED + flags)[0].training
+    assert (t.precision.params, t.precision.grads) == (params, grads)
+    assert t.accumulate_allreduce_grads_in_fp32 == accumulate
+    assert t.check_for_nan_in_loss_and_grad == nan_check

@@ -138,30 +138,74 @@ def test_flops_follow_the_same_counts():
 
 
 def _state_bytes(model: torch.nn.Module, optimizer) -> int:
-    """Bytes of every distinct tensor storage holding weights, gradients or optimizer state."""
-    tensors = list(model.parameters())
-    tensors += [bucket.buffer for bucket in optimizer.grad_buckets.buckets]
+    """Bytes of every distinct tensor storage holding weights, gradients or optimizer state:
+    the model's parameters and their ``.grad`` / ``main_grad``, the gradient buckets and their
+    reduced shards, the optimizer's fp32 gradient copies, and every tensor the inner AdamW holds
+    (main weights or master shards, their ``.grad`` and the Adam moments)."""
+    tensors = []
+    for p in model.parameters():
+        tensors += [p, p.grad, getattr(p, "main_grad", None)]
+    for bucket in optimizer.grad_buckets.buckets:
+        tensors += [bucket.buffer, bucket.shard_grad]
+    tensors += optimizer.grads.tensors
     inner = optimizer.optimizer
     for group in inner.param_groups:
-        tensors += group["params"]
+        tensors += group["params"] + [t.grad for t in group["params"]]
     for state in inner.state.values():
         tensors += [v for k, v in state.items() if k != "step"]
-    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+                for t in tensors if t is not None and t.numel()}
     return sum(storages.values())
 
 
+PRECISIONS = {  # flags -> the dtypes they select
+    "fp32": [],
+    "bf16": ["--bf16"],
+    "bf16_reduce_in_bf16": ["--bf16", "--grad-reduce-in-bf16"],
+    "fp16": ["--fp16"],
+    "fp16_fp32_grads": ["--fp16", "--accumulate-allreduce-grads-in-fp32"],
+}
+
+
+@pytest.mark.parametrize("precision", list(PRECISIONS))
 @pytest.mark.parametrize("distributed", [False, True], ids=["replicated", "zero1"])
-def test_state_bytes_per_param_match_the_runtime_optimizer(distributed):
+def test_state_bytes_per_param_match_the_runtime_optimizer(distributed, precision):
+    """The planner's bytes per parameter are what the runtime really allocates, in every
+    precision, with either optimizer (measured after a step, when Adam's moments exist)."""
+    from megatron_h2.devices.precision import DTYPES
+    from megatron_h2.models.gpt import cast_parameters
+
     cfg = _runtime_config(SHAPES[1], VARIANTS["gpt"])
+    run = config_from_args(PRECISIONS[precision])[0]
+    dtypes = run.training.precision
     model = GPTModel(cfg)
-    optimizer = build_data_parallel_optimizer(model, config_from_args([])[0].optimizer, None,
-                                              use_distributed_optimizer=distributed)
+    cast_parameters(model, DTYPES[dtypes.params])
+    optimizer = build_data_parallel_optimizer(model, run.optimizer, None,
+                                              use_distributed_optimizer=distributed,
+                                              grad_dtype=DTYPES[dtypes.grads])
     tokens = torch.randint(0, cfg.vocab_size, (2, cfg.seq_length))
     model(tokens=tokens, labels=tokens).mean().backward()
     optimizer.grad_buckets.finish_sync()
     optimizer.step()  # Adam's moments exist from the first step on
     per_param = _state_bytes(model, optimizer) / cfg.num_parameters()
-    assert per_param == pytest.approx(state_bytes_per_param(False, 1, distributed), rel=1e-3)
+    assert per_param == pytest.approx(state_bytes_per_param(dtypes, 1, distributed), rel=1e-3)
+    expected = {"fp32": (16, 20), "bf16": (18, 18), "bf16_reduce_in_bf16": (20, 20),
+                "fp16": (20, 20), "fp16_fp32_grads": (18, 18)}[precision][distributed]
+    assert state_bytes_per_param(dtypes, 1, distributed) == expected
+
+
+def test_state_bytes_per_param_shard_over_data_parallelism():
+    """ZeRO-1 divides the master shard, Adam's moments and any fp32 gradient copy by DP and adds
+    the reduced gradient shard each rank receives; the replicated optimizer does not depend on
+    DP. (Measured above at DP 1; the DP > 1 terms are the sizes of Bucket.shard_grad and of the
+    shard views, whole buffers / DP.)"""
+    from megatron_h2.config import MEGATRON_BF16, Precision
+
+    assert state_bytes_per_param(MEGATRON_BF16, 8, False) == 18
+    assert state_bytes_per_param(MEGATRON_BF16, 8, True) == pytest.approx(6 + 12 / 8 + 4 / 8)
+    assert state_bytes_per_param(Precision(), 4, True) == pytest.approx(8 + 12 / 4 + 4 / 4)
+    assert state_bytes_per_param(Precision("bf16", "bf16"), 2, True) == pytest.approx(
+        2 + 2 + 2 / 2 + (4 + 4 + 8) / 2)
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))

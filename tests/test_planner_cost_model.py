@@ -64,7 +64,9 @@ def test_llama_100b_parameter_count() -> None:
 
 def test_bytes_per_parameter() -> None:
     assert CostConfig().bytes_per_param(8) == 18.0
-    assert CostConfig(use_distributed_optimizer=True).bytes_per_param(4) == 6.0 + 3.0
+    # 2 bf16 weight + 4 fp32 gradient bucket + 1 received shard of it + (4 master + 8 Adam) / 4
+    assert CostConfig(use_distributed_optimizer=True).bytes_per_param(4) == 6.0 + 1.0 + 3.0
+    assert CostConfig(use_distributed_optimizer=True).bytes_per_param(1) == 6.0 + 12.0
 
 
 def test_activation_bytes_by_recompute_mode() -> None:

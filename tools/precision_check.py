@@ -2,7 +2,7 @@
 """Operator precision alignment: run one training step of a model on a device, replay every
 operator (forward, backward, optimizer) on a reference device / dtype, report the errors.
 
-    # bf16 training (autocast, as --bf16) against fp32 on the CPU, tiny model
+    # a bf16 autocast step (fp32 weights) against fp32 on the CPU, tiny model
     python tools/precision_check.py --num-layers 2 --hidden-size 64 --num-attention-heads 4 \\
         --seq-length 32 --vocab-size 256 --micro-batch-size 2 --dtype bf16 \\
         --reference-dtype fp32 --output pc.json --plot pc.png
@@ -39,7 +39,8 @@ def _add_check_flags(p: argparse.ArgumentParser) -> None:
                    help="torch device the operators are replayed on (default cpu)")
     g.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32",
                    help="precision of the checked step: fp32, or bf16 autocast with fp32 "
-                        "weights as --bf16 trains (default fp32)")
+                        "weights (--bf16 training keeps bf16 weights; its runs check them "
+                        "with --precision-check-interval) (default fp32)")
     g.add_argument("--reference-dtype", choices=["fp32", "fp64"], default="fp64",
                    help="precision of the replay (default fp64)")
     g.add_argument("--stage", type=int, help="with --hetero-plan: check this pipeline stage "

@@ -47,6 +47,7 @@ class TrainProgress:
     iteration: int = 0
     consumed_samples: int = 0
     scheduler: dict[str, Any] | None = None  # optimizer-parameter schedule state, if resumed
+    grad_scaler: dict[str, Any] | None = None  # fp16 loss-scaler state, if resumed
 
 
 def _b64(t: torch.Tensor) -> str:
@@ -143,7 +144,9 @@ class CheckpointIO:
     """Saves and loads this rank's share of the training state (collective over the job).
 
     Tensors are stored under their checkpoint names (``model.checkpoint_names``): the last
-    stage's copy of a tied embedding is the word embedding, which the first stage saves.
+    stage's copy of a tied embedding is the word embedding, which the first stage saves. The
+    model's weights are stored in fp32: under ``--bf16`` / ``--fp16`` they are the optimizer's
+    fp32 main weights, so a run resumes exactly and the checkpoint loads under any precision.
     """
 
     def __init__(self, cfg: RunConfig, acc: Accelerator, topo: Topology, tp: TPContext,
@@ -201,10 +204,11 @@ class CheckpointIO:
             begin_save(save_dir, it)
         self._barrier()
         optim = self.optimizer.named_state(self.names)  # collective over DP under ZeRO
+        weights = self.optimizer.main_weights()  # fp32; collective under ZeRO with bf16 weights
         entries: dict[str, Any] = {}
         if topo.dp_rank == 0:
             own = {n: p for n, p in self.params.items() if n not in self.copies}
-            model = self._gather_full({n: p.detach() for n, p in own.items()})
+            model = self._gather_full({n: weights[p] for n, p in own.items()})
             optim = self._gather_full({k: v for k, v in optim.items()
                                        if _param_of_state(k) in own})
             if topo.tp_rank == 0:
@@ -222,6 +226,8 @@ class CheckpointIO:
                     "layout": topo.plan.to_dict()}
             if progress.scheduler is not None:
                 meta["opt_param_scheduler"] = progress.scheduler
+            if progress.grad_scaler is not None:
+                meta["grad_scaler"] = progress.grad_scaler
             written = {name: e for _, part in gathered for name, e in part.items()}
             path = commit_save(save_dir, incomplete_dir(save_dir, it), it, meta, written)
             t = self.cfg.training
@@ -230,7 +236,10 @@ class CheckpointIO:
         return path
 
     def _load_model(self, reader: CheckpointReader) -> None:
+        """The weights, whole fp32 tensors sharded for this rank, into the model and (as they
+        are) into the optimizer's main weights."""
         not_finite = []
+        values: dict[nn.Parameter, torch.Tensor] = {}
         with torch.no_grad():
             for name, param in self.params.items():
                 full = reader.get(name)
@@ -242,7 +251,8 @@ class CheckpointIO:
                 if part.shape != param.shape:
                     raise ConfigError(f"checkpoint tensor {name} has shape {tuple(full.shape)}, "
                                       "which does not fit this model; use matching model flags")
-                param.copy_(part)
+                values[param] = part.to(param.device, torch.float32)
+        self.optimizer.load_main_weights(values)
         bad = self._agree(not_finite)
         if bad and self.cfg.training.check_for_nan_in_loss_and_grad:
             raise JobConfigError(f"checkpoint {reader.path} holds NaN or Inf in {bad[0]}"
@@ -301,7 +311,8 @@ class CheckpointIO:
             self._restore_rng(meta, reader.path, log)
         return TrainProgress(iteration=reader.iteration,
                              consumed_samples=int(meta.get("consumed_samples", 0)),
-                             scheduler=meta.get("opt_param_scheduler") if load_optim else None)
+                             scheduler=meta.get("opt_param_scheduler") if load_optim else None,
+                             grad_scaler=meta.get("grad_scaler") if load_optim else None)
 
     def _restore_rng(self, meta: dict[str, Any], source: Path, log) -> None:
         per_rank = meta.get("rng_per_rank")

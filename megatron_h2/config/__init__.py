@@ -12,7 +12,8 @@ base :class:`~megatron_h2.config.model_counts.ModelCounts`), the vocabulary padd
 (:func:`pad_vocab_size`) and :func:`state_bytes_per_param` are the only ones in the project.
 
 Modules: :mod:`.flags` (flag fields and shared parsers), :mod:`.model`, :mod:`.data`,
-:mod:`.optimizer`, :mod:`.training`, :mod:`.parallel`, :mod:`.run` (:class:`RunConfig`).
+:mod:`.optimizer`, :mod:`.training`, :mod:`.precision` (:class:`Precision`, the dtypes of the
+model state), :mod:`.parallel`, :mod:`.run` (:class:`RunConfig`).
 """
 
 from megatron_h2.config.data import (  # noqa: F401
@@ -40,7 +41,6 @@ from megatron_h2.config.model import (  # noqa: F401
     Activation,
     ModelConfig,
     pad_vocab_size,
-    state_bytes_per_param,
     swiglu_ffn_size,
 )
 from megatron_h2.config.model_counts import (  # noqa: F401
@@ -56,6 +56,12 @@ from megatron_h2.config.optimizer import (  # noqa: F401
 )
 from megatron_h2.config.parallel import (  # noqa: F401
     ParallelConfig,
+)
+from megatron_h2.config.precision import (  # noqa: F401
+    DTYPE_BYTES,
+    MEGATRON_BF16,
+    Precision,
+    state_bytes_per_param,
 )
 from megatron_h2.config.run import (  # noqa: F401
     RunConfig,

@@ -1,6 +1,6 @@
 """The one description of the model: :class:`ModelConfig` (its counts come from
-:class:`~megatron_h2.config.model_counts.ModelCounts`), vocabulary padding and the bytes of model
-state per parameter, shared by the runtime and the planner."""
+:class:`~megatron_h2.config.model_counts.ModelCounts`) and vocabulary padding, shared by the
+runtime and the planner (the bytes of model state per parameter are in :mod:`.precision`)."""
 
 from __future__ import annotations
 
@@ -19,23 +19,6 @@ def pad_vocab_size(vocab_size: int, multiple: int) -> int:
     same under every layout, heterogeneous ones included; every stage's TP must divide the result.
     """
     return -(-vocab_size // multiple) * multiple
-
-
-def state_bytes_per_param(bf16_params: bool, data_parallel_size: int = 1,
-                          distributed_optimizer: bool = False) -> float:
-    """Bytes of model state per parameter: weight, fp32 gradient, optimizer.
-
-    The optimizer keeps Adam's two fp32 moments (8 bytes) and, with bf16 weights (Megatron's
-    mixed precision) or under the distributed optimizer (ZeRO-1), an fp32 main copy of the
-    weights (4 bytes); the distributed optimizer shards both over DP. bf16 replicated:
-    2 + 4 + 12 = 18; bf16 ZeRO-1: 6 + 12/DP; fp32 replicated: 4 + 4 + 8 = 16; fp32 ZeRO-1:
-    8 + 12/DP.
-    """
-    weight = 2.0 if bf16_params else 4.0
-    optimizer = 12.0 if bf16_params or distributed_optimizer else 8.0
-    if distributed_optimizer:
-        optimizer /= data_parallel_size
-    return weight + 4.0 + optimizer
 
 
 def swiglu_ffn_size(hidden_size: int) -> int:

@@ -6,6 +6,7 @@ import signal
 from dataclasses import dataclass
 
 from megatron_h2.config.flags import _positive, _required, flag, parse_batch_size_schedule
+from megatron_h2.config.precision import Precision
 from megatron_h2.errors import ConfigError
 
 
@@ -33,9 +34,23 @@ class TrainingConfig:
         None, "Total number of samples to train over all training runs (instead of "
         "--train-iters; the iterations follow from the batch sizes).")
     seed: int = flag(1234, "Random seed used for python, numpy, torch and the data order.")
-    bf16: bool = flag(False, "Run the model in bfloat16 mixed precision.")
-    fp16: bool = flag(False, "Run the model in fp16 mixed precision (not supported yet: use "
-                      "--bf16).")
+    # Mixed precision (Megatron's flags, defaults and meaning; see config/precision.py)
+    bf16: bool = flag(False, "Run the model in bfloat16 mixed precision: bf16 weights, fp32 main "
+                      "weights in the optimizer, gradients accumulated and reduced in fp32.")
+    fp16: bool = flag(False, "Run the model in fp16 mixed precision: fp16 weights, fp32 main "
+                      "weights in the optimizer, loss scaling (dynamic unless --loss-scale).")
+    grad_reduce_in_bf16: bool = flag(False, "Reduce gradients in bfloat16 (with --bf16: "
+                                     "the gradient buckets are bf16).")
+    accumulate_allreduce_grads_in_fp32: bool = flag(
+        False, "Gradient accumulation and all-reduce in fp32 (on by default with --bf16 unless "
+        "--grad-reduce-in-bf16).")
+    loss_scale: float | None = flag(
+        None, "Static loss scaling, positive power of 2 values can improve fp16 convergence. "
+        "If None, dynamic loss scaling is used.")
+    initial_loss_scale: float = flag(2.0**32, "Initial loss-scale for dynamic loss scaling.")
+    min_loss_scale: float = flag(1.0, "Minimum loss scale for dynamic loss scaling.")
+    loss_scale_window: float = flag(1000.0, "Window over which to raise/lower dynamic scale.")
+    hysteresis: int = flag(2, "hysteresis for dynamic loss scaling")
     device: str | None = flag(None, "Torch device type to train on (cpu, cuda, npu, mlu, xpu); "
                               "default: detect.")
     log_interval: int = flag(100, "Report loss and timing interval.")
@@ -91,9 +106,7 @@ class TrainingConfig:
 
     def __post_init__(self) -> None:
         _required(self, "micro_batch_size")
-        if self.fp16:
-            raise ConfigError("--fp16 is not supported; use --bf16 (fp32 master weights, no loss "
-                              "scaling needed)")
+        self._check_precision()
         _positive(self, "micro_batch_size", "log_interval", "eval_interval")
         self._check_length_and_batch()
         if self.global_batch_size is not None:
@@ -114,6 +127,44 @@ class TrainingConfig:
             raise ConfigError("--precision-check-interval must be a positive number of "
                               "iterations (leave it out to turn the check off)")
         self._check_health_and_retention()
+
+    def _check_precision(self) -> None:
+        """Megatron's rules: one of --bf16 / --fp16; --bf16 accumulates and reduces gradients in
+        fp32 unless --grad-reduce-in-bf16; fp16 with dynamic loss scaling turns the NaN check
+        off (a non-finite gradient is the scaler's signal to skip the step and back off)."""
+        if self.bf16 and self.fp16:
+            raise ConfigError("--bf16 and --fp16 exclude each other; give one")
+        if self.grad_reduce_in_bf16:
+            if not self.bf16:
+                raise ConfigError("--grad-reduce-in-bf16 needs --bf16 (the gradients of fp32 / "
+                                  "fp16 weights are not reduced in bf16)")
+            if self.accumulate_allreduce_grads_in_fp32:
+                raise ConfigError("--grad-reduce-in-bf16 and --accumulate-allreduce-grads-in-fp32"
+                                  " exclude each other; give one")
+        elif self.bf16:
+            self.accumulate_allreduce_grads_in_fp32 = True
+        if self.loss_scale is not None and not self.loss_scale > 0:
+            raise ConfigError(f"--loss-scale must be positive, got {self.loss_scale}")
+        if not (self.initial_loss_scale > 0 and self.min_loss_scale > 0):
+            raise ConfigError("--initial-loss-scale and --min-loss-scale must be positive")
+        if self.fp16 and self.loss_scale is None:
+            if self.min_loss_scale > self.initial_loss_scale:
+                raise ConfigError(f"--min-loss-scale {self.min_loss_scale:g} exceeds "
+                                  f"--initial-loss-scale {self.initial_loss_scale:g}")
+            self.check_for_nan_in_loss_and_grad = False
+        window = self.loss_scale_window
+        if not (window >= 1 and float(window).is_integer()):
+            raise ConfigError(f"--loss-scale-window must be a whole number of iterations >= 1, "
+                              f"got {window:g}")
+        if self.hysteresis < 1:
+            raise ConfigError(f"--hysteresis must be >= 1, got {self.hysteresis}")
+
+    @property
+    def precision(self) -> Precision:
+        """The dtypes of weights and gradient buckets these flags select."""
+        params = "bf16" if self.bf16 else "fp16" if self.fp16 else "fp32"
+        grads = "fp32" if params == "fp32" or self.accumulate_allreduce_grads_in_fp32 else params
+        return Precision(params, grads)
 
     def _check_length_and_batch(self) -> None:
         """Iteration- or sample-based length, and at most one batch-size schedule (as Megatron)."""

@@ -1,9 +1,14 @@
 """Data-parallel gradient synchronisation that overlaps with backward.
 
-:class:`GradBuckets` packs the gradients of a model replica into a few contiguous fp32 buffers
-("buckets"); every parameter's ``.grad`` is a view into its bucket's buffer, so a bucket is
-synchronised with one collective and no copies. Buckets follow reverse registration order, the
-order in which gradients become ready during backward.
+:class:`GradBuckets` packs the gradients of a model replica into a few contiguous buffers
+("buckets", fp32 unless ``grad_dtype`` says otherwise); every parameter's ``main_grad`` is a view
+into its bucket's buffer, so a bucket is synchronised with one collective and no copies. Buckets
+follow reverse registration order, the order in which gradients become ready during backward.
+
+Where a parameter has the buckets' dtype, its ``.grad`` is that same view and autograd
+accumulates into it. Otherwise (bf16 weights with fp32 gradient accumulation, Megatron-Core's
+``main_grad``) autograd leaves each backward's gradient in ``.grad``, a hook adds it to
+``main_grad`` and frees it, so micro-batch gradients accumulate in the buckets' dtype.
 
 Typical step with gradient accumulation::
 
@@ -39,6 +44,7 @@ _reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.redu
 _all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 GRAD_DTYPE = torch.float32
+"""The default dtype of the gradient buckets."""
 
 
 def group_size(group: ProcessGroup | None) -> int:
@@ -74,7 +80,7 @@ class Bucket:
     """
 
     def __init__(self, index: int, params: Sequence[nn.Parameter], dp_size: int,
-                 device: torch.device) -> None:
+                 device: torch.device, dtype: torch.dtype = GRAD_DTYPE) -> None:
         self.index = index
         self.slots: list[ParamSlot] = []
         offset = 0
@@ -83,7 +89,7 @@ class Bucket:
             offset += param.numel()
         self.numel = offset
         self.shard_numel = -(-offset // dp_size)
-        self.buffer = torch.zeros(self.shard_numel * dp_size, dtype=GRAD_DTYPE, device=device)
+        self.buffer = torch.zeros(self.shard_numel * dp_size, dtype=dtype, device=device)
         # Set by GradBuckets in reduce-scatter mode: this rank's summed shard of the buffer.
         self.shard_grad: torch.Tensor | None = None
         self.ready: set[nn.Parameter] = set()
@@ -95,13 +101,14 @@ class Bucket:
         return rank * self.shard_numel, (rank + 1) * self.shard_numel
 
     def grad_view(self, slot: ParamSlot) -> torch.Tensor:
-        """The part of :attr:`buffer` that is ``slot.param.grad``."""
+        """The part of :attr:`buffer` that is ``slot.param.main_grad``."""
         return self.buffer[slot.offset:slot.offset + slot.numel].view_as(slot.param)
 
 
 def partition_params(params: Sequence[nn.Parameter],
                      bucket_size_mb: float) -> list[list[nn.Parameter]]:
-    """Split ``params`` in reverse order into groups of about ``bucket_size_mb`` fp32 MiB each.
+    """Split ``params`` in reverse order into groups of about ``bucket_size_mb`` fp32 MiB each
+    (a number of elements, as Megatron's ``--ddp-bucket-size``, whatever the buckets' dtype).
 
     A bucket is closed as soon as it reaches the size, so a parameter larger than the size gets
     a bucket of its own (together with any smaller ones just before it).
@@ -129,20 +136,21 @@ def _check_params(params: Sequence[nn.Parameter]) -> None:
     for p in params:
         if not p.requires_grad:
             raise ValueError("GradBuckets: parameters must require grad")
-        if p.dtype != GRAD_DTYPE:
-            raise ValueError(f"GradBuckets needs fp32 parameters (got {p.dtype}); keep the "
-                             "model in fp32 and use autocast for bf16 compute")
+    if len({p.dtype for p in params}) > 1:
+        raise ValueError("GradBuckets: all parameters must have one dtype (got "
+                         f"{sorted(str(d) for d in {p.dtype for p in params})})")
     if len({p.device for p in params}) > 1:
         raise ValueError("GradBuckets: all parameters must be on one device")
 
 
 class GradBuckets:
-    """Bucketed, contiguous fp32 gradients of ``params``, summed over ``dp_group``.
+    """Bucketed, contiguous gradients of ``params``, summed over ``dp_group``.
 
     Args:
-        params: the replica's trainable parameters in registration order (``model.parameters()``).
+        params: the replica's trainable parameters in registration order (``model.parameters()``),
+            all of one dtype.
         dp_group: the data-parallel group; ``None`` (or a group of size 1) means no communication.
-        bucket_size_mb: target size of one bucket's fp32 buffer in MiB.
+        bucket_size_mb: target size of one bucket in MiB of fp32 (so many elements).
         overlap: launch a bucket's collective from the gradient hooks, during backward, once
             :meth:`start_sync` has armed them; otherwise everything is launched by
             :meth:`finish_sync`.
@@ -153,17 +161,27 @@ class GradBuckets:
             first and the last stage after each stage's DP sum): they get a bucket of their own,
             the last, which only :meth:`finish_sync` launches, always as an all-reduce, and
             which its ``combine`` may change before a reduce-scatter rank takes its shard.
+        grad_dtype: dtype of the buckets: where micro-batch gradients accumulate and what the
+            collectives sum (fp32; bf16 for ``--grad-reduce-in-bf16``, fp16 for ``--fp16``).
 
-    Every ``param.grad`` is a view into a persistent buffer: zero gradients with
-    :meth:`zero_grad`, never by setting ``.grad = None`` (that detaches it from the buffer;
-    :meth:`zero_grad` re-attaches, and the hooks raise if backward meets a detached gradient).
+    Every ``param.main_grad`` is a view into a persistent buffer, and so is ``param.grad`` where
+    the parameter has the buckets' dtype: zero gradients with :meth:`zero_grad`, never by setting
+    ``.grad = None`` (that detaches it from the buffer; :meth:`zero_grad` re-attaches, and the
+    hooks raise if backward meets a detached gradient). :attr:`version` changes whenever the
+    buffers may have changed (a gradient arrived, a zeroing, a sync).
     """
 
     def __init__(self, params: Sequence[nn.Parameter], dp_group: ProcessGroup | None,
                  bucket_size_mb: float = 25.0, overlap: bool = True,
-                 reduce_scatter: bool = False, deferred: Sequence[nn.Parameter] = ()) -> None:
+                 reduce_scatter: bool = False, deferred: Sequence[nn.Parameter] = (),
+                 grad_dtype: torch.dtype = GRAD_DTYPE) -> None:
         self.params = list(params)
         _check_params(self.params)
+        self.grad_dtype = grad_dtype
+        self.param_dtype = self.params[0].dtype if self.params else grad_dtype
+        # bf16 weights with fp32 buckets: gradients reach main_grad through the hook
+        self.direct = self.param_dtype == grad_dtype
+        self.version = 0
         late = {id(p) for p in deferred}
         if late - {id(p) for p in self.params}:
             raise ValueError("GradBuckets: a deferred parameter is not among the parameters")
@@ -176,7 +194,8 @@ class GradBuckets:
         groups = partition_params([p for p in self.params if id(p) not in late], bucket_size_mb)
         if late:
             groups.append([p for p in self.params if id(p) in late])
-        self.buckets = [Bucket(i, group, self.dp_size, device) for i, group in enumerate(groups)]
+        self.buckets = [Bucket(i, group, self.dp_size, device, grad_dtype)
+                        for i, group in enumerate(groups)]
         self._first_deferred = len(groups) - 1 if late else len(groups)
         self._where: dict[nn.Parameter, tuple[Bucket, ParamSlot]] = {
             slot.param: (bucket, slot) for bucket in self.buckets for slot in bucket.slots}
@@ -184,13 +203,14 @@ class GradBuckets:
             if reduce_scatter:
                 start, end = bucket.shard_range(self.dp_rank)
                 bucket.shard_grad = (bucket.buffer if self.dp_size == 1
-                                     else torch.zeros(end - start, dtype=GRAD_DTYPE,
+                                     else torch.zeros(end - start, dtype=grad_dtype,
                                                       device=device))
             for slot in bucket.slots:
                 view = bucket.grad_view(slot)
                 if slot.param.grad is not None:
                     view.copy_(slot.param.grad)
-                slot.param.grad = view
+                slot.param.main_grad = view
+                slot.param.grad = view if self.direct else None
         self._armed = False
         self._armed_params: set[nn.Parameter] | None = set()  # None: every parameter
         self._next_launch = 0
@@ -208,8 +228,13 @@ class GradBuckets:
                 bucket.shard_grad.zero_()
             for slot in bucket.slots:
                 if not self._is_attached(bucket, slot):
-                    slot.param.grad = bucket.grad_view(slot)
+                    slot.param.main_grad = bucket.grad_view(slot)
+                    if self.direct:
+                        slot.param.grad = slot.param.main_grad
+                if not self.direct:
+                    slot.param.grad = None
         self._needs_sync = False
+        self.version += 1
 
     def start_sync(self, params: Sequence[nn.Parameter] | None = None) -> None:
         """Arm the hooks: call just before the last backward of the step (no-op without overlap).
@@ -255,6 +280,7 @@ class GradBuckets:
         self._armed_params = set()
         self._next_launch = 0
         self._needs_sync = False
+        self.version += 1
 
     @property
     def needs_sync(self) -> bool:
@@ -269,13 +295,13 @@ class GradBuckets:
                                "call finish_sync() first")
 
     def _is_attached(self, bucket: Bucket, slot: ParamSlot) -> bool:
-        grad = slot.param.grad
-        expected = bucket.buffer.data_ptr() + slot.offset * GRAD_DTYPE.itemsize
-        return grad is not None and grad.data_ptr() == expected and grad.dtype == GRAD_DTYPE
+        grad = slot.param.grad if self.direct else getattr(slot.param, "main_grad", None)
+        expected = bucket.buffer.data_ptr() + slot.offset * self.grad_dtype.itemsize
+        return grad is not None and grad.data_ptr() == expected and grad.dtype == self.grad_dtype
 
-    @staticmethod
-    def _detached_message(slot: ParamSlot) -> str:
-        return (f"the .grad of a parameter of shape {tuple(slot.param.shape)} is no longer a "
+    def _detached_message(self, slot: ParamSlot) -> str:
+        what = ".grad" if self.direct else ".main_grad"
+        return (f"the {what} of a parameter of shape {tuple(slot.param.shape)} is no longer a "
                 "view into its gradient bucket (was it set to None or replaced?); zero "
                 "gradients with GradBuckets.zero_grad() / optimizer.zero_grad(), not "
                 "zero_grad(set_to_none=True)")
@@ -284,7 +310,11 @@ class GradBuckets:
         bucket, slot = self._where[param]
         if not self._is_attached(bucket, slot):
             raise RuntimeError(self._detached_message(slot))
+        if not self.direct:  # accumulate this backward's gradient in the buckets' dtype
+            param.main_grad.add_(param.grad)
+            param.grad = None
         self._needs_sync = True
+        self.version += 1
         if not self._armed or (self._armed_params is not None
                                and param not in self._armed_params):
             return

@@ -43,8 +43,9 @@ def vocab_rows(tp_rank: int, tp_size: int, vocab_size: int) -> tuple[int, int]:
 
 
 class TiedEmbeddingSync:
-    """Sums ``weight.grad`` with the other end's copy (collective over the first and the last
-    stage; every rank of both calls :meth:`sum_grads` in the same step)."""
+    """Sums the weight's accumulated gradient (``main_grad`` where the gradient buckets keep one,
+    else ``.grad``) with the other end's copy (collective over the first and the last stage;
+    every rank of both calls :meth:`sum_grads` in the same step)."""
 
     def __init__(self, topo: Topology, weight: nn.Parameter, vocab_size: int) -> None:
         if not (topo.is_first_stage or topo.is_last_stage) or topo.pp_size == 1:
@@ -74,7 +75,9 @@ class TiedEmbeddingSync:
     def sum_grads(self) -> None:
         """``grad += other end's grad`` on this rank's rows, through host memory; call once the
         gradient is summed over this stage's DP replicas (every rank of both ends)."""
-        grad = self.weight.grad  # [V/tp, h] on the device, summed over this stage's replicas
+        grad = getattr(self.weight, "main_grad", None)  # [V/tp, h] on the device, summed
+        if grad is None:  # over this stage's replicas
+            grad = self.weight.grad
         host = grad.to("cpu", copy=True)  # [V/tp, h] what the other end adds
         recvs = []
         for ex in self.recvs:

@@ -7,6 +7,11 @@
   that range (reduce-scatter), keeps AdamW state for it alone, updates it on an fp32 master
   shard and all-gathers the updated parameters.
 
+With bf16 / fp16 weights (``--bf16``, ``--fp16``) both update fp32 main weights (the replicated
+one a full copy, the distributed one its master shard) from fp32 gradients and round the result
+into the model (:mod:`megatron_h2.optimizer.main_params`), as Megatron-Core's mixed-precision
+optimizers; :meth:`DataParallelOptimizer.main_weights` gives the fp32 weights for checkpoints.
+
 Both keep optimizer state in checkpoints as full, unsharded named tensors
 (``"<param name>.exp_avg" / ".exp_avg_sq" / ".step"``, the format of
 :func:`optimizer_state_to_named`), so a checkpoint loads under any DP size and either optimizer.
@@ -44,6 +49,7 @@ from megatron_h2.optimizer.adamw import (
     optimizer_state_to_named,
     param_groups,
 )
+from megatron_h2.optimizer.main_params import Fp32Grads, copy_main_to_model, make_main_params
 
 Names = dict[nn.Parameter, str]
 
@@ -99,6 +105,14 @@ class DataParallelOptimizer(Protocol):
     def load_named_state(self, names: Names, tensors: dict[str, torch.Tensor]) -> None:
         """Inverse of :meth:`named_state`: takes full tensors, keeps what this rank owns."""
 
+    def main_weights(self) -> dict[nn.Parameter, torch.Tensor]:
+        """Every parameter's whole fp32 main weight (collective for the distributed optimizer
+        with bf16 / fp16 weights): what checkpoints store. fp32 parameters are their own."""
+
+    def load_main_weights(self, values: dict[nn.Parameter, torch.Tensor]) -> None:
+        """Set the main weights of the given parameters from whole fp32 tensors and round them
+        into the model (no collective)."""
+
 
 def clip_grad_norm(optimizer: DataParallelOptimizer, max_norm: float) -> torch.Tensor:
     """Clip the replica's gradient to ``max_norm`` (0: no clipping); return its norm.
@@ -135,19 +149,28 @@ def _check_named(names: Names, tensors: dict[str, torch.Tensor], param: nn.Param
 class ReplicatedOptimizer:
     """:class:`DataParallelOptimizer` over a full, per-rank ``torch.optim`` optimizer.
 
-    ``optimizer`` (from :func:`build_optimizer`) must only hold parameters of ``grad_buckets``,
-    which must be in all-reduce mode.
+    ``grad_buckets`` must be in all-reduce mode. fp32 parameters: ``optimizer`` (from
+    :func:`build_optimizer`) holds parameters of ``grad_buckets``. bf16 / fp16 parameters:
+    ``main_params`` maps each parameter of ``grad_buckets`` to its fp32 main weight (from
+    :func:`~megatron_h2.optimizer.main_params.make_main_params`), which ``optimizer`` holds.
     """
 
-    def __init__(self, optimizer: torch.optim.Optimizer, grad_buckets: GradBuckets) -> None:
+    def __init__(self, optimizer: torch.optim.Optimizer, grad_buckets: GradBuckets,
+                 main_params: dict[nn.Parameter, torch.Tensor] | None = None,
+                 grads: Fp32Grads | None = None) -> None:
         if grad_buckets.reduce_scatter:
             raise ValueError("ReplicatedOptimizer needs all-reduce GradBuckets "
                              "(reduce_scatter=False)")
-        known = {id(p) for p in grad_buckets.params}
+        if main_params is None and grad_buckets.param_dtype != torch.float32:
+            raise ValueError("bf16 / fp16 parameters need fp32 main_params")
+        self.mains = main_params
+        known = {id(t) for t in (grad_buckets.params if main_params is None
+                                 else main_params.values())}
         if any(id(p) not in known for g in optimizer.param_groups for p in g["params"]):
             raise ValueError("the optimizer holds a parameter that GradBuckets does not")
         self.optimizer = optimizer
         self.grad_buckets = grad_buckets
+        self.grads = grads or Fp32Grads(grad_buckets, [b.buffer for b in grad_buckets.buckets])
         self.sharded = False
 
     @property
@@ -155,11 +178,17 @@ class ReplicatedOptimizer:
         return self.optimizer.param_groups
 
     def owned_grads(self) -> list[tuple[nn.Parameter, torch.Tensor]]:
+        self.grads.refresh()
+        if self.mains is not None:
+            return [(p, main.grad) for p, main in self.mains.items()]
         return [(p, p.grad) for p in self.grad_buckets.params if p.grad is not None]
 
     def step(self) -> None:
         _check_synced(self.grad_buckets)
+        self.grads.refresh()
         self.optimizer.step()
+        if self.mains is not None:
+            copy_main_to_model(self.mains)
 
     def zero_grad(self) -> None:
         self.grad_buckets.zero_grad()
@@ -169,20 +198,35 @@ class ReplicatedOptimizer:
             group["lr"] = lr
 
     def local_grad_sq_norm(self) -> torch.Tensor:
-        return _sq_norm([b.buffer for b in self.grad_buckets.buckets])
+        return _sq_norm(self.grads.refresh())
 
     def grad_sq_norm(self) -> torch.Tensor:
         return self.local_grad_sq_norm()
 
     def clip_(self, coef: float | torch.Tensor) -> None:
-        for bucket in self.grad_buckets.buckets:
-            bucket.buffer.mul_(coef)
+        for grad in self.grads.refresh():
+            grad.mul_(coef)
+
+    def _state_names(self, names: Names) -> Names:
+        return names if self.mains is None else {m: names[p] for p, m in self.mains.items()}
 
     def named_state(self, names: Names) -> dict[str, torch.Tensor]:
-        return optimizer_state_to_named(self.optimizer, names)
+        return optimizer_state_to_named(self.optimizer, self._state_names(names))
 
     def load_named_state(self, names: Names, tensors: dict[str, torch.Tensor]) -> None:
-        load_named_optimizer_state(self.optimizer, names, tensors)
+        load_named_optimizer_state(self.optimizer, self._state_names(names), tensors)
+
+    def main_weights(self) -> dict[nn.Parameter, torch.Tensor]:
+        if self.mains is None:
+            return {p: p.detach() for p in self.grad_buckets.params}
+        return dict(self.mains)
+
+    @torch.no_grad()
+    def load_main_weights(self, values: dict[nn.Parameter, torch.Tensor]) -> None:
+        for param, value in values.items():
+            if self.mains is not None:
+                self.mains[param].copy_(value)
+            param.copy_(value)
 
 
 def _sq_norm(tensors: list[torch.Tensor]) -> torch.Tensor:
@@ -207,7 +251,10 @@ class _Piece:
         return self.shard_start + self.param_end - self.param_start
 
 
-def _pieces_of(bucket: Bucket, rank: int, master: torch.Tensor) -> list[_Piece]:
+def _pieces_of(bucket: Bucket, rank: int, master: torch.Tensor,
+               grad: torch.Tensor) -> list[_Piece]:
+    """This rank's pieces of ``bucket``: views of its master shard whose ``.grad`` are views of
+    ``grad`` (the fp32 reduced shard of the bucket)."""
     lo, hi = bucket.shard_range(rank)
     pieces = []
     for slot in bucket.slots:
@@ -215,7 +262,9 @@ def _pieces_of(bucket: Bucket, rank: int, master: torch.Tensor) -> list[_Piece]:
         if start < end:
             piece = _Piece(slot.param, bucket.index, start - slot.offset, end - slot.offset,
                            start - lo, master[start - lo:end - lo])
-            piece.master.grad = bucket.shard_grad[start - lo:end - lo]
+            piece.master.grad = grad[start - lo:end - lo]
+            piece.master.copy_(slot.param.detach().reshape(-1)[piece.param_start:
+                                                               piece.param_end])
             pieces.append(piece)
     return pieces
 
@@ -229,8 +278,11 @@ class DistributedOptimizer:
     because a rank's range may cover parts of several parameters, the inner ``torch.optim.AdamW``
     runs on one view of the master shard per owned parameter piece, grouped like the parameter.
 
-    The parameters are fp32 and are themselves the master copy: the master shard is refreshed
-    from them at every step, so loading model weights needs no extra call.
+    fp32 parameters are themselves the master copy: the master shard is refreshed from them at
+    every step, so loading model weights needs no extra call. bf16 / fp16 parameters: the master
+    shard starts from them and is the only fp32 copy (:meth:`load_main_weights` sets it); the
+    gradient buckets may be in the parameters' dtype (reduced shards copied to fp32 each step),
+    and the updated shard is rounded to the parameters' dtype before the all-gather.
     """
 
     def __init__(self, grad_buckets: GradBuckets, config: OptimizerConfig,
@@ -239,10 +291,14 @@ class DistributedOptimizer:
             raise ValueError("DistributedOptimizer needs GradBuckets(reduce_scatter=True)")
         self.grad_buckets = grad_buckets
         self.dp_group, self.dp_rank = grad_buckets.dp_group, grad_buckets.dp_rank
+        self.params_are_main = grad_buckets.param_dtype == torch.float32
+        self.grads = Fp32Grads(grad_buckets, [b.shard_grad for b in grad_buckets.buckets])
         self._masters = [torch.zeros(b.shard_numel, dtype=torch.float32, device=b.buffer.device)
                          for b in grad_buckets.buckets]
-        self.pieces = [piece for bucket, master in zip(grad_buckets.buckets, self._masters)
-                       for piece in _pieces_of(bucket, self.dp_rank, master)]
+        with torch.no_grad():
+            self.pieces = [piece for bucket, master, grad in zip(
+                grad_buckets.buckets, self._masters, self.grads.tensors)
+                for piece in _pieces_of(bucket, self.dp_rank, master, grad)]
         if names is None and config.decoupled_lr is not None:
             raise ValueError("--decoupled-lr needs the parameter names (names=...)")
         names = names or {}
@@ -260,9 +316,6 @@ class DistributedOptimizer:
     def param_groups(self) -> list[dict]:
         return self.optimizer.param_groups
 
-    def owned_grads(self) -> list[tuple[nn.Parameter, torch.Tensor]]:
-        return [(piece.param, piece.master.grad) for piece in self.pieces]
-
     def set_lr(self, lr: float) -> None:
         for group in self.optimizer.param_groups:
             group["lr"] = lr
@@ -271,7 +324,7 @@ class DistributedOptimizer:
         self.grad_buckets.zero_grad()
 
     def local_grad_sq_norm(self) -> torch.Tensor:
-        return _sq_norm([b.shard_grad for b in self.grad_buckets.buckets])
+        return _sq_norm(self.grads.refresh())
 
     def grad_sq_norm(self) -> torch.Tensor:
         sq = self.local_grad_sq_norm()
@@ -280,16 +333,22 @@ class DistributedOptimizer:
         return sq
 
     def clip_(self, coef: float | torch.Tensor) -> None:
-        for bucket in self.grad_buckets.buckets:
-            bucket.shard_grad.mul_(coef)
+        for grad in self.grads.refresh():
+            grad.mul_(coef)
+
+    def owned_grads(self) -> list[tuple[nn.Parameter, torch.Tensor]]:
+        self.grads.refresh()
+        return [(piece.param, piece.master.grad) for piece in self.pieces]
 
     def step(self) -> None:
         """AdamW on this rank's shard, then all-gather the parameters (collective)."""
         _check_synced(self.grad_buckets)
+        self.grads.refresh()
         with torch.no_grad():
-            for piece in self.pieces:
-                piece.master.copy_(piece.param.detach().reshape(-1)[piece.param_start:
-                                                                     piece.param_end])
+            if self.params_are_main:
+                for piece in self.pieces:
+                    piece.master.copy_(piece.param.detach().reshape(-1)[piece.param_start:
+                                                                         piece.param_end])
             self.optimizer.step()
             self._gather_params()
         self._has_state = True
@@ -301,9 +360,10 @@ class DistributedOptimizer:
                 _copy_into_params(bucket, master)
             return
         in_flight: deque[tuple[Bucket, torch.Tensor, dist.Work]] = deque()
+        dtype = self.grad_buckets.param_dtype  # gather the rounded weights, as Megatron
         for bucket, master in zip(buckets, self._masters):  # at most two buckets in flight
-            full = torch.empty_like(bucket.buffer)
-            in_flight.append((bucket, full, all_gather_flat(full, master, self.dp_group,
+            full = torch.empty(bucket.buffer.numel(), dtype=dtype, device=master.device)
+            in_flight.append((bucket, full, all_gather_flat(full, master.to(dtype), self.dp_group,
                                                             async_op=True)))
             if len(in_flight) > 1:
                 _finish_gather(*in_flight.popleft())
@@ -311,6 +371,31 @@ class DistributedOptimizer:
             _finish_gather(*in_flight.popleft())
 
     # ----------------------------------------------------------------- checkpoints
+    def main_weights(self) -> dict[nn.Parameter, torch.Tensor]:
+        """Whole fp32 weights; all-gathers the master shards (collective) unless the parameters
+        are fp32 (their own master)."""
+        if self.params_are_main:
+            return {p: p.detach() for p in self.grad_buckets.params}
+        out: dict[nn.Parameter, torch.Tensor] = {}
+        for bucket, master in zip(self.grad_buckets.buckets, self._masters):
+            full = master
+            if self.dp_group is not None:
+                full = torch.empty(bucket.buffer.numel(), dtype=torch.float32,
+                                   device=master.device)
+                all_gather_flat(full, master, self.dp_group)
+            for slot in bucket.slots:
+                out[slot.param] = full[slot.offset:slot.offset + slot.numel].view_as(slot.param)
+        return out
+
+    @torch.no_grad()
+    def load_main_weights(self, values: dict[nn.Parameter, torch.Tensor]) -> None:
+        for piece in self.pieces:
+            if piece.param in values:
+                flat = values[piece.param].reshape(-1)[piece.param_start:piece.param_end]
+                piece.master.copy_(flat)
+        for param, value in values.items():
+            param.copy_(value)
+
     def named_state(self, names: Names) -> dict[str, torch.Tensor]:
         """Full (all-gathered) AdamW state of every parameter; collective."""
         if not self._has_state:
@@ -381,13 +466,23 @@ def build_data_parallel_optimizer(model: nn.Module, config: OptimizerConfig,
                                   use_distributed_optimizer: bool = False,
                                   bucket_size_mb: float = 25.0, overlap: bool = True,
                                   kernels: Kernels | None = None,
-                                  deferred: Sequence[nn.Parameter] = ()) -> DataParallelOptimizer:
-    """GradBuckets over ``model``'s trainable parameters plus the matching optimizer
-    (``deferred``: see :class:`GradBuckets`)."""
+                                  deferred: Sequence[nn.Parameter] = (),
+                                  grad_dtype: torch.dtype = torch.float32
+                                  ) -> DataParallelOptimizer:
+    """GradBuckets (in ``grad_dtype``) over ``model``'s trainable parameters plus the matching
+    optimizer (``deferred``: see :class:`GradBuckets`). Parameters that are not fp32 get fp32
+    main weights, taken from their current values."""
     params = [p for p in model.parameters() if p.requires_grad]
     buckets = GradBuckets(params, dp_group, bucket_size_mb, overlap,
-                          reduce_scatter=use_distributed_optimizer, deferred=deferred)
+                          reduce_scatter=use_distributed_optimizer, deferred=deferred,
+                          grad_dtype=grad_dtype)
+    names = {p: n for n, p in model.named_parameters()}
     if use_distributed_optimizer:
-        names = {p: n for n, p in model.named_parameters()}
         return DistributedOptimizer(buckets, config, kernels, names)
-    return ReplicatedOptimizer(build_optimizer(model, config, kernels), buckets)
+    if buckets.param_dtype == torch.float32:
+        return ReplicatedOptimizer(build_optimizer(model, config, kernels), buckets)
+    grads = Fp32Grads(buckets, [b.buffer for b in buckets.buckets])
+    mains = make_main_params(buckets, grads)
+    inner = torch.optim.AdamW(param_groups([(names[p], p, mains[p]) for p in params], config),
+                              **adamw_kwargs(config, kernels))
+    return ReplicatedOptimizer(inner, buckets, mains, grads)

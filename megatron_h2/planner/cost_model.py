@@ -10,12 +10,13 @@ on chip type ``c`` with TP degree ``t``, micro-batch ``b`` (``T = b x seq`` toke
 * TP: two ring all-reduces of ``T x h`` bf16 values per layer in forward and two in backward
   (two more in backward under full recompute), over ``intra_node_gb_per_s``;
 * memory: parameters x bytes per parameter (18 = 2 bf16 weight + 4 fp32 grad + 4 fp32 master +
-  8 Adam; 6 + 12/d with the distributed optimizer) + the activations the schedule keeps (per
-  layer, by recompute mode, for each chunk-micro-batch between its forward and backward, and
-  the weight gradients' inputs for each one whose weight-gradient work a zero-bubble schedule
-  has deferred; :mod:`.orders` gives the counts) + one layer's full activations as backward
-  working space, plus the embedding on the first stage and the head (with its logits) on the
-  last;
+  8 Adam; 6 + 12/d with the distributed optimizer, + 4/d for the reduced gradient shard when
+  d > 1: :func:`~megatron_h2.config.state_bytes_per_param`) + the activations the schedule
+  keeps (per layer, by recompute mode, for each chunk-micro-batch between its forward and
+  backward, and the weight gradients' inputs for each one whose weight-gradient work a
+  zero-bubble schedule has deferred; :mod:`.orders` gives the counts) + one layer's full
+  activations as backward working space, plus the embedding on the first stage and the head
+  (with its logits) on the last;
 * pipeline: per micro-batch, ``T x h`` bf16 values each way per stage boundary (``V`` times,
   plus the wrap-around link from the last stage to the first, with ``V`` model chunks), at the
   chip type's ``inter_node_gb_per_s`` or at ``cross_chip_gb_per_s`` where the chip type changes;
@@ -38,7 +39,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
-from megatron_h2.config import RECOMPUTE_MODES, ModelConfig, Recompute, state_bytes_per_param
+from megatron_h2.config import (
+    MEGATRON_BF16,
+    RECOMPUTE_MODES,
+    ModelConfig,
+    Recompute,
+    state_bytes_per_param,
+)
 from megatron_h2.errors import ConfigError
 from megatron_h2.hetero_plan import HeteroPlan, StageSpec, positive_float
 from megatron_h2.planner.cluster import ChipType, Cluster
@@ -76,9 +83,11 @@ class CostConfig:
             raise ConfigError("use_distributed_optimizer must be true or false")
 
     def bytes_per_param(self, data_parallel_size: int) -> float:
-        """Static bytes per parameter of bf16 training (:func:`~megatron_h2.config.
-        state_bytes_per_param`): bf16 weight, fp32 grad, fp32 main + Adam (maybe sharded)."""
-        return state_bytes_per_param(True, data_parallel_size, self.use_distributed_optimizer)
+        """Static bytes per parameter of ``--bf16`` training as the runtime allocates it
+        (:func:`~megatron_h2.config.state_bytes_per_param`): bf16 weight, fp32 gradient, fp32
+        main weight + Adam (sharded with the distributed optimizer)."""
+        return state_bytes_per_param(MEGATRON_BF16, data_parallel_size,
+                                     self.use_distributed_optimizer)
 
 
 @dataclass(frozen=True)

@@ -230,6 +230,23 @@ def restore(cfg: RunConfig, launch: LaunchOptions, ckpt, say) -> TrainProgress:
     return progress
 
 
+def say_loss_scaling(cfg: RunConfig, say) -> None:
+    """The start-up line on loss scaling (Megatron's choice of scaler for these flags)."""
+    t = cfg.training
+    if t.loss_scale is not None:
+        if t.fp16 or t.bf16 or cfg.parallel.use_distributed_optimizer:
+            say(f"loss scaling: constant {t.loss_scale:g} (--loss-scale); steps whose gradients "
+                "overflow are skipped")
+        else:
+            say("accepted, no effect: --loss-scale (fp32 training without the distributed "
+                "optimizer does not scale the loss, as in Megatron)")
+    elif t.fp16:
+        say(f"loss scaling: dynamic from {t.initial_loss_scale:g} (x2 after "
+            f"{t.loss_scale_window:g} clean iterations, x0.5 after {t.hysteresis} overflow(s), "
+            f"at least {t.min_loss_scale:g}); overflowing steps are skipped and the NaN check "
+            "is off, as in Megatron")
+
+
 def say_bridges(plan: HeteroPlan, parallel: ParallelConfig, say) -> None:
     """Log the transport of every boundary that crosses the bridge, and any plan
     ``transports`` entry that no such boundary uses (it has no effect)."""
@@ -278,8 +295,8 @@ def _train(cfg: RunConfig, launch: LaunchOptions, env: LaunchEnv, failures: JobF
            start: float, demo: bool) -> TrainProgress:
     """The part of :func:`train` that starts process groups (all user input is checked)."""
     from megatron_h2.checkpointing.distributed import CheckpointIO
-    from megatron_h2.devices.precision import KernelProbe
-    from megatron_h2.models.gpt import GPTModel, init_parameters
+    from megatron_h2.devices.precision import DTYPES, KernelProbe
+    from megatron_h2.models.gpt import GPTModel, cast_parameters, init_parameters
     from megatron_h2.optimizer.distributed_optimizer import build_data_parallel_optimizer
     from megatron_h2.training.precision import PrecisionMonitor
     from megatron_h2.training.step import StepRunner
@@ -303,18 +320,21 @@ def _train(cfg: RunConfig, launch: LaunchOptions, env: LaunchEnv, failures: JobF
                      chunks=topo.chunk_ranges)
     init_parameters(model, cfg.model, cfg.training.seed)
     model.to(accelerator.device)
+    dtypes = cfg.training.precision
+    cast_parameters(model, DTYPES[dtypes.params])  # the optimizer keeps fp32 main weights
     tied = model.tied_embedding_weight()  # its gradient is summed across stages before DP sync
     optimizer = build_data_parallel_optimizer(
         model, cfg.optimizer, topo.dp_group,
         use_distributed_optimizer=cfg.parallel.use_distributed_optimizer,
         bucket_size_mb=cfg.parallel.bucket_size_mb(topo.dp_size),
         overlap=cfg.parallel.overlap_grad_reduce, kernels=accelerator.kernels,
-        deferred=[tied] if tied is not None else [])
+        deferred=[tied] if tied is not None else [], grad_dtype=DTYPES[dtypes.grads])
     ckpt = CheckpointIO(cfg, accelerator, topo, tp, model, optimizer)
     ckpt.owner = owner
     progress = restore(cfg, launch, ckpt, say)
     m = cfg.model
-    say(f"device: {accelerator.describe()} | bf16: {cfg.training.bf16}")
+    say(f"device: {accelerator.describe()} | precision: {dtypes.describe()}")
+    say_loss_scaling(cfg, say)
     say(f"model: {m.num_parameters() / 1e6:.2f}M parameters | layers {m.num_layers} | hidden "
         f"{m.hidden_size} | heads {m.num_attention_heads} (query groups {m.num_query_groups}) | "
         f"ffn {m.ffn_hidden_size} | seq {m.seq_length} | vocab {tokenizer.vocab_size} "
@@ -345,8 +365,8 @@ def _train(cfg: RunConfig, launch: LaunchOptions, env: LaunchEnv, failures: JobF
     timeline = Timeline.for_plan(plan, env.rank, enabled=bool(cfg.training.timeline_trace))
     runner = StepRunner(cfg, accelerator, topo, tp, model, optimizer, timeline,
                         eod_mask=tokenizer.eod if cfg.data.eod_mask_loss else None)
-    precision = None if probe is None else PrecisionMonitor(
-        model, probe, accelerator, topo, cfg.training.bf16, cfg.training.seed)
+    precision = None if probe is None else PrecisionMonitor(  # no autocast: weights carry dtype
+        model, probe, accelerator, topo, False, cfg.training.seed)
     if precision is not None:
         say(f"precision check every {cfg.training.precision_check_interval} iterations: one "
             "micro-batch per stage replayed on cpu fp64")

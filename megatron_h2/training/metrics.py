@@ -49,13 +49,17 @@ class MetricsWriter:
                 f"global batch size: {record['global_batch_size']:5d} | "
                 f"lm loss: {record['lm_loss']:.6E} | "
                 f"grad norm: {record['grad_norm']:.3f} |")
+        if "loss_scale" in record:
+            line += f" loss scale: {record['loss_scale']:.1f} |"
         if record.get("skipped_iterations"):
             line += f" number of skipped iterations: {record['skipped_iterations']:3d} |"
         log(line)
         self._write_jsonl(record)
         if self.tb:
-            for key in ("lm_loss", "lr", "grad_norm", "tokens_per_sec", "iteration_ms", "tflops"):
-                self.tb.add_scalar(f"train/{key}", record[key], it)
+            for key in ("lm_loss", "lr", "grad_norm", "tokens_per_sec", "iteration_ms", "tflops",
+                        "loss_scale"):
+                if key in record:
+                    self.tb.add_scalar(f"train/{key}", record[key], it)
 
     def validation(self, iteration: int, val_loss: float) -> None:
         if not self.enabled:

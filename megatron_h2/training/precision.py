@@ -72,9 +72,10 @@ def check_training_step(model_cfg: ModelConfig, acc: Accelerator, *, dtype: str 
     """One training step of ``model_cfg`` on ``acc`` (forward, backward, AdamW step), every
     operator replayed on ``reference`` in ``reference_dtype``.
 
-    ``dtype`` is ``fp32`` or ``bf16`` (bf16 autocast with fp32 weights, as ``--bf16``
-    trains); ``kernels`` replaces the accelerator's kernel table (to check a kernel against
-    the native one); ``layer_range`` checks one pipeline stage: its layers, the embedding only
+    ``dtype`` is ``fp32`` or ``bf16`` (bf16 autocast with fp32 weights; ``--bf16`` training
+    keeps bf16 weights instead, which :class:`PrecisionMonitor` checks); ``kernels`` replaces
+    the accelerator's kernel table (to check a kernel against the native one); ``layer_range``
+    checks one pipeline stage: its layers, the embedding only
     if it starts at layer 0, the head only if it ends at the last layer (random hidden states
     stand in for the previous stage's output). Tokens are random (seeded).
     """

@@ -6,7 +6,8 @@ the head (each timed on its own), and a layer's extra backward time under select
 once: the optimizer's once-per-step work per parameter (gradient norm, clipping, AdamW, zeroing
 the gradients, as the training step does it). Times are medians over repetitions after warm-up,
 at TP 1 and without recompute, on the device this process runs on; the cost model scales them
-for TP, recompute and emulated slowdown.
+for TP, recompute and emulated slowdown. With
+``bf16`` the parts run as ``--bf16`` trains: bf16 weights and activations, no autocast.
 
 A :class:`Pace` makes the measurement look like one chip of a CPU-emulated cluster: padded with
 sleep like a chip with ``emulate_slowdown`` (the runtime pads the same way), started together
@@ -29,7 +30,7 @@ import yaml
 
 from megatron_h2.config import ModelConfig, OptimizerConfig
 from megatron_h2.devices import Accelerator
-from megatron_h2.models.gpt import GPTModel, init_parameters
+from megatron_h2.models.gpt import GPTModel, cast_parameters, init_parameters
 from megatron_h2.optimizer.distributed_optimizer import build_data_parallel_optimizer
 
 PROFILE_MODEL_KEYS = ("hidden_size", "ffn_hidden_size", "num_attention_heads",
@@ -89,7 +90,7 @@ class PartTimes:
 
 
 def _time_part(acc: Accelerator, model: GPTModel, make_input: Callable[[], dict],
-               bf16: bool, warmup: int, reps: int, pace: Pace = Pace()) -> PartTimes:
+               warmup: int, reps: int, pace: Pace = Pace()) -> PartTimes:
     """Forward (recording the graph, as in training) and backward, each timed on its own in
     every round; medians."""
     model.train()
@@ -97,9 +98,7 @@ def _time_part(acc: Accelerator, model: GPTModel, make_input: Callable[[], dict]
     loss: list[torch.Tensor] = []
 
     def forward() -> None:
-        with acc.autocast(bf16):
-            out = model(**inputs)
-        loss.append(out.float().sum())
+        loss.append(model(**inputs).float().sum())
 
     def backward() -> None:
         loss.pop().backward()
@@ -134,12 +133,14 @@ def _selective_extra_ms(acc: Accelerator, layers: dict[str, GPTModel], hidden: t
     return max(statistics.median(selective) - statistics.median(plain), 0.0)
 
 
-def _part_inputs(cfg: ModelConfig, mbs: int, dev: torch.device) -> dict[str, Callable[[], dict]]:
+def _part_inputs(cfg: ModelConfig, mbs: int, dev: torch.device,
+                 dtype: torch.dtype) -> dict[str, Callable[[], dict]]:
     """Input makers of the layer, the embedding and the head for one micro-batch size."""
     s, h, v = cfg.seq_length, cfg.hidden_size, cfg.vocab_size
 
     def hidden() -> dict:
-        return {"hidden_states": torch.randn(mbs, s, h, device=dev, requires_grad=True)}
+        return {"hidden_states": torch.randn(mbs, s, h, device=dev, dtype=dtype,
+                                             requires_grad=True)}
 
     def tokens() -> dict:
         return {"tokens": torch.randint(0, v, (mbs, s), device=dev)}
@@ -163,15 +164,17 @@ def profile_model(config: ModelConfig, acc: Accelerator, micro_batch_sizes: list
     head = GPTModel(cfg, acc.kernels, (0, 0), pre_process=False, post_process=True).to(dev)
     selective = replace(cfg, recompute="selective")
     recomputing = GPTModel(selective, acc.kernels, (0, 1), False, False).to(dev)
+    dtype = torch.bfloat16 if bf16 else torch.float32
     for part, part_cfg in ((layer, cfg), (embed, cfg), (head, cfg), (recomputing, selective)):
         init_parameters(part, part_cfg, seed=0)
+        cast_parameters(part, dtype)
         part.train()
     table: dict[int, dict[str, float]] = {}
     for mbs in micro_batch_sizes:
-        inputs = _part_inputs(cfg, mbs, dev)
+        inputs = _part_inputs(cfg, mbs, dev, dtype)
         row = {}
         for name, model in (("layer", layer), ("embedding", embed), ("head", head)):
-            t = _time_part(acc, model, inputs[name], bf16, warmup, reps, pace)
+            t = _time_part(acc, model, inputs[name], warmup, reps, pace)
             row[f"{name}_forward_ms"] = round(t.forward_ms, 4)
             row[f"{name}_backward_ms"] = round(t.backward_ms, 4)
         extra = _selective_extra_ms(acc, {"none": layer, "selective": recomputing},

@@ -9,6 +9,11 @@ the whole global batch, so gradients are summed, never averaged, over each stage
 
 Everything that spans ranks (loss, gradient norm, stop requests) is reduced over the whole job,
 so every rank sees the same numbers; with one process all of it reduces to the plain loop.
+
+With ``--bf16`` / ``--fp16`` the model's weights, activations and pipeline traffic are in that
+dtype (no autocast, as Megatron); the optimizer keeps fp32 main weights. With a loss scaler
+(``--fp16``, ``--loss-scale``) the backward starts from the scaled loss, a step whose gradients
+overflow is skipped (the scaler backs off) and the others are unscaled before clipping.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ import torch.distributed as dist
 
 from megatron_h2.config import RunConfig
 from megatron_h2.devices import Accelerator
+from megatron_h2.devices.precision import DTYPES
 from megatron_h2.distributed.bridge import BridgeConfig
 from megatron_h2.distributed.p2p import PipeComm
 from megatron_h2.distributed.tied_embedding import tied_embedding_sync
@@ -31,6 +37,7 @@ from megatron_h2.errors import TrainingError
 from megatron_h2.models.gpt import GPTModel
 from megatron_h2.models.gpt.model import TIED_COPY_ATTR
 from megatron_h2.optimizer.distributed_optimizer import DataParallelOptimizer
+from megatron_h2.optimizer.grad_scaler import build_grad_scaler
 from megatron_h2.parallel import TPContext, allreduce_coalesced_, get_tp_shard
 from megatron_h2.pipeline.schedules import StageChunks, forward_only, run_schedule
 from megatron_h2.pipeline_orders import replica_micro_batches, replica_order
@@ -59,7 +66,9 @@ class StepResult:
     grad_norm: float
     lr: float
     global_batch_size: int = 0
-    skipped: bool = False  # the judge rejected the step: no update was applied
+    skipped: bool = False  # no update was applied (the judge rejected it, or an overflow)
+    overflow: bool = False  # skipped by loss scaling: the scaled gradients overflowed
+    loss_scale: float | None = None  # the loss scale this step ran with (None: no scaling)
 
 
 Judge = Callable[[int, float, float], bool]
@@ -80,11 +89,13 @@ class StepRunner:
         self.stage_dps = tuple(topo.plan.stage_dp(s) for s in range(topo.pp_size))
         self.timeline = timeline if timeline is not None and timeline.recording else None
         self.clock = StageClock(acc, topo.chip.emulate_slowdown, self.timeline)
+        self.dtype = DTYPES[t.precision.params]  # weights, activations, pipeline traffic
+        self.scaler = build_grad_scaler(t, par.use_distributed_optimizer)
         bridge = BridgeConfig(force=par.force_bridge, chunk_mb=par.bridge_chunk_mb,
                               dtype=torch.bfloat16 if par.bridge_dtype == "bf16" else None,
                               timeout_s=par.distributed_timeout_minutes * 60)
         self.comm = PipeComm(topo, t.micro_batch_size, m.seq_length, m.hidden_size,
-                             par.sequence_parallel, torch.float32, acc.device, bridge,
+                             par.sequence_parallel, self.dtype, acc.device, bridge,
                              topo.cpu_group, observer=self.timeline)
         # the stage's model chunks (virtual pipeline stages): parameters of each, and whether
         # zero-bubble may split its backward (not for layers recomputed in full)
@@ -134,7 +145,10 @@ class StepRunner:
         return world_sum([mine], self.topo)[0]  # collective: every rank asks
 
     def _forward_step(self, samples: dict[int, torch.Tensor] | None, sums: list[tuple],
-                      global_batch: int, divisor: float | None):
+                      global_batch: int, divisor: float | None, loss_scale: float | None = None):
+        """The schedule's forward of one (chunk, micro-batch): the activation for the next
+        stage, or on the last chunk the micro-batch's share of the loss that backward starts
+        from (times ``loss_scale`` where the loss is scaled)."""
         micro_batches = global_batch // self.cfg.training.micro_batch_size  # all replicas'
 
         def step(chunk: int, j: int, inp: torch.Tensor | None) -> torch.Tensor:
@@ -143,9 +157,8 @@ class StepRunner:
             if samples is not None and (first or last):
                 mb = samples[j].to(self.acc.device, non_blocking=True)
                 tokens, labels = mb[:, :-1], mb[:, 1:]  # [b, s] each
-            with self.acc.autocast(self.cfg.training.bf16):
-                out = self.model(tokens=tokens if first else None, hidden_states=inp,
-                                 labels=labels if last else None, chunk=chunk)
+            out = self.model(tokens=tokens if first else None, hidden_states=inp,
+                             labels=labels if last else None, chunk=chunk)
             if not last:
                 return out  # [b, s, h] activation for the next virtual stage
             if self.eod_mask is None:  # out: [b, s] per-token losses
@@ -155,8 +168,10 @@ class StepRunner:
                 total, count = (out * mask).sum(), mask.sum()
             sums.append((total.detach(), count))
             if divisor is not None:  # share of the global batch's per-token mean loss
-                return total / divisor
-            return total / torch.clamp(count, min=1.0) / micro_batches
+                share = total / divisor
+            else:
+                share = total / torch.clamp(count, min=1.0) / micro_batches
+            return share if loss_scale is None else share * loss_scale
 
         return step
 
@@ -214,7 +229,8 @@ class StepRunner:
                               self.topo.dp_rank, self.chunks.chunks,
                               batch // self.cfg.training.micro_batch_size)
         buckets = self.optimizer.grad_buckets
-        run_schedule(order, self._forward_step(samples, losses, batch, divisor), self.comm,
+        scale = None if self.scaler is None else self.scaler.scale
+        run_schedule(order, self._forward_step(samples, losses, batch, divisor, scale), self.comm,
                      self.chunks,
                      before_last_grads=lambda c: buckets.start_sync(self.chunks.params[c]),
                      observer=self.clock)
@@ -224,10 +240,22 @@ class StepRunner:
         self._reduce_sequence_parallel_grads()
         grad_norm = self._grad_norm()
         loss = self._reported_loss(losses)
+        if scale is not None:
+            # the same verdict on every rank; as Megatron, an Inf is the scaler's business, a
+            # NaN the health check's while --check-for-nan-in-loss-and-grad is on
+            overflow = not math.isfinite(grad_norm)
+            self.scaler.update(overflow)
+            nan_checked = math.isnan(grad_norm) and self.cfg.training.check_for_nan_in_loss_and_grad
+            if overflow and not nan_checked:
+                return StepResult(loss=loss, grad_norm=grad_norm, lr=lr, global_batch_size=batch,
+                                  skipped=True, overflow=True, loss_scale=scale)
+            if not overflow:  # unscale: the norm, then the gradients the optimizer applies
+                grad_norm /= scale
+                self.optimizer.clip_(1.0 / scale)
         if judge is not None:
             if not judge(iteration, loss, grad_norm):
                 return StepResult(loss=loss, grad_norm=grad_norm, lr=lr,
-                                  global_batch_size=batch, skipped=True)
+                                  global_batch_size=batch, skipped=True, loss_scale=scale)
         elif not (math.isfinite(loss) and math.isfinite(grad_norm)):
             raise TrainingError(f"loss {loss} / grad norm {grad_norm} is not finite at "
                                 f"iteration {iteration}; lower --lr or resume from the last "
@@ -236,7 +264,8 @@ class StepRunner:
         if clip > 0:
             self.optimizer.clip_(min(1.0, clip / (grad_norm + 1e-6)))
         self.optimizer.step()
-        return StepResult(loss=loss, grad_norm=grad_norm, lr=lr, global_batch_size=batch)
+        return StepResult(loss=loss, grad_norm=grad_norm, lr=lr, global_batch_size=batch,
+                          loss_scale=scale)
 
     @torch.no_grad()
     def eval_loss(self, dataset, num_batches: int) -> float:

@@ -97,6 +97,8 @@ class Trainer:
             (cfg.training.load, progress.iteration) if progress.iteration else None)
         self.health = HealthMonitor(cfg.training, (tokenizer_vocab or 0, cfg.model.vocab_size),
                                     log, self._last_good_text)
+        if progress.grad_scaler is not None and runner.scaler is not None:
+            runner.scaler.load_state_dict(progress.grad_scaler)  # resumed with the optimizer
 
     def _report_first_iteration(self, iteration: int) -> None:
         """Tell an elastic launcher (``$MEGATRON_H2_ELASTIC_DIR``) when this run's first
@@ -135,6 +137,8 @@ class Trainer:
             return
         start = time.perf_counter()
         self.progress.scheduler = self.schedule.state_dict()
+        scaler = self.runner.scaler
+        self.progress.grad_scaler = None if scaler is None else scaler.state_dict()
         path = self.ckpt.save(save_dir, self.progress)
         self.last_good = (save_dir, it)
         self.log(f"saved checkpoint at iteration {it} to {path} "
@@ -180,9 +184,13 @@ class Trainer:
                     raise RuntimeError(f"injected fault at iteration {it} (${FAULT_ENV})")
                 batch = self.batch.batch_at(self.progress.consumed_samples)
                 lr = self.schedule.apply(self.runner.optimizer)
-                window.append(self.runner.train_step(self.train_ds, self.progress.consumed_samples,
-                                                     it, lr, batch, self.health))
-                self.schedule.step(batch)
+                result = self.runner.train_step(self.train_ds, self.progress.consumed_samples,
+                                                it, lr, batch, self.health)
+                window.append(result)
+                if result.overflow:  # as Megatron: the schedule advances on updates only
+                    self.health.count_overflow_skip(it, result.loss_scale)
+                else:
+                    self.schedule.step(batch)
                 if it == self.started_at + 1:
                     self._report_first_iteration(it)
                 self.progress.iteration = it
@@ -228,6 +236,8 @@ class Trainer:
                   "tflops": cfg.model.flops_per_token() * tokens / seconds / 1e12,
                   "global_batch_size": window[-1].global_batch_size,
                   "skipped_iterations": self.health.skipped_iterations}
+        if runner.scaler is not None:
+            record["loss_scale"] = runner.scaler.scale
         if val_loss is not None:
             record["val_loss"] = val_loss
         self.metrics.train_step(record)

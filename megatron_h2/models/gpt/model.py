@@ -223,3 +223,14 @@ def init_parameters(model: GPTModel, config: ModelConfig, seed: int) -> None:
                                                 % (2**63))
             full = torch.randn(full_shape(param, model.tp), generator=gen, dtype=torch.float32)
             load_shard_(param, full * std, model.tp)
+
+
+@torch.no_grad()
+def cast_parameters(model: nn.Module, dtype: torch.dtype) -> None:
+    """Store every parameter of ``model`` in ``dtype`` (``--bf16`` / ``--fp16``), keeping each
+    Parameter object (and its attributes: tensor-parallel shard, sequence parallelism, tied
+    copy). Buffers stay as they are: the rotary tables are cast per use, as Megatron computes
+    them in fp32."""
+    for param in model.parameters():
+        if param.is_floating_point() and param.dtype != dtype:
+            param.data = param.data.to(dtype)
