@@ -12,7 +12,8 @@ base :class:`~megatron_h2.config.model_counts.ModelCounts`), the vocabulary padd
 (:func:`pad_vocab_size`) and :func:`state_bytes_per_param` are the only ones in the project.
 
 Modules: :mod:`.flags` (flag fields and shared parsers), :mod:`.model`, :mod:`.data`,
-:mod:`.optimizer`, :mod:`.training`, :mod:`.parallel`, :mod:`.run` (:class:`RunConfig`).
+:mod:`.optimizer`, :mod:`.training`, :mod:`.parallel`, :mod:`.logging_config`, :mod:`.run`
+(:class:`RunConfig`).
 """
 
 from megatron_h2.config.data import (  # noqa: F401
@@ -32,11 +33,18 @@ from megatron_h2.config.flags import (  # noqa: F401
     layer_split,
     parse_batch_size_schedule,
 )
+from megatron_h2.config.logging_config import (  # noqa: F401
+    TIMING_LOG_OPTIONS,
+    LoggingConfig,
+)
 from megatron_h2.config.model import (  # noqa: F401
     ARCHITECTURE_FIELDS,
+    ATTENTION_BACKENDS,
     LLAMA_ARCHITECTURE,
     NORMALIZATIONS,
     POSITION_EMBEDDING_TYPES,
+    RECOMPUTE_METHODS,
+    TRANSFORMER_IMPLS,
     Activation,
     ModelConfig,
     pad_vocab_size,
