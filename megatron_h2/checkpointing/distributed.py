@@ -195,6 +195,7 @@ class CheckpointIO:
     def save(self, save_dir: str, progress: TrainProgress) -> Path:
         """Write a complete checkpoint for ``progress.iteration``; returns its directory."""
         topo, it = self.topo, progress.iteration
+        self.optimizer.finish_param_sync()  # the parameters hold the last step's update
         if topo.rank == 0:
             if self.owner is not None:
                 self.owner.check()  # another job may have taken the directory over

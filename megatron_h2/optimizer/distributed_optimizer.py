@@ -99,6 +99,11 @@ class DataParallelOptimizer(Protocol):
     def load_named_state(self, names: Names, tensors: dict[str, torch.Tensor]) -> None:
         """Inverse of :meth:`named_state`: takes full tensors, keeps what this rank owns."""
 
+    def finish_param_sync(self) -> None:
+        """Wait for any parameter all-gather still in flight (``--overlap-param-gather``) and
+        write the gathered values into the parameters; call before reading the parameters
+        outside a forward pass (checkpoints, norms). A no-op when nothing is in flight."""
+
 
 def clip_grad_norm(optimizer: DataParallelOptimizer, max_norm: float) -> torch.Tensor:
     """Clip the replica's gradient to ``max_norm`` (0: no clipping); return its norm.
@@ -184,6 +189,9 @@ class ReplicatedOptimizer:
     def load_named_state(self, names: Names, tensors: dict[str, torch.Tensor]) -> None:
         load_named_optimizer_state(self.optimizer, names, tensors)
 
+    def finish_param_sync(self) -> None:
+        """Nothing is ever in flight: every rank applies the whole update itself."""
+
 
 def _sq_norm(tensors: list[torch.Tensor]) -> torch.Tensor:
     if not tensors:
@@ -231,10 +239,17 @@ class DistributedOptimizer:
 
     The parameters are fp32 and are themselves the master copy: the master shard is refreshed
     from them at every step, so loading model weights needs no extra call.
+
+    ``overlap_param_gather`` (Megatron's ``--overlap-param-gather``): :meth:`step` only issues
+    the all-gathers of the updated parameters, asynchronously, in the order the next forward
+    needs the buckets; :meth:`install_param_gather_hooks` makes every module wait for its
+    parameters' buckets just before its forward, so later buckets arrive while earlier layers
+    compute. Until then the parameters hold their previous values (:meth:`finish_param_sync`).
     """
 
     def __init__(self, grad_buckets: GradBuckets, config: OptimizerConfig,
-                 kernels: Kernels | None = None, names: Names | None = None) -> None:
+                 kernels: Kernels | None = None, names: Names | None = None,
+                 overlap_param_gather: bool = False) -> None:
         if not grad_buckets.reduce_scatter:
             raise ValueError("DistributedOptimizer needs GradBuckets(reduce_scatter=True)")
         self.grad_buckets = grad_buckets
@@ -255,6 +270,9 @@ class DistributedOptimizer:
         self.optimizer = torch.optim.AdamW(groups, **adamw_kwargs(config, kernels))
         self._has_state = False
         self.sharded = True
+        self.overlap_param_gather = overlap_param_gather
+        # bucket index -> (bucket, gathered buffer, collective) of gathers still in flight
+        self._in_flight: dict[int, tuple[Bucket, torch.Tensor, dist.Work]] = {}
 
     @property
     def param_groups(self) -> list[dict]:
@@ -284,15 +302,52 @@ class DistributedOptimizer:
             bucket.shard_grad.mul_(coef)
 
     def step(self) -> None:
-        """AdamW on this rank's shard, then all-gather the parameters (collective)."""
+        """AdamW on this rank's shard, then all-gather the parameters (collective); with
+        ``overlap_param_gather`` the all-gathers are only issued (see the class doc)."""
         _check_synced(self.grad_buckets)
+        self.finish_param_sync()  # parameters no forward used since the last step
         with torch.no_grad():
             for piece in self.pieces:
                 piece.master.copy_(piece.param.detach().reshape(-1)[piece.param_start:
                                                                      piece.param_end])
             self.optimizer.step()
-            self._gather_params()
+            if self.overlap_param_gather and self.dp_group is not None:
+                self._issue_gathers()
+            else:
+                self._gather_params()
         self._has_state = True
+
+    def _issue_gathers(self) -> None:
+        """Start every bucket's all-gather; the last bucket holds the parameters a forward uses
+        first (buckets follow reverse registration order), so it goes first."""
+        for bucket in reversed(self.grad_buckets.buckets):
+            full = torch.empty_like(bucket.buffer)
+            work = all_gather_flat(full, self._masters[bucket.index], self.dp_group,
+                                   async_op=True)
+            self._in_flight[bucket.index] = (bucket, full, work)
+
+    def _finish_buckets(self, indices) -> None:
+        for index in indices:
+            entry = self._in_flight.pop(index, None)
+            if entry is not None:
+                with torch.no_grad():
+                    _finish_gather(*entry)
+
+    def finish_param_sync(self) -> None:
+        self._finish_buckets(list(self._in_flight))
+
+    def install_param_gather_hooks(self, model: nn.Module) -> None:
+        """Forward pre-hooks on every module of ``model`` that holds parameters of these
+        buckets: each waits for its own parameters' buckets before its forward runs."""
+        bucket_of = {id(slot.param): bucket.index for bucket in self.grad_buckets.buckets
+                     for slot in bucket.slots}
+        for module in model.modules():
+            mine = sorted({bucket_of[id(p)] for p in module.parameters(recurse=False)
+                           if id(p) in bucket_of}, reverse=True)
+            if mine:
+                module.register_forward_pre_hook(
+                    lambda _module, _args, mine=mine: self._finish_buckets(mine)
+                    if self._in_flight else None)
 
     def _gather_params(self) -> None:
         buckets = self.grad_buckets.buckets
@@ -313,6 +368,7 @@ class DistributedOptimizer:
     # ----------------------------------------------------------------- checkpoints
     def named_state(self, names: Names) -> dict[str, torch.Tensor]:
         """Full (all-gathered) AdamW state of every parameter; collective."""
+        self.finish_param_sync()
         if not self._has_state:
             return {}
         out: dict[str, torch.Tensor] = {}
@@ -352,6 +408,7 @@ class DistributedOptimizer:
 
     def load_named_state(self, names: Names, tensors: dict[str, torch.Tensor]) -> None:
         """Take full tensors (any DP layout saved them) and keep this rank's pieces."""
+        self.finish_param_sync()
         for param in self.grad_buckets.params:
             _check_named(names, tensors, param)
         step_on_device = bool(self.optimizer.defaults.get("fused"))
@@ -381,13 +438,20 @@ def build_data_parallel_optimizer(model: nn.Module, config: OptimizerConfig,
                                   use_distributed_optimizer: bool = False,
                                   bucket_size_mb: float = 25.0, overlap: bool = True,
                                   kernels: Kernels | None = None,
-                                  deferred: Sequence[nn.Parameter] = ()) -> DataParallelOptimizer:
+                                  deferred: Sequence[nn.Parameter] = (),
+                                  overlap_param_gather: bool = False) -> DataParallelOptimizer:
     """GradBuckets over ``model``'s trainable parameters plus the matching optimizer
-    (``deferred``: see :class:`GradBuckets`)."""
+    (``deferred``: see :class:`GradBuckets`; ``overlap_param_gather``: see
+    :class:`DistributedOptimizer`, which installs its forward pre-hooks on ``model``)."""
     params = [p for p in model.parameters() if p.requires_grad]
     buckets = GradBuckets(params, dp_group, bucket_size_mb, overlap,
                           reduce_scatter=use_distributed_optimizer, deferred=deferred)
     if use_distributed_optimizer:
         names = {p: n for n, p in model.named_parameters()}
-        return DistributedOptimizer(buckets, config, kernels, names)
+        optimizer = DistributedOptimizer(buckets, config, kernels, names, overlap_param_gather)
+        if overlap_param_gather:
+            optimizer.install_param_gather_hooks(model)
+        return optimizer
+    if overlap_param_gather:
+        raise ValueError("overlap_param_gather needs the distributed optimizer")
     return ReplicatedOptimizer(build_optimizer(model, config, kernels), buckets)

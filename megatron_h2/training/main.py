@@ -299,7 +299,8 @@ def _train(cfg: RunConfig, launch: LaunchOptions, env: LaunchEnv, failures: JobF
         use_distributed_optimizer=cfg.parallel.use_distributed_optimizer,
         bucket_size_mb=cfg.parallel.bucket_size_mb(topo.dp_size),
         overlap=cfg.parallel.overlap_grad_reduce, kernels=accelerator.kernels,
-        deferred=[tied] if tied is not None else [])
+        deferred=[tied] if tied is not None else [],
+        overlap_param_gather=cfg.parallel.overlap_param_gather)
     ckpt = CheckpointIO(cfg, accelerator, topo, tp, model, optimizer)
     ckpt.owner = owner
     progress = restore(cfg, launch, ckpt, say)

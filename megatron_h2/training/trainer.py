@@ -189,6 +189,7 @@ class Trainer:
                 self.progress.consumed_samples += batch
                 if self.precision is not None and it % t.precision_check_interval == 0:
                     check_start = time.perf_counter()
+                    self.runner.optimizer.finish_param_sync()  # nothing in flight while replayed
                     self.log(self.precision.run(it))  # collective: every rank checks its stage
                     window_start += time.perf_counter() - check_start  # not iteration time
                 val_loss = self.evaluate() if it % t.eval_interval == 0 else None
