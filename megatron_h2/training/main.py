@@ -69,6 +69,7 @@ from megatron_h2.training.data_setup import (
     unused_data_flags,
 )
 from megatron_h2.training.health import JobTrainingError
+from megatron_h2.training.kernel_checks import check_attention_on_chip, check_implementation
 from megatron_h2.training.layout import check_plan_for_model, load_hetero_plan, uniform_plan
 from megatron_h2.training.metrics import MetricsWriter, log
 from megatron_h2.training.watchdog import start_orphan_watchdog
@@ -193,9 +194,11 @@ def validate_launch(cfg: RunConfig, launch: LaunchOptions, env: LaunchEnv, say):
     if unused:
         say(unused)
     check_plan_for_model(plan, cfg.model, cfg.parallel, env.world_size)
+    check_implementation(cfg.model)
     check_load(cfg, launch)
     accelerator = (accelerator_for_rank(plan, env.rank, env.local_rank) if device is None
                    else get_accelerator(device, env.local_rank))
+    check_attention_on_chip(cfg.model, accelerator, cfg.training.bf16)
     return plan, accelerator, tokenizer, batch, iterations
 
 
