@@ -128,6 +128,7 @@ class Trainer:
         save_dir, it = self.cfg.training.save, self.progress.iteration
         if not save_dir:
             return
+        self.finish_background_save(blocking=True)  # one save at a time
         if self.health.suspect:
             self.log(f"not saving at iteration {it}: the state is suspect "
                      f"({self.health.flat_why} for {self.health.flat_streak} iteration(s)); the "
@@ -135,10 +136,29 @@ class Trainer:
             return
         start = time.perf_counter()
         self.progress.scheduler = self.schedule.state_dict()
+        if self.cfg.training.async_save:
+            self.ckpt.save(save_dir, self.progress, background=True)
+            self.log(f"saving checkpoint at iteration {it} in the background (state gathered "
+                     f"and copied to host memory in {time.perf_counter() - start:.2f} s)")
+            return
         path = self.ckpt.save(save_dir, self.progress)
         self.last_good = (save_dir, it)
         self.log(f"saved checkpoint at iteration {it} to {path} "
                  f"({time.perf_counter() - start:.2f} s)")
+        self._log_removed()
+
+    def finish_background_save(self, blocking: bool) -> None:
+        """Commit an ``--async-save`` checkpoint whose writes are done (collective)."""
+        done = self.ckpt.finish_background_save(blocking)
+        if done is None:
+            return
+        path, it, seconds = done
+        self.last_good = (self.cfg.training.save, it)
+        self.log(f"saved checkpoint at iteration {it} to {path} (written in the background in "
+                 f"{seconds:.2f} s)")
+        self._log_removed()
+
+    def _log_removed(self) -> None:
         if self.ckpt.removed:
             self.log(f"removed checkpoints of iterations {', '.join(map(str, self.ckpt.removed))}"
                      " (--save-retain-interval / --most-recent-k)")
@@ -187,6 +207,7 @@ class Trainer:
                     self._report_first_iteration(it)
                 self.progress.iteration = it
                 self.progress.consumed_samples += batch
+                self.finish_background_save(blocking=False)
                 if self.precision is not None and it % t.precision_check_interval == 0:
                     check_start = time.perf_counter()
                     self.runner.optimizer.finish_param_sync()  # nothing in flight while replayed
@@ -206,6 +227,7 @@ class Trainer:
                     break
         if self.progress.iteration != last_saved:
             self.save()
+        self.finish_background_save(blocking=True)
         return self.progress
 
     def _log(self, window: list[StepResult], elapsed: float, val_loss: float | None) -> None:
