@@ -30,6 +30,7 @@ from megatron_h2.pipeline.schedules import StageChunks, forward_only, run_schedu
 from megatron_h2.pipeline_orders import schedule_order
 from megatron_h2.training.stage_clock import StageClock
 from megatron_h2.training.timeline import Timeline
+from megatron_h2.training.timers import Timers
 
 
 def stack_samples(dataset, start: int, count: int) -> torch.Tensor:
@@ -54,6 +55,7 @@ class StepResult:
     lr: float
     global_batch_size: int = 0
     skipped: bool = False  # the judge rejected the step: no update was applied
+    num_zeros: int | None = None  # zeros in the applied gradient (--log-num-zeros-in-grad)
 
 
 Judge = Callable[[int, float, float], bool]
@@ -74,7 +76,9 @@ class StepRunner:
         self.per_replica = t.global_batch_size // topo.dp_size
         self.num_micro = self.per_replica // t.micro_batch_size
         self.timeline = timeline if timeline is not None and timeline.recording else None
-        self.clock = StageClock(acc, topo.chip.emulate_slowdown, self.timeline)
+        self.timers = Timers(cfg.logging.timing_log_level, acc)
+        self.clock = StageClock(acc, topo.chip.emulate_slowdown, self.timeline,
+                                synchronize=self.timers.active(2))
         bridge = BridgeConfig(force=par.force_bridge, chunk_mb=par.bridge_chunk_mb,
                               dtype=torch.bfloat16 if par.bridge_dtype == "bf16" else None,
                               timeout_s=par.distributed_timeout_minutes * 60)
@@ -201,15 +205,19 @@ class StepRunner:
         order = schedule_order(self.topo.plan.schedule, self.topo.stage, self.topo.pp_size,
                                self.chunks.chunks, range(micro_batches))
         buckets = self.optimizer.grad_buckets
+        self.timers.start("forward-backward", 1)
         run_schedule(order, self._forward_step(samples, losses, batch, divisor), self.comm,
                      self.chunks,
                      before_last_grads=lambda c: buckets.start_sync(self.chunks.params[c]),
                      observer=self.clock)
         self.comm.wait_sends()
+        self.timers.stop("forward-backward")
+        self.timers.start("all-grads-sync", 1)
         if self.tied is not None:  # before the DP sync, which defers the tied weight's bucket
             self.tied.sum_grads()
         self.optimizer.grad_buckets.finish_sync()
         self._reduce_sequence_parallel_grads()
+        self.timers.stop("all-grads-sync")
         grad_norm = self._grad_norm()
         loss = self._reported_loss(losses)
         if judge is not None:
@@ -220,11 +228,32 @@ class StepRunner:
             raise TrainingError(f"loss {loss} / grad norm {grad_norm} is not finite at "
                                 f"iteration {iteration}; lower --lr or resume from the last "
                                 "checkpoint")
+        self.timers.start("optimizer", 1)
         clip = self.cfg.optimizer.clip_grad
         if clip > 0:
             self.optimizer.clip_(min(1.0, clip / (grad_norm + 1e-6)))
+        zeros = self._num_zeros() if self.cfg.logging.log_num_zeros_in_grad else None
         self.optimizer.step()
-        return StepResult(loss=loss, grad_norm=grad_norm, lr=lr, global_batch_size=batch)
+        self.timers.stop("optimizer")
+        return StepResult(loss=loss, grad_norm=grad_norm, lr=lr, global_batch_size=batch,
+                          num_zeros=zeros)
+
+    def _num_zeros(self) -> int:
+        """Zero elements of the gradient every rank applies, counted once over the job: a
+        TP-replicated parameter on one TP rank, a tied copy not at all, each DP replica's full
+        gradient once (ZeRO: the shards add up)."""
+        local = sum(float((g == 0).sum()) * self.norm_weight[p]
+                    for p, g in self.optimizer.owned_grads())
+        replicas = 1 if self.optimizer.sharded else self.topo.dp_size
+        return round(world_sum([local], self.topo)[0] / replicas)
+
+    def params_norm(self) -> float:
+        """L2 norm of all parameters of the model (each counted once over stages, TP shards and
+        DP replicas); collective. Waits for parameters still being gathered."""
+        self.optimizer.finish_param_sync()
+        local = sum(self.norm_weight[p] * float(p.detach().double().square().sum())
+                    for p in self.model.parameters())
+        return math.sqrt(world_sum([local], self.topo)[0] / self.topo.dp_size)
 
     @torch.no_grad()
     def eval_loss(self, dataset, num_batches: int) -> float:
