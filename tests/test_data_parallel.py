@@ -154,10 +154,11 @@ def _record_launches(events: list) -> dict:
     return originals
 
 
-def overlap_probe(rank: int, dp: int, reduce_scatter: bool) -> list:
-    """Event order during a two-micro-batch step with tiny buckets."""
+def overlap_probe(rank: int, dp: int, reduce_scatter: bool, overlap: bool = True) -> list:
+    """Event order during a two-micro-batch step with tiny buckets; ``overlap``: what
+    ``--overlap-grad-reduce`` (off by default, as in Megatron) passes to the buckets."""
     model = make_model()
-    buckets = GradBuckets(list(model.parameters()), dist.group.WORLD, TINY, overlap=True,
+    buckets = GradBuckets(list(model.parameters()), dist.group.WORLD, TINY, overlap=overlap,
                           reduce_scatter=reduce_scatter)
     events: list = []
     for name, p in model.named_parameters():  # registered after GradBuckets': run after them
@@ -175,6 +176,80 @@ def overlap_probe(rank: int, dp: int, reduce_scatter: bool) -> list:
     finally:
         dist.all_reduce, grad_sync._reduce_scatter_flat = originals.values()
     return events
+
+
+def param_overlap_run(rank: int, dp: int, overlap: bool) -> dict:
+    """ZeRO with tiny buckets, with or without --overlap-param-gather: each step's loss (the
+    forward reads the parameters the previous step's all-gather delivered) and the final
+    parameters."""
+    model = make_model()
+    opt = build_data_parallel_optimizer(model, CONFIG, dist.group.WORLD, bucket_size_mb=TINY,
+                                        overlap=True, use_distributed_optimizer=True,
+                                        overlap_param_gather=overlap)
+    losses = []
+    for step in range(STEPS):
+        x, y = global_batch(step)
+        share = GLOBAL_BATCH // dp
+        opt.zero_grad()
+        opt.grad_buckets.start_sync()
+        loss = loss_sum(model, x[rank * share:(rank + 1) * share],
+                        y[rank * share:(rank + 1) * share])
+        loss.backward()
+        losses.append(loss.detach().clone())
+        opt.grad_buckets.finish_sync()
+        clip_grad_norm(opt, MAX_NORM)
+        opt.set_lr(LRS[step])
+        opt.step()
+    opt.finish_param_sync()
+    return {"losses": losses, "params": snapshot(model)}
+
+
+def param_gather_probe(rank: int, dp: int) -> dict:
+    """Event order of one step and the next forward under --overlap-param-gather."""
+    from megatron_h2.optimizer import distributed_optimizer as dopt
+
+    model = make_model()
+    opt = build_data_parallel_optimizer(model, CONFIG, dist.group.WORLD, bucket_size_mb=TINY,
+                                        overlap=True, use_distributed_optimizer=True,
+                                        overlap_param_gather=True)
+    events: list = []
+    real_gather = dopt.all_gather_flat
+    bucket_of_master = {id(m): i for i, m in enumerate(opt._masters)}
+
+    class Logged:
+        def __init__(self, work, index):
+            self.work, self.index = work, index
+
+        def wait(self):
+            events.append(f"wait {self.index}")
+            return self.work.wait()
+
+    def gather(out, shard, group, async_op=False):
+        index = bucket_of_master[id(shard)]
+        events.append(f"launch {index}")
+        return Logged(real_gather(out, shard, group, async_op=async_op), index)
+
+    dopt.all_gather_flat = gather
+    try:
+        for i, module in enumerate(model):  # pre-hooks after the optimizer's: run after them
+            module.register_forward_pre_hook(lambda *_, i=i: events.append(f"forward {i}"))
+        x, y = global_batch(0)
+        opt.zero_grad()
+        loss_sum(model, x, y).backward()
+        opt.grad_buckets.finish_sync()
+        last = model[5].weight.detach().clone()
+        events.clear()
+        opt.step()
+        events.append("step done")
+        stale = torch.equal(model[5].weight, last)  # not yet gathered
+        model(x)
+        updated = not torch.equal(model[5].weight, last)
+    finally:
+        dopt.all_gather_flat = real_gather
+    buckets = [[id(slot.param) for slot in b.slots] for b in opt.grad_buckets.buckets]
+    where = {i: sorted({b for b, ids in enumerate(buckets) for p in m.parameters(recurse=False)
+                        if id(p) in ids}) for i, m in enumerate(model)}
+    return {"events": events, "stale": stale, "updated": updated, "where": where}
 
 
 def misc_probe(rank: int) -> dict:
@@ -225,6 +300,9 @@ def dp_worker(rank: int, dp: int, ckpt) -> dict:
         out["resumed"] = train(RESUME_SCENARIOS[dp], group, rank, dp, SAVE_AFTER, ckpt)[0]
     if dp == 2:
         out["overlap"] = {rs: overlap_probe(rank, dp, rs) for rs in (False, True)}
+        out["no_overlap"] = overlap_probe(rank, dp, True, overlap=False)
+        out["param_overlap"] = {o: param_overlap_run(rank, dp, o) for o in (False, True)}
+        out["param_probe"] = param_gather_probe(rank, dp)
         out["misc"] = misc_probe(rank)
     return to_numpy(out)
 
@@ -281,6 +359,59 @@ def test_overlap_launches_during_backward(runs):
         assert len(launches) == n_buckets  # every bucket launched inside backward
         assert launches[0] < grads[-1]  # the first launch precedes the last gradient
         assert last_backward[grads[-1]] == "grad 0.weight"  # backward order: first layer last
+
+
+@pytest.mark.e2e
+def test_without_overlap_grad_reduce_buckets_launch_after_backward(runs):
+    events = runs(2)[0]["no_overlap"]
+    last_done = len(events) - 1 - events[::-1].index("backward done")
+    assert events.count("backward done") == 2
+    launches = [i for i, e in enumerate(events) if e == "launch"]
+    assert len(launches) == int(events[-1].split()[1]) >= 3
+    assert min(launches) > last_done  # finish_sync launches them all, after backward
+
+
+def test_overlap_grad_reduce_is_off_by_default_and_reaches_the_buckets():
+    from megatron_h2.training.arguments import config_from_args
+
+    assert config_from_args([])[0].parallel.overlap_grad_reduce is False  # Megatron's default
+    cfg = config_from_args(["--overlap-grad-reduce"])[0]
+    opt = build_data_parallel_optimizer(make_model(), CONFIG, None,
+                                        overlap=cfg.parallel.overlap_grad_reduce)
+    assert opt.grad_buckets.overlap is True
+
+
+@pytest.mark.e2e
+def test_overlap_param_gather_gives_identical_results(runs):
+    for result in runs(2):
+        sync, overlapped = result["param_overlap"][False], result["param_overlap"][True]
+        for a, b in zip(sync["losses"], overlapped["losses"]):
+            assert torch.equal(a, b)
+        for key, value in sync["params"].items():
+            assert torch.equal(overlapped["params"][key], value), key
+
+
+@pytest.mark.e2e
+def test_overlap_param_gather_is_asynchronous_and_waits_in_forward_pre_hooks(runs):
+    for result in runs(2):
+        probe = result["param_probe"]
+        events, where = probe["events"], probe["where"]
+        done = events.index("step done")
+        n_buckets = sum(e.startswith("launch") for e in events)
+        assert n_buckets >= 3
+        # the step only issues the all-gathers, last bucket (first used) first ...
+        assert events[:done] == [f"launch {b}" for b in reversed(range(n_buckets))]
+        assert probe["stale"] and probe["updated"]
+        # ... and each module waits for its own buckets just before its forward
+        expected = []
+        for module, buckets in where.items():
+            expected += [f"wait {b}" for b in sorted(buckets, reverse=True)
+                         if f"wait {b}" not in expected]
+            expected.append(f"forward {module}")
+        assert events[done + 1:] == expected
+        first_forward = events.index("forward 0")
+        assert any(e.startswith("wait") for e in events[first_forward:])  # later buckets arrive
+        # while earlier layers compute
 
 
 @pytest.mark.e2e

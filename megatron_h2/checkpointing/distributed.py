@@ -9,6 +9,7 @@ rank ever holds more than its stage. Loading reads only the tensors this rank ow
 from __future__ import annotations
 
 import base64
+import copy
 import random
 from dataclasses import dataclass, fields
 from pathlib import Path
@@ -28,11 +29,12 @@ from megatron_h2.checkpointing import (
     open_checkpoint,
     write_part,
 )
+from megatron_h2.checkpointing.async_save import BackgroundWrite, host_copy
 from megatron_h2.checkpointing.housekeeping import SaveDirOwner, apply_retention
 from megatron_h2.config import ARCHITECTURE_FIELDS, ModelConfig, RunConfig, flag_name
 from megatron_h2.devices import Accelerator
 from megatron_h2.distributed.topology import Topology
-from megatron_h2.errors import ConfigError, JobConfigError
+from megatron_h2.errors import ConfigError, JobConfigError, TrainingError
 from megatron_h2.hetero_plan import HeteroPlan
 from megatron_h2.optimizer.distributed_optimizer import DataParallelOptimizer
 from megatron_h2.parallel import TPContext, gather_tp_tensor, get_tp_shard, shard_tensor
@@ -159,6 +161,7 @@ class CheckpointIO:
         self.copies = set(aliases.values())  # names this rank holds a copy of, saved elsewhere
         self.owner: SaveDirOwner | None = None  # rank 0's claim on --save (checked per save)
         self.removed: list[int] = []  # iterations the last save's retention policy deleted
+        self.pending: BackgroundWrite | None = None  # --async-save: the write in progress
 
     def _barrier(self) -> None:
         if self.topo.distributed:
@@ -195,9 +198,18 @@ class CheckpointIO:
         dist.broadcast_object_list(box, src=0, group=self.topo.cpu_group)
         return box[0]
 
-    def save(self, save_dir: str, progress: TrainProgress) -> Path:
-        """Write a complete checkpoint for ``progress.iteration``; returns its directory."""
+    def save(self, save_dir: str, progress: TrainProgress, background: bool = False
+             ) -> Path | None:
+        """Write a complete checkpoint for ``progress.iteration``; returns its directory.
+
+        ``background`` (``--async-save``): gather the state, copy this rank's parts to host
+        memory and write them on a thread; returns None, and :meth:`finish_background_save`
+        commits the checkpoint once every rank's write is done. A save first finishes the
+        previous background save. Collective over the job either way.
+        """
+        self.finish_background_save(blocking=True)
         topo, it = self.topo, progress.iteration
+        self.optimizer.finish_param_sync()  # the parameters hold the last step's update
         if topo.rank == 0:
             if self.owner is not None:
                 self.owner.check()  # another job may have taken the directory over
@@ -205,35 +217,74 @@ class CheckpointIO:
         self._barrier()
         optim = self.optimizer.named_state(self.names)  # collective over DP under ZeRO
         weights = self.optimizer.main_weights()  # fp32; collective under ZeRO with bf16 weights
-        entries: dict[str, Any] = {}
+        parts: list[tuple[str, int, dict[str, torch.Tensor]]] = []
         if topo.dp_rank == 0:
             own = {n: p for n, p in self.params.items() if n not in self.copies}
             model = self._gather_full({n: weights[p] for n, p in own.items()})
             optim = self._gather_full({k: v for k, v in optim.items()
                                        if _param_of_state(k) in own})
             if topo.tp_rank == 0:
-                tmp = incomplete_dir(save_dir, it)
-                entries.update([write_part(tmp, "model", topo.stage, model)])
-                if optim:
-                    entries.update([write_part(tmp, "optim", topo.stage, optim)])
-        # completes once every writer has finished: the parts are on disk
-        gathered = self._gather((capture_rng(self.acc), entries))
+                parts = [("model", topo.stage, model)] + (
+                    [("optim", topo.stage, optim)] if optim else [])
+        # what the commit writes, as of this iteration (a background commit comes later)
+        context = {"save_dir": save_dir, "iteration": it, "rng": capture_rng(self.acc),
+                   "consumed_samples": progress.consumed_samples,
+                   "scheduler": copy.deepcopy(progress.scheduler),
+                   "grad_scaler": copy.deepcopy(progress.grad_scaler)}
+        tmp = incomplete_dir(save_dir, it)
+        if background:
+            self.pending = BackgroundWrite(tmp, [(kind, index, host_copy(tensors))
+                                                 for kind, index, tensors in parts], context)
+            return None
+        entries = dict(write_part(tmp, kind, index, tensors) for kind, index, tensors in parts)
+        return self._commit(context, entries)
+
+    def _commit(self, context: dict[str, Any], entries: dict[str, Any]) -> Path:
+        """Collective: every rank's parts are on disk; rank 0 writes metadata and manifest and
+        moves the directory into place."""
+        save_dir, it = context["save_dir"], context["iteration"]
+        gathered = self._gather((context["rng"], entries))
         path = Path(save_dir) / f"iter_{it:07d}"
-        if topo.rank == 0:
+        if self.topo.rank == 0:
             rng = [state for state, _ in gathered]
-            meta = {"iteration": it, "consumed_samples": progress.consumed_samples,
+            meta = {"iteration": it, "consumed_samples": context["consumed_samples"],
                     "config": self.cfg.to_dict(), "rng": rng[0], "rng_per_rank": rng,
-                    "layout": topo.plan.to_dict()}
-            if progress.scheduler is not None:
-                meta["opt_param_scheduler"] = progress.scheduler
-            if progress.grad_scaler is not None:
-                meta["grad_scaler"] = progress.grad_scaler
+                    "layout": self.topo.plan.to_dict()}
+            if context["scheduler"] is not None:
+                meta["opt_param_scheduler"] = context["scheduler"]
+            if context["grad_scaler"] is not None:
+                meta["grad_scaler"] = context["grad_scaler"]
             written = {name: e for _, part in gathered for name, e in part.items()}
             path = commit_save(save_dir, incomplete_dir(save_dir, it), it, meta, written)
             t = self.cfg.training
             self.removed = apply_retention(save_dir, t.save_retain_interval, t.most_recent_k)
         self._barrier()
         return path
+
+    def finish_background_save(self, blocking: bool) -> tuple[Path, int, float] | None:
+        """Commit the background save once every rank's write is done: ``(directory,
+        iteration, seconds the writes took)``, or None when there is none or (``blocking``
+        False) some rank still writes. Collective: every rank calls it at the same points."""
+        pending = self.pending
+        if pending is None:
+            return None
+        if blocking:
+            pending.wait()
+        elif self.topo.distributed:
+            busy = torch.tensor([0.0 if pending.done else 1.0], dtype=torch.float64)
+            dist.all_reduce(busy, group=self.topo.cpu_group)
+            if busy.item():
+                return None
+        elif not pending.done:
+            return None
+        self.pending = None
+        failed = self._agree([f"rank {self.topo.rank}: {pending.error}"] if pending.error else [])
+        if failed:
+            raise TrainingError(f"background save of iteration {pending.context['iteration']}"
+                                   f" failed ({failed[0]}); the checkpoint was not committed")
+        seconds = pending.finished - pending.started
+        return self._commit(pending.context, pending.entries), pending.context["iteration"], \
+            seconds
 
     def _load_model(self, reader: CheckpointReader) -> None:
         """The weights, whole fp32 tensors sharded for this rank, into the model and (as they

@@ -13,7 +13,7 @@ base :class:`~megatron_h2.config.model_counts.ModelCounts`), the vocabulary padd
 
 Modules: :mod:`.flags` (flag fields and shared parsers), :mod:`.model`, :mod:`.data`,
 :mod:`.optimizer`, :mod:`.training`, :mod:`.precision` (:class:`Precision`, the dtypes of the
-model state), :mod:`.parallel`, :mod:`.run` (:class:`RunConfig`).
+model state), :mod:`.parallel`, :mod:`.logging_config`, :mod:`.run` (:class:`RunConfig`).
 """
 
 from megatron_h2.config.data import (  # noqa: F401
@@ -33,11 +33,18 @@ from megatron_h2.config.flags import (  # noqa: F401
     layer_split,
     parse_batch_size_schedule,
 )
+from megatron_h2.config.logging_config import (  # noqa: F401
+    TIMING_LOG_OPTIONS,
+    LoggingConfig,
+)
 from megatron_h2.config.model import (  # noqa: F401
     ARCHITECTURE_FIELDS,
+    ATTENTION_BACKENDS,
     LLAMA_ARCHITECTURE,
     NORMALIZATIONS,
     POSITION_EMBEDDING_TYPES,
+    RECOMPUTE_METHODS,
+    TRANSFORMER_IMPLS,
     Activation,
     ModelConfig,
     pad_vocab_size,

@@ -4,6 +4,7 @@ runtime and the planner (the bytes of model state per parameter are in :mod:`.pr
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -29,6 +30,9 @@ def swiglu_ffn_size(hidden_size: int) -> int:
 NORMALIZATIONS = ("LayerNorm", "RMSNorm")
 POSITION_EMBEDDING_TYPES = ("learned_absolute", "rope", "none")
 Activation = Literal["gelu", "gelu_tanh", "swiglu", "squared_relu"]
+RECOMPUTE_METHODS = ("uniform", "block")
+ATTENTION_BACKENDS = ("flash", "fused", "unfused", "local", "auto")
+TRANSFORMER_IMPLS = ("local", "transformer_engine")
 
 LLAMA_ARCHITECTURE: dict[str, Any] = {
     "normalization": "RMSNorm", "swiglu": True, "position_embedding_type": "rope",
@@ -115,11 +119,43 @@ class ModelConfig(ModelCounts):
     hidden_dropout: float = flag(0.1, "Dropout probability for hidden state transformer.")
     attention_dropout: float = flag(0.1, "Post attention dropout probability.")
     recompute: Recompute = flag(
-        "none", "Checkpoint activations to fit larger models: full (whole layers) or selective "
-        "(core attention and the MLP activation).", name="--recompute-granularity",
-        choices=("full", "selective"), shortcuts=(
+        "none", "Checkpoint activations to fit larger models: full (whole layers, chosen by "
+        "--recompute-method and --recompute-num-layers) or selective (core attention).",
+        name="--recompute-granularity", choices=("full", "selective"), shortcuts=(
             ("--recompute-activations", "selective",
              "Megatron's shorthand for --recompute-granularity selective."),))
+    recompute_method: str | None = flag(
+        None, "With --recompute-granularity full: uniform (checkpoint groups of "
+        "--recompute-num-layers consecutive layers, keeping only each group's input) or block "
+        "(checkpoint the first --recompute-num-layers layers of every pipeline stage's model "
+        "chunk, run the rest without recompute).", choices=RECOMPUTE_METHODS)
+    recompute_num_layers: int | None = flag(
+        None, "Layers per recomputed group (uniform) or recomputed layers per model chunk "
+        "(block).")
+    attention_backend: str = flag(
+        "auto", "Attention kernel (torch's scaled_dot_product_attention backends): flash "
+        "(FlashAttention), fused (cuDNN, else memory-efficient fused attention), unfused and "
+        "local (the math implementation), auto (torch chooses); a backend the device cannot run "
+        "for this model is an error at start-up.", choices=ATTENTION_BACKENDS)
+    use_flash_attn: bool = flag(False, "Use FlashAttention (same as --attention-backend flash).")
+    transformer_impl: str = flag(
+        "local", "Transformer implementation: local (megatron_h2's layers) or transformer_engine "
+        "(core attention from NVIDIA Transformer Engine, which must be installed).",
+        choices=TRANSFORMER_IMPLS)
+    fp8_format: str | None = flag(
+        None, "FP8 training (e4m3 or hybrid); needs Transformer Engine's FP8 layers on an NVIDIA "
+        "Hopper-or-newer GPU, which megatron_h2 does not build: an error at start-up.",
+        choices=("e4m3", "hybrid"))
+    fp8_recipe: str = flag("delayed", "FP8 scaling recipe (with --fp8-format).",
+                           choices=("delayed", "tensorwise", "mxfp8", "blockwise"))
+    fp8_margin: int = flag(0, "Scaling margin for FP8 (with --fp8-format).")
+    fp8_amax_history_len: int = flag(1, "Number of steps of amax history kept for FP8 scaling "
+                                     "(with --fp8-format).")
+    fp8_amax_compute_algo: str = flag("most_recent", "How FP8 scales come from the amax "
+                                      "history (with --fp8-format).",
+                                      choices=("most_recent", "max"))
+    fp8_param_gather: bool = flag(False, "Keep the compute parameters in FP8 and all-gather them "
+                                  "in FP8 (with --fp8-format).")
     vocab_size: int = 0  # padded vocabulary size; filled in from the tokenizer at start-up
 
     def __post_init__(self) -> None:
@@ -141,7 +177,9 @@ class ModelConfig(ModelCounts):
                 raise ConfigError(f"--{name.replace('_', '-')} must be in [0, 1)")
         if self.recompute not in RECOMPUTE_MODES:
             raise ConfigError(f"recompute must be none, selective or full, got {self.recompute!r}")
+        self._check_recompute()
         self._check_architecture()
+        self._check_implementation()
 
     def _fill_defaults(self) -> None:
         """Megatron's rules for the sizes left unset."""
@@ -163,6 +201,53 @@ class ModelConfig(ModelCounts):
             self.max_position_embeddings = self.seq_length
         if self.add_bias_linear:
             self.add_qkv_bias = True  # Megatron keeps the two in sync
+
+    def _check_recompute(self) -> None:
+        """Megatron's rules: a method and a layer count only with full recompute. ``full``
+        without a method (a plan's per-stage setting) recomputes every layer; the command line
+        asks for the method as Megatron does (see ``megatron_h2.training.arguments``)."""
+        method, count = self.recompute_method, self.recompute_num_layers
+        if method is not None and method not in RECOMPUTE_METHODS:
+            raise ConfigError(f"--recompute-method must be uniform or block, got {method!r}")
+        if self.recompute != "full" and (method is not None or count is not None):
+            raise ConfigError("--recompute-method and --recompute-num-layers need "
+                              "--recompute-granularity full (selective recompute has no method "
+                              "or layer count)")
+        if (method is None) != (count is None):
+            raise ConfigError("--recompute-method and --recompute-num-layers go together: give "
+                              "both (e.g. --recompute-method uniform --recompute-num-layers 1)")
+        if count is not None and not 1 <= count <= self.num_layers:
+            raise ConfigError(f"--recompute-num-layers must be between 1 and --num-layers "
+                              f"{self.num_layers}, got {count}")
+
+    def _check_implementation(self) -> None:
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ConfigError(f"--attention-backend must be one of {', '.join(ATTENTION_BACKENDS)}"
+                              f", got {self.attention_backend!r}")
+        if self.use_flash_attn:
+            if self.attention_backend not in ("auto", "flash"):
+                raise ConfigError(f"--use-flash-attn asks for flash attention but "
+                                  f"--attention-backend is {self.attention_backend}; give one")
+            self.attention_backend = "flash"
+        if self.transformer_impl not in TRANSFORMER_IMPLS:
+            raise ConfigError(f"--transformer-impl must be local or transformer_engine, got "
+                              f"{self.transformer_impl!r}")
+        if self.fp8_amax_history_len <= 0:
+            raise ConfigError("--fp8-amax-history-len must be a positive number of steps")
+
+    def recompute_groups(self, layers: Sequence[int]) -> list[tuple[list[int], bool]]:
+        """How one model chunk's ``layers`` run: ``(group, checkpointed)`` in order. Full
+        recompute, uniform: groups of ``--recompute-num-layers`` consecutive layers, each
+        checkpointed as one (only the group's input is kept; the last group may be shorter);
+        block: the first ``--recompute-num-layers`` layers checkpointed one by one, the rest
+        plain. ``full`` without a method (a plan's stage setting) checkpoints every layer."""
+        layers = list(layers)
+        if self.recompute != "full":
+            return [([i], False) for i in layers]
+        count = self.recompute_num_layers or 1
+        if self.recompute_method == "block":
+            return [([i], n < count) for n, i in enumerate(layers)]
+        return [(layers[n:n + count], True) for n in range(0, len(layers), count)]
 
     def _check_architecture(self) -> None:
         if self.normalization not in NORMALIZATIONS:

@@ -36,6 +36,11 @@ class ParallelConfig:
         "max(40000000, 1000000 x data-parallel size).")
     overlap_grad_reduce: bool = flag(
         False, "Overlap the data-parallel gradient reduction with the last backward.")
+    overlap_param_gather: bool = flag(
+        False, "Overlap the distributed optimizer's all-gather of updated parameters with the "
+        "next forward: issued after the step, each bucket waited for just before the forward "
+        "first uses its parameters (needs --use-distributed-optimizer and "
+        "--overlap-grad-reduce).")
     hetero_plan: str | None = flag(
         None, "YAML plan (tools/plan.py writes one): pipeline stages on chip types, each with its "
         "own TP, layers and recompute.")
@@ -73,6 +78,10 @@ class ParallelConfig:
                   "distributed_timeout_minutes", "bridge_chunk_mb")
         if self.ddp_bucket_size is not None:
             _positive(self, "ddp_bucket_size")
+        if self.overlap_param_gather and not (self.use_distributed_optimizer
+                                              and self.overlap_grad_reduce):
+            raise ConfigError("--overlap-param-gather needs --use-distributed-optimizer and "
+                              "--overlap-grad-reduce (as in Megatron)")
         if self.bridge_dtype not in ("fp32", "bf16"):
             raise ConfigError(f"--bridge-dtype must be fp32 or bf16, got {self.bridge_dtype!r}")
         if self.pipeline_layer_split is not None:

@@ -6,6 +6,7 @@ from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 from megatron_h2.config.data import DataConfig
+from megatron_h2.config.logging_config import LoggingConfig
 from megatron_h2.config.model import ModelConfig
 from megatron_h2.config.optimizer import OptimizerConfig
 from megatron_h2.config.parallel import ParallelConfig
@@ -48,6 +49,7 @@ class RunConfig:
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     training: TrainingConfig = field(default_factory=TrainingConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
 
     def __post_init__(self) -> None:
         check_schedule_units(self.optimizer, self.training)
@@ -62,7 +64,8 @@ class RunConfig:
         for f in fields(cls):
             sub = data.get(f.name, {})
             sub_cls = {"model": ModelConfig, "data": DataConfig, "optimizer": OptimizerConfig,
-                       "training": TrainingConfig, "parallel": ParallelConfig}[f.name]
+                       "training": TrainingConfig, "parallel": ParallelConfig,
+                       "logging": LoggingConfig}[f.name]
             known = {g.name for g in fields(sub_cls)}
             unknown = set(sub) - known
             if unknown:

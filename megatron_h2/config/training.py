@@ -59,6 +59,10 @@ class TrainingConfig:
     save: str | None = flag(None, "Output directory to save checkpoints to.")
     load: str | None = flag(None, "Directory containing a model checkpoint.")
     save_interval: int | None = flag(None, "Number of iterations between checkpoint saves.")
+    async_save: bool = flag(
+        False, "Write checkpoints in the background: the state is copied to host memory and a "
+        "writer thread saves it while training goes on; the next save (and the end of the run) "
+        "waits for the previous one.")
     tensorboard_dir: str | None = flag(None, "Write TensorBoard logs to this directory.")
     log_jsonl: str | None = flag(None, "Append one JSON object per logged iteration to this file.")
     timeline_trace: str | None = flag(

@@ -85,6 +85,11 @@ class DataParallelOptimizer(Protocol):
         :meth:`GradBuckets.finish_sync`: whole reduced gradients when replicated, this rank's
         reduced shard pieces under ZeRO-1. Shared by norm computation and TP reductions."""
 
+    def owned_main_weights(self) -> list[tuple[nn.Parameter, torch.Tensor]]:
+        """(parameter, weight piece) for the weights this rank updates, as :meth:`owned_grads`
+        cuts them: the fp32 main weights where parameters are bf16 / fp16, else the parameters'
+        own values (no collective; what ``--log-params-norm`` sums, as Megatron)."""
+
     def local_grad_sq_norm(self) -> torch.Tensor:
         """Squared L2 norm (fp32 scalar tensor) of the gradient elements this rank applies.
 
@@ -112,6 +117,11 @@ class DataParallelOptimizer(Protocol):
     def load_main_weights(self, values: dict[nn.Parameter, torch.Tensor]) -> None:
         """Set the main weights of the given parameters from whole fp32 tensors and round them
         into the model (no collective)."""
+
+    def finish_param_sync(self) -> None:
+        """Wait for any parameter all-gather still in flight (``--overlap-param-gather``) and
+        write the gathered values into the parameters; call before reading the parameters
+        outside a forward pass (checkpoints, norms). A no-op when nothing is in flight."""
 
 
 def clip_grad_norm(optimizer: DataParallelOptimizer, max_norm: float) -> torch.Tensor:
@@ -183,6 +193,11 @@ class ReplicatedOptimizer:
             return [(p, main.grad) for p, main in self.mains.items()]
         return [(p, p.grad) for p in self.grad_buckets.params if p.grad is not None]
 
+    def owned_main_weights(self) -> list[tuple[nn.Parameter, torch.Tensor]]:
+        if self.mains is not None:
+            return [(p, main.detach()) for p, main in self.mains.items()]
+        return [(p, p.detach()) for p in self.grad_buckets.params]
+
     def step(self) -> None:
         _check_synced(self.grad_buckets)
         self.grads.refresh()
@@ -227,6 +242,9 @@ class ReplicatedOptimizer:
             if self.mains is not None:
                 self.mains[param].copy_(value)
             param.copy_(value)
+
+    def finish_param_sync(self) -> None:
+        """Nothing is ever in flight: every rank applies the whole update itself."""
 
 
 def _sq_norm(tensors: list[torch.Tensor]) -> torch.Tensor:
@@ -283,10 +301,18 @@ class DistributedOptimizer:
     shard starts from them and is the only fp32 copy (:meth:`load_main_weights` sets it); the
     gradient buckets may be in the parameters' dtype (reduced shards copied to fp32 each step),
     and the updated shard is rounded to the parameters' dtype before the all-gather.
+
+    ``overlap_param_gather`` (Megatron's ``--overlap-param-gather``): :meth:`step` only issues
+    the all-gathers of the updated (rounded) parameters, asynchronously, in the order the next
+    forward needs the buckets; :meth:`install_param_gather_hooks` makes every module wait for
+    its parameters' buckets just before its forward, so later buckets arrive while earlier
+    layers compute. Until then the parameters hold their previous values
+    (:meth:`finish_param_sync`).
     """
 
     def __init__(self, grad_buckets: GradBuckets, config: OptimizerConfig,
-                 kernels: Kernels | None = None, names: Names | None = None) -> None:
+                 kernels: Kernels | None = None, names: Names | None = None,
+                 overlap_param_gather: bool = False) -> None:
         if not grad_buckets.reduce_scatter:
             raise ValueError("DistributedOptimizer needs GradBuckets(reduce_scatter=True)")
         self.grad_buckets = grad_buckets
@@ -311,6 +337,9 @@ class DistributedOptimizer:
         self.optimizer = torch.optim.AdamW(groups, **adamw_kwargs(config, kernels))
         self._has_state = False
         self.sharded = True
+        self.overlap_param_gather = overlap_param_gather
+        # bucket index -> (bucket, gathered buffer, collective) of gathers still in flight
+        self._in_flight: dict[int, tuple[Bucket, torch.Tensor, dist.Work]] = {}
 
     @property
     def param_groups(self) -> list[dict]:
@@ -340,9 +369,16 @@ class DistributedOptimizer:
         self.grads.refresh()
         return [(piece.param, piece.master.grad) for piece in self.pieces]
 
+    def owned_main_weights(self) -> list[tuple[nn.Parameter, torch.Tensor]]:
+        # fp32 parameters are their own master (the shard is refreshed from them at each step)
+        return [(piece.param, piece.param.detach().reshape(-1)[piece.param_start:piece.param_end]
+                 if self.params_are_main else piece.master.detach()) for piece in self.pieces]
+
     def step(self) -> None:
-        """AdamW on this rank's shard, then all-gather the parameters (collective)."""
+        """AdamW on this rank's shard, then all-gather the parameters (collective); with
+        ``overlap_param_gather`` the all-gathers are only issued (see the class doc)."""
         _check_synced(self.grad_buckets)
+        self.finish_param_sync()  # parameters no forward used since the last step
         self.grads.refresh()
         with torch.no_grad():
             if self.params_are_main:
@@ -350,8 +386,49 @@ class DistributedOptimizer:
                     piece.master.copy_(piece.param.detach().reshape(-1)[piece.param_start:
                                                                          piece.param_end])
             self.optimizer.step()
-            self._gather_params()
+            if self.overlap_param_gather and self.dp_group is not None:
+                self._issue_gathers()
+            else:
+                self._gather_params()
         self._has_state = True
+
+    def _start_gather(self, bucket: Bucket) -> tuple[Bucket, torch.Tensor, dist.Work]:
+        """Issue the all-gather of ``bucket``'s updated weights, rounded to the parameters'
+        dtype first (as Megatron: the gather moves bf16 / fp16, the fp32 master stays here)."""
+        master = self._masters[bucket.index]
+        dtype = self.grad_buckets.param_dtype
+        full = torch.empty(bucket.buffer.numel(), dtype=dtype, device=master.device)
+        return bucket, full, all_gather_flat(full, master.to(dtype), self.dp_group,
+                                             async_op=True)
+
+    def _issue_gathers(self) -> None:
+        """Start every bucket's all-gather; the last bucket holds the parameters a forward uses
+        first (buckets follow reverse registration order), so it goes first."""
+        for bucket in reversed(self.grad_buckets.buckets):
+            self._in_flight[bucket.index] = self._start_gather(bucket)
+
+    def _finish_buckets(self, indices) -> None:
+        for index in indices:
+            entry = self._in_flight.pop(index, None)
+            if entry is not None:
+                with torch.no_grad():
+                    _finish_gather(*entry)
+
+    def finish_param_sync(self) -> None:
+        self._finish_buckets(list(self._in_flight))
+
+    def install_param_gather_hooks(self, model: nn.Module) -> None:
+        """Forward pre-hooks on every module of ``model`` that holds parameters of these
+        buckets: each waits for its own parameters' buckets before its forward runs."""
+        bucket_of = {id(slot.param): bucket.index for bucket in self.grad_buckets.buckets
+                     for slot in bucket.slots}
+        for module in model.modules():
+            mine = sorted({bucket_of[id(p)] for p in module.parameters(recurse=False)
+                           if id(p) in bucket_of}, reverse=True)
+            if mine:
+                module.register_forward_pre_hook(
+                    lambda _module, _args, mine=mine: self._finish_buckets(mine)
+                    if self._in_flight else None)
 
     def _gather_params(self) -> None:
         buckets = self.grad_buckets.buckets
@@ -360,11 +437,8 @@ class DistributedOptimizer:
                 _copy_into_params(bucket, master)
             return
         in_flight: deque[tuple[Bucket, torch.Tensor, dist.Work]] = deque()
-        dtype = self.grad_buckets.param_dtype  # gather the rounded weights, as Megatron
-        for bucket, master in zip(buckets, self._masters):  # at most two buckets in flight
-            full = torch.empty(bucket.buffer.numel(), dtype=dtype, device=master.device)
-            in_flight.append((bucket, full, all_gather_flat(full, master.to(dtype), self.dp_group,
-                                                            async_op=True)))
+        for bucket in buckets:  # at most two buckets in flight
+            in_flight.append(self._start_gather(bucket))
             if len(in_flight) > 1:
                 _finish_gather(*in_flight.popleft())
         while in_flight:
@@ -389,6 +463,7 @@ class DistributedOptimizer:
 
     @torch.no_grad()
     def load_main_weights(self, values: dict[nn.Parameter, torch.Tensor]) -> None:
+        self.finish_param_sync()  # a gather still in flight must not overwrite what is loaded
         for piece in self.pieces:
             if piece.param in values:
                 flat = values[piece.param].reshape(-1)[piece.param_start:piece.param_end]
@@ -398,6 +473,7 @@ class DistributedOptimizer:
 
     def named_state(self, names: Names) -> dict[str, torch.Tensor]:
         """Full (all-gathered) AdamW state of every parameter; collective."""
+        self.finish_param_sync()
         if not self._has_state:
             return {}
         out: dict[str, torch.Tensor] = {}
@@ -437,6 +513,7 @@ class DistributedOptimizer:
 
     def load_named_state(self, names: Names, tensors: dict[str, torch.Tensor]) -> None:
         """Take full tensors (any DP layout saved them) and keep this rank's pieces."""
+        self.finish_param_sync()
         for param in self.grad_buckets.params:
             _check_named(names, tensors, param)
         step_on_device = bool(self.optimizer.defaults.get("fused"))
@@ -467,18 +544,24 @@ def build_data_parallel_optimizer(model: nn.Module, config: OptimizerConfig,
                                   bucket_size_mb: float = 25.0, overlap: bool = True,
                                   kernels: Kernels | None = None,
                                   deferred: Sequence[nn.Parameter] = (),
-                                  grad_dtype: torch.dtype = torch.float32
-                                  ) -> DataParallelOptimizer:
+                                  grad_dtype: torch.dtype = torch.float32,
+                                  overlap_param_gather: bool = False) -> DataParallelOptimizer:
     """GradBuckets (in ``grad_dtype``) over ``model``'s trainable parameters plus the matching
-    optimizer (``deferred``: see :class:`GradBuckets`). Parameters that are not fp32 get fp32
-    main weights, taken from their current values."""
+    optimizer (``deferred``: see :class:`GradBuckets`; ``overlap_param_gather``: see
+    :class:`DistributedOptimizer`, which installs its forward pre-hooks on ``model``).
+    Parameters that are not fp32 get fp32 main weights, taken from their current values."""
     params = [p for p in model.parameters() if p.requires_grad]
     buckets = GradBuckets(params, dp_group, bucket_size_mb, overlap,
                           reduce_scatter=use_distributed_optimizer, deferred=deferred,
                           grad_dtype=grad_dtype)
     names = {p: n for n, p in model.named_parameters()}
     if use_distributed_optimizer:
-        return DistributedOptimizer(buckets, config, kernels, names)
+        optimizer = DistributedOptimizer(buckets, config, kernels, names, overlap_param_gather)
+        if overlap_param_gather:
+            optimizer.install_param_gather_hooks(model)
+        return optimizer
+    if overlap_param_gather:
+        raise ValueError("overlap_param_gather needs the distributed optimizer")
     if buckets.param_dtype == torch.float32:
         return ReplicatedOptimizer(build_optimizer(model, config, kernels), buckets)
     grads = Fp32Grads(buckets, [b.buffer for b in buckets.buckets])

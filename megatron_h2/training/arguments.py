@@ -20,6 +20,7 @@ from typing import Any
 from megatron_h2.config import (
     LLAMA_ARCHITECTURE,
     DataConfig,
+    LoggingConfig,
     ModelConfig,
     OptimizerConfig,
     ParallelConfig,
@@ -52,6 +53,7 @@ GROUPS: tuple[tuple[str, type], ...] = (
     ("optimizer", OptimizerConfig),
     ("training", TrainingConfig),
     ("parallelism (DP = world size / (TP x PP))", ParallelConfig),
+    ("logging, timers and profiling", LoggingConfig),
     ("checkpoint loading", LaunchOptions),
 )
 
@@ -72,6 +74,8 @@ COMPAT_FLAGS: dict[str, tuple[bool, str]] = {
     "--no-bias-dropout-fusion": (False, "bias, dropout and residual add are computed the same "
                                  "way fused or not"),
     "--no-rope-fusion": (False, "rotary embeddings are computed the same way fused or not"),
+    "--use-persistent-ckpt-worker": (False, "--async-save always writes from one writer thread "
+                                     "kept for the whole run"),
 }
 
 
@@ -281,6 +285,38 @@ def _inert_model_flags(model: ModelConfig, given: dict[str, Any]) -> list[str]:
             if inert and name in given]
 
 
+def _inert_logging_flags(run: dict[str, Any], given: dict[str, dict[str, Any]]) -> list[str]:
+    """Logging and FP8 flags given that the rest of the flags make ineffective (as in Megatron).
+    ``run``: the built config parts by class name."""
+    logging, training = run["LoggingConfig"], run["TrainingConfig"]
+    no_tb = "needs --tensorboard-dir"
+    rules = [(LoggingConfig, name, not training.tensorboard_dir, no_tb)
+             for name in ("log_timers_to_tensorboard", "log_memory_to_tensorboard",
+                          "log_validation_ppl_to_tensorboard", "tensorboard_queue_size")]
+    rules += [(LoggingConfig, name, not logging.wandb, "needs --wandb-project")
+              for name in ("wandb_exp_name", "wandb_save_dir", "wandb_entity")]
+    rules += [(LoggingConfig, name, not logging.profile, "needs --profile")
+              for name in ("use_pytorch_profiler", "profile_step_start", "profile_step_end",
+                           "profile_ranks")]
+    rules += [(ModelConfig, name, run["ModelConfig"].fp8_format is None, "needs --fp8-format")
+              for name in ("fp8_recipe", "fp8_margin", "fp8_amax_history_len",
+                           "fp8_amax_compute_algo", "fp8_param_gather")]
+    out = []
+    for cls, name, inert, why in rules:
+        if inert and name in given[cls.__name__]:
+            f = next(f for f in cli_fields(cls) if f.name == name)
+            out.append(f"{flag_name(f)} ({why})")
+    return out
+
+
+def _check_recompute_flags(model: ModelConfig, given: dict[str, Any]) -> None:
+    """Megatron asks full recompute for its method and layer count on the command line."""
+    if "recompute" in given and model.recompute == "full" and model.recompute_method is None:
+        raise ConfigError("--recompute-granularity full needs --recompute-method uniform|block "
+                          "and --recompute-num-layers N (as in Megatron; --recompute-method "
+                          "uniform --recompute-num-layers 1 recomputes every layer)")
+
+
 def config_from_args(argv: list[str] | None = None) -> tuple[RunConfig, LaunchOptions]:
     """Parse Megatron-style flags into a validated :class:`RunConfig`."""
     given, compat = parse_flags(argv)
@@ -295,11 +331,13 @@ def config_from_args(argv: list[str] | None = None) -> tuple[RunConfig, LaunchOp
     parts = {cls.__name__: cls(**values[cls.__name__]) for _, cls in GROUPS}
     explicit = frozenset(name for mine in given.values() for name in mine)
     launch = parts["LaunchOptions"]
-    inert = tuple(_inert_model_flags(parts["ModelConfig"], given["ModelConfig"]))
+    _check_recompute_flags(parts["ModelConfig"], given["ModelConfig"])
+    inert = tuple(_inert_model_flags(parts["ModelConfig"], given["ModelConfig"])
+                  + _inert_logging_flags(parts, given))
     launch.explicit, launch.no_effect, launch.demo_flags = explicit, compat + inert, demo
     return RunConfig(model=parts["ModelConfig"], data=parts["DataConfig"],
                      optimizer=parts["OptimizerConfig"], training=parts["TrainingConfig"],
-                     parallel=parts["ParallelConfig"]), launch
+                     parallel=parts["ParallelConfig"], logging=parts["LoggingConfig"]), launch
 
 
 def describe_no_effect(launch: LaunchOptions) -> str | None:

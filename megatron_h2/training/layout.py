@@ -32,6 +32,8 @@ PLAN_OWNED: tuple[tuple[type, str], ...] = (
     (ParallelConfig, "decoder_first_pipeline_num_layers"),
     (ParallelConfig, "decoder_last_pipeline_num_layers"),
     (ModelConfig, "recompute"),
+    (ModelConfig, "recompute_method"),
+    (ModelConfig, "recompute_num_layers"),
     (TrainingConfig, "device"),
     (ParallelConfig, "virtual_pipeline_model_parallel_size"),
     (ParallelConfig, "num_layers_per_virtual_pipeline_stage"),

@@ -70,6 +70,7 @@ from megatron_h2.training.data_setup import (
     unused_data_flags,
 )
 from megatron_h2.training.health import JobTrainingError
+from megatron_h2.training.kernel_checks import check_attention_on_chip, check_implementation
 from megatron_h2.training.layout import (
     check_plan_for_model,
     check_routing,
@@ -78,7 +79,7 @@ from megatron_h2.training.layout import (
     stage_dps,
     uniform_plan,
 )
-from megatron_h2.training.metrics import MetricsWriter, log
+from megatron_h2.training.metrics import MetricsWriter, check_wandb, configure_logging, log
 from megatron_h2.training.watchdog import start_orphan_watchdog
 
 DEFAULT_RUN_DIR = Path("runs") / "default"
@@ -189,6 +190,8 @@ def validate_launch(cfg: RunConfig, launch: LaunchOptions, env: LaunchEnv, say):
     """All checks that need no process group; returns the plan, this rank's accelerator, the
     tokenizer, the batch schedule and the number of iterations. Checks every rank makes alike
     come first, this rank's own chip last."""
+    check_implementation(cfg.model)
+    check_wandb(cfg.logging)
     if cfg.parallel.hetero_plan:
         plan = load_hetero_plan(cfg, launch.explicit)
         device = None
@@ -206,6 +209,7 @@ def validate_launch(cfg: RunConfig, launch: LaunchOptions, env: LaunchEnv, say):
     check_load(cfg, launch)
     accelerator = (accelerator_for_rank(plan, env.rank, env.local_rank) if device is None
                    else get_accelerator(device, env.local_rank))
+    check_attention_on_chip(cfg.model, accelerator, cfg.training.precision.params)
     return plan, accelerator, tokenizer, batch, iterations
 
 
@@ -328,7 +332,8 @@ def _train(cfg: RunConfig, launch: LaunchOptions, env: LaunchEnv, failures: JobF
         use_distributed_optimizer=cfg.parallel.use_distributed_optimizer,
         bucket_size_mb=cfg.parallel.bucket_size_mb(topo.dp_size),
         overlap=cfg.parallel.overlap_grad_reduce, kernels=accelerator.kernels,
-        deferred=[tied] if tied is not None else [], grad_dtype=DTYPES[dtypes.grads])
+        deferred=[tied] if tied is not None else [], grad_dtype=DTYPES[dtypes.grads],
+        overlap_param_gather=cfg.parallel.overlap_param_gather)
     ckpt = CheckpointIO(cfg, accelerator, topo, tp, model, optimizer)
     ckpt.owner = owner
     progress = restore(cfg, launch, ckpt, say)
@@ -361,7 +366,9 @@ def _train(cfg: RunConfig, launch: LaunchOptions, env: LaunchEnv, failures: JobF
             f"{iterations} iterations: nothing to train")
         return progress
     metrics = MetricsWriter(iterations, cfg.training.log_jsonl,
-                            cfg.training.tensorboard_dir, enabled=env.rank == 0)
+                            cfg.training.tensorboard_dir, enabled=env.rank == 0,
+                            logging_cfg=cfg.logging, save_dir=cfg.training.save,
+                            run_config=cfg.to_dict())
     timeline = Timeline.for_plan(plan, env.rank, enabled=bool(cfg.training.timeline_trace))
     runner = StepRunner(cfg, accelerator, topo, tp, model, optimizer, timeline,
                         eod_mask=tokenizer.eod if cfg.data.eod_mask_loss else None)
@@ -439,6 +446,7 @@ def main(argv: list[str] | None = None) -> int:
         load_plugins()  # vendor accelerators named by entry points / $MEGATRON_H2_PLUGINS
         load_plugins()  # vendor accelerators named by entry points / $MEGATRON_H2_PLUGINS
         cfg, launch = config_from_args(argv)
+        configure_logging(cfg.logging.logging_level)
         start_orphan_watchdog(log, grace_s=60.0 * cfg.parallel.distributed_timeout_minutes + 60)
         train(cfg, launch, env, failures)
     except (ConfigError, TrainingError) as exc:

@@ -31,17 +31,21 @@ class StageClock:
     """
 
     def __init__(self, acc: Accelerator, slowdown: float = 1.0,
-                 recorder: Recorder | None = None) -> None:
+                 recorder: Recorder | None = None, synchronize: bool = False) -> None:
+        """``synchronize``: wait for the device after each pass even without a recorder or
+        slowdown (per micro-batch timers, ``--timing-log-level 2``)."""
         self.acc, self.slowdown, self.recorder = acc, slowdown, recorder
+        self.synchronize = synchronize
         self.compute_s = 0.0
         self.padded_s = 0.0
+        self.by_kind: dict[str, float] = {}  # seconds per kind since take_kinds()
 
     @contextlib.contextmanager
     def compute(self, kind: str, micro_batch: int, chunk: int = 0) -> Iterator[None]:
         wall = time.time()
         start = time.perf_counter()
         yield
-        if self.slowdown != 1.0 or self.recorder is not None:
+        if self.slowdown != 1.0 or self.recorder is not None or self.synchronize:
             self.acc.synchronize()
         elapsed = time.perf_counter() - start
         if self.slowdown > 1.0:
@@ -50,12 +54,18 @@ class StageClock:
             self.padded_s += pad
             elapsed += pad
         self.compute_s += elapsed
+        self.by_kind[kind] = self.by_kind.get(kind, 0.0) + elapsed
         if self.recorder is not None:
             self.recorder.record(kind, micro_batch, wall, wall + elapsed, chunk=chunk)
 
     def take(self) -> float:
         """Compute seconds since the last call."""
         value, self.compute_s = self.compute_s, 0.0
+        return value
+
+    def take_kinds(self) -> dict[str, float]:
+        """Compute seconds per kind (forward, backward, ...) since the last call."""
+        value, self.by_kind = self.by_kind, {}
         return value
 
 

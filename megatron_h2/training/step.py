@@ -43,6 +43,7 @@ from megatron_h2.pipeline.schedules import StageChunks, forward_only, run_schedu
 from megatron_h2.pipeline_orders import replica_micro_batches, replica_order
 from megatron_h2.training.stage_clock import StageClock
 from megatron_h2.training.timeline import Timeline
+from megatron_h2.training.timers import Timers
 
 
 def stack_samples(dataset, start: int, count: int) -> torch.Tensor:
@@ -69,6 +70,7 @@ class StepResult:
     skipped: bool = False  # no update was applied (the judge rejected it, or an overflow)
     overflow: bool = False  # skipped by loss scaling: the scaled gradients overflowed
     loss_scale: float | None = None  # the loss scale this step ran with (None: no scaling)
+    num_zeros: int | None = None  # zeros in the applied gradient (--log-num-zeros-in-grad)
 
 
 Judge = Callable[[int, float, float], bool]
@@ -88,7 +90,9 @@ class StepRunner:
         t, m, par = cfg.training, cfg.model, cfg.parallel
         self.stage_dps = tuple(topo.plan.stage_dp(s) for s in range(topo.pp_size))
         self.timeline = timeline if timeline is not None and timeline.recording else None
-        self.clock = StageClock(acc, topo.chip.emulate_slowdown, self.timeline)
+        self.timers = Timers(cfg.logging.timing_log_level, acc)
+        self.clock = StageClock(acc, topo.chip.emulate_slowdown, self.timeline,
+                                synchronize=self.timers.active(2))
         self.dtype = DTYPES[t.precision.params]  # weights, activations, pipeline traffic
         self.scaler = build_grad_scaler(t, par.use_distributed_optimizer)
         bridge = BridgeConfig(force=par.force_bridge, chunk_mb=par.bridge_chunk_mb,
@@ -230,14 +234,18 @@ class StepRunner:
                               batch // self.cfg.training.micro_batch_size)
         buckets = self.optimizer.grad_buckets
         scale = None if self.scaler is None else self.scaler.scale
+        self.timers.start("forward-backward", 1)
         run_schedule(order, self._forward_step(samples, losses, batch, divisor, scale), self.comm,
                      self.chunks,
                      before_last_grads=lambda c: buckets.start_sync(self.chunks.params[c]),
                      observer=self.clock)
         self.comm.wait_sends()
+        self.timers.stop("forward-backward")
+        self.timers.start("all-grads-sync", 1)
         # the tied weight's bucket is summed over DP last, then across first and last stage
         buckets.finish_sync(combine=None if self.tied is None else self.tied.sum_grads)
         self._reduce_sequence_parallel_grads()
+        self.timers.stop("all-grads-sync")
         grad_norm = self._grad_norm()
         loss = self._reported_loss(losses)
         if scale is not None:
@@ -260,12 +268,35 @@ class StepRunner:
             raise TrainingError(f"loss {loss} / grad norm {grad_norm} is not finite at "
                                 f"iteration {iteration}; lower --lr or resume from the last "
                                 "checkpoint")
+        self.timers.start("optimizer", 1)
         clip = self.cfg.optimizer.clip_grad
         if clip > 0:
             self.optimizer.clip_(min(1.0, clip / (grad_norm + 1e-6)))
+        zeros = self._num_zeros() if self.cfg.logging.log_num_zeros_in_grad else None
         self.optimizer.step()
+        self.timers.stop("optimizer")
         return StepResult(loss=loss, grad_norm=grad_norm, lr=lr, global_batch_size=batch,
-                          loss_scale=scale)
+                          loss_scale=scale, num_zeros=zeros)
+
+    def _num_zeros(self) -> int:
+        """Zero elements of the gradient every rank applies, counted once over the job: a
+        TP-replicated parameter on one TP rank, a tied copy not at all, each DP replica's full
+        gradient once (ZeRO: the shards add up; each stage has its own DP degree)."""
+        local = sum(float((g == 0).sum()) * self.norm_weight[p]
+                    for p, g in self.optimizer.owned_grads())
+        replicas = 1 if self.optimizer.sharded else self.topo.dp_size
+        return round(world_sum([local / replicas], self.topo)[0])
+
+    def params_norm(self) -> float:
+        """L2 norm of all parameters of the model (each counted once over stages, TP shards and
+        DP replicas); collective. As Megatron, the fp32 main weights where the optimizer keeps
+        them (--bf16 / --fp16), else the parameters. Waits for parameters still being
+        gathered."""
+        self.optimizer.finish_param_sync()
+        local = sum(self.norm_weight[p] * float(w.double().square().sum())
+                    for p, w in self.optimizer.owned_main_weights())
+        replicas = 1 if self.optimizer.sharded else self.topo.dp_size
+        return math.sqrt(world_sum([local / replicas], self.topo)[0])
 
     @torch.no_grad()
     def eval_loss(self, dataset, num_batches: int) -> float:

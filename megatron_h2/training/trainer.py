@@ -13,10 +13,12 @@ from megatron_h2.config import RunConfig
 from megatron_h2.optimizer.lr_schedule import OptimizerParamScheduler
 from megatron_h2.training.batch_schedule import BatchSchedule
 from megatron_h2.training.health import HealthMonitor
-from megatron_h2.training.metrics import MetricsWriter
+from megatron_h2.training.metrics import MetricsWriter, memory_scalars
 from megatron_h2.training.precision import PrecisionMonitor
+from megatron_h2.training.profiler import StepProfiler
 from megatron_h2.training.stage_clock import stage_report
 from megatron_h2.training.step import StepResult, StepRunner, world_sum
+from megatron_h2.training.timers import report_timers
 
 
 class ExitSignal:
@@ -99,6 +101,8 @@ class Trainer:
                                     log, self._last_good_text)
         if progress.grad_scaler is not None and runner.scaler is not None:
             runner.scaler.load_state_dict(progress.grad_scaler)  # resumed with the optimizer
+        self.profiler = StepProfiler(cfg.logging, runner.topo.rank, runner.acc.device_type,
+                                     cfg.training.tensorboard_dir, log)
 
     def _report_first_iteration(self, iteration: int) -> None:
         """Tell an elastic launcher (``$MEGATRON_H2_ELASTIC_DIR``) when this run's first
@@ -130,6 +134,7 @@ class Trainer:
         save_dir, it = self.cfg.training.save, self.progress.iteration
         if not save_dir:
             return
+        self.finish_background_save(blocking=True)  # one save at a time
         if self.health.suspect:
             self.log(f"not saving at iteration {it}: the state is suspect "
                      f"({self.health.flat_why} for {self.health.flat_streak} iteration(s)); the "
@@ -139,10 +144,29 @@ class Trainer:
         self.progress.scheduler = self.schedule.state_dict()
         scaler = self.runner.scaler
         self.progress.grad_scaler = None if scaler is None else scaler.state_dict()
+        if self.cfg.training.async_save:
+            self.ckpt.save(save_dir, self.progress, background=True)
+            self.log(f"saving checkpoint at iteration {it} in the background (state gathered "
+                     f"and copied to host memory in {time.perf_counter() - start:.2f} s)")
+            return
         path = self.ckpt.save(save_dir, self.progress)
         self.last_good = (save_dir, it)
         self.log(f"saved checkpoint at iteration {it} to {path} "
                  f"({time.perf_counter() - start:.2f} s)")
+        self._log_removed()
+
+    def finish_background_save(self, blocking: bool) -> None:
+        """Commit an ``--async-save`` checkpoint whose writes are done (collective)."""
+        done = self.ckpt.finish_background_save(blocking)
+        if done is None:
+            return
+        path, it, seconds = done
+        self.last_good = (self.cfg.training.save, it)
+        self.log(f"saved checkpoint at iteration {it} to {path} (written in the background in "
+                 f"{seconds:.2f} s)")
+        self._log_removed()
+
+    def _log_removed(self) -> None:
         if self.ckpt.removed:
             self.log(f"removed checkpoints of iterations {', '.join(map(str, self.ckpt.removed))}"
                      " (--save-retain-interval / --most-recent-k)")
@@ -184,19 +208,25 @@ class Trainer:
                     raise RuntimeError(f"injected fault at iteration {it} (${FAULT_ENV})")
                 batch = self.batch.batch_at(self.progress.consumed_samples)
                 lr = self.schedule.apply(self.runner.optimizer)
+                self.profiler.before(it)
                 result = self.runner.train_step(self.train_ds, self.progress.consumed_samples,
                                                 it, lr, batch, self.health)
+                self.profiler.after(it)
                 window.append(result)
                 if result.overflow:  # as Megatron: the schedule advances on updates only
                     self.health.count_overflow_skip(it, result.loss_scale)
                 else:
                     self.schedule.step(batch)
+                if it % self.cfg.logging.tensorboard_log_interval == 0:
+                    self._write_scalars(it, result)
                 if it == self.started_at + 1:
                     self._report_first_iteration(it)
                 self.progress.iteration = it
                 self.progress.consumed_samples += batch
+                self.finish_background_save(blocking=False)
                 if self.precision is not None and it % t.precision_check_interval == 0:
                     check_start = time.perf_counter()
+                    self.runner.optimizer.finish_param_sync()  # nothing in flight while replayed
                     self.log(self.precision.run(it))  # collective: every rank checks its stage
                     window_start += time.perf_counter() - check_start  # not iteration time
                 val_loss = self.evaluate() if it % t.eval_interval == 0 else None
@@ -211,12 +241,24 @@ class Trainer:
                 if exiting:
                     self.log(f"stopping at iteration {it} {exiting}")
                     break
+        self.profiler.close(self.progress.iteration)
         if self.progress.iteration != last_saved:
             self.save()
+        self.finish_background_save(blocking=True)
         return self.progress
 
+    def _write_scalars(self, it: int, result: StepResult) -> None:
+        """This iteration's figures to TensorBoard / Weights & Biases."""
+        values = {"lm_loss": result.loss, "lr": result.lr, "grad_norm": result.grad_norm,
+                  "global_batch_size": float(result.global_batch_size)}
+        if result.num_zeros is not None:
+            values["num_zeros"] = float(result.num_zeros)
+        if result.loss_scale is not None:
+            values["loss_scale"] = result.loss_scale
+        self.metrics.scalars(it, values)
+
     def _log(self, window: list[StepResult], elapsed: float, val_loss: float | None) -> None:
-        cfg = self.cfg
+        cfg, lg = self.cfg, self.cfg.logging
         n = len(window)
         runner = self.runner
         compute, comm = runner.clock.take(), runner.comm.stats()
@@ -224,6 +266,8 @@ class Trainer:
         # collective: every rank logs at the same iterations
         stages = stage_report(runner.topo, compute, elapsed, comm, n) \
             if runner.topo.pp_size > 1 else None
+        timer_lines, timer_max = report_timers(self._timers(comm), runner.topo,
+                                               lg.timing_log_option, n)
         seconds = elapsed / n
         tokens = sum(r.global_batch_size for r in window) / n * cfg.model.seq_length
         record = {"iteration": self.progress.iteration,
@@ -238,10 +282,49 @@ class Trainer:
                   "skipped_iterations": self.health.skipped_iterations}
         if runner.scaler is not None:
             record["loss_scale"] = runner.scaler.scale
+        if lg.log_throughput:  # Megatron's throughput per GPU: the job's FLOP/s per device
+            record["throughput_per_gpu_tflops"] = record["tflops"] / runner.topo.world_size
+        if window[-1].num_zeros is not None:
+            record["num_zeros"] = window[-1].num_zeros
+        if lg.log_params_norm:
+            record["params_norm"] = runner.params_norm()  # collective
         if val_loss is not None:
             record["val_loss"] = val_loss
         self.metrics.train_step(record)
+        for line in timer_lines:
+            self.log(line)
+        self._write_log_scalars(record, timer_max)
         if stages:
             self.log(stages)
         if val_loss is not None:
             self.metrics.validation(self.progress.iteration, val_loss)
+
+    def _timers(self, comm: dict[str, float]) -> dict[str, float]:
+        """This rank's timers of the window, per micro-batch ones (level 2) included."""
+        timers, kinds = self.runner.timers, self.runner.clock.take_kinds()
+        timers.add("forward-compute", 2, kinds.get("forward", 0.0))
+        timers.add("backward-compute", 2, sum(v for k, v in kinds.items()
+                                              if k.startswith("backward")))
+        if self.runner.topo.pp_size > 1:
+            timers.add("pipeline-send-wait", 2, comm.get("send_wait_s", 0.0))
+            timers.add("pipeline-recv-wait", 2, comm.get("recv_wait_s", 0.0))
+        return timers.take()
+
+    def _write_log_scalars(self, record: dict, timer_max: dict[str, float]) -> None:
+        """The log interval's figures to TensorBoard / Weights & Biases (Megatron's names for
+        throughput, timers and memory)."""
+        lg, it = self.cfg.logging, record["iteration"]
+        self.metrics.scalars(it, {k: record[k] for k in ("iteration_ms", "tokens_per_sec",
+                                                         "tflops")})
+        extra = {}
+        if lg.log_throughput:
+            extra["throughput"] = record["throughput_per_gpu_tflops"]
+        if "params_norm" in record:
+            extra["params-norm"] = record["params_norm"]
+        if lg.log_timers_to_tensorboard:
+            extra["iteration-time"] = record["iteration_ms"]
+            extra.update({f"{name}-time": ms for name, ms in timer_max.items()})
+        if lg.log_memory_to_tensorboard:
+            extra.update(memory_scalars(self.runner.acc.memory_stats()))
+        if extra:
+            self.metrics.scalars(it, extra, prefix="")

@@ -27,6 +27,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from megatron_h2.config import ModelConfig
+from megatron_h2.devices.attention import TECoreAttention, causal_attention
 from megatron_h2.devices.kernels import Kernels
 from megatron_h2.parallel import (
     ColumnParallelLinear,
@@ -137,12 +138,16 @@ class SelfAttention(nn.Module):
         self.rotary = rotary
         self.dropout = config.attention_dropout
         self.recompute_core = config.recompute == "selective"
+        self.backend = config.attention_backend  # torch SDPA kernels allowed (devices.attention)
+        self.te_core = (TECoreAttention(self.num_heads, self.num_groups, d, self.dropout,
+                                        self.backend)
+                        if config.transformer_impl == "transformer_engine" else None)
 
     def _core_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         # q: [b, nh, s, d]; k, v: [b, ng, s, d] -> [b, nh, s, d]
-        return F.scaled_dot_product_attention(
-            q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0,
-            enable_gqa=self.num_groups != self.num_heads)
+        if self.te_core is not None:
+            return self.te_core(q, k, v)
+        return causal_attention(q, k, v, self.dropout if self.training else 0.0, self.backend)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         qkv = self.linear_qkv(x)  # [b, s, (nh + 2 ng) d / t] (all of s, also under SP)

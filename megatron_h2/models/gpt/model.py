@@ -65,15 +65,22 @@ class Decoder(nn.Module):
         self.layers = nn.ModuleDict({str(i): TransformerLayer(config, kernels, rotary, tp)
                                      for r in self.chunks for i in r})
         self.final_layernorm = Norm(config, kernels, tp) if post_process else None
-        self.recompute_full = config.recompute == "full"
+        # per chunk: (global layer indices, checkpointed as one group) in order (full recompute:
+        # --recompute-method uniform / block and --recompute-num-layers)
+        self.groups = [config.recompute_groups(r) for r in self.chunks]
+
+    def _run(self, layers: list[int], x: torch.Tensor) -> torch.Tensor:
+        for i in layers:
+            x = self.layers[str(i)](x)
+        return x
 
     def forward(self, x: torch.Tensor, chunk: int = 0) -> torch.Tensor:
-        for i in self.chunks[chunk]:
-            layer = self.layers[str(i)]
-            if self.recompute_full and self.training and torch.is_grad_enabled():
-                x = checkpoint(layer, x, use_reentrant=False)
+        recompute = self.training and torch.is_grad_enabled()
+        for layers, checkpointed in self.groups[chunk]:
+            if checkpointed and recompute:  # keep only the group's input [b, s, h]
+                x = checkpoint(self._run, layers, x, use_reentrant=False)
             else:
-                x = layer(x)
+                x = self._run(layers, x)
         if self.final_layernorm is not None and chunk == len(self.chunks) - 1:
             x = self.final_layernorm(x)
         return x

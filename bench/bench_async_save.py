@@ -1,0 +1,83 @@
+"""How long a checkpoint save stops training: ``--async-save`` against a synchronous save.
+
+Two runs of ``pretrain_gpt.py`` in this process on mock data, the same model and flags, one
+with ``--async-save``; each saves every ``--save-interval`` iterations. Printed, per run: the
+median seconds training waited per save (synchronous: the whole save; background: gathering
+the state and copying it to host memory, from the log line), the median seconds the background
+writes took, the wall time of the whole run, and the ratio of the stalls. A background write
+competes with training for the CPU, so on a machine with few cores the run's wall time gains
+less than the stall ratio says.
+
+    .venv/bin/python bench/bench_async_save.py
+    .venv/bin/python bench/bench_async_save.py --hidden-size 768 --num-layers 12
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import re
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from megatron_h2.training.main import main  # noqa: E402
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--hidden-size", type=int, default=512)
+    p.add_argument("--num-layers", type=int, default=8)
+    p.add_argument("--train-iters", type=int, default=12)
+    p.add_argument("--save-interval", type=int, default=3)
+    return p.parse_args(argv)
+
+
+def run(a: argparse.Namespace, folder: Path, background: bool) -> dict[str, float]:
+    flags = ["--num-layers", str(a.num_layers), "--hidden-size", str(a.hidden_size),
+             "--num-attention-heads", "8", "--seq-length", "128", "--micro-batch-size", "2",
+             "--global-batch-size", "4", "--lr", "1e-4", "--train-iters", str(a.train_iters),
+             "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "1024",
+             "--eval-iters", "0", "--log-interval", str(a.train_iters),
+             "--save", str(folder), "--save-interval", str(a.save_interval)]
+    out = io.StringIO()
+    start = time.perf_counter()
+    with contextlib.redirect_stdout(out):
+        assert main(flags + (["--async-save"] if background else [])) == 0
+    wall = time.perf_counter() - start
+    text = out.getvalue()
+    if background:
+        stalls = re.findall(r"in the background \(state gathered and copied to host memory in "
+                            r"([\d.]+) s\)", text)
+        writes = re.findall(r"written in the background in ([\d.]+) s", text)
+    else:
+        stalls, writes = re.findall(r"saved checkpoint at iteration \d+ to \S+ \(([\d.]+) s\)",
+                                    text), []
+    return {"stall": statistics.median(map(float, stalls)),
+            "write": statistics.median(map(float, writes)) if writes else float("nan"),
+            "wall": wall, "saves": len(stalls)}
+
+
+def main_bench(argv: list[str] | None = None) -> None:
+    a = parse_args(argv)
+    with tempfile.TemporaryDirectory() as tmp:
+        sync = run(a, Path(tmp) / "sync", False)
+        background = run(a, Path(tmp) / "async", True)
+        size = sum(f.stat().st_size for f in (Path(tmp) / "sync").glob("iter_*/*"))
+    saves = sync["saves"]
+    print(f"model hidden {a.hidden_size} x {a.num_layers} layers; {saves} saves of about "
+          f"{size / saves / 2**20:.0f} MiB each")
+    print(f"synchronous save: training waits {sync['stall']:.3f} s per save; run "
+          f"{sync['wall']:.1f} s")
+    print(f"--async-save:     training waits {background['stall']:.3f} s per save (write "
+          f"{background['write']:.3f} s in the background); run {background['wall']:.1f} s")
+    print(f"stall ratio async / sync: {background['stall'] / sync['stall']:.2f}")
+
+
+if __name__ == "__main__":
+    main_bench()
