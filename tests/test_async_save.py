@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_training_e2e import flags
+from test_training_e2e import flags, records
 
 import megatron_h2.checkpointing.async_save as async_save
 from megatron_h2.checkpointing import load_checkpoint
@@ -85,3 +85,38 @@ def test_async_save_under_pipeline_parallelism_commits_complete_checkpoints(corp
                                                       "optim_00001.safetensors"}
         for name, tensor in want.model.items():
             torch.testing.assert_close(got.model[name], tensor, rtol=1e-4, atol=1e-5)
+
+
+FP16 = ("--fp16", "--initial-loss-scale", "32768", "--loss-scale-window", "2", "--hysteresis",
+        "1", "--log-interval", "1", "--eval-iters", "0", "--train-iters", "8",
+        "--save-interval", "4")
+
+
+@pytest.mark.e2e
+def test_async_save_of_fp16_main_weights_and_loss_scaler_resumes_in_one_process(corpus,
+                                                                                tmp_path):
+    """--fp16 with ZeRO over DP 2 and a dynamic loss scale that moves during the run: the
+    background save stores what a synchronous save stores (the fp32 main weights gathered from
+    the master shards, not the fp16-rounded model, and the scaler's state as of the saved
+    iteration although the commit comes later), and one process resumed from it continues the
+    two-process run (losses and loss scales)."""
+    background, sync, resumed = tmp_path / "async", tmp_path / "sync", tmp_path / "resumed"
+    for run, extra in ((background, ["--async-save"]), (sync, [])):
+        proc = torchrun(2, flags(corpus, run, *FP16, "--use-distributed-optimizer", *extra,
+                                 "--save", str(run / "ckpt")))
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    for it in (4, 8):  # byte-identical parts, the same metadata (scaler state included)
+        assert _manifest(background / "ckpt", it) == _manifest(sync / "ckpt", it)
+        assert _metadata(background / "ckpt", it) == _metadata(sync / "ckpt", it)
+    saved = load_checkpoint(background / "ckpt", 4)
+    scales = records(background, "loss_scale")
+    assert len(set(scales.values())) > 2  # the scale really moved
+    assert saved.metadata["grad_scaler"]["scale"] == scales[4]
+    weights = torch.cat([t.reshape(-1) for t in saved.model.values()])
+    assert weights.dtype == torch.float32 and not torch.equal(weights, weights.half().float())
+    assert main(flags(corpus, resumed, *FP16, "--load", str(background / "ckpt"),
+                      "--ckpt-step", "4")) == 0
+    assert records(resumed, "loss_scale") == {k: v for k, v in scales.items() if k > 4}
+    want = records(background)
+    for it, loss in records(resumed).items():
+        assert abs(loss - want[it]) <= 1e-3 * want[it], (it, loss, want[it])

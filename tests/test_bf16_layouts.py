@@ -14,36 +14,39 @@ main weights) drifts to 6.8e-4 by iteration 10, DP without the gradient sum to 3
 """
 
 import pytest
-from dist_utils import losses, torchrun
-from test_parallel_training import MODEL, _reference
+from dist_utils import torchrun
+from test_parallel_training import MODEL, _reference, figures
 
 from megatron_h2.training.main import main
 
 REL = 2e-4
 
 
-def assert_bf16_close(got: dict[int, float], want: dict[int, float], fp32: dict[int, float],
+def assert_bf16_close(got: dict[int, tuple], want: dict[int, tuple], fp32: dict[int, tuple],
                       first: int = 1) -> None:
-    """Within REL of the bf16 reference, and not the fp32 losses (so it really ran in bf16)."""
+    """Figures (:func:`figures`: loss, params norm, zeros) within REL of the bf16 reference,
+    losses and params norms (--log-params-norm: the norm of the fp32 main weights, counted once
+    over the layout), and losses not the fp32 ones (so it really ran in bf16)."""
     want = {k: v for k, v in want.items() if k >= first}
     assert sorted(got) == sorted(want)
     for it, value in want.items():
-        assert abs(got[it] - value) <= REL * value, (it, got[it], value)
-    assert max(abs(got[it] - fp32[it]) / fp32[it] for it in got) > 1e-5
+        for what in (0, 1):
+            assert abs(got[it][what] - value[what]) <= REL * value[what], (it, got[it], value)
+    assert max(abs(got[it][0] - fp32[it][0]) / fp32[it][0] for it in got) > 1e-5
 
 
 @pytest.fixture(scope="module")
-def fp32_reference(corpus, tmp_path_factory) -> dict[int, float]:
+def fp32_reference(corpus, tmp_path_factory) -> dict[int, tuple]:
     return _reference(corpus, tmp_path_factory)
 
 
 @pytest.fixture(scope="module")
-def bf16_reference(corpus, tmp_path_factory) -> dict[int, float]:
+def bf16_reference(corpus, tmp_path_factory) -> dict[int, tuple]:
     return _reference(corpus, tmp_path_factory, "--bf16")
 
 
 @pytest.fixture(scope="module")
-def bf16_reduce_reference(corpus, tmp_path_factory) -> dict[int, float]:
+def bf16_reduce_reference(corpus, tmp_path_factory) -> dict[int, tuple]:
     return _reference(corpus, tmp_path_factory, "--bf16", "--grad-reduce-in-bf16")
 
 
@@ -54,8 +57,17 @@ LAYOUTS = {  # name: (processes, flags); (TP, PP, DP) in the name
                                 "--use-distributed-optimizer"]),
     "tp1_pp2_dp2_overlap": (4, ["--pipeline-model-parallel-size", "2",
                                 "--overlap-grad-reduce"]),
-    "reduce_in_bf16_tp1_pp1_dp2_zero": (2, ["--grad-reduce-in-bf16",
-                                            "--use-distributed-optimizer"]),
+    # the overlapped all-gather moves the rounded bf16 weights (bf16 gradient buckets too)
+    "reduce_in_bf16_tp1_pp1_dp2_zero_overlap": (2, ["--grad-reduce-in-bf16",
+                                                    "--use-distributed-optimizer",
+                                                    "--overlap-grad-reduce",
+                                                    "--overlap-param-gather"]),
+    # the tied embedding's main_grad summed across the stages, ZeRO with the all-gather of
+    # the updated bf16 weights during the next forward
+    "tp1_pp2_dp2_zero_overlap_param_gather": (4, ["--pipeline-model-parallel-size", "2",
+                                                  "--use-distributed-optimizer",
+                                                  "--overlap-grad-reduce",
+                                                  "--overlap-param-gather"]),
 }
 
 
@@ -69,7 +81,7 @@ def test_bf16_layout_matches_single_process(name, corpus, request, fp32_referenc
     proc = torchrun(nproc, [*MODEL, "--data-path", corpus, "--log-jsonl", str(out), "--bf16",
                             *flags])
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert_bf16_close(losses(out), want, fp32_reference)
+    assert_bf16_close(figures(out), want, fp32_reference)
 
 
 @pytest.mark.e2e
@@ -92,10 +104,10 @@ def test_bf16_checkpoint_moves_between_layouts_and_to_fp32(corpus, bf16_referenc
     assert third.returncode == 0, third.stderr[-3000:]
     assert main([*MODEL, "--data-path", corpus, "--load", str(ckpt),
                  "--log-jsonl", str(tmp_path / "d.jsonl")]) == 0
-    assert_bf16_close(losses(tmp_path / "a.jsonl"),
+    assert_bf16_close(figures(tmp_path / "a.jsonl"),
                       {k: v for k, v in bf16_reference.items() if k <= 5}, fp32_reference)
-    assert_bf16_close(losses(tmp_path / "b.jsonl"), bf16_reference, fp32_reference, first=6)
-    assert_bf16_close(losses(tmp_path / "c.jsonl"), bf16_reference, fp32_reference, first=6)
-    in_fp32 = losses(tmp_path / "d.jsonl")
+    assert_bf16_close(figures(tmp_path / "b.jsonl"), bf16_reference, fp32_reference, first=6)
+    assert_bf16_close(figures(tmp_path / "c.jsonl"), bf16_reference, fp32_reference, first=6)
+    in_fp32 = figures(tmp_path / "d.jsonl")
     assert sorted(in_fp32) == list(range(6, 11))
-    assert abs(in_fp32[6] - bf16_reference[6]) <= 2**-9 * bf16_reference[6]
+    assert abs(in_fp32[6][0] - bf16_reference[6][0]) <= 2**-9 * bf16_reference[6][0]

@@ -99,10 +99,15 @@ def test_interleaved_routes_wrap_around_to_every_linked_replica():
 
 
 # ------------------------------------------------------------------ tied embedding sum
+TIED_CASES = ((False, torch.float32), (True, torch.float32), (False, torch.bfloat16),
+              (True, torch.bfloat16))  # (ZeRO-1, the weight's dtype); buckets always fp32
+
+
 def _tied_worker(rank: int, world: int) -> list[dict]:
     """DP 2 x TP 1 first stage (ranks 0, 1), DP 1 x TP 2 last stage (ranks 2, 3): each rank's
     tied-weight gradient is a known tensor; after the DP sums and the exchange every copy must
-    be the sum over all four ranks, bitwise equal on both ends (replicated and ZeRO-1)."""
+    be the sum over all four ranks, bitwise equal on both ends (replicated and ZeRO-1; fp32
+    weights, and bf16 weights whose gradients accumulate in the fp32 buckets' main_grad)."""
     from megatron_h2.distributed.grad_sync import GradBuckets
     from megatron_h2.distributed.tied_embedding import TiedEmbeddingSync
     from megatron_h2.distributed.topology import build_topology
@@ -117,18 +122,20 @@ def _tied_worker(rank: int, world: int) -> list[dict]:
     full = torch.arange(vocab * hidden, dtype=torch.float32).view(vocab, hidden) / 7
     start = topo.tp_rank * rows
     out = []
-    for sharded in (False, True):
-        weight = torch.nn.Parameter(torch.zeros(rows, hidden))
-        other = torch.nn.Parameter(torch.zeros(2))
+    for sharded, dtype in TIED_CASES:
+        weight = torch.nn.Parameter(torch.zeros(rows, hidden, dtype=dtype))
+        other = torch.nn.Parameter(torch.zeros(2, dtype=dtype))
         buckets = GradBuckets([other, weight], topo.dp_group, reduce_scatter=sharded,
-                              deferred=[weight])
-        (weight * (full[start:start + rows] * (rank + 1) + 0.1 * rank)).sum().backward()
+                              deferred=[weight], grad_dtype=torch.float32)
+        upstream = (full[start:start + rows] * (rank + 1) + 0.1 * rank).to(dtype)
+        (weight * upstream).sum().backward()
         (other * 1.0).sum().backward()
         buckets.finish_sync(combine=TiedEmbeddingSync(topo, weight, vocab).sum_grads)
         bucket = buckets.buckets[-1]
         shard = None if bucket.shard_grad is None else bucket.shard_grad.numpy().copy()
-        out.append({"grad": weight.grad.numpy().copy(), "rows": (start, start + rows),
-                    "shard": shard, "shard_range": bucket.shard_range(buckets.dp_rank)})
+        out.append({"grad": weight.main_grad.numpy().copy(), "rows": (start, start + rows),
+                    "shard": shard, "shard_range": bucket.shard_range(buckets.dp_rank),
+                    "freed": weight.grad is None})
     return out  # numpy arrays: pickled by value
 
 
@@ -137,16 +144,19 @@ def test_tied_embedding_sum_is_exact_across_dp_and_tp():
     runs = run_distributed(_tied_worker, 4)
     vocab, hidden = 8, 3
     full = torch.arange(vocab * hidden, dtype=torch.float32).view(vocab, hidden) / 7
-    # each row: both first-stage replicas (ranks 0, 1 hold every row) and the one last-stage
-    # TP rank holding it (rank 2: rows 0-3, rank 3: rows 4-7)
-    part = [full * (r + 1) + 0.1 * r for r in range(4)]
-    want = part[0] + part[1] + torch.cat([part[2][:4], part[3][4:]])
-    for sharded in (False, True):
+    for case, (sharded, dtype) in enumerate(TIED_CASES):
+        # each rank's gradient is its upstream in the weight's dtype; summed in fp32
+        part = [(full * (r + 1) + 0.1 * r).to(dtype).float() for r in range(4)]
+        # each row: both first-stage replicas (ranks 0, 1 hold every row) and the one
+        # last-stage TP rank holding it (rank 2: rows 0-3, rank 3: rows 4-7)
+        want = part[0] + part[1] + torch.cat([part[2][:4], part[3][4:]])
         results = [{k: torch.from_numpy(v) if k in ("grad", "shard") and v is not None else v
-                    for k, v in per_rank[sharded].items()} for per_rank in runs]
+                    for k, v in per_rank[case].items()} for per_rank in runs]
         for res in results:
             lo, hi = res["rows"]
             torch.testing.assert_close(res["grad"], want[lo:hi], rtol=1e-6, atol=1e-6)
+            # bf16 weights: the gradient lives in main_grad only (autograd's .grad freed)
+            assert res["freed"] == (dtype != torch.float32)
             if sharded:  # the optimizer's shard is taken after the sum across the ends
                 s0, s1 = res["shard_range"]
                 flat = torch.cat([res["grad"].reshape(-1), torch.zeros(s1)])[s0:s1]
@@ -248,6 +258,34 @@ def test_per_stage_dp_matches_one_process(name, corpus, reference, tmp_path):
     close(losses(out), reference)
     if "bridge" in name:
         assert "bridge 0.00 MiB/it" not in proc.stdout
+
+
+@pytest.fixture(scope="module")
+def bf16_reference(corpus, tmp_path_factory) -> dict[int, float]:
+    out = tmp_path_factory.mktemp("ref_bf16") / "log.jsonl"
+    assert main([*MODEL, *BATCH, "--bf16", "--data-path", corpus, "--log-jsonl", str(out)]) == 0
+    return losses(out)
+
+
+@pytest.mark.e2e
+def test_per_stage_dp_with_bf16_matches_one_process(corpus, reference, bf16_reference,
+                                                    tmp_path):
+    """--bf16 with DP 2 / 1 and TP 1 / 2: the tied embedding's fp32 main_grad (bf16 weights)
+    summed over stage 0's replicas and then across the ends, ZeRO-1 within stage 0 with its
+    fp32 master shards and the all-gather of the rounded bf16 weights during the next forward
+    (--overlap-param-gather). Within bf16's tolerance of one process with --bf16 (see
+    test_bf16_layouts), and not the fp32 losses."""
+    plan = write_plan(tmp_path / "plan.yaml", dp_2_1())
+    out = tmp_path / "log.jsonl"
+    proc = torchrun(4, [*MODEL, "--data-path", corpus, "--hetero-plan", plan, "--bf16",
+                        "--use-distributed-optimizer", "--overlap-grad-reduce",
+                        "--overlap-param-gather", "--log-jsonl", str(out)])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = losses(out)
+    assert sorted(got) == sorted(bf16_reference)
+    for it, want in bf16_reference.items():
+        assert abs(got[it] - want) <= 2e-4 * want, (it, got[it], want)
+    assert max(abs(got[it] - reference[it]) / reference[it] for it in got) > 1e-5
 
 
 # ----------------------------------------------------------------------- bad plans
