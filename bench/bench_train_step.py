@@ -251,18 +251,6 @@ def bf16_steps(config: ModelConfig, accelerator, args: argparse.Namespace, token
     return steps, models, opts
 
 
-def state_bytes(model: torch.nn.Module, optimizer) -> int:
-    """Bytes of the distinct storages of weights, gradients and optimizer state."""
-    tensors = [t for p in model.parameters() for t in (p, p.grad, getattr(p, "main_grad", None))]
-    tensors += [b.buffer for b in optimizer.grad_buckets.buckets] + optimizer.grads.tensors
-    for group in optimizer.optimizer.param_groups:
-        tensors += group["params"] + [t.grad for t in group["params"]]
-    tensors += [v for st in optimizer.optimizer.state.values() for k, v in st.items()
-                if k != "step"]
-    return sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
-                for t in tensors if t is not None and t.numel()}.values())
-
-
 def alternate_rounds(steps: dict, names: tuple[str, str], args: argparse.Namespace,
                      tokens_per_step: int, accelerator) -> tuple[dict, dict, int, float]:
     """Warm-up, then rounds of ``--steps-per-round`` steps of each of ``names`` (order per
@@ -529,12 +517,19 @@ def compare_precision(args: argparse.Namespace, accelerator, config: ModelConfig
         steps, ("bf16", "autocast"), args, b * s, accelerator)
     med = {k: statistics.median(v) for k, v in per_round.items()}
     ratios = [x / y for x, y in zip(per_round["bf16"], per_round["autocast"])]
-    nbytes = {k: state_bytes(models[k], opts[k]) / config.num_parameters() for k in models}
+    from megatron_h2.config import Precision, state_bytes_per_param
+    from megatron_h2.optimizer.main_params import allocated_state_bytes
+
+    # measured (distinct storages after the steps) and what the planner's one definition says
+    nbytes = {k: allocated_state_bytes(models[k], opts[k]) / config.num_parameters()
+              for k in models}
+    planned = {"bf16": state_bytes_per_param(Precision("bf16", "fp32")),
+               "autocast": state_bytes_per_param(Precision())}
     print("\nresults (median over rounds):")
     for name in ("bf16", "autocast"):
         line = (f"  {name:9s} {med[name]:12,.0f} tokens/s  {1e3 * b * s / med[name]:9.1f} "
                 f"ms/step  {med[name] * fpt / 1e12:8.3f} model TFLOP/s  model state "
-                f"{nbytes[name]:.1f} bytes/param")
+                f"{nbytes[name]:.2f} bytes/param (planner: {planned[name]:.0f})")
         if accelerator.device.type == "cuda":
             line += f"  peak mem {peak_mem[name]:.2f} GiB"
         print(line)
@@ -551,7 +546,8 @@ def compare_precision(args: argparse.Namespace, accelerator, config: ModelConfig
                   "ratio": med["bf16"] / med["autocast"],
                   "ratio_paired_median": statistics.median(ratios),
                   "bf16_rounds": per_round["bf16"], "autocast_rounds": per_round["autocast"],
-                  "bytes_per_param": nbytes, "load_average": os.getloadavg()}
+                  "bytes_per_param": nbytes, "planner_bytes_per_param": planned,
+                  "load_average": os.getloadavg()}
         with open(args.json, "a", encoding="utf-8") as fh:
             fh.write(json.dumps(record) + "\n")
     return 0

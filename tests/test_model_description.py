@@ -137,27 +137,6 @@ def test_flops_follow_the_same_counts():
         - 2 * h * (h - swiglu.kv_size)  # a third MLP matrix; fewer K/V columns
 
 
-def _state_bytes(model: torch.nn.Module, optimizer) -> int:
-    """Bytes of every distinct tensor storage holding weights, gradients or optimizer state:
-    the model's parameters and their ``.grad`` / ``main_grad``, the gradient buckets and their
-    reduced shards, the optimizer's fp32 gradient copies, and every tensor the inner AdamW holds
-    (main weights or master shards, their ``.grad`` and the Adam moments)."""
-    tensors = []
-    for p in model.parameters():
-        tensors += [p, p.grad, getattr(p, "main_grad", None)]
-    for bucket in optimizer.grad_buckets.buckets:
-        tensors += [bucket.buffer, bucket.shard_grad]
-    tensors += optimizer.grads.tensors
-    inner = optimizer.optimizer
-    for group in inner.param_groups:
-        tensors += group["params"] + [t.grad for t in group["params"]]
-    for state in inner.state.values():
-        tensors += [v for k, v in state.items() if k != "step"]
-    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
-                for t in tensors if t is not None and t.numel()}
-    return sum(storages.values())
-
-
 PRECISIONS = {  # flags -> the dtypes they select
     "fp32": [],
     "bf16": ["--bf16"],
@@ -174,6 +153,7 @@ def test_state_bytes_per_param_match_the_runtime_optimizer(distributed, precisio
     precision, with either optimizer (measured after a step, when Adam's moments exist)."""
     from megatron_h2.devices.precision import DTYPES
     from megatron_h2.models.gpt import cast_parameters
+    from megatron_h2.optimizer.main_params import allocated_state_bytes
 
     cfg = _runtime_config(SHAPES[1], VARIANTS["gpt"])
     run = config_from_args(PRECISIONS[precision])[0]
@@ -187,7 +167,7 @@ def test_state_bytes_per_param_match_the_runtime_optimizer(distributed, precisio
     model(tokens=tokens, labels=tokens).mean().backward()
     optimizer.grad_buckets.finish_sync()
     optimizer.step()  # Adam's moments exist from the first step on
-    per_param = _state_bytes(model, optimizer) / cfg.num_parameters()
+    per_param = allocated_state_bytes(model, optimizer) / cfg.num_parameters()
     assert per_param == pytest.approx(state_bytes_per_param(dtypes, 1, distributed), rel=1e-3)
     expected = {"fp32": (16, 20), "bf16": (18, 18), "bf16_reduce_in_bf16": (20, 20),
                 "fp16": (20, 20), "fp16_fp32_grads": (18, 18)}[precision][distributed]

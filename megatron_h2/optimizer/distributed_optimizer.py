@@ -496,7 +496,8 @@ class DistributedOptimizer:
                 local[piece.shard_start:piece.shard_end] = self.optimizer.state[piece.master][key]
         if self.dp_group is None:
             return local
-        full = torch.empty_like(bucket.buffer)
+        # Adam's moments are fp32 whatever the buckets' dtype (fp16 / bf16 gradient buckets)
+        full = torch.empty(bucket.buffer.numel(), dtype=local.dtype, device=local.device)
         all_gather_flat(full, local, self.dp_group)
         return full
 

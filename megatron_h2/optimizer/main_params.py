@@ -68,3 +68,26 @@ def copy_main_to_model(mains: dict[nn.Parameter, torch.Tensor]) -> None:
     """Round every main weight into its model parameter (after an update or a load)."""
     for param, main in mains.items():
         param.copy_(main)
+
+
+def allocated_state_bytes(model: nn.Module, optimizer) -> int:
+    """Bytes of every distinct tensor storage holding model state, as allocated: the model's
+    parameters and their ``.grad`` / ``main_grad``, the gradient buckets and their reduced
+    shards, the optimizer's fp32 gradient copies and every tensor its inner AdamW holds (main
+    weights or master shards, their ``.grad``, the Adam moments). ``optimizer`` is a
+    ``DataParallelOptimizer``; what :func:`megatron_h2.config.state_bytes_per_param` predicts
+    per parameter once Adam's moments exist (after the first step)."""
+    tensors = []
+    for p in model.parameters():
+        tensors += [p, p.grad, getattr(p, "main_grad", None)]
+    for bucket in optimizer.grad_buckets.buckets:
+        tensors += [bucket.buffer, bucket.shard_grad]
+    tensors += optimizer.grads.tensors
+    inner = optimizer.optimizer
+    for group in inner.param_groups:
+        tensors += group["params"] + [t.grad for t in group["params"]]
+    for state in inner.state.values():
+        tensors += [v for k, v in state.items() if k != "step"]
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+                for t in tensors if t is not None and t.numel()}
+    return sum(storages.values())
