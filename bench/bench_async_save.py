@@ -10,6 +10,7 @@ less than the stall ratio says.
 
     .venv/bin/python bench/bench_async_save.py
     .venv/bin/python bench/bench_async_save.py --hidden-size 768 --num-layers 12
+    .venv/bin/python bench/bench_async_save.py --bf16
 """
 
 from __future__ import annotations
@@ -35,6 +36,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--num-layers", type=int, default=8)
     p.add_argument("--train-iters", type=int, default=12)
     p.add_argument("--save-interval", type=int, default=3)
+    p.add_argument("--bf16", action="store_true",
+                   help="train with --bf16 (the checkpoint holds the fp32 main weights)")
     return p.parse_args(argv)
 
 
@@ -44,7 +47,8 @@ def run(a: argparse.Namespace, folder: Path, background: bool) -> dict[str, floa
              "--global-batch-size", "4", "--lr", "1e-4", "--train-iters", str(a.train_iters),
              "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "1024",
              "--eval-iters", "0", "--log-interval", str(a.train_iters),
-             "--save", str(folder), "--save-interval", str(a.save_interval)]
+             "--save", str(folder), "--save-interval", str(a.save_interval),
+             *(["--bf16"] if a.bf16 else [])]
     out = io.StringIO()
     start = time.perf_counter()
     with contextlib.redirect_stdout(out):
@@ -70,7 +74,8 @@ def main_bench(argv: list[str] | None = None) -> None:
         background = run(a, Path(tmp) / "async", True)
         size = sum(f.stat().st_size for f in (Path(tmp) / "sync").glob("iter_*/*"))
     saves = sync["saves"]
-    print(f"model hidden {a.hidden_size} x {a.num_layers} layers; {saves} saves of about "
+    print(f"model hidden {a.hidden_size} x {a.num_layers} layers"
+          f"{' (--bf16: fp32 main weights saved)' if a.bf16 else ''}; {saves} saves of about "
           f"{size / saves / 2**20:.0f} MiB each")
     print(f"synchronous save: training waits {sync['stall']:.3f} s per save; run "
           f"{sync['wall']:.1f} s")
