@@ -1,7 +1,8 @@
 """How long a checkpoint save stops training: ``--async-save`` against a synchronous save.
 
-Two runs of ``pretrain_gpt.py`` in this process on mock data, the same model and flags, one
-with ``--async-save``; each saves every ``--save-interval`` iterations. Printed, per run: the
+Runs of ``pretrain_gpt.py`` in this process on mock data, the same model and flags, in
+alternating pairs (``--repeats``), one of each pair with ``--async-save``; each saves every
+``--save-interval`` iterations. Printed, per run: the
 median seconds training waited per save (synchronous: the whole save; background: gathering
 the state and copying it to host memory, from the log line), the median seconds the background
 writes took, the wall time of the whole run, and the ratio of the stalls. A background write
@@ -36,6 +37,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--num-layers", type=int, default=8)
     p.add_argument("--train-iters", type=int, default=12)
     p.add_argument("--save-interval", type=int, default=3)
+    p.add_argument("--repeats", type=int, default=2,
+                   help="pairs of runs (synchronous, then background; the order flips each "
+                        "pair); figures are medians over the pairs")
     p.add_argument("--bf16", action="store_true",
                    help="train with --bf16 (the checkpoint holds the fp32 main weights)")
     return p.parse_args(argv)
@@ -69,19 +73,28 @@ def run(a: argparse.Namespace, folder: Path, background: bool) -> dict[str, floa
 
 def main_bench(argv: list[str] | None = None) -> None:
     a = parse_args(argv)
+    runs: dict[bool, list[dict[str, float]]] = {False: [], True: []}
     with tempfile.TemporaryDirectory() as tmp:
-        sync = run(a, Path(tmp) / "sync", False)
-        background = run(a, Path(tmp) / "async", True)
-        size = sum(f.stat().st_size for f in (Path(tmp) / "sync").glob("iter_*/*"))
-    saves = sync["saves"]
+        for r in range(a.repeats):  # alternate so that a change of machine load hits both
+            for background in ((False, True) if r % 2 == 0 else (True, False)):
+                folder = Path(tmp) / f"{'async' if background else 'sync'}_{r}"
+                runs[background].append(run(a, folder, background))
+        size = sum(f.stat().st_size for f in (Path(tmp) / "sync_0").glob("iter_*/*"))
+
+    def med(background: bool, key: str) -> float:
+        return statistics.median(x[key] for x in runs[background])
+
+    saves = runs[False][0]["saves"]
     print(f"model hidden {a.hidden_size} x {a.num_layers} layers"
           f"{' (--bf16: fp32 main weights saved)' if a.bf16 else ''}; {saves} saves of about "
-          f"{size / saves / 2**20:.0f} MiB each")
-    print(f"synchronous save: training waits {sync['stall']:.3f} s per save; run "
-          f"{sync['wall']:.1f} s")
-    print(f"--async-save:     training waits {background['stall']:.3f} s per save (write "
-          f"{background['write']:.3f} s in the background); run {background['wall']:.1f} s")
-    print(f"stall ratio async / sync: {background['stall'] / sync['stall']:.2f}")
+          f"{size / saves / 2**20:.0f} MiB each; medians over {a.repeats} alternating pairs")
+    print(f"synchronous save: training waits {med(False, 'stall'):.3f} s per save; run "
+          f"{med(False, 'wall'):.1f} s")
+    print(f"--async-save:     training waits {med(True, 'stall'):.3f} s per save (write "
+          f"{med(True, 'write'):.3f} s in the background); run {med(True, 'wall'):.1f} s")
+    ratios = [b["stall"] / s["stall"] for s, b in zip(runs[False], runs[True])]
+    print(f"stall ratio async / sync: {med(True, 'stall') / med(False, 'stall'):.2f} "
+          f"(per pair: {', '.join(f'{x:.2f}' for x in ratios)})")
 
 
 if __name__ == "__main__":
