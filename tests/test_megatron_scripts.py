@@ -242,10 +242,26 @@ def _train(name: str, flags: list[str], corpus: dict[str, str], tmp_path: Path) 
     assert (tmp_path / "ckpt" / "latest_checkpointed_iteration.txt").read_text().strip() == "3"
 
 
+GPU_KERNELS = {("--attention-backend", "fused")}
+"""Flag values that pick kernels only GPUs have (cuDNN / memory-efficient fused attention): on
+this CPU they are refused at start-up in one line (tests/test_attention_backends.py), so the
+CPU runs drop them, as they drop the FP8 / Transformer Engine flags."""
+
+
+def _on_cpu(flags: list[str]) -> list[str]:
+    out: list[str] = []
+    for token in flags:
+        if out and (out[-1], token) in GPU_KERNELS:
+            out.pop()
+        else:
+            out.append(token)
+    return out
+
+
 @pytest.mark.e2e
 @pytest.mark.parametrize("name", _cases())
 def test_script_trains_three_iterations(name, gpt2_corpus, tmp_path):
-    _train(name, SCRIPTS[name][1], gpt2_corpus, tmp_path)
+    _train(name, _on_cpu(SCRIPTS[name][1]), gpt2_corpus, tmp_path)
 
 
 @pytest.mark.e2e
