@@ -260,11 +260,20 @@ def test_per_stage_dp_matches_one_process(name, corpus, reference, tmp_path):
         assert "bridge 0.00 MiB/it" not in proc.stdout
 
 
+NORMS = ["--log-params-norm"]
+
+
 @pytest.fixture(scope="module")
-def bf16_reference(corpus, tmp_path_factory) -> dict[int, float]:
+def bf16_reference(corpus, tmp_path_factory) -> dict[int, tuple[float, float]]:
     out = tmp_path_factory.mktemp("ref_bf16") / "log.jsonl"
-    assert main([*MODEL, *BATCH, "--bf16", "--data-path", corpus, "--log-jsonl", str(out)]) == 0
-    return losses(out)
+    assert main([*MODEL, *BATCH, *NORMS, "--bf16", "--data-path", corpus,
+                 "--log-jsonl", str(out)]) == 0
+    return loss_and_norm(out)
+
+
+def loss_and_norm(path: Path) -> dict[int, tuple[float, float]]:
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    return {r["iteration"]: (r["lm_loss"], r["params_norm"]) for r in rows if "lm_loss" in r}
 
 
 @pytest.mark.e2e
@@ -273,19 +282,21 @@ def test_per_stage_dp_with_bf16_matches_one_process(corpus, reference, bf16_refe
     """--bf16 with DP 2 / 1 and TP 1 / 2: the tied embedding's fp32 main_grad (bf16 weights)
     summed over stage 0's replicas and then across the ends, ZeRO-1 within stage 0 with its
     fp32 master shards and the all-gather of the rounded bf16 weights during the next forward
-    (--overlap-param-gather). Within bf16's tolerance of one process with --bf16 (see
-    test_bf16_layouts), and not the fp32 losses."""
+    (--overlap-param-gather). Losses and --log-params-norm (the fp32 main weights, each counted
+    once although the stages have different DP degrees) within bf16's tolerance of one process
+    with --bf16 (see test_bf16_layouts); losses not the fp32 ones."""
     plan = write_plan(tmp_path / "plan.yaml", dp_2_1())
     out = tmp_path / "log.jsonl"
-    proc = torchrun(4, [*MODEL, "--data-path", corpus, "--hetero-plan", plan, "--bf16",
+    proc = torchrun(4, [*MODEL, *NORMS, "--data-path", corpus, "--hetero-plan", plan, "--bf16",
                         "--use-distributed-optimizer", "--overlap-grad-reduce",
                         "--overlap-param-gather", "--log-jsonl", str(out)])
     assert proc.returncode == 0, proc.stderr[-3000:]
-    got = losses(out)
+    got = loss_and_norm(out)
     assert sorted(got) == sorted(bf16_reference)
     for it, want in bf16_reference.items():
-        assert abs(got[it] - want) <= 2e-4 * want, (it, got[it], want)
-    assert max(abs(got[it] - reference[it]) / reference[it] for it in got) > 1e-5
+        for what in (0, 1):
+            assert abs(got[it][what] - want[what]) <= 2e-4 * want[what], (it, got[it], want)
+    assert max(abs(got[it][0] - reference[it]) / reference[it] for it in got) > 1e-5
 
 
 # ----------------------------------------------------------------------- bad plans
