@@ -93,8 +93,10 @@ def main_bench(argv: list[str] | None = None) -> None:
     print(f"--async-save:     training waits {med(True, 'stall'):.3f} s per save (write "
           f"{med(True, 'write'):.3f} s in the background); run {med(True, 'wall'):.1f} s")
     ratios = [b["stall"] / s["stall"] for s, b in zip(runs[False], runs[True])]
+    walls = [f"{s['wall']:.1f}/{b['wall']:.1f} s" for s, b in zip(runs[False], runs[True])]
     print(f"stall ratio async / sync: {med(True, 'stall') / med(False, 'stall'):.2f} "
-          f"(per pair: {', '.join(f'{x:.2f}' for x in ratios)})")
+          f"(per pair: {', '.join(f'{x:.2f}' for x in ratios)}); run wall sync/async per pair: "
+          f"{', '.join(walls)}")
 
 
 if __name__ == "__main__":
