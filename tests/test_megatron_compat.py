@@ -10,7 +10,6 @@ import sys
 from pathlib import Path
 
 import pytest
-from megatron_pending import PENDING
 
 from megatron_h2.errors import ConfigError
 from megatron_h2.training.arguments import config_from_args, describe_no_effect
@@ -42,18 +41,11 @@ def test_doc_is_current(tool):
 
 def test_every_listed_flag_is_classified(tool, statuses):
     unknown = sorted(f for f, (status, _) in statuses.items()
-                     if status == tool.UNKNOWN and f not in PENDING)
+                     if status == tool.UNKNOWN)
     assert not unknown, (f"Megatron flags neither supported, accepted without effect nor refused: "
                          f"{unknown}; declare them (megatron_h2/config/ or "
                          f"megatron_h2/training/megatron_compat.py), then run {tool.REGENERATE}")
     assert all(why for status, why in statuses.values() if status != tool.UNKNOWN)
-
-
-def test_pending_flags_are_not_done_yet(tool, statuses):
-    done = sorted(f for f in PENDING if f in statuses
-                  and statuses[f][0] in (tool.SUPPORTED, tool.NO_EFFECT))
-    assert not done, (f"{done} are classified now: remove them from PENDING "
-                      f"(tests/megatron_pending.py) and run {tool.REGENERATE}")
 
 
 def test_flag_list_is_megatrons_command_lines(tool):

@@ -5,10 +5,8 @@ them). The command lines are those of Megatron-LM's examples/gpt3/train_gpt3_175
 examples/llama/train_llama3_8b_h100_fp8.sh, the older examples/pretrain_gpt_distributed_with_mp.sh
 and two GPT functional-test configs (tests/functional_tests/test_cases/gpt/...).
 
-A command line that passes a flag still being implemented (tests/megatron_pending.py) is skipped
-with the reason "needs <flags>"; every other flag of it must parse now
-(test_command_line_parses_without_pending) and trains
-(test_script_trains_without_pending_flags)."""
+Every flag of each command line parses and builds the model Megatron builds
+(test_command_line_parses); the whole command line trains (test_script_trains_three_iterations)."""
 
 from __future__ import annotations
 
@@ -17,7 +15,6 @@ from pathlib import Path
 
 import pytest
 from dist_utils import torchrun
-from megatron_pending import PENDING
 from tokenizer_files import gpt2_files, texts
 
 from megatron_h2.training.arguments import config_from_args
@@ -146,31 +143,6 @@ EXPECTED_MODEL = {
 }
 
 
-def _pending(flags: list[str]) -> list[str]:
-    return sorted({f for f in flags if f in PENDING})
-
-
-def _without_pending(flags: list[str]) -> list[str]:
-    """The command line minus the pending flags and their values."""
-    out, dropping = [], False
-    for token in flags:
-        if token.startswith("--"):
-            dropping = token in PENDING
-        if not dropping:
-            out.append(token)
-    return out
-
-
-def _cases() -> list:
-    """One case per script, skipped while it passes a pending flag ("needs <flags>")."""
-    cases = []
-    for name in sorted(SCRIPTS):
-        needs = _pending(SCRIPTS[name][1])
-        marks = [pytest.mark.skip(reason="needs " + " ".join(needs))] if needs else []
-        cases.append(pytest.param(name, marks=marks, id=name))
-    return cases
-
-
 @pytest.fixture(scope="module")
 def gpt2_corpus(tmp_path_factory) -> dict[str, str]:
     """A corpus preprocessed with a GPT-2 BPE tokenizer by tools/preprocess_data.py, as
@@ -217,13 +189,6 @@ def _check_model(name: str, cfg) -> None:
 
 
 @pytest.mark.parametrize("name", sorted(SCRIPTS))
-def test_command_line_parses_without_pending(name, tmp_path):
-    """Every flag of the script but the pending ones is accepted and builds Megatron's model."""
-    cfg, _ = _parse(_without_pending(SCRIPTS[name][1]), tmp_path)
-    _check_model(name, cfg)
-
-
-@pytest.mark.parametrize("name", _cases())
 def test_command_line_parses(name, tmp_path):
     """Every flag of the script is accepted."""
     cfg, _ = _parse(SCRIPTS[name][1], tmp_path)
@@ -259,14 +224,6 @@ def _on_cpu(flags: list[str]) -> list[str]:
 
 
 @pytest.mark.e2e
-@pytest.mark.parametrize("name", _cases())
+@pytest.mark.parametrize("name", sorted(SCRIPTS))
 def test_script_trains_three_iterations(name, gpt2_corpus, tmp_path):
     _train(name, _on_cpu(SCRIPTS[name][1]), gpt2_corpus, tmp_path)
-
-
-@pytest.mark.e2e
-@pytest.mark.parametrize("name", [n for n in sorted(SCRIPTS) if _pending(SCRIPTS[n][1])])
-def test_script_trains_without_pending_flags(name, gpt2_corpus, tmp_path):
-    """Until the pending flags land, the rest of each skipped command line trains already (this
-    test runs only for command lines that still pass a pending flag)."""
-    _train(name, _without_pending(SCRIPTS[name][1]), gpt2_corpus, tmp_path)

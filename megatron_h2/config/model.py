@@ -156,6 +156,8 @@ class ModelConfig(ModelCounts):
                                       choices=("most_recent", "max"))
     fp8_param_gather: bool = flag(False, "Keep the compute parameters in FP8 and all-gather them "
                                   "in FP8 (with --fp8-format).")
+    first_last_layers_bf16: bool = flag(False, "Keep the first and last transformer layers in "
+                                        "bf16 under FP8 training (with --fp8-format).")
     vocab_size: int = 0  # padded vocabulary size; filled in from the tokenizer at start-up
 
     def __post_init__(self) -> None:

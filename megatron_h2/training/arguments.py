@@ -282,7 +282,8 @@ def _inert_logging_flags(run: dict[str, Any], given: dict[str, dict[str, Any]]) 
                            "profile_ranks")]
     rules += [(ModelConfig, name, run["ModelConfig"].fp8_format is None, "needs --fp8-format")
               for name in ("fp8_recipe", "fp8_margin", "fp8_amax_history_len",
-                           "fp8_amax_compute_algo", "fp8_param_gather")]
+                           "fp8_amax_compute_algo", "fp8_param_gather",
+                           "first_last_layers_bf16")]
     out = []
     for cls, name, inert, why in rules:
         if inert and name in given[cls.__name__]:
