@@ -4,8 +4,8 @@ Layers, lowest first. A module may import from its own package and from packages
 layer, never from a higher one or a sibling of its layer (``tests/test_layers.py`` checks it):
 
 0. ``errors`` <- ``config`` (typed run configuration and the one model description with its
-   parameter, FLOP and memory counts) <-
-   ``hetero_plan`` (the plan file) and ``pipeline_orders`` (each stage's order of forwards and
+   parameter, FLOP and memory counts) and ``yaml_checks`` (key, number and file checks of the
+   YAML files users write) <- ``hetero_plan`` (the plan file) and ``pipeline_orders`` (each stage's order of forwards and
    backwards under every pipeline schedule, shared by the runtime and the planner's
    simulator): plain Python, no torch.
 1. ``devices`` (DiTorch: one interface over each vendor's torch backend), ``data`` (indexed
@@ -24,7 +24,7 @@ layer, never from a higher one or a sibling of its layer (``tests/test_layers.py
 __version__ = "0.1.0"
 
 LAYERS: dict[str, int] = {
-    "errors": 0, "config": 1, "hetero_plan": 2, "pipeline_orders": 2,
+    "errors": 0, "config": 1, "yaml_checks": 1, "hetero_plan": 2, "pipeline_orders": 2,
     "devices": 3, "data": 3, "planner": 3,
     "distributed": 4,
     "parallel": 5, "pipeline": 5,

@@ -280,8 +280,8 @@ def write_outputs(a, cfg, result: dict) -> None:
     if a.calibrated_cluster:
         import yaml
 
-        from megatron_h2.hetero_plan import load_yaml_mapping
         from megatron_h2.planner.calibration import LinkTimes, calibrated_cluster
+        from megatron_h2.yaml_checks import load_yaml_mapping
 
         links = LinkTimes.from_dict(result["links"])
         data = calibrated_cluster(load_yaml_mapping(a.cluster, "cluster"), links)

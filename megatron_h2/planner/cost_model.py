@@ -47,10 +47,11 @@ from megatron_h2.config import (
     state_bytes_per_param,
 )
 from megatron_h2.errors import ConfigError
-from megatron_h2.hetero_plan import HeteroPlan, StageSpec, positive_float
+from megatron_h2.hetero_plan import HeteroPlan, StageSpec
 from megatron_h2.planner.cluster import ChipType, Cluster
 from megatron_h2.planner.orders import check_schedule, held_states
 from megatron_h2.planner.stage_costs import StageCosts
+from megatron_h2.yaml_checks import positive_float
 
 if TYPE_CHECKING:
     from megatron_h2.planner.profile import ProfileTable

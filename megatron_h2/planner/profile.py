@@ -53,7 +53,7 @@ from typing import Any
 
 from megatron_h2.config import ModelConfig
 from megatron_h2.errors import ConfigError
-from megatron_h2.hetero_plan import (
+from megatron_h2.yaml_checks import (
     check_keys,
     closest,
     load_yaml_mapping,

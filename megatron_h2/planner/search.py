@@ -35,14 +35,14 @@ from megatron_h2.hetero_plan import (
     ChipSpec,
     HeteroPlan,
     StageSpec,
-    closest,
-    positive_int,
 )
 from megatron_h2.planner.bounds import BatchShape, Kind
 from megatron_h2.planner.cost_model import MODES, CostModel, PlanEstimate
 from megatron_h2.planner.partition import INF, Split, StageSlot, solve_split
+from megatron_h2.yaml_checks import closest, positive_int
 
 _SLACK = 1e-9  # relative tolerance when comparing a bound with the K-th best
+
 
 
 @dataclass(frozen=True)
