@@ -5,9 +5,9 @@ layer, never from a higher one or a sibling of its layer (``tests/test_layers.py
 
 0. ``errors`` <- ``config`` (typed run configuration and the one model description with its
    parameter, FLOP and memory counts) and ``yaml_checks`` (key, number and file checks of the
-   YAML files users write) <- ``hetero_plan`` (the plan file) and ``pipeline_orders`` (each stage's order of forwards and
-   backwards under every pipeline schedule, shared by the runtime and the planner's
-   simulator): plain Python, no torch.
+   YAML files users write) <- ``hetero_plan`` (the plan file) and ``pipeline_orders`` (each
+   stage's order of forwards and backwards under every pipeline schedule, shared by the
+   runtime and the planner's simulator): plain Python, no torch.
 1. ``devices`` (DiTorch: one interface over each vendor's torch backend), ``data`` (indexed
    datasets, tokenizers, corpora) and ``planner`` (HeteroAuto: cost model, search, simulator;
    never torch).
