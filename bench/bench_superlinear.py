@@ -99,11 +99,11 @@ class Case:
 
 
 def plan_cases(cluster: Cluster, profile: ProfileTable | None,
+               global_batch: int = MODEL["global_batch_size"],
                time_limit_s: float = 30.0) -> list[Case]:
     """The planner's best plan for each chip type alone, then for the whole cluster."""
     cost = CostModel(cluster, planner_model(), CostConfig(), profile)
-    options = SearchOptions(MODEL["global_batch_size"], 1, MICRO_BATCH_SIZES,
-                            time_limit_s=time_limit_s)
+    options = SearchOptions(global_batch, 1, MICRO_BATCH_SIZES, time_limit_s=time_limit_s)
     mixed = search(cost, options).best
     comparison = compare_homogeneous(cost, options, mixed.estimate.tokens_per_s)
     cases = []
@@ -121,8 +121,8 @@ def cores_needed(plan: HeteroPlan) -> float:
                for r in range(plan.world_size))
 
 
-def tokens_per_s(step_ms: float) -> float:
-    return MODEL["global_batch_size"] * MODEL["seq_length"] / (step_ms / 1e3)
+def tokens_per_s(step_ms: float, global_batch: int) -> float:
+    return global_batch * MODEL["seq_length"] / (step_ms / 1e3)
 
 
 def ratio(values: dict[str, float]) -> float:
@@ -137,6 +137,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
                         help="rounds of profiling + running every plan (default 2)")
     parser.add_argument("--iters", type=int, default=6, help="training iterations per run")
     parser.add_argument("--skip", type=int, default=2, help="warm-up iterations not counted")
+    parser.add_argument("--global-batch-size", type=int, default=MODEL["global_batch_size"],
+                        help="samples per step (default 16; smaller for a quick check)")
     parser.add_argument("--time-limit", type=float, default=30.0, help="planner time limit (s)")
     parser.add_argument("--max-wait", type=float, default=90.0,
                         help="seconds in all to wait for other processes to leave the cores "
@@ -168,7 +170,7 @@ def main(argv: list[str] | None = None) -> int:
                     f"{c.emulate_slowdown:g})" for c in cluster.chips) + f"; files in {work}")
     log(f"model: {model.num_layers} layers, hidden {model.hidden_size}, seq {model.seq_length}, "
         f"vocab {model.vocab_size}, {model.num_parameters() / 1e6:.1f}M params; global batch "
-        f"{MODEL['global_batch_size']}, micro-batch 1; OMP_NUM_THREADS=1 per process")
+        f"{args.global_batch_size}, micro-batch 1; OMP_NUM_THREADS=1 per process")
     data = write_corpus(work, VOCAB)
     flags = train_flags(model, VOCAB, data, args.iters)
     budget = [args.max_wait]
@@ -194,7 +196,8 @@ def main(argv: list[str] | None = None) -> int:
 
     # ---- plan each chip type alone and the mixed cluster with the first profile
     profile(0)
-    cases = plan_cases(cluster, ProfileTable.from_dict(profiles[0]), args.time_limit)
+    cases = plan_cases(cluster, ProfileTable.from_dict(profiles[0]), args.global_batch_size,
+                       args.time_limit)
     paths = {}
     for case in cases:
         paths[case.name] = work / f"plan_{case.name}.yaml"
@@ -239,8 +242,9 @@ def main(argv: list[str] | None = None) -> int:
             "plan": plan_label(case.plan), "schedule": case.plan.schedule,
             "processes": case.plan.world_size, "cores_needed": cores_needed(case.plan),
             "predicted": cost.evaluate(case.plan).tokens_per_s,
-            "simulated": tokens_per_s(1e3 * simulate(case.plan, cost).step_time_s),
-            "measured": None if step is None else tokens_per_s(step),
+            "simulated": tokens_per_s(1e3 * simulate(case.plan, cost).step_time_s,
+                                      args.global_batch_size),
+            "measured": None if step is None else tokens_per_s(step, args.global_batch_size),
             "steps_ms": [round(m["ms"], 1) for m in runs],
             "cores_used": max((m["cores"] for m in runs), default=None),
             "others": max((m["load"] for m in runs), default=None)}
@@ -276,8 +280,9 @@ def main(argv: list[str] | None = None) -> int:
     log(f"total {elapsed:.0f} s; load average now {load_average():.2f}")
     if args.json:
         Path(args.json).write_text(json.dumps(
-            {"model": MODEL, "cluster": cluster.to_dict(), "rounds": args.rounds,
-             "iterations": args.iters, "skip": args.skip, "profile": median, "rows": rows,
+            {"model": dict(MODEL, global_batch_size=args.global_batch_size),
+             "cluster": cluster.to_dict(), "rounds": args.rounds, "iterations": args.iters,
+             "skip": args.skip, "profile": median, "rows": rows,
              "ratios": summary, "profile_other_cores": profile_load, "runs": measured,
              "seconds": elapsed}, indent=1))
         log(f"wrote {args.json}")
