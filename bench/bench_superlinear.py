@@ -4,8 +4,9 @@
 H2's claim: chips that are weak alone (too little memory, so full recompute) become efficient
 next to chips that complement them, so a mixed cluster can train faster than the sum of what each
 chip type trains alone. On this machine's CPU, with `examples/clusters/cpu_superlinear.yaml`
-(`fast`: full speed, memory for the model only under full recompute; `big`: memory to spare,
-`emulate_slowdown: 3.0`; one single-threaded process each), the script
+(`fast`: memory for the model only under full recompute; `big`: memory to spare, three times
+slower; one single-threaded process each, padded with sleep to `emulate_slowdown` 2 and 6), the
+script
 
 1. measures the chips with `tools/profile_chip.py --threads 1` (micro-batch 1);
 2. plans through the planner's API (`search` and `compare_homogeneous`, what
@@ -19,7 +20,8 @@ chip type trains alone. On this machine's CPU, with `examples/clusters/cpu_super
    simulator, with the per-entry median of the rounds' profiles), the ratio mixed / (sum of the
    chip types alone), measured and predicted (targets: measured >= 1.05, predicted within 10% of
    it), and the cores: those the plan's processes need by design (sum of 1 / emulate_slowdown
-   over its ranks; under the host's 2 so that the processes do not compete for cores), those each
+   over its ranks: 0.67 for the mixed plan, well under the host's 2 so that the processes do not
+   compete for cores, with room for other processes), those each
    run used (CPU time of torchrun and its workers / wall time, start-up included) and those other
    processes took meanwhile (a run they disturbed, >= --busy cores, is repeated once).
 

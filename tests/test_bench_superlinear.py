@@ -57,7 +57,7 @@ def test_fast_alone_recomputes_and_the_mixed_plan_spares_it(profile) -> None:
     assert cases[MIXED].predicted_tokens_per_s / alone >= 1.10
     # every plan's processes fit the host's two cores
     assert all(cores_needed(case.plan) < 2 for case in cases.values())
-    assert cores_needed(mixed) == pytest.approx(1 + 1 / 3)
+    assert cores_needed(mixed) == pytest.approx(1 / 2 + 1 / 6)
 
 
 @pytest.mark.e2e
