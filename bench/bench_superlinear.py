@@ -137,7 +137,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=2,
                         help="rounds of profiling + running every plan (default 2)")
-    parser.add_argument("--iters", type=int, default=6, help="training iterations per run")
+    parser.add_argument("--iters", type=int, default=5, help="training iterations per run")
     parser.add_argument("--skip", type=int, default=2, help="warm-up iterations not counted")
     parser.add_argument("--global-batch-size", type=int, default=MODEL["global_batch_size"],
                         help="samples per step (default 16; smaller for a quick check)")
