@@ -46,9 +46,11 @@ from pathlib import Path
 import yaml
 from emulated_runs import (
     ROOT,
+    add_quiet_arguments,
     log,
     median_profile,
     profile_chips,
+    quiet_waiter,
     run,
     torchrun_cmd,
     train_flags,
@@ -64,7 +66,7 @@ from megatron_h2.planner.cost_model import CostConfig, CostModel  # noqa: E402
 from megatron_h2.planner.model import model_from_dict  # noqa: E402
 from megatron_h2.planner.profile import ProfileTable  # noqa: E402
 from megatron_h2.planner.simulator import simulate  # noqa: E402
-from megatron_h2.training.host_load import OtherLoad, load_average, wait_for_quiet  # noqa: E402
+from megatron_h2.training.host_load import OtherLoad, load_average  # noqa: E402
 
 # hidden 256 / seq 256 / 8 layers: a layer's forward is ~6 ms on one core, so compute dominates
 # the Python and launch overheads while a whole step stays around one second.
@@ -186,15 +188,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--with-tp", action="store_true",
                         help="also run a TP 2 plan (informational, not in the medians)")
     parser.add_argument("--time-limit", type=float, default=30.0, help="planner time limit (s)")
-    parser.add_argument("--max-wait", type=float, default=90.0,
-                        help="seconds in all to wait for other processes to leave the cores "
-                             "before runs (default 90; 0: never wait)")
-    parser.add_argument("--budget", type=float, default=540.0,
-                        help="no more repeats of disturbed runs once the script has run this "
-                             "many seconds (default 540)")
-    parser.add_argument("--busy", type=float, default=0.5,
-                        help="other processes' cores above which a run waits first and is "
-                             "flagged as disturbed (default 0.5)")
+    add_quiet_arguments(parser, 540.0)
     parser.add_argument("--workdir", help="keep the files here (default: a temporary folder)")
     parser.add_argument("--json", metavar="FILE", help="write the results as JSON")
     parser.add_argument("--probe-gloo", nargs=3, metavar=("OUT", "DP_BYTES", "ACT_BYTES"),
@@ -230,12 +224,8 @@ def main(argv: list[str] | None = None) -> int:
         f"{1e3 * gloo['p2p_s']:.2f} ms")
     for count, name in ((1, "cluster_plan.yaml"), (2, "cluster_eval.yaml")):
         (work / name).write_text(yaml.safe_dump(cluster_dict(count, gloo), sort_keys=False))
-    budget = [args.max_wait]
 
-    def quiet() -> None:
-        wait_for_quiet(budget, args.busy, lambda c: log(
-            f"  waiting: other processes use {c:.1f} cores ({budget[0]:.0f} s of waiting left)")
-            if budget[0] % 10 == 0 else None)
+    quiet = quiet_waiter(args)
 
     def profile_with_load(r: int) -> dict:
         """Profile once; if other processes disturbed it, once more (and keep that one)."""

@@ -48,11 +48,13 @@ from pathlib import Path
 import yaml
 from emulated_runs import (
     ROOT,
+    add_quiet_arguments,
     log,
     measure,
     median_profile,
     plan_label,
     profile_chips,
+    quiet_waiter,
     train_flags,
     write_corpus,
 )
@@ -70,7 +72,7 @@ from megatron_h2.planner import (
     search,
     simulate,
 )
-from megatron_h2.training.host_load import OtherLoad, load_average, wait_for_quiet
+from megatron_h2.training.host_load import OtherLoad, load_average
 
 CLUSTER = ROOT / "examples" / "clusters" / "cpu_superlinear.yaml"
 # hidden 128 / seq 256 / 8 layers, LLaMA-style: a layer's forward and backward take ~5 ms each on
@@ -142,15 +144,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--global-batch-size", type=int, default=MODEL["global_batch_size"],
                         help="samples per step (default 16; smaller for a quick check)")
     parser.add_argument("--time-limit", type=float, default=30.0, help="planner time limit (s)")
-    parser.add_argument("--max-wait", type=float, default=90.0,
-                        help="seconds in all to wait for other processes to leave the cores "
-                             "(default 90; 0: never wait)")
-    parser.add_argument("--budget", type=float, default=480.0,
-                        help="no more repeats of disturbed runs once the script has run this "
-                             "many seconds (default 480)")
-    parser.add_argument("--busy", type=float, default=0.5,
-                        help="other processes' cores above which a run waits first and is "
-                             "flagged as disturbed (default 0.5)")
+    add_quiet_arguments(parser, 480.0)
     parser.add_argument("--workdir", help="keep the files here (default: a temporary folder)")
     parser.add_argument("--json", metavar="FILE", help="write the results as JSON")
     args = parser.parse_args(argv)
@@ -175,12 +169,8 @@ def main(argv: list[str] | None = None) -> int:
         f"{args.global_batch_size}, micro-batch 1; OMP_NUM_THREADS=1 per process")
     data = write_corpus(work, VOCAB)
     flags = train_flags(model, VOCAB, data, args.iters)
-    budget = [args.max_wait]
 
-    def quiet() -> None:
-        wait_for_quiet(budget, args.busy, lambda c: log(
-            f"  waiting: other processes use {c:.1f} cores ({budget[0]:.0f} s of waiting left)")
-            if budget[0] % 10 == 0 else None)
+    quiet = quiet_waiter(args)
 
     profiles: list[dict] = []
     profile_load: list[float] = []

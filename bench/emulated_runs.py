@@ -9,6 +9,7 @@ cores the run itself used.
 
 from __future__ import annotations
 
+import argparse
 import copy
 import json
 import os
@@ -29,11 +30,37 @@ from megatron_h2.config import ModelConfig  # noqa: E402
 from megatron_h2.hetero_plan import HeteroPlan  # noqa: E402
 from megatron_h2.planner.calibration import steady_step_ms  # noqa: E402
 from megatron_h2.planner.model import model_flags  # noqa: E402
-from megatron_h2.training.host_load import OtherLoad  # noqa: E402
+from megatron_h2.training.host_load import OtherLoad, wait_for_quiet  # noqa: E402
 
 
 def log(message: str) -> None:
     print(message, flush=True)
+
+
+def add_quiet_arguments(parser: argparse.ArgumentParser, budget_s: float) -> None:
+    """--max-wait, --budget and --busy: how long to wait for other processes to leave the
+    cores, and when a disturbed run is no longer repeated."""
+    parser.add_argument("--max-wait", type=float, default=90.0,
+                        help="seconds in all to wait for other processes to leave the cores "
+                             "before runs (default 90; 0: never wait)")
+    parser.add_argument("--budget", type=float, default=budget_s,
+                        help="no more repeats of disturbed runs once the script has run this "
+                             f"many seconds (default {budget_s:g})")
+    parser.add_argument("--busy", type=float, default=0.5,
+                        help="other processes' cores above which a run waits first and is "
+                             "flagged as disturbed (default 0.5)")
+
+
+def quiet_waiter(args: argparse.Namespace):
+    """A function that waits (out of --max-wait seconds in all) until other processes use
+    under --busy cores, saying so every 10 s."""
+    budget = [args.max_wait]
+
+    def quiet() -> None:
+        wait_for_quiet(budget, args.busy, lambda c: log(
+            f"  waiting: other processes use {c:.1f} cores ({budget[0]:.0f} s of waiting left)")
+            if budget[0] % 10 == 0 else None)
+    return quiet
 
 
 def free_port() -> int:
