@@ -79,4 +79,5 @@ def test_bench_runs_every_plan_and_reports_ratios(tmp_path: Path) -> None:
     ratios = result["ratios"]
     alone = rows["fast"]["measured"] + rows["big"]["measured"]
     assert ratios["measured"] == pytest.approx(rows[MIXED]["measured"] / alone)
-    assert "mixed / sum of the chip types alone: measured" in proc.stdout
+    assert ratios["rounds"] == [ratios["measured"]] and ratios["all_rounds"] == 1
+    assert "mixed / sum of the chip types alone, per round" in proc.stdout
