@@ -34,32 +34,39 @@ they are what the rounds and medians are for.
 from __future__ import annotations
 
 import argparse
-import copy
 import json
 import os
-import random
 import shutil
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
 import yaml
+from emulated_runs import (
+    ROOT,
+    add_quiet_arguments,
+    log,
+    median_profile,
+    profile_chips,
+    quiet_waiter,
+    run,
+    torchrun_cmd,
+    train_flags,
+    write_corpus,
+)
+from emulated_runs import measure as measure_plan
+from emulated_runs import plan_label as label
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-from megatron_h2.hetero_plan import HeteroPlan  # noqa: E402
-from megatron_h2.planner.calibration import LinkTimes, fitted_gb_per_s, steady_step_ms  # noqa: E402
+from megatron_h2.hetero_plan import HeteroPlan
+from megatron_h2.planner.calibration import LinkTimes, fitted_gb_per_s  # noqa: E402
 from megatron_h2.planner.cluster import Cluster  # noqa: E402
 from megatron_h2.planner.cost_model import CostConfig, CostModel  # noqa: E402
-from megatron_h2.planner.model import model_flags, model_from_dict  # noqa: E402
+from megatron_h2.planner.model import model_from_dict  # noqa: E402
 from megatron_h2.planner.profile import ProfileTable  # noqa: E402
 from megatron_h2.planner.simulator import simulate  # noqa: E402
-from megatron_h2.training.host_load import OtherLoad, load_average, wait_for_quiet  # noqa: E402
+from megatron_h2.training.host_load import OtherLoad, load_average  # noqa: E402
 
 # hidden 256 / seq 256 / 8 layers: a layer's forward is ~6 ms on one core, so compute dominates
 # the Python and launch overheads while a whole step stays around one second.
@@ -95,34 +102,6 @@ PLANS: dict[str, tuple[list[tuple[str, int, int, str]], int]] = {
 TP_PLAN = {"TP 2 fast 8": ([("fast", 2, 8, "none")], 1)}  # --with-tp: informational
 
 
-def log(message: str) -> None:
-    print(message, flush=True)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def env1() -> dict[str, str]:
-    return dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
-
-
-def torchrun_cmd(nproc: int, script: Path, args: list[str]) -> list[str]:
-    return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
-            "--master-addr", "127.0.0.1", "--master-port", str(free_port()), str(script), *args]
-
-
-def run(cmd: list[str], timeout: float = 300) -> subprocess.CompletedProcess:
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env1(),
-                          cwd=ROOT)
-    if proc.returncode != 0:
-        raise RuntimeError(f"{' '.join(cmd[:6])} ... failed ({proc.returncode}):\n"
-                           f"{proc.stdout[-1500:]}\n{proc.stderr[-3000:]}")
-    return proc
-
-
 # ---------------------------------------------------------------------------------- probes
 def probe_gloo(out: str, dp_bytes: int, act_bytes: int) -> None:
     """Under torchrun, 2 ranks: all-reduce of the DP gradient size and a point-to-point
@@ -142,20 +121,6 @@ def probe_gloo(out: str, dp_bytes: int, act_bytes: int) -> None:
 
 
 # ------------------------------------------------------------------------------ setup files
-def write_corpus(work: Path) -> str:
-    rng = random.Random(0)
-    docs = work / "docs.jsonl"
-    with open(docs, "w") as fh:
-        for _ in range(400):
-            start, n = rng.randrange(TOKENIZER_VOCAB), rng.randrange(100, 400)
-            fh.write(json.dumps({"text": " ".join(str((start + i) % TOKENIZER_VOCAB)
-                                                  for i in range(n))}) + "\n")
-    run([sys.executable, str(ROOT / "tools" / "preprocess_data.py"), "--input", str(docs),
-         "--output-prefix", str(work / "corpus"), "--tokenizer-type", "NullTokenizer",
-         "--vocab-size", str(TOKENIZER_VOCAB), "--append-eod"])
-    return str(work / "corpus_text_document")
-
-
 def cluster_dict(count: int, gloo: dict) -> dict:
     """The CPU-emulated cluster: `count` chips of each type, bandwidths fitted to gloo
     (megatron_h2.planner.calibration.fitted_gb_per_s): DP all-reduces in a node at the
@@ -191,82 +156,18 @@ def uniform_of(plan: HeteroPlan) -> dict:
     return d
 
 
-def label(plan: HeteroPlan) -> str:
-    parts = []
-    for s in plan.stages:
-        text = f"{s.chip} {s.num_layers}"
-        text += {"none": "", "selective": " sel", "full": " full"}[s.recompute]
-        parts.append(text if s.tensor_parallel_size == 1 else f"TP{s.tensor_parallel_size} {text}")
-    extra = f" (mb {plan.micro_batch_size})" if plan.micro_batch_size != 1 else ""
-    dp = f"DP {plan.data_parallel_size} x " if plan.data_parallel_size > 1 else ""
-    return dp + " | ".join(parts) + extra
-
-
 def profile_round(work: Path, r: int) -> dict:
     """tools/profile_chip.py --threads 1 (it measures the optimizer step and selective
     recompute too); the bench waits for quiet cores itself."""
-    out = work / f"profile_r{r}.yaml"
-    proc = run([sys.executable, str(ROOT / "tools" / "profile_chip.py"), "--chip", "fast",
-                "--chip", "slow", *model_flags(planner_model()),
-                "--micro-batch-sizes", ",".join(map(str, PROFILE_SIZES)),
-                "--threads", "1", "--max-wait", "0", "--output", str(out)])
-    data = yaml.safe_load(out.read_text())
+    data, output = profile_chips(work, f"r{r}", planner_model(), ["fast", "slow"],
+                                 PROFILE_SIZES)
     chip = data["chips"]["fast"]
     sel = ", ".join(f"mb {k}: {v['selective_recompute_ms']:.2f} ms"
                     for k, v in chip["micro_batch_sizes"].items())
     log(f"optimizer step (norm, clip, AdamW, zero_grad): {chip['optimizer_ns_per_param']:.2f} "
         f"ns/param; selective recompute adds per layer {sel}")
-    (work / f"profile_r{r}.txt").write_text(proc.stdout)
+    (work / f"profile_r{r}.txt").write_text(output)
     return data
-
-
-def median_profile(tables: list[dict]) -> dict:
-    """Per-entry median over the rounds' profile tables (same shape)."""
-    merged = copy.deepcopy(tables[0])
-    for name, chip in merged["chips"].items():
-        chip["optimizer_ns_per_param"] = round(statistics.median(
-            t["chips"][name]["optimizer_ns_per_param"] for t in tables), 4)
-        for size, row in chip["micro_batch_sizes"].items():
-            for key in row:
-                row[key] = round(statistics.median(
-                    t["chips"][name]["micro_batch_sizes"][size][key] for t in tables), 4)
-    return merged
-
-
-# ------------------------------------------------------------------------------- real runs
-def train_flags(data: str, iters: int) -> list[str]:
-    return [*model_flags(planner_model(), vocab=False),
-            "--tokenizer-type", "NullTokenizer", "--vocab-size", str(TOKENIZER_VOCAB),
-            "--data-path", data, "--split", "100,0,0", "--train-iters", str(iters),
-            "--log-interval", "1", "--eval-interval", "1000000", "--eval-iters", "0",
-            "--lr", "1e-4", "--lr-warmup-iters", "1", "--hidden-dropout", "0",
-            "--attention-dropout", "0"]
-
-
-def measure(plan_path: Path, nproc: int, data: str, iters: int, skip: int, out: Path) -> dict:
-    """Run the plan for real; median iteration_ms after ``skip`` warm-up iterations."""
-    out.unlink(missing_ok=True)
-    cmd = torchrun_cmd(nproc, ROOT / "pretrain_gpt.py",
-                       [*train_flags(data, iters), "--hetero-plan", str(plan_path),
-                        "--log-jsonl", str(out)])
-    started = time.perf_counter()
-    with OtherLoad() as other:
-        try:
-            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env1(),
-                                  cwd=ROOT)
-        except subprocess.TimeoutExpired:
-            proc = None
-    wall = time.perf_counter() - started
-    load = other.cores
-    if proc is None:
-        return {"error": "timed out", "load": load}
-    if proc.returncode != 0 or not out.exists():
-        return {"error": (proc.stderr or proc.stdout)[-2000:], "load": load}
-    times = steady_step_ms(out, skip)
-    if not times:
-        return {"error": "no iteration_ms after the warm-up", "load": load}
-    return {"ms": statistics.median(times), "iterations_ms": [round(t, 1) for t in times],
-            "wall_s": round(wall, 1), "load": load}
 
 
 # ------------------------------------------------------------------------------------ main
@@ -287,15 +188,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--with-tp", action="store_true",
                         help="also run a TP 2 plan (informational, not in the medians)")
     parser.add_argument("--time-limit", type=float, default=30.0, help="planner time limit (s)")
-    parser.add_argument("--max-wait", type=float, default=90.0,
-                        help="seconds in all to wait for other processes to leave the cores "
-                             "before runs (default 90; 0: never wait)")
-    parser.add_argument("--budget", type=float, default=540.0,
-                        help="no more repeats of disturbed runs once the script has run this "
-                             "many seconds (default 540)")
-    parser.add_argument("--busy", type=float, default=0.5,
-                        help="other processes' cores above which a run waits first and is "
-                             "flagged as disturbed (default 0.5)")
+    add_quiet_arguments(parser, 540.0)
     parser.add_argument("--workdir", help="keep the files here (default: a temporary folder)")
     parser.add_argument("--json", metavar="FILE", help="write the results as JSON")
     parser.add_argument("--probe-gloo", nargs=3, metavar=("OUT", "DP_BYTES", "ACT_BYTES"),
@@ -318,7 +211,7 @@ def main(argv: list[str] | None = None) -> int:
         f"{model.seq_length}, vocab {model.vocab_size}, {model.num_parameters() / 1e6:.1f}M "
         f"params; global batch {MODEL['global_batch_size']}; OMP_NUM_THREADS=1 per process")
     (work / "model.yaml").write_text(yaml.safe_dump(MODEL, sort_keys=False))
-    data = write_corpus(work)
+    data = write_corpus(work, TOKENIZER_VOCAB)
 
     # ---- calibration: gloo loopback and the optimizer step
     dp_bytes = int(model.num_parameters()) * 4  # fp32 gradients of the whole model
@@ -331,12 +224,8 @@ def main(argv: list[str] | None = None) -> int:
         f"{1e3 * gloo['p2p_s']:.2f} ms")
     for count, name in ((1, "cluster_plan.yaml"), (2, "cluster_eval.yaml")):
         (work / name).write_text(yaml.safe_dump(cluster_dict(count, gloo), sort_keys=False))
-    budget = [args.max_wait]
 
-    def quiet() -> None:
-        wait_for_quiet(budget, args.busy, lambda c: log(
-            f"  waiting: other processes use {c:.1f} cores ({budget[0]:.0f} s of waiting left)")
-            if budget[0] % 10 == 0 else None)
+    quiet = quiet_waiter(args)
 
     def profile_with_load(r: int) -> dict:
         """Profile once; if other processes disturbed it, once more (and keep that one)."""
@@ -395,7 +284,8 @@ def main(argv: list[str] | None = None) -> int:
         plan = plans[name]
         nproc = sum(s.tensor_parallel_size for s in plan.stages) * plan.data_parallel_size
         quiet()
-        result = measure(path, nproc, data, args.iters, args.skip, work / "log.jsonl")
+        result = measure_plan(path, train_flags(model, TOKENIZER_VOCAB, data, args.iters),
+                              args.skip, work / "log.jsonl")
         if result["load"] != result["load"]:
             result["load"] = 0.0  # unknown: treat as calm
         measured[name].append(result)

@@ -39,15 +39,19 @@ class OtherLoad:
     /proc/stat counts every process's CPU time; this process's children report theirs through
     getrusage once they have been waited for (so wait for them inside the block). The
     difference over the block's wall time is what others took (NaN where /proc/stat is missing).
+    ``own_cores`` is what this process and its waited-for children used meanwhile.
     """
 
     def __enter__(self) -> OtherLoad:
         self.start = (self._busy(), self._ours(), time.perf_counter())
         self.cores = float("nan")
+        self.own_cores = float("nan")
         return self
 
     def __exit__(self, *exc: object) -> None:
         busy, ours, now = self._busy(), self._ours(), time.perf_counter()
+        if now > self.start[2]:
+            self.own_cores = (ours - self.start[1]) / (now - self.start[2])
         if busy is not None and self.start[0] is not None and now > self.start[2]:
             other = (busy - self.start[0]) - (ours - self.start[1])
             self.cores = max(other, 0.0) / (now - self.start[2])

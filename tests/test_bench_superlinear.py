@@ -1,0 +1,83 @@
+"""bench/bench_superlinear.py: its planning step builds the effect it measures (the memory-poor
+fast chip alone recomputes, the mixed plan spares it), and the bench runs end to end."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "bench"))
+
+from bench_superlinear import (  # noqa: E402
+    CLUSTER,
+    MIXED,
+    cores_needed,
+    plan_cases,
+    planner_model,
+)
+
+from megatron_h2.planner import Cluster, ProfileTable  # noqa: E402
+
+
+def cpu_like_profile() -> ProfileTable:
+    """Times shaped like this CPU's (a layer's backward about as long as its forward), so the
+    planning is checked for the profile the bench measures as well as for the FLOP model."""
+    row = {"layer_forward_ms": 5.0, "layer_backward_ms": 5.0, "embedding_forward_ms": 0.1,
+           "embedding_backward_ms": 0.05, "head_forward_ms": 0.4, "head_backward_ms": 0.6,
+           "selective_recompute_ms": 3.5}
+    chip = {"micro_batch_sizes": {1: row}, "optimizer_ns_per_param": 7.0}
+    return ProfileTable.from_dict({"chips": {"fast": chip, "big": chip}})
+
+
+@pytest.mark.parametrize("profile", [None, cpu_like_profile()], ids=["flops", "cpu-profile"])
+def test_fast_alone_recomputes_and_the_mixed_plan_spares_it(profile) -> None:
+    cases = {case.name: case for case in plan_cases(Cluster.from_yaml(CLUSTER), profile,
+                                                    time_limit_s=20)}
+    assert set(cases) == {"fast", "big", MIXED}
+    fast, big, mixed = cases["fast"].plan, cases["big"].plan, cases[MIXED].plan
+    # alone, the memory-poor chip fits the model only by recomputing every layer
+    assert {s.chip for s in fast.stages} == {"fast"}
+    assert all(s.recompute == "full" for s in fast.stages)
+    # the memory-rich one needs no recompute alone
+    assert {s.chip for s in big.stages} == {"big"}
+    assert all(s.recompute == "none" for s in big.stages)
+    # together: both types, the early stages (embedding) on the memory-rich type, and the fast
+    # chip's layers without recompute
+    assert {s.chip for s in mixed.stages} == {"fast", "big"}
+    assert mixed.stages[0].chip == "big"
+    assert all(s.recompute == "none" for s in mixed.stages if s.chip == "fast")
+    assert sum(s.num_layers for s in mixed.stages) == planner_model().num_layers
+    # the planner predicts the mixed cluster beats the sum of its parts
+    alone = cases["fast"].predicted_tokens_per_s + cases["big"].predicted_tokens_per_s
+    assert cases[MIXED].predicted_tokens_per_s / alone >= 1.10
+    # every plan's processes fit the host's two cores
+    assert all(cores_needed(case.plan) < 2 for case in cases.values())
+    assert cores_needed(mixed) == pytest.approx(1 / 2 + 1 / 6)
+
+
+@pytest.mark.e2e
+def test_bench_runs_every_plan_and_reports_ratios(tmp_path: Path) -> None:
+    out = tmp_path / "result.json"
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "bench_superlinear.py"), "--rounds", "1",
+         "--iters", "2", "--skip", "1", "--global-batch-size", "4", "--max-wait", "0",
+         "--budget", "0", "--json", str(out)],
+        capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    result = json.loads(out.read_text())
+    rows = result["rows"]
+    assert set(rows) == {"fast", "big", MIXED}
+    assert rows["fast"]["plan"] == "fast 8 full"
+    for row in rows.values():
+        assert row["measured"] > 0 and row["predicted"] > 0 and len(row["steps_ms"]) == 1
+        assert 0 < row["cores_used"]
+    ratios = result["ratios"]
+    alone = rows["fast"]["measured"] + rows["big"]["measured"]
+    assert ratios["measured"] == pytest.approx(rows[MIXED]["measured"] / alone)
+    assert ratios["rounds"] == [ratios["measured"]] and ratios["all_rounds"] == 1
+    assert "mixed / sum of the chip types alone, per round" in proc.stdout
