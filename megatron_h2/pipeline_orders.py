@@ -25,6 +25,15 @@ stage ``c * p + s - 1`` (the last stage's chunk ``c - 1`` for ``s = 0``).
   1F1B's peak activation memory (``p`` micro-batches in flight on every stage, as on 1F1B's first
   stage).
 
+Stages with their own data-parallel degrees (``DP_s``): replica ``r`` of stage ``s`` runs the
+micro-batches ``j`` with ``j mod DP_s == r`` (:func:`replica_micro_batches`) in the 1F1B or
+zero-bubble order of its own list, with :func:`replica_warmup` warm-up forwards (Megatron's
+``p - s - 1`` per replica can hang when the DP degrees differ). Micro-batch ``j`` goes through
+replica ``j mod DP_s`` of every stage; each pair of neighbouring replicas exchanges its common
+micro-batches in increasing order both ways. The interleaved orders group a replica's
+micro-batches by ``p``, which does not line up across stages of different DP: with differing DP
+degrees they can hang, so they are for uniform DP only.
+
 The orders are written here rather than taken from ``torch.distributed.pipelining``, whose
 schedule classes compute them inside objects bound to ``PipelineStage`` s and one job-wide
 micro-batch count, through private helpers. They follow the same rules:
@@ -85,10 +94,37 @@ def check_micro_batches(schedule: str, stages: int, chunks: int, micro_batches: 
             f"the pipeline size {stages}; change the global batch size")
 
 
-def one_f_one_b(stage: int, stages: int, micro_batches: Sequence[int]) -> list[Action]:
-    """Megatron's non-interleaved 1F1B order of one stage."""
+def replica_warmup(stage: int, stage_dps: Sequence[int]) -> int:
+    """Warm-up forwards of each DP replica of ``stage`` under 1F1B and zero-bubble when the
+    stages have their own DP degrees ``stage_dps``: ``ceil(sum of the later stages' DP / DP_s)``
+    (``p - s - 1`` when every stage has the same DP).
+
+    Replica ``r`` of stage ``s`` runs the micro-batches ``j = r (mod DP_s)``; with ``w_s`` warm-up
+    forwards it runs the forward of micro-batch ``j'`` before the backward of its ``j`` exactly
+    when ``j' <= j + G_s``, ``G_s = w_s DP_s``. The rule makes ``G_s`` fall along the pipeline
+    (``G_s >= S_{s+1} > G_{s+1}``, ``S_{s+1}`` the later stages' DP sum), so every backward
+    waits only for forwards and backwards of smaller micro-batch ids and no order can hang
+    (Megatron's ``p - s - 1`` per replica can: stages with DP 1, 1, 2, 2, 1). It also keeps
+    stage ``s``, with its replicas together, holding ``S_s`` micro-batches, one per replica of
+    every stage from it on, as uniform 1F1B does, so a stage with fewer replicas than the next
+    ones can keep them all busy.
+    """
+    later = sum(stage_dps[stage + 1:])
+    return -(-later // stage_dps[stage])
+
+
+def replica_micro_batches(total: int, data_parallel_size: int, replica: int) -> range:
+    """The micro-batches of DP ``replica`` of a stage of ``data_parallel_size`` replicas, out of
+    ``total`` per step: ``replica, replica + DP, ...``."""
+    return range(replica, total, data_parallel_size)
+
+
+def one_f_one_b(stage: int, stages: int, micro_batches: Sequence[int],
+                warmup: int | None = None) -> list[Action]:
+    """Megatron's non-interleaved 1F1B order of one stage (``warmup`` forwards first: by default
+    ``p - s - 1``, see :func:`replica_warmup` for stages with their own DP degree)."""
     mbs = list(micro_batches)
-    warmup = min(stages - stage - 1, len(mbs))
+    warmup = min(stages - stage - 1 if warmup is None else warmup, len(mbs))
     order = [Action("F", 0, j) for j in mbs[:warmup]]
     for i, j in enumerate(mbs[warmup:]):
         order += [Action("F", 0, j), Action("B", 0, mbs[i])]
@@ -104,15 +140,17 @@ def _virtual(k: int, stages: int, chunks: int, mbs: Sequence[int],
     return (chunks - 1 - chunk if backward else chunk), mbs[group * stages + k % stages]
 
 
-def interleaved(stage: int, stages: int, chunks: int,
-                micro_batches: Sequence[int]) -> list[Action]:
+def interleaved(stage: int, stages: int, chunks: int, micro_batches: Sequence[int],
+                warmup: int | None = None) -> list[Action]:
     """Megatron's interleaved 1F1B order of one stage (see the module docstring)."""
     mbs = list(micro_batches)
     if len(mbs) % stages:
         raise ConfigError(f"the interleaved schedule needs a multiple of {stages} micro-batches, "
                           f"got {len(mbs)}")
     total = len(mbs) * chunks
-    warmup = min((stages - stage - 1) * 2 + (chunks - 1) * stages, total)
+    if warmup is None:
+        warmup = (stages - stage - 1) * 2 + (chunks - 1) * stages
+    warmup = min(warmup, total)
 
     def fwd(k: int) -> Action:
         return Action("F", *_virtual(k, stages, chunks, mbs, backward=False))
@@ -126,8 +164,8 @@ def interleaved(stage: int, stages: int, chunks: int,
     return order + [bwd(k) for k in range(total - warmup, total)]
 
 
-def zero_bubble(stage: int, stages: int, chunks: int,
-                micro_batches: Sequence[int]) -> list[Action]:
+def zero_bubble(stage: int, stages: int, chunks: int, micro_batches: Sequence[int],
+                warmup: int | None = None) -> list[Action]:
     """ZB-H1 (``chunks == 1``) or interleaved zero-bubble order of one stage.
 
     ``(V - 1) x p + (p - s - 1)`` warm-up forwards, then one forward and one input-gradient
@@ -139,7 +177,9 @@ def zero_bubble(stage: int, stages: int, chunks: int,
         raise ConfigError(f"the interleaved zero-bubble schedule needs a multiple of {stages} "
                           f"micro-batches, got {len(mbs)}")
     total = len(mbs) * chunks
-    warmup = min((chunks - 1) * stages + stages - stage - 1, total)
+    if warmup is None:
+        warmup = (chunks - 1) * stages + stages - stage - 1
+    warmup = min(warmup, total)
     forwards = [Action("F", *_virtual(k, stages, chunks, mbs, backward=False))
                 for k in range(total)]
     backwards = [Action("B", *_virtual(k, stages, chunks, mbs, backward=True))
@@ -167,14 +207,15 @@ def forward_order(stage: int, stages: int, chunks: int,
 
 
 def schedule_order(schedule: str, stage: int, stages: int, chunks: int,
-                   micro_batches: Sequence[int]) -> list[Action]:
-    """The order of ``schedule`` (``1f1b``, ``interleaved`` or ``zero-bubble``) for one stage."""
+                   micro_batches: Sequence[int], warmup: int | None = None) -> list[Action]:
+    """The order of ``schedule`` (``1f1b``, ``interleaved`` or ``zero-bubble``) for one stage;
+    ``warmup``: forwards before the first backward (default: the schedule's own rule)."""
     check_micro_batches(schedule, stages, chunks, len(micro_batches))
     if schedule == "1f1b":
-        return one_f_one_b(stage, stages, micro_batches)
+        return one_f_one_b(stage, stages, micro_batches, warmup)
     if schedule == "interleaved":
-        return interleaved(stage, stages, chunks, micro_batches)
-    return zero_bubble(stage, stages, chunks, micro_batches)
+        return interleaved(stage, stages, chunks, micro_batches, warmup)
+    return zero_bubble(stage, stages, chunks, micro_batches, warmup)
 
 
 # ------------------------------------------------------------------------------ verification
