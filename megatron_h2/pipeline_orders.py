@@ -96,21 +96,25 @@ def check_micro_batches(schedule: str, stages: int, chunks: int, micro_batches: 
 
 def replica_warmup(stage: int, stage_dps: Sequence[int]) -> int:
     """Warm-up forwards of each DP replica of ``stage`` under 1F1B and zero-bubble when the
-    stages have their own DP degrees ``stage_dps``: ``ceil(sum of the later stages' DP / DP_s)``
-    (``p - s - 1`` when every stage has the same DP).
+    stages have their own DP degrees ``stage_dps`` (``p - s - 1``, Megatron's, when every stage
+    has the same DP).
 
     Replica ``r`` of stage ``s`` runs the micro-batches ``j = r (mod DP_s)``; with ``w_s`` warm-up
     forwards it runs the forward of micro-batch ``j'`` before the backward of its ``j`` exactly
-    when ``j' <= j + G_s``, ``G_s = w_s DP_s``. The rule makes ``G_s`` fall along the pipeline
-    (``G_s >= S_{s+1} > G_{s+1}``, ``S_{s+1}`` the later stages' DP sum), so every backward
-    waits only for forwards and backwards of smaller micro-batch ids and no order can hang
-    (Megatron's ``p - s - 1`` per replica can: stages with DP 1, 1, 2, 2, 1). It also keeps
-    stage ``s``, with its replicas together, holding ``S_s`` micro-batches, one per replica of
-    every stage from it on, as uniform 1F1B does, so a stage with fewer replicas than the next
-    ones can keep them all busy.
+    when ``j' <= j + G_s``, ``G_s = w_s DP_s`` (its lead, in micro-batch ids). The rule gives
+    each stage the smallest lead that exceeds the next stage's by one micro-batch per replica of
+    the next stage: ``G_{p-1} = 0``, ``G_s = DP_s ceil((G_{s+1} + DP_{s+1}) / DP_s)``, as
+    Megatron's ``G_s = (p - s - 1) DP`` does under uniform DP. Since ``G_s`` falls along the
+    pipeline, every backward waits only for forwards and backwards of smaller micro-batch ids,
+    so no order can hang (Megatron's ``p - s - 1`` per replica can: DP 1, 1, 2, 2, 1). With a
+    smaller lead, a stage would hold back the forward that a replica of the next stage waits for
+    until a backward of another replica comes back: a stage of DP 1 feeding one of DP 4 that
+    leads by only one micro-batch takes twice the time in the simulator.
     """
-    later = sum(stage_dps[stage + 1:])
-    return -(-later // stage_dps[stage])
+    lead = 0
+    for later in range(len(stage_dps) - 1, stage, -1):
+        lead = stage_dps[later - 1] * -(-(lead + stage_dps[later]) // stage_dps[later - 1])
+    return lead // stage_dps[stage]
 
 
 def replica_micro_batches(total: int, data_parallel_size: int, replica: int) -> range:

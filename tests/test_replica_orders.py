@@ -92,5 +92,7 @@ def test_replica_warmup_is_megatrons_under_uniform_dp() -> None:
     for p in (1, 2, 5):
         for d in (1, 2, 4):
             assert [replica_warmup(s, [d] * p) for s in range(p)] == list(range(p - 1, -1, -1))
-    assert [replica_warmup(s, [1, 1, 2, 2, 1]) for s in range(5)] == [6, 5, 2, 1, 0]
+    assert [replica_warmup(s, [1, 1, 2, 2, 1]) for s in range(5)] == [7, 6, 2, 1, 0]
+    assert [replica_warmup(s, [1, 4, 1]) for s in range(3)] == [8, 1, 0]
+    assert [replica_warmup(s, [4, 1]) for s in range(2)] == [1, 0]
     assert list(replica_micro_batches(8, 3, 1)) == [1, 4, 7]
