@@ -1,21 +1,38 @@
 """Per batch shape tables and lower bounds for the branch and bound of :mod:`.search`.
 
-A *batch shape* is a (micro-batch size ``b``, DP degree ``d``) pair; it fixes the number of
-micro-batches ``m`` and every stage kind's costs. Bounds use a grid of probe values ``g_0 <
-g_1 < ...`` for the slowest stage's work ``W`` and, per stage kind and position (counted from
-the end of the pipeline), an upper bound on the layers a stage can hold with work at most
-``g``: ``max over recompute modes of min(g / u_mode, memory cap)``, ignoring embedding and head.
+A *batch shape* is a micro-batch size ``b`` and a pipeline schedule (with ``V`` model chunks); it
+fixes the number of micro-batches ``M = global batch / b``. Its *stage kinds* are (chip type, TP
+degree ``t``, DP degree ``d``): every chip type picks its own DP degree, a divisor of ``M``
+(interleaved shapes keep one DP degree for every stage, their orders need it), and a kind's
+replicas run ``m = M / d`` micro-batches each. The step time of every schedule has the form
+``T = max_i F_i w_i + sum_i f_i + max_i z_i + links`` (:mod:`~megatron_h2.planner.partition`);
+bounds work with the *folded* steady term ``g = F_i w_i`` (``F_i = m_i - 1``, or ``m V - 1``
+under interleaving), so that kinds of different DP degrees compare on one scale.
 
+Memory caps depend on how many micro-batches a stage holds, which its warm-up ``q`` sets
+(:func:`~megatron_h2.pipeline_orders.replica_warmup`: ``q = 0`` on the last stage; under uniform
+DP ``q`` is the number of stages after it). The warm-up of a stage of kind ``k`` placed in front of
+a pipeline suffix follows from the suffix's *lead* ``L`` (the micro-batch lead its front stage
+needs from the next stage in front: ``G + d`` of the front stage, 0 for an empty suffix):
+``q = ceil(L / d_k)``, and ``n`` stages of kind ``k`` leave the lead ``d_k (q + n)``. Tables per
+kind are indexed by ``q`` up to the number of positions; a larger warm-up reads the last entry,
+which holds at least as much (caps fall with ``q``), so every table entry stays an upper bound.
+
+Bounds use a grid of probe values ``g_0 < g_1 < ...`` for the largest folded steady term and,
+per stage kind and warm-up, an upper bound on the layers a stage can hold with ``F w <= g``:
+``max over recompute modes of min(g / (F u_mode), memory cap)``, ignoring embedding and head.
 Below a node (a pipeline suffix) the *groups* of stages are the suffix's blocks (known kind,
-stages and positions, at least one layer per stage) and the chip types not used yet. An unused
-type contributes convex cost segments (its kinds by per-layer time, each adding the layers it can
-hold beyond the faster ones), and all unused types together add at most what an exact max-plus
-programme over subsets of types, orders, TP degrees and stage counts says. Any plan below the
-node whose slowest stage works ``W`` in ``(g_j, g_j+1]`` needs ``W > g_j`` and, since no stage
-holds more than its capacity at ``g_j+1``, at least ``F(g_j+1)`` of summed work, where ``F`` fills
-the ``L`` layers into the cheapest capacity first. Adding a lower bound on the slowest DP sync
-(the layers spread over every stage that may exist) and the known link times gives
-``T >= (m - 1) g_j + max(F(g_j+1), g_j) + sync + links`` for some admissible ``j``.
+stages and warm-ups, at least one layer per stage) and the chip types not used yet. An unused
+type contributes convex cost segments (its kinds by per-layer time, each adding the layers it
+can hold beyond the faster ones), and all unused types together add at most what a max-plus
+programme over subsets of types, kinds and stage counts on a grid of leads says (leads rounded
+down, which only adds capacity). Any plan below the node whose largest steady term is in
+``(g_j, g_j+1]`` needs that term ``> g_j`` and, since no stage holds more than its capacity at
+``g_j+1``, at least ``Fill(g_j+1)`` of summed work, where ``Fill`` fills the ``L`` layers into
+the cheapest capacity first; the slowest stage's own work is at least ``g_j / max F``. Adding a
+lower bound on the slowest DP sync (the layers spread over every stage that may exist) and the
+known link times gives ``T >= g_j + max(Fill(g_j+1), g_j / max F) + sync + links`` for some
+admissible ``j``.
 """
 
 from __future__ import annotations
@@ -25,7 +42,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from megatron_h2.planner.cost_model import MODES, CostModel, zero_bubble_share
-from megatron_h2.planner.orders import Totals, held_totals, schedule_problem
+from megatron_h2.planner.orders import held_totals, schedule_problem, zero_bubble_peaks
 from megatron_h2.planner.partition import INF
 from megatron_h2.planner.stage_costs import StageCosts
 
@@ -34,27 +51,34 @@ if TYPE_CHECKING:
 
 
 class Kind:
-    """A stage kind: chip type (index and name), TP degree, most stages, and its costs."""
+    """A stage kind: chip type (index and name), TP and DP degree, most stages, its costs, the
+    micro-batches of each of its DP replicas and the step formula's factor ``F``."""
 
-    __slots__ = ("chip", "name", "tp", "max_stages", "costs")
+    __slots__ = ("chip", "name", "tp", "dp", "max_stages", "costs", "micro_batches", "factor")
 
-    def __init__(self, chip: int, name: str, tp: int, max_stages: int, costs: StageCosts) -> None:
-        self.chip, self.name, self.tp, self.max_stages, self.costs = (
-            chip,
-            name,
-            tp,
-            max_stages,
-            costs,
-        )
+    def __init__(
+        self,
+        chip: int,
+        name: str,
+        tp: int,
+        dp: int,
+        max_stages: int,
+        costs: StageCosts,
+        micro_batches: int,
+        factor: int,
+    ) -> None:
+        self.chip, self.name, self.tp, self.dp = chip, name, tp, dp
+        self.max_stages, self.costs = max_stages, costs
+        self.micro_batches, self.factor = micro_batches, factor
 
 
 class BatchShape:
     """Stage kinds, memory caps, link times and bound tables for one batch shape: micro-batch
-    size, DP degree and pipeline schedule (with its number of model chunks ``V``).
+    size and pipeline schedule (with its number of model chunks ``V``), and for ``interleaved``
+    the one DP degree ``dp`` of every stage.
 
     Layers are counted in *units* of one layer per chunk (``V`` layers; one layer unless the
-    schedule is ``interleaved``) and work in the step formula's terms
-    (:mod:`~megatron_h2.planner.partition`): ``T = factor x max w + sum f + max z + links``.
+    schedule is ``interleaved``).
     """
 
     def __init__(
@@ -62,29 +86,36 @@ class BatchShape:
         cost: CostModel,
         global_batch_size: int,
         mbs: int,
-        dp: int,
         schedule: str = "1f1b",
         chunks: int = 1,
+        dp: int | None = None,
         lazy: bool = False,
     ) -> None:
         self.cost, self.mbs, self.dp = cost, mbs, dp
         self.schedule, self.chunks = schedule, chunks
         self.layers = cost.model.num_layers // chunks  # units
-        self.micro_batches = global_batch_size // (mbs * dp)
-        m = self.micro_batches
-        self.factor = m * chunks - 1 if schedule == "interleaved" else m - 1
+        self.total = global_batch_size // mbs
         self.link_factor = 2.0 * chunks  # x one-way link time, for the links between stages
         model = cost.model
+        largest = max(c.count for c in cost.cluster.chips)
+        degrees = (
+            [dp]
+            if dp is not None
+            else [d for d in range(1, min(self.total, largest) + 1) if self.total % d == 0]
+        )
         kinds = []
         for index, chip in enumerate(cost.cluster.chips):
             for tp in chip.tensor_parallel_options(
                 model.num_attention_heads, model.num_query_groups
             ):
-                count = chip.count // (tp * dp)
-                if count:
-                    kinds.append(
-                        Kind(index, chip.name, tp, count, cost.stage_costs(chip.name, tp, mbs, dp))
-                    )
+                for d in degrees:
+                    count = chip.count // (tp * d)
+                    if not count:
+                        continue
+                    m = self.total // d
+                    factor = m * chunks - 1 if schedule == "interleaved" else m - 1
+                    costs = cost.stage_costs(chip.name, tp, mbs, d)
+                    kinds.append(Kind(index, chip.name, tp, d, count, costs, m, factor))
         if cost.model.num_layers % chunks:
             kinds = []  # equal chunks cannot hold the layers
         self.kinds = tuple(kinds)
@@ -92,13 +123,22 @@ class BatchShape:
         self.kinds_of = {t: [i for i, k in enumerate(kinds) if k.chip == t] for t in self.types}
         per_type = [max(kinds[i].max_stages for i in self.kinds_of[t]) for t in self.types]
         self.positions = min(self.layers, sum(per_type)) if kinds else 0  # >= 1 unit per stage
-        self._mode_caps: dict[tuple[int, int, int], tuple[int, int, int]] = {}
+        self.depth = self.positions + 1  # warm-ups with their own memory caps
+        self.factor_max = max((k.factor for k in kinds), default=0)
+        self._mode_caps: dict[tuple[int, int, int, int | None], tuple[int, int, int]] = {}
+        self._placed_caps: dict[tuple[int, int, int, int], tuple[int, int, int]] = {}
         self._links: dict[tuple[str, str], float] = {}
+        self._floors: dict[int, float] = {}
         self.grid = np.zeros(1)
         self.grid_is_max = True
         self.prepared, self.pre_bound = False, 0.0
         if not lazy:
             self.prepare()
+
+    @property
+    def uniform(self) -> bool:
+        """Whether every stage of this shape has the same DP degree (interleaved shapes)."""
+        return self.dp is not None
 
     def prepare(self) -> None:
         """Build the bound tables (once); until then :meth:`root_bound` is :attr:`pre_bound`."""
@@ -106,18 +146,18 @@ class BatchShape:
             self._prepare()
         self.prepared = True
 
-    def cheap_bound(self, floor_1f1b: float) -> float:
-        """A lower bound on :meth:`root_bound` from the 1F1B shape of the same micro-batch size
-        and DP degree, without the tables: the same time caps and no more memory capacity make
-        this shape's work floor at least ``floor_1f1b`` (per chunk: ``floor_1f1b / V``)."""
+    def cheap_bound(self, floor: float) -> float:
+        """A lower bound on :meth:`root_bound` from the 1F1B shape of the same micro-batch size,
+        without the tables: the same time caps and no more memory capacity. ``floor``: that
+        shape's folded floor (zero-bubble: over every DP degree; interleaved: its DP degree's,
+        :meth:`floor_for`)."""
         units = np.array([k.costs.layer_time(0) for k in self.kinds])
         if self.schedule == "zero-bubble":
             weight = np.array([k.costs.layer_weight_grad for k in self.kinds])
-            return self.factor * floor_1f1b + max(
-                self.layers * float((units - 2.0 * weight).min()), 0.0
-            )
-        work = floor_1f1b / self.chunks
-        return self.factor * work + max(work, self.layers * float(units.min()))
+            return floor + max(self.layers * float((units - 2.0 * weight).min()), 0.0)
+        m = self.kinds[0].micro_batches
+        work = (floor / (m - 1) if m > 1 else 0.0) / self.chunks  # W of the slowest stage / V
+        return (m * self.chunks - 1) * work + max(work, self.layers * float(units.min()))
 
     # ------------------------------------------------------------------------- exact pieces
     def link(self, sender: str, receiver: str) -> float:
@@ -129,66 +169,91 @@ class BatchShape:
 
     def closes(self, stages: int) -> bool:
         """Whether a pipeline of ``stages`` stages can run this shape's schedule."""
-        return schedule_problem(self.schedule, stages, self.micro_batches, self.chunks) is None
+        m = self.kinds[0].micro_batches if self.uniform else self.total
+        return schedule_problem(self.schedule, stages, m, self.chunks) is None
 
-    def mode_caps(self, kind: int, stages: int, stage: int) -> tuple[int, int, int]:
+    def warmups(self, suffix: Sequence[tuple[int, int]]) -> list[int]:
+        """Warm-up ``q`` of every stage of a closed pipeline (blocks of (kind, stages), pipeline
+        order): :func:`~megatron_h2.pipeline_orders.replica_warmup` of the stages' DP degrees."""
+        out: list[int] = []
+        lead = 0
+        for kind, count in reversed(suffix):
+            d = self.kinds[kind].dp
+            start = -(-lead // d)
+            out += [start + i for i in range(count)]
+            lead = d * (start + count)
+        return out[::-1]
+
+    def mode_caps(
+        self, kind: int, stages: int, stage: int, warmup: int | None = None
+    ) -> tuple[int, int, int]:
         """Most units that fit per recompute mode for stage ``stage`` of ``stages`` of ``kind``
-        (exact, from the schedule's held states; cached)."""
-        key = (kind, stages, stage)
+        with ``warmup`` warm-up forwards (None: the schedule's own rule; exact, from the
+        schedule's held states; cached)."""
+        if self.uniform:
+            warmup = None  # interleaved: the schedule's own rule
+        key = (kind, stages, stage, warmup)
         if key not in self._mode_caps:
-            costs = self.kinds[kind].costs
-            states = held_totals(self.schedule, stages, self.micro_batches, self.chunks, stage)
+            k = self.kinds[kind]
+            states = held_totals(self.schedule, stages, k.micro_batches, self.chunks, stage, warmup)
             first, last = stage == 0, stage == stages - 1
             caps = [
-                costs.max_units(self.chunks, mode, states, first, last)
+                k.costs.max_units(self.chunks, mode, states, first, last)
                 for mode in range(len(MODES))
             ]
             self._mode_caps[key] = (caps[0], caps[1], caps[2])
         return self._mode_caps[key]
 
     # ------------------------------------------------------------------------------- bounds
-    def _optimistic_states(self, position: int) -> tuple[Totals, ...]:
-        """Held states of a stage ``position`` stages from the end in the shortest pipeline that
-        can run the schedule (a longer one holds more), or () if none can have that position."""
-        m, v = self.micro_batches, self.chunks
-        for stages in range(max(position + 1, 1), self.positions + 1):
+    def _optimistic_pairs(self, m: int, q: int) -> list[tuple[int, int]]:
+        """(activations, deferred weight-gradient inputs) held at the peaks of a middle stage
+        (no embedding or head) with warm-up ``q`` and ``m`` micro-batches per replica, in the
+        pipeline that holds least (under interleaving, uniform DP, ``q`` is the position from
+        the end: the shortest pipeline with that position); [] if no stage can have ``q``."""
+        if self.schedule == "1f1b":
+            return [(min(q + 1, m), 0)]
+        if self.schedule == "zero-bubble":  # front index 0, or 1 for the last stage (p >= 2)
+            return zero_bubble_peaks(q, m, 1 if q == 0 else 0)
+        for stages in range(max(q + 1, 1), self.positions + 1):
             if self.closes(stages):
-                return held_totals(self.schedule, stages, m, v, stages - 1 - position)
-        return ()
+                totals = held_totals(self.schedule, stages, m, self.chunks, stages - 1 - q)
+                return [(t[0], t[1]) for t in totals]
+        return []
 
     def _memory_caps(self) -> np.ndarray:
-        """Upper bound on the units per (kind, mode, position) that fit in memory (a middle
-        stage of the shortest pipeline that can run the schedule: no edges, fewest held)."""
-        positions = self.positions
-        held = []  # per position: (A, D) pairs of the held states
-        for position in range(positions):
-            states = self._optimistic_states(position)
-            held.append([(t[0], t[1]) for t in states] or [(-1, -1)])
-        width = max(len(pairs) for pairs in held)
-        pairs = np.array([pairs + [pairs[0]] * (width - len(pairs)) for pairs in held], float)
-        active, deferred = pairs[:, :, 0], pairs[:, :, 1]  # position x pair
-        costs = [kind.costs for kind in self.kinds]
-        act = np.array([c.layer_activation for c in costs])[:, :, None, None]  # kind x mode
-        keep = np.array([c.layer_weight_inputs for c in costs])[:, None, None, None]
-        static = np.array([c.layer_static for c in costs])[:, None, None]
-        room = np.array([c.capacity - c.working for c in costs])[:, None, None]
-        held_bytes = (active * act + deferred * keep).max(axis=3)  # kind x mode x position
-        caps = _most_units(room, self.chunks * static + held_bytes)
-        return np.where(active[None, None, :, 0] < 0, 0.0, caps)
+        """Upper bound on the units per (kind, mode, warm-up) that fit in memory."""
+        caps = np.zeros((len(self.kinds), len(MODES), self.depth))
+        for m in sorted({k.micro_batches for k in self.kinds}):
+            pairs = [self._optimistic_pairs(m, q) for q in range(self.depth)]
+            valid = np.array([bool(p) for p in pairs])
+            width = max(len(p) for p in pairs)
+            padded = np.array(
+                [(p or [(0, 0)]) + [(p or [(0, 0)])[0]] * (width - len(p or [0])) for p in pairs],
+                dtype=np.float64,
+            )  # warm-up x pair x (A, D)
+            kinds = [i for i, k in enumerate(self.kinds) if k.micro_batches == m]
+            costs = [self.kinds[i].costs for i in kinds]
+            act = np.array([c.layer_activation for c in costs])[:, :, None, None]  # kind x mode
+            keep = np.array([c.layer_weight_inputs for c in costs])[:, None, None, None]
+            held = (padded[None, None, :, :, 0] * act + padded[None, None, :, :, 1] * keep).max(3)
+            static = np.array([self.chunks * c.layer_static for c in costs])[:, None, None]
+            room = np.array([c.capacity - c.working for c in costs])[:, None, None]
+            caps[kinds] = np.where(valid[None, None, :], _most_units(room, static + held), 0.0)
+        return caps
 
     def _prepare(self) -> None:
-        positions, layers, v = self.positions, self.layers, self.chunks
-        # max-term work per unit (w), and fill per unit (f) for the fastest mode
-        self.unit = np.array(
-            [[k.costs.layer_time(r) for r in range(len(MODES))] for k in self.kinds]
-        )
+        layers, v = self.layers, self.chunks
+        factors = np.array([k.factor for k in self.kinds], dtype=np.float64)
+        times = np.array([[k.costs.layer_time(r) for r in range(len(MODES))] for k in self.kinds])
+        scale = 1.0 / v if self.schedule == "interleaved" else 1.0
+        self.unit = factors[:, None] * times  # folded steady term per unit (w = W / V per unit)
         weight = np.array([k.costs.layer_weight_grad for k in self.kinds])
         share = 2.0 if self.schedule == "zero-bubble" else 0.0  # (1 + b) <= 2: a lower bound
-        self.fill_unit = self.unit[:, 0] - share * weight
+        self.fill_unit = times[:, 0] - share * weight
         # zero-bubble's tail (1 + b) G_k of the slowest stage k is at least this share of W_k
         self.tail_share = 0.0
         if self.schedule == "zero-bubble":
-            ratios = [weight / self.unit[:, -1]]  # per-layer weight share, slowest mode
+            ratios = [weight / times[:, -1]]  # per-layer weight share, slowest mode
             for part in ("head", "embedding"):
                 time = np.array(
                     [
@@ -198,10 +263,11 @@ class BatchShape:
                 )
                 grad = np.array([getattr(k.costs, f"{part}_weight_grad") for k in self.kinds])
                 ratios.append(np.where(time > 0, grad / np.maximum(time, 1e-300), 1.0))
-            beta = zero_bubble_share(max(self.positions, 2), self.micro_batches)
+            beta = min(
+                zero_bubble_share(max(self.positions, 2), k.micro_batches) for k in self.kinds
+            )
             self.tail_share = (1.0 + beta) * float(np.concatenate(ratios).min())
-        self.mem_caps = self._memory_caps()  # kind x mode x position
-        scale = 1.0 / v if self.schedule == "interleaved" else 1.0
+        self.mem_caps = self._memory_caps()  # kind x mode x warm-up
         head_weight = np.array([k.costs.head_weight_grad for k in self.kinds])
         emb_weight = np.array([k.costs.embedding_weight_grad for k in self.kinds])
         head = np.array([k.costs.edge_time(False, True) for k in self.kinds])
@@ -219,41 +285,85 @@ class BatchShape:
             for t in self.types
         }
         full = [
-            k.costs.edge_time(True, True) * scale + layers * k.costs.layer_time(2)
+            k.factor * (k.costs.edge_time(True, True) * scale + layers * k.costs.layer_time(2))
             for k in self.kinds
         ]
-        self.w_max = max(full) * (1 + 1e-9)
-        self.w_floor = self._root_w() if positions else self.w_max
+        self.w_max = max(max(full) * (1 + 1e-9), 1e-30)
+        self.leads = self._lead_grid()
+        self.w_floor = self._root_w(range(len(self.kinds))) if self.positions else self.w_max
+
+    def _lead_grid(self) -> np.ndarray:
+        """Leads at which the programme over unused chip types (:meth:`rest`) is tabled: under
+        uniform DP the multiples of ``d`` (exact), else every integer up to 8 and then about 25%
+        apart, up to the lead from which every kind reads the last warm-up of its table (a lead
+        between two grid points reads the lower one, which only adds capacity)."""
+        if self.uniform:
+            return self.dp * np.arange(self.depth + 1, dtype=np.int64)
+        largest = self.depth * max(k.dp for k in self.kinds)
+        values, value = set(range(min(largest, 8) + 1)), 8.0
+        while value < largest:
+            value *= 1.25
+            values.add(min(int(value), largest))
+        return np.array(sorted(values), dtype=np.int64)
+
+    def sum_floor(self, work: np.ndarray | float) -> np.ndarray | float:
+        """What the sum term is at least when the largest folded steady term is ``work``: the
+        slowest stage's own fill, at least ``work / max F`` (nothing under zero-bubble, whose
+        tail holds it)."""
+        if self.schedule == "zero-bubble" or self.factor_max <= 0:
+            return 0.0 * work
+        return work / self.factor_max
+
+    def _own_work(self, work: np.ndarray | float) -> np.ndarray | float:
+        """The slowest stage's own work when the largest folded steady term is ``work``."""
+        return work / self.factor_max if self.factor_max > 0 else 0.0 * work
 
     def capacity(self, probes: np.ndarray) -> np.ndarray:
-        """Upper bound on layers per (kind, probe, position) with stage work at most the probe."""
-        timed = np.floor(probes[None, :, None] / self.unit[:, None, :])  # kind x probe x mode
+        """Upper bound on units per (kind, probe, warm-up) with folded work at most the probe."""
+        with np.errstate(divide="ignore", invalid="ignore"):
+            timed = np.floor(probes[None, :, None] / self.unit[:, None, :])  # kind x probe x mode
+        timed = np.where(self.unit[:, None, :] > 0, timed, INF)
         caps = np.minimum(timed[:, :, :, None], self.mem_caps[:, None, :, :]).max(axis=2)
         return np.clip(caps, 0, self.layers)
 
-    def _type_best(self, caps: np.ndarray) -> np.ndarray:
-        """Per type, probe and start position: most layers its best kind can add from there."""
-        positions = self.positions
-        starts = np.arange(positions + 1)
-        result = np.zeros((len(self.types), caps.shape[1], positions + 1))
-        for t_index, chip in enumerate(self.types):
-            for kind in self.kinds_of[chip]:
-                prefix = np.concatenate(
-                    (np.zeros((caps.shape[1], 1)), caps[kind].cumsum(axis=1)), axis=1
-                )
-                ends = np.minimum(starts + self.kinds[kind].max_stages, positions)
-                np.maximum(
-                    result[t_index], prefix[:, ends] - prefix[:, starts], out=result[t_index]
-                )
-        return result
+    def _prefix(self, caps: np.ndarray) -> np.ndarray:
+        """Prefix sums over warm-ups ``0 .. depth + positions`` (warm-ups beyond the table read
+        its last entry): kind x probe x (warm-up + 1)."""
+        tail = np.repeat(caps[:, :, -1:], self.positions, axis=2)
+        extended = np.concatenate((caps, tail), axis=2)
+        zeros = np.zeros((caps.shape[0], caps.shape[1], 1))
+        return np.concatenate((zeros, extended.cumsum(axis=2)), axis=2)
 
-    def _root_w(self) -> float:
-        """Largest work bound at which even the most optimistic pipeline cannot hold all layers
-        (to 0.01%; below the true one, so still a bound), by rounds of 15 probes."""
+    def start(self, kind: int, lead: int) -> int:
+        """Warm-up of the last stage of a block of ``kind`` placed in front of lead ``lead``."""
+        return -(-lead // self.kinds[kind].dp)
+
+    def _table_start(self, kind: int, lead: int | np.ndarray) -> np.ndarray:
+        """:meth:`start` clamped to the table (warm-ups beyond it share the last entry)."""
+        return np.minimum(-(-np.asarray(lead) // self.kinds[kind].dp), self.depth - 1)
+
+    def _most_layers(self, prefix: np.ndarray, kinds: Sequence[int]) -> np.ndarray:
+        """Per probe: most units any one of ``kinds`` holds in a block ending the pipeline."""
+        best = np.zeros(prefix.shape[1])
+        for kind in kinds:
+            most = min(self.kinds[kind].max_stages, self.positions)
+            np.maximum(best, prefix[kind][:, most], out=best)
+        return best
+
+    def _root_w(self, kinds: Sequence[int]) -> float:
+        """Largest folded work bound at which even the most optimistic pipeline of ``kinds``
+        cannot hold all layers (to 0.01%; below the true one, so still a bound), by rounds of
+        15 probes. Every chip type counts as if its block ended the pipeline."""
+        chosen = set(kinds)
+        groups = [[k for k in self.kinds_of[t] if k in chosen] for t in self.types]
+        groups = [g for g in groups if g]
+        if not groups:
+            return INF
         low, high = 0.0, self.w_max
         while high - low > 1e-4 * high:
             probes = np.linspace(low, high, 17)[1:-1]
-            held = self._type_best(self.capacity(probes))[:, :, 0].sum(axis=0)
+            prefix = self._prefix(self.capacity(probes))
+            held = sum(self._most_layers(prefix, group) for group in groups)
             enough = np.flatnonzero(held >= self.layers)
             if len(enough):
                 high = float(probes[enough[0]])
@@ -262,6 +372,13 @@ class BatchShape:
                 low = float(probes[-1])
         return low
 
+    def floor_for(self, dp: int) -> float:
+        """Folded work floor (as :attr:`w_floor`) of the plans whose stages all have DP ``dp``."""
+        if dp not in self._floors:
+            kinds = [i for i, k in enumerate(self.kinds) if k.dp == dp]
+            self._floors[dp] = self._root_w(kinds) if kinds and self.positions else INF
+        return self._floors[dp]
+
     def root_bound(self) -> float:
         """Lower bound on the step time of every plan of this batch shape."""
         if not self.positions:
@@ -269,62 +386,80 @@ class BatchShape:
         if not self.prepared:
             return self.pre_bound
         w = self.w_floor
-        return self.factor * w + max(self.sum_floor(w), self.layers * float(self.fill_unit.min()))
-
-    def sum_floor(self, work: np.ndarray | float) -> np.ndarray | float:
-        """What the sum term is at least when the slowest stage works ``work``: that stage's own
-        fill (the sum term's share of its work; nothing under zero-bubble, whose tail holds it)."""
-        return 0.0 * work if self.schedule == "zero-bubble" else work
+        return w + max(self.sum_floor(w), self.layers * float(self.fill_unit.min()))
 
     def build_grid(self, w_high: float, points: int, coarse: int = 32) -> None:
         """Probe values from the root bound up to ``w_high`` (geometric) and their prefix sums.
 
-        The exact-order bound on unused chip types (:meth:`rest`) is computed on every
+        The programme bounding unused chip types (:meth:`rest`) is computed on every
         ``points // coarse``-th probe only and read at the next coarse probe above (capacity grows
         with the probe, so this stays an upper bound).
         """
         top = min(max(w_high, self.w_floor * (1 + 1e-9)), self.w_max)
         self.grid = np.geomspace(max(self.w_floor, 1e-30), top, points)
         self.grid_is_max = top >= self.w_max
-        caps = self.capacity(self.grid)
-        zeros = np.zeros((caps.shape[0], caps.shape[1], 1))
-        self.prefix = np.concatenate((zeros, caps.cumsum(axis=2)), axis=2)  # kind x probe x start
-        self._prepare_segments()
+        self.prefix = self._prefix(self.capacity(self.grid))  # kind x probe x warm-up
+        self._segments: dict[tuple[int, int], np.ndarray] = {}
         step = max(points // coarse, 1)
         picks = np.unique(np.append(np.arange(step - 1, points, step), points - 1))
         self.coarse_of = np.searchsorted(picks, np.arange(points))  # fine probe -> coarse index
         self.coarse_prefix = self.prefix[:, picks, :]
         self._rest: dict[int, np.ndarray] = {}
-        self._placed: dict[tuple[int, int, int, int], np.ndarray] = {}
+        self._placed: dict[tuple[int, int, int, int, int], np.ndarray] = {}
 
-    def _prepare_segments(self) -> None:
-        """Per unused chip type, a convex lower bound on the cost of taking layers from it.
+    def lead_index(self, lead: int | np.ndarray) -> np.ndarray:
+        """Index of the largest grid lead not above ``lead``."""
+        return np.searchsorted(self.leads, lead, side="right") - 1
 
-        Its kinds sorted by per-layer time ``u_1 <= u_2 <= ...``: the first ``C_1`` layers cost
+    def _block_from_leads(
+        self, prefix: np.ndarray, kind: int, counts: np.ndarray
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """Capacity of ``counts`` stages of ``kind`` in front of each grid lead (probe x lead x
+        count) and the lead they leave (lead x count)."""
+        starts = -(-self.leads // self.kinds[kind].dp)  # exact warm-ups at the grid leads
+        table = np.minimum(starts, self.depth - 1)
+        ends = table[:, None] + counts[None, :]
+        caps = prefix[kind][:, ends] - prefix[kind][:, table][:, :, None]
+        return caps, self.kinds[kind].dp * (starts[:, None] + counts[None, :])
+
+    def segment_units(self, chip: int) -> np.ndarray:
+        """The distinct per-layer fills of the kinds of chip type ``chip``, cheapest first (kinds
+        that differ only in their DP degree have the same)."""
+        return np.unique(self.fill_unit[self.kinds_of[chip]])
+
+    def segments(self, chip: int, lead: int) -> np.ndarray:
+        """A convex lower bound on the cost of taking layers from unused chip type ``chip`` in
+        front of ``lead``: widths per kind (cheapest first) x probe.
+
+        Its kinds sorted by per-layer fill ``u_1 <= u_2 <= ...``: the first ``C_1`` layers cost
         ``u_1`` each, the next ``C_2 - C_1`` cost ``u_2`` (``C_j``: most layers any of the first
-        ``j`` kinds can hold in a block starting there), and so on. Taking ``x`` layers from a
-        block of one kind costs at least that much, whichever kind it is.
+        ``j`` kinds can hold in a block in front of the lead), and so on. Taking ``x`` layers
+        from a block of one kind costs at least that much, whichever kind it is.
         """
-        starts = np.arange(self.positions + 1)
-        self.segment_units: dict[int, np.ndarray] = {}
-        self.segment_widths: dict[int, np.ndarray] = {}
-        for chip in self.types:
-            kinds = sorted(self.kinds_of[chip], key=lambda k: self.fill_unit[k])
-            running = np.zeros((len(self.grid), self.positions + 1))
+        key = (chip, int(lead))
+        if key not in self._segments:
+            running = np.zeros(len(self.grid))
             widths = []
-            for kind in kinds:
-                ends = np.minimum(starts + self.kinds[kind].max_stages, self.positions)
-                most = self.prefix[kind][:, ends] - self.prefix[kind][:, starts]
-                grown = np.maximum(running, most)
-                widths.append(grown - running)
-                running = grown
-            self.segment_units[chip] = self.fill_unit[kinds]
-            self.segment_widths[chip] = np.stack(widths)  # kind x probe x start
+            for unit in self.segment_units(chip):  # kinds of equal fill make one segment
+                group = running
+                for kind in self.kinds_of[chip]:
+                    if self.fill_unit[kind] == unit:
+                        most = min(self.kinds[kind].max_stages, self.positions)
+                        start = self.start(kind, int(lead))
+                        caps = self.block(kind, start, np.array([start + most]))[:, 0]
+                        group = np.maximum(group, caps)
+                widths.append(group - running)
+                running = group
+            self._segments[key] = np.stack(widths)  # segment x probe
+        return self._segments[key]
 
     def block(self, kind: int, start: int, ends: np.ndarray) -> np.ndarray:
-        """Capacity bound of stages ``start..end-1`` of ``kind``: probe x len(ends)."""
+        """Capacity bound of stages of ``kind`` with warm-ups ``start .. end - 1``: probe x
+        len(ends) (``start`` from :meth:`start`; warm-ups beyond the table share its last
+        entry)."""
+        table = min(start, self.depth - 1)
         prefix = self.prefix[kind]
-        return prefix[:, ends] - prefix[:, [start]]
+        return prefix[:, np.asarray(ends) - start + table] - prefix[:, [table]]
 
     def shortest(self, stages: int) -> int:
         """The fewest stages, at least ``stages``, that can run the schedule (0 if none)."""
@@ -333,74 +468,86 @@ class BatchShape:
                 return count
         return 0
 
-    def placed_block(self, kind: int, start: int, count: int, stages: int) -> np.ndarray:
-        """Capacity of ``count`` placed stages of ``kind`` from ``start`` stages before the end,
-        in a pipeline of at least ``stages`` stages (memory grows with the pipeline's length
-        under zero-bubble and interleaved): per probe."""
+    def placed_block(
+        self, kind: int, start: int, position: int, count: int, stages: int
+    ) -> np.ndarray:
+        """Capacity of ``count`` placed stages of ``kind`` with warm-ups from ``start``,
+        ``position`` stages before the end, in a pipeline of at least ``stages`` stages (memory
+        grows with the pipeline's length under zero-bubble and interleaved): per probe."""
         shortest = self.shortest(stages)
         if not shortest:
             return np.zeros(len(self.grid))
-        key = (kind, start, count, shortest)
+        key = (kind, start, position, count, shortest)
         if key not in self._placed:
-            self._placed[key] = self._placed_block(kind, start, count, shortest)
+            caps = np.array(
+                [
+                    self._placed_stage_caps(kind, start + i, position + i, shortest)
+                    for i in range(count)
+                ]
+            )
+            self._placed[key] = self._timed_sum(kind, caps)
         return self._placed[key]
 
-    def _placed_block(self, kind: int, start: int, count: int, shortest: int) -> np.ndarray:
-        caps = np.array(
-            [
-                self._placed_caps(kind, position, shortest)
-                for position in range(start, start + count)
-            ]
-        )
-        timed = np.floor(self.grid[:, None, None] / self.unit[kind][None, None, :])
+    def _timed_sum(self, kind: int, caps: np.ndarray) -> np.ndarray:
+        """Per probe: units of stages with memory caps ``caps`` (stage x mode) under the time
+        caps."""
+        with np.errstate(divide="ignore", invalid="ignore"):
+            timed = np.floor(self.grid[:, None, None] / self.unit[kind][None, None, :])
+        timed = np.where(self.unit[kind][None, None, :] > 0, timed, INF)
         per_stage = np.minimum(timed, caps[None, :, :]).max(axis=2)  # probe x stage
         return np.clip(per_stage, 0, self.layers).sum(axis=1)
 
-    def _placed_caps(self, kind: int, position: int, stages: int) -> tuple[int, int, int]:
-        key = (kind, -1 - position, stages)  # negative: keyed apart from mode_caps' entries
-        if key not in self._mode_caps:
-            costs, stage = self.kinds[kind].costs, stages - 1 - position
-            states = held_totals(self.schedule, stages, self.micro_batches, self.chunks, stage)
+    def _placed_stage_caps(
+        self, kind: int, warmup: int, position: int, stages: int
+    ) -> tuple[int, int, int]:
+        key = (kind, warmup, position, stages)
+        if key not in self._placed_caps:
+            k, stage = self.kinds[kind], stages - 1 - position
+            states = held_totals(
+                self.schedule,
+                stages,
+                k.micro_batches,
+                self.chunks,
+                stage,
+                None if self.uniform else warmup,
+            )
             if stage == 0:  # not the first stage: more will be placed in front
                 states = tuple((a, d, ha, hd, 0) for a, d, ha, hd, _ in states)
             caps = [
-                costs.max_units(self.chunks, mode, states, False, position == 0)
+                k.costs.max_units(self.chunks, mode, states, False, position == 0)
                 for mode in range(len(MODES))
             ]
-            self._mode_caps[key] = (caps[0], caps[1], caps[2])
-        return self._mode_caps[key]
+            self._placed_caps[key] = (caps[0], caps[1], caps[2])
+        return self._placed_caps[key]
 
-    def closed_block(self, kind: int, stages: int, front: int, count: int) -> np.ndarray:
-        """Capacity of stages ``front..front+count-1`` (counted from the front) of ``kind`` in a
-        closed pipeline of ``stages`` stages, with their exact memory caps: per probe."""
-        caps = np.array([self.mode_caps(kind, stages, i) for i in range(front, front + count)])
-        timed = np.floor(self.grid[:, None, None] / self.unit[kind][None, None, :])
-        per_stage = np.minimum(timed, caps[None, :, :]).max(axis=2)  # probe x stage
-        return np.clip(per_stage, 0, self.layers).sum(axis=1)
+    def closed_block(
+        self, kind: int, stages: int, front: int, warmups: Sequence[int]
+    ) -> np.ndarray:
+        """Capacity of the stages ``front, front + 1, ...`` (counted from the front, with
+        ``warmups``) of ``kind`` in a closed pipeline of ``stages`` stages, with their exact
+        memory caps: per probe."""
+        caps = np.array([self.mode_caps(kind, stages, front + i, q) for i, q in enumerate(warmups)])
+        return self._timed_sum(kind, caps)
 
     def rest(self, mask: int) -> np.ndarray:
-        """Most layers the chip types in ``mask`` can add, in any order, from each start position.
-
-        Exact over orders, TP degrees and stage counts (a max-plus programme over subsets of
-        types), per probe: fine probe x start position.
-        """
+        """Most units the chip types in ``mask`` can add, in any order, in front of each grid
+        lead: fine probe x lead (a max-plus programme over subsets of types, kinds and stage
+        counts; the lead each block leaves is rounded down to the grid)."""
         return self._rest_coarse(mask)[self.coarse_of]
 
     def _rest_coarse(self, mask: int) -> np.ndarray:
         if mask in self._rest:
             return self._rest[mask]
-        positions = self.positions
-        starts = np.arange(positions + 1)
-        result = np.zeros((self.coarse_prefix.shape[1], positions + 1))
+        result = np.zeros((self.coarse_prefix.shape[1], len(self.leads)))
         for t_index, chip in enumerate(self.types):
             if not mask >> t_index & 1:
                 continue
             after = self._rest_coarse(mask & ~(1 << t_index))
             for kind in self.kinds_of[chip]:
-                most = min(self.kinds[kind].max_stages, positions)
-                ends = np.minimum(starts[:, None] + np.arange(1, most + 1)[None, :], positions)
-                prefix = self.coarse_prefix[kind]
-                value = prefix[:, ends] - prefix[:, starts][:, :, None] + after[:, ends]
+                most = min(self.kinds[kind].max_stages, self.positions)
+                counts = np.arange(1, most + 1)
+                caps, leads = self._block_from_leads(self.coarse_prefix, kind, counts)
+                value = caps + after[:, self.lead_index(leads)]
                 np.maximum(result, value.max(axis=2), out=result)
         self._rest[mask] = result
         return result
@@ -430,7 +577,7 @@ class BatchShape:
         self,
         fixed: Sequence[tuple[float, np.ndarray, np.ndarray | int]],
         unused: int,
-        start: np.ndarray,
+        leads: np.ndarray,
         links: np.ndarray | float,
         edges: np.ndarray | float,
         need: np.ndarray | float,
@@ -440,10 +587,10 @@ class BatchShape:
 
         ``fixed``: (fastest per-layer fill, capacity probe x options, stages: one number or
         per option) of known blocks, each stage holding at least one layer; ``unused``: mask of
-        chip types that may still be placed in front, from positions ``start`` (one per option);
-        ``edges``: the embedding's and head's fill; ``need``: the slowest stage works at least
-        this long (one layer on the slowest known block); ``sync``: a lower bound on the largest
-        end-of-step sync (per option or one number, like ``links``).
+        chip types that may still be placed in front, of the pipelines' ``leads`` (one per
+        option); ``edges``: the embedding's and head's fill; ``need``: the largest folded
+        steady term is at least this (one layer on the slowest known block); ``sync``: a lower
+        bound on the largest end-of-step sync (per option or one number, like ``links``).
         """
         widths, units = [], []
         mandatory_layers: np.ndarray | float = 0.0
@@ -456,15 +603,19 @@ class BatchShape:
             widths.append(np.maximum(caps - count, 0.0))
             units.append(unit)
         rest_units, rest_widths = [], []
+        leads = np.asarray(leads)
         for t_index, chip in enumerate(self.types):
             if unused >> t_index & 1:
-                rest_units.append(self.segment_units[chip])
-                rest_widths.append(self.segment_widths[chip][:, :, start])
+                rest_units.append(self.segment_units(chip))
+                rest_widths.append(
+                    np.stack([self.segments(chip, lead) for lead in leads], axis=2)
+                )  # kind x probe x option
         if rest_units:
             r_units = np.concatenate(rest_units)
             order = np.argsort(r_units, kind="stable")
             r_widths = np.concatenate(rest_widths)[order]
-            cumulative = np.minimum(r_widths.cumsum(axis=0), self.rest(unused)[:, start][None])
+            rest = self.rest(unused)[:, self.lead_index(leads)]
+            cumulative = np.minimum(r_widths.cumsum(axis=0), rest[None])
             r_widths = np.diff(cumulative, axis=0, prepend=0.0)
             units.extend(r_units[order])
             widths.extend(r_widths)
@@ -477,25 +628,26 @@ class BatchShape:
         take = np.clip(remaining - before, 0.0, stacked)
         fill = np.tensordot(units_arr[order], take, axes=1) + mandatory_cost + edges
         covered = take.sum(axis=0)
-        grid, factor = self.grid[:, None], self.factor
+        grid = self.grid[:, None]
         low = np.maximum(grid[:-1], need)
+        own = self._own_work(low)
         sync = np.asarray(sync, dtype=np.float64)
         if self.schedule == "zero-bubble":  # the slowest stage's fill + tail is its whole work
-            tail = np.maximum(sync, self.tail_share * low)
-            terms = factor * low + np.maximum(fill[1:] + tail, low)
+            tail = np.maximum(sync, self.tail_share * own)
+            terms = low + np.maximum(fill[1:] + tail, own)
         else:
-            terms = factor * low + np.maximum(fill[1:], low) + sync
+            terms = low + np.maximum(fill[1:], own) + sync
         ok = (covered >= remaining - 1e-9) & ~np.asarray(short)
         first = np.where(ok.any(axis=0), ok.argmax(axis=0), len(self.grid))
         rows = np.arange(len(self.grid) - 1)[:, None]
         admissible = (rows >= np.maximum(first - 1, 0)[None, :]) & (grid[1:] >= need)
         best = np.where(admissible, terms, INF).min(axis=0)
-        if not self.grid_is_max:  # W above the top probe: already worse than the K-th best
+        if not self.grid_is_max:  # work above the top probe: already worse than the K-th best
             top = np.maximum(self.grid[-1], need)
             if self.schedule == "zero-bubble":
-                beyond = factor * top + np.maximum(sync, top)
+                beyond = top + np.maximum(sync, self._own_work(top))
             else:
-                beyond = factor * top + top + sync
+                beyond = top + self._own_work(top) + sync
             best = np.minimum(best, beyond)
         return best + links
 

@@ -155,7 +155,6 @@ class SearchResult:
 class _Found:
     value: float
     micro_batch_size: int
-    data_parallel_size: int
     schedule: str
     chunks: int
     blocks: tuple[tuple[int, int], ...]  # (kind index, stages), pipeline order
@@ -167,6 +166,38 @@ _Suffix = tuple[tuple[int, int], ...]
 _Groups = tuple[tuple[float, np.ndarray, int], ...]  # (per-layer time, capacity, stages)
 
 
+@dataclass(frozen=True)
+class _Node:
+    """A pipeline suffix: its blocks (kind, stages) from the front, their capacity groups, its
+    stages, the chip types still unused (bit mask), its link time and its lead (the lead the
+    stage in front of it must have, :mod:`.bounds`)."""
+
+    suffix: _Suffix
+    groups: _Groups
+    position: int
+    mask: int
+    links: float
+    lead: int
+
+    def child(self, shape: BatchShape, kind: int, count: int, links: float) -> _Node:
+        """The suffix with ``count`` stages of ``kind`` prepended."""
+        start = shape.start(kind, self.lead)
+        block = shape.block(kind, start, np.array([start + count]))[:, 0]
+        chip_bit = 1 << shape.types.index(shape.kinds[kind].chip)
+        return _Node(
+            ((kind, count),) + self.suffix,
+            self.groups + ((float(shape.fill_unit[kind]), block, count),),
+            self.position + count,
+            self.mask & ~chip_bit,
+            self.links + links,
+            shape.kinds[kind].dp * (start + count),
+        )
+
+
+def _root(shape: BatchShape) -> _Node:
+    return _Node((), (), 0, (1 << len(shape.types)) - 1, 0.0, 0)
+
+
 class _Search:
     """One run of the branch and bound (state lives here, not at module level)."""
 
@@ -176,7 +207,7 @@ class _Search:
         self.best: list[tuple[float, int, _Found]] = []  # max-heap by value via negation
         self.counter = itertools.count()
         self.deadline = time.monotonic() + options.time_limit_s
-        self.evaluated: set[tuple[int, int, str, int, tuple[tuple[int, int], ...]]] = set()
+        self.evaluated: set[tuple[int, str, int, int | None, _Suffix]] = set()
 
     @property
     def threshold(self) -> float:
@@ -190,28 +221,41 @@ class _Search:
         self.stats.lower_bound_s = min(self.stats.lower_bound_s, bound)
 
     def _shapes(self) -> list[BatchShape]:
-        """Every (micro-batch size, DP degree, schedule, V) shape with some stage kind. The
-        zero-bubble and interleaved shapes are lazy: the 1F1B shape of the same micro-batch size
-        and DP degree bounds them (:meth:`BatchShape.cheap_bound`) until they are needed."""
+        """Every (micro-batch size, schedule, V) shape with some stage kind (interleaved: one per
+        DP degree, its orders need every stage to have the same). The zero-bubble and
+        interleaved shapes are lazy: the 1F1B shape of the same micro-batch size bounds them
+        (:meth:`BatchShape.cheap_bound`) until they are needed."""
         shapes = []
         largest = max(c.count for c in self.cost.cluster.chips)
         variants = self.options.schedule_variants(self.cost.model.num_layers)
         gbs = self.options.global_batch_size
         for mbs in self.options.micro_batch_candidates():
+            plain = BatchShape(self.cost, gbs, mbs) if ("1f1b", 1) in variants else None
             per_dp = gbs // mbs
-            for dp in (d for d in range(1, min(per_dp, largest) + 1) if per_dp % d == 0):
-                plain = BatchShape(self.cost, gbs, mbs, dp) if ("1f1b", 1) in variants else None
-                for schedule, chunks in variants:
-                    if (schedule, chunks) == ("1f1b", 1):
-                        shape = plain
-                    else:
-                        shape = BatchShape(self.cost, gbs, mbs, dp, schedule, chunks, lazy=True)
-                        if plain is not None and plain.kinds and shape.kinds:
-                            shape.pre_bound = shape.cheap_bound(plain.w_floor)
+            for schedule, chunks in variants:
+                if (schedule, chunks) == ("1f1b", 1):
+                    group = [(plain, 0.0)]
+                elif schedule == "zero-bubble":
+                    shape = BatchShape(self.cost, gbs, mbs, schedule, chunks, lazy=True)
+                    floor = plain.w_floor if plain is not None and plain.kinds else None
+                    group = [(shape, floor)]
+                else:
+                    group = []
+                    for dp in (d for d in range(1, min(per_dp, largest) + 1) if per_dp % d == 0):
+                        shape = BatchShape(self.cost, gbs, mbs, schedule, chunks, dp, lazy=True)
+                        floor = plain.floor_for(dp) if plain is not None and plain.kinds else None
+                        group.append((shape, floor))
+                for shape, floor in group:
+                    if shape is None or not shape.kinds:
+                        continue
+                    if shape is not plain:
+                        if floor is not None and floor < INF:
+                            shape.pre_bound = shape.cheap_bound(floor)
+                        elif floor is not None:
+                            shape.pre_bound = INF  # no plan of the 1F1B shape fits either
                         else:
                             shape.prepare()
-                    if shape is not None and shape.kinds:
-                        shapes.append(shape)
+                    shapes.append(shape)
         return shapes
 
     def run(self) -> list[_Found]:
@@ -227,11 +271,8 @@ class _Search:
             shape.prepare()
             if shape.root_bound() >= self.threshold * (1 - _SLACK):
                 continue
-            w_high = self.threshold / max(shape.factor, 1) if self.threshold < INF else shape.w_max
-            shape.build_grid(w_high, 64)
-            self._explore(
-                shape, (), (), 0, (1 << len(shape.types)) - 1, 0.0, budget=self.options.dive_nodes
-            )
+            shape.build_grid(self.threshold if self.threshold < INF else shape.w_max, 64)
+            self._explore(shape, _root(shape), budget=self.options.dive_nodes)
         refined = []  # (bound from the root's children, shape), for shapes that may still win
         for shape in shapes:
             if shape.root_bound() >= self.threshold * (1 - _SLACK):
@@ -245,7 +286,7 @@ class _Search:
                 self.stats.batch_shapes_pruned += 1
                 continue
             self._prepare_shape(shape)
-            options = self._options(shape, (), (), 0, (1 << len(shape.types)) - 1, 0.0)
+            options = self._options(shape, _root(shape))
             bound = options[0][0] if options else INF
             if bound >= self.threshold * (1 - _SLACK):
                 self.stats.batch_shapes_pruned += 1
@@ -260,28 +301,13 @@ class _Search:
         The search is over when the lowest bound left cannot beat the K-th best plan (then it is
         exhaustive) or at the time limit (then that lowest bound is the proven lower bound).
         """
-        queue: list[tuple[float, int, BatchShape, int, int, _Suffix, _Groups, int, int, float]] = []
+        queue: list[tuple[float, int, BatchShape, int, int, _Node]] = []
         for bound, shape in roots:
             self._prepare_shape(shape)
-            queue.append(
-                (
-                    bound,
-                    next(self.counter),
-                    shape,
-                    0,
-                    0,
-                    (),
-                    (),
-                    0,
-                    (1 << len(shape.types)) - 1,
-                    0.0,
-                )
-            )
+            queue.append((bound, next(self.counter), shape, 0, 0, _root(shape)))
         heapq.heapify(queue)
         while queue:
-            bound, _, shape, kind, count, suffix, groups, position, mask, links = heapq.heappop(
-                queue
-            )
+            bound, _, shape, kind, count, node = heapq.heappop(queue)
             if bound >= self.threshold * (1 - _SLACK):
                 self.stats.nodes_pruned += 1 + len(queue)
                 return
@@ -289,161 +315,166 @@ class _Search:
                 self._abandon(bound)
                 return
             if kind < 0:
-                self._evaluate(shape, suffix)
+                self._evaluate(shape, node.suffix)
                 continue
-            if count:  # a child: prepend its block
-                block = shape.block(kind, position, np.array([position + count]))[:, 0]
-                chip_bit = 1 << shape.types.index(shape.kinds[kind].chip)
-                links += self._block_links(shape, suffix, kind, count)
-                groups += ((float(shape.fill_unit[kind]), block, count),)
-                suffix = ((kind, count),) + suffix
-                position, mask = position + count, mask & ~chip_bit
-            self.stats.nodes += 1
-            for option, child, stages in self._options(
-                shape, suffix, groups, position, mask, links
-            ):
+            if count < 0:  # a group: its stage counts
+                choices = self._expand(shape, node, kind)
+            else:
+                if count:  # a child: prepend its block
+                    links = self._block_links(shape, node, kind, count)
+                    node = node.child(shape, kind, count, links)
+                self.stats.nodes += 1
+                choices = self._options(shape, node)
+            for option, child, stages in choices:
                 if option >= self.threshold * (1 - _SLACK):
                     self.stats.nodes_pruned += 1
                     continue
-                heapq.heappush(
-                    queue,
-                    (
-                        option,
-                        next(self.counter),
-                        shape,
-                        child,
-                        stages,
-                        suffix,
-                        groups,
-                        position,
-                        mask,
-                        links,
-                    ),
-                )
+                heapq.heappush(queue, (option, next(self.counter), shape, child, stages, node))
 
     def _prepare_shape(self, shape: BatchShape) -> None:
         """Build the probe grid up to what could still beat the K-th best (a dive finds one)."""
         if self.threshold == INF:  # a short dive first, so that the probe grid can be narrow
             shape.build_grid(shape.w_max, 64)
-            self._explore(
-                shape, (), (), 0, (1 << len(shape.types)) - 1, 0.0, budget=self.options.dive_nodes
-            )
-        factor = max(shape.factor, 1)
-        w_high = self.threshold / factor if self.threshold < INF else shape.w_max
-        shape.build_grid(w_high, self.options.grid_points)
+            self._explore(shape, _root(shape), budget=self.options.dive_nodes)
+        shape.build_grid(
+            self.threshold if self.threshold < INF else shape.w_max, self.options.grid_points
+        )
 
-    def _explore(
-        self,
-        shape: BatchShape,
-        suffix: _Suffix,
-        groups: _Groups,
-        position: int,
-        mask: int,
-        links: float,
-        budget: int,
-    ) -> int:
+    def _explore(self, shape: BatchShape, node: _Node, budget: int) -> int:
         """Depth-first dive below a suffix, best option first, visiting at most ``budget`` nodes."""
         self.stats.nodes += 1
         visited = 1
-        for bound, kind, count in self._options(shape, suffix, groups, position, mask, links):
+        for bound, kind, count in self._options(shape, node):
             if bound >= self.threshold * (1 - _SLACK):
                 continue
             if visited >= budget or time.monotonic() > self.deadline:
                 break
             if kind < 0:
-                self._evaluate(shape, suffix)
+                self._evaluate(shape, node.suffix)
                 continue
-            block = shape.block(kind, position, np.array([position + count]))[:, 0]
-            unit = float(shape.fill_unit[kind])
-            chip_bit = 1 << shape.types.index(shape.kinds[kind].chip)
-            visited += self._explore(
-                shape,
-                ((kind, count),) + suffix,
-                groups + ((unit, block, count),),
-                position + count,
-                mask & ~chip_bit,
-                links + self._block_links(shape, suffix, kind, count),
-                budget - visited,
-            )
+            bound, kind, count = min(self._expand(shape, node, kind))  # the group's best count
+            if bound >= self.threshold * (1 - _SLACK):
+                continue
+            links = self._block_links(shape, node, kind, count)
+            visited += self._explore(shape, node.child(shape, kind, count, links), budget - visited)
         return visited
 
-    def _options(
-        self,
-        shape: BatchShape,
-        suffix: _Suffix,
-        groups: _Groups,
-        position: int,
-        mask: int,
-        links: float,
-    ) -> list[tuple[float, int, int]]:
-        """Children (kind, stages) and the close-here leaf (kind -1), with bounds, best first."""
-        options: list[tuple[float, int, int]] = []
-        fixed = [(u, caps[:, None], count) for u, caps, count in groups]
-        grows = shape.schedule != "1f1b"  # held memory grows with the pipeline's length
-        if grows and suffix:
-            fixed, start = [], 0
-            for (kind, count), (unit, _, _) in zip(reversed(suffix), groups):
-                caps = shape.placed_block(kind, start, count, position + 1)
+    def _fixed(
+        self, shape: BatchShape, node: _Node
+    ) -> tuple[list[tuple[float, np.ndarray, Any]], float]:
+        """The suffix's blocks for :meth:`BatchShape.bound` (under zero-bubble and interleaved
+        with the caps of a pipeline at least one stage longer), and the least folded steady
+        term (one layer on its slowest kind)."""
+        fixed = [(u, caps[:, None], count) for u, caps, count in node.groups]
+        if shape.schedule != "1f1b" and node.suffix:  # held memory grows with the length
+            warmups = shape.warmups(node.suffix)
+            fixed, start, position = [], 0, node.position
+            for (kind, count), (unit, _, _) in zip(reversed(node.suffix), node.groups):
+                first = warmups[position - start - 1]  # the block's last stage
+                caps = shape.placed_block(kind, first, start, count, position + 1)
                 fixed.append((unit, caps[:, None], count))
                 start += count
-        need = max((float(shape.unit[kind, 0]) for kind, _ in suffix), default=0.0)
+        need = max((float(shape.unit[kind, 0]) for kind, _ in node.suffix), default=0.0)
+        return fixed, need
+
+    def _options(self, shape: BatchShape, node: _Node) -> list[tuple[float, int, int]]:
+        """The close-here leaf (kind -1) and, per kind, a group of its children (count -1,
+        :meth:`_bounds`), with bounds, best first."""
+        suffix, groups, position, mask = node.suffix, node.groups, node.position, node.mask
+        options: list[tuple[float, int, int]] = []
+        fixed, need = self._fixed(shape, node)
+        warmups = shape.warmups(suffix) if suffix else []
         if suffix and shape.closes(position):
             edges = float(shape.head_time[suffix[-1][0]] + shape.embedding_time[suffix[0][0]])
             sync = shape.sync_bound(suffix, 0)
             placed = [(u, caps[:, None], count) for u, caps, count in groups]
-            leaf = shape.bound(placed, 0, np.array([position]), links, edges, need, sync)
+            here = np.array([node.lead])
+            leaf = shape.bound(placed, 0, here, node.links, edges, need, sync)
             if leaf[0] < self.threshold * (1 - _SLACK):  # tighter: the exact memory caps
                 closed, front = [], 0
                 for (kind, count), (unit, _, _) in zip(suffix, reversed(groups)):
-                    caps = shape.closed_block(kind, position, front, count)
+                    qs = warmups[front : front + count]
+                    caps = shape.closed_block(kind, position, front, qs)
                     closed.append((unit, caps[:, None], count))
                     front += count
-                leaf = shape.bound(closed, 0, np.array([position]), links, edges, need, sync)
+                leaf = shape.bound(closed, 0, here, node.links, edges, need, sync)
             options.append((float(leaf[0]), -1, 0))
         room = shape.positions - position
         for t_index, chip in enumerate(shape.types):  # one bound call per chip type
             if not mask >> t_index & 1:
                 continue
-            others = mask & ~(1 << t_index)
             kinds = [k for k in shape.kinds_of[chip] if min(shape.kinds[k].max_stages, room) >= 1]
-            if not kinds:
-                continue
-            counts = [np.arange(1, min(shape.kinds[k].max_stages, room) + 1) for k in kinds]
-            columns = np.cumsum([0] + [len(c) for c in counts])
-            width = int(columns[-1])
-            parts, needs, edges, child_links, syncs = list(fixed), [], [], [], []
-            for kind, count, lo, hi in zip(kinds, counts, columns[:-1], columns[1:]):
-                caps = np.zeros((len(shape.grid), width))  # this kind's options only
-                caps[:, lo:hi] = shape.block(kind, position, position + count)
-                stages = np.zeros(width)
-                stages[lo:hi] = count
-                parts.append((float(shape.fill_unit[kind]), caps, stages))
-                needs.append(np.full(len(count), max(need, float(shape.unit[kind, 0]))))
-                last = suffix[-1][0] if suffix else kind
-                edges.append(np.full(len(count), shape.head_time[last] + shape.embedding_min))
-                child_links.append(links + self._block_links(shape, suffix, kind, count))
-                syncs.append(shape.sync_bound(suffix + ((kind, count),), others))
-            ends = position + np.concatenate(counts)
-            bounds = shape.bound(
-                parts, others, ends, np.concatenate(child_links), np.concatenate(edges),
-                np.concatenate(needs), np.concatenate(syncs),
-            )  # fmt: skip
-            for kind, count, lo in zip(kinds, counts, columns[:-1]):
-                options.extend((float(bounds[lo + i]), kind, int(n)) for i, n in enumerate(count))
+            if kinds:
+                options += self._bounds(shape, node, fixed, need, kinds, None)
         options.sort(key=lambda item: (item[0], -item[2]))
         return options
 
-    def _block_links(self, shape: BatchShape, suffix: _Suffix, kind: int, count: Any) -> Any:
+    def _bounds(
+        self,
+        shape: BatchShape,
+        node: _Node,
+        fixed: list[tuple[float, np.ndarray, Any]],
+        need: float,
+        kinds: list[int],
+        counts: np.ndarray | None,
+    ) -> list[tuple[float, int, int]]:
+        """Bounds of prepending ``counts`` stages of the one kind in ``kinds``, or, with
+        ``counts`` None, of each kind in ``kinds`` (all of one chip type) as a *group*: one bound
+        below every stage count of the kind (count -1 in the result; :meth:`_expand` lists the
+        counts when the group comes up). The group's column takes the most stages' capacity,
+        one mandatory stage, the least links and lead, and the most stages' sync spread, each of
+        which only lowers the bound."""
+        room = shape.positions - node.position
+        others = node.mask & ~(1 << shape.types.index(shape.kinds[kinds[0]].chip))
+        columns = (
+            [(kind, np.array([min(shape.kinds[kind].max_stages, room)])) for kind in kinds]
+            if counts is None
+            else [(kinds[0], counts)]
+        )
+        width = sum(len(c) for _, c in columns)
+        parts, needs, edges, child_links, syncs, leads = list(fixed), [], [], [], [], []
+        lo = 0
+        for kind, count in columns:
+            hi = lo + len(count)
+            start = shape.start(kind, node.lead)
+            mandatory = np.ones(len(count)) if counts is None else count
+            caps = np.zeros((len(shape.grid), width))  # this kind's options only
+            caps[:, lo:hi] = shape.block(kind, start, start + count)
+            stages = np.zeros(width)
+            stages[lo:hi] = mandatory
+            parts.append((float(shape.fill_unit[kind]), caps, stages))
+            needs.append(np.full(len(count), max(need, float(shape.unit[kind, 0]))))
+            last = node.suffix[-1][0] if node.suffix else kind
+            edges.append(np.full(len(count), shape.head_time[last] + shape.embedding_min))
+            child_links.append(node.links + self._block_links(shape, node, kind, mandatory))
+            syncs.append(shape.sync_bound(node.suffix + ((kind, count),), others))
+            leads.append(shape.kinds[kind].dp * (start + mandatory.astype(np.int64)))
+            lo = hi
+        bounds = shape.bound(
+            parts, others, np.concatenate(leads), np.concatenate(child_links),
+            np.concatenate(edges), np.concatenate(needs), np.concatenate(syncs),
+        )  # fmt: skip
+        if counts is None:
+            return [(float(bound), kind, -1) for bound, (kind, _) in zip(bounds, columns)]
+        return [(float(bound), kinds[0], int(n)) for bound, n in zip(bounds, counts)]
+
+    def _expand(self, shape: BatchShape, node: _Node, kind: int) -> list[tuple[float, int, int]]:
+        """The options of a group: every stage count of ``kind`` in front of ``node``."""
+        fixed, need = self._fixed(shape, node)
+        most = min(shape.kinds[kind].max_stages, shape.positions - node.position)
+        return self._bounds(shape, node, fixed, need, [kind], np.arange(1, most + 1))
+
+    def _block_links(self, shape: BatchShape, node: _Node, kind: int, count: Any) -> Any:
         """Link time in the step formula added by prepending ``count`` stages of ``kind``."""
         name = shape.kinds[kind].name
         total = (count - 1) * shape.link(name, name)
-        if suffix:
-            total = total + shape.link(name, shape.kinds[suffix[0][0]].name)
+        if node.suffix:
+            total = total + shape.link(name, shape.kinds[node.suffix[0][0]].name)
         return shape.link_factor * total
 
     def _evaluate(self, shape: BatchShape, suffix: _Suffix) -> None:
         """Stage two for a closed pipeline (``suffix`` is in pipeline order from the front)."""
-        key = (shape.mbs, shape.dp, shape.schedule, shape.chunks, suffix)
+        key = (shape.mbs, shape.schedule, shape.chunks, shape.dp, suffix)
         if key in self.evaluated:
             return
         self.evaluated.add(key)
@@ -452,14 +483,7 @@ class _Search:
         if split is None:
             return
         found = _Found(
-            split.step_time_s,
-            shape.mbs,
-            shape.dp,
-            shape.schedule,
-            shape.chunks,
-            suffix,
-            split,
-            shape.kinds,
+            split.step_time_s, shape.mbs, shape.schedule, shape.chunks, suffix, split, shape.kinds
         )
         heapq.heappush(self.best, (-found.value, next(self.counter), found))
         if len(self.best) > self.options.top_k:
@@ -470,38 +494,43 @@ def solve_structure(shape: BatchShape, suffix: _Suffix, cutoff: float = INF) -> 
     """Stage two: the exact best split of a closed pipeline of ``shape`` whose blocks ``suffix``
     are (kind index, stages) in pipeline order; None if nothing fits or beats ``cutoff``."""
     stages = [kind for kind, count in suffix for _ in range(count)]
-    p, m = len(stages), shape.micro_batches
+    p = len(stages)
+    warmups = shape.warmups(suffix)
     slots, caps = [], []
-    for i, kind in enumerate(stages):
+    for i, (kind, warmup) in enumerate(zip(stages, warmups)):
         slots.append(StageSlot(shape.kinds[kind].costs, i == 0, i == p - 1))
-        caps.append(shape.mode_caps(kind, p, i))
+        caps.append(shape.mode_caps(kind, p, i, warmup))
     names = [shape.kinds[k].name for k in stages]
     links = shape.link_factor * sum(shape.link(a, b) for a, b in zip(names, names[1:]))
     if shape.chunks > 1:
         links += 2.0 * (shape.chunks - 1) * shape.link(names[-1], names[0])
     layers = shape.cost.model.num_layers
+    counts = [shape.kinds[k].micro_batches for k in stages]
     return solve_split(
-        slots, layers, m, links, caps, cutoff, schedule=shape.schedule, chunks=shape.chunks
+        slots, layers, counts, links, caps, cutoff, schedule=shape.schedule, chunks=shape.chunks
     )
 
 
 def to_plan(found: _Found, cost: CostModel, global_batch_size: int) -> HeteroPlan:
-    """Turn a search result into the plan file object."""
+    """Turn a search result into the plan file object (every stage names its DP degree when
+    they differ)."""
     stages, index = [], 0
     chips: dict[str, ChipSpec] = {}
     v = found.chunks
+    degrees = {found.kinds[kind].dp for kind, _ in found.blocks}
     for kind_index, count in found.blocks:
         kind = found.kinds[kind_index]
         chip = cost.cluster.chip(kind.name)
         chips[kind.name] = ChipSpec(chip.device, chip.emulate_slowdown)
+        own = kind.dp if len(degrees) > 1 else None
         for _ in range(count):
             layers = found.split.layers[index]
             chunk_layers = (layers // v,) * v if v > 1 else ()
             mode = MODES[found.split.modes[index]]
-            stages.append(StageSpec(kind.name, kind.tp, layers, mode, chunk_layers))
+            stages.append(StageSpec(kind.name, kind.tp, layers, mode, chunk_layers, own))
             index += 1
     return HeteroPlan(
-        found.data_parallel_size,
+        found.kinds[found.blocks[0][0]].dp,
         found.micro_batch_size,
         global_batch_size,
         chips,
