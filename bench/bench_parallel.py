@@ -73,7 +73,7 @@ from megatron_h2.optimizer.distributed_optimizer import (
 from megatron_h2.pipeline.schedules import run_schedule  # noqa: E402
 from megatron_h2.pipeline_orders import one_f_one_b  # noqa: E402
 from megatron_h2.training.layout import uniform_plan  # noqa: E402
-from megatron_h2.training.step import StepRunner, stack_samples  # noqa: E402
+from megatron_h2.training.step import StepRunner  # noqa: E402
 from tests.dist_utils import run_distributed  # noqa: E402
 
 WORLD, LR, NUM_SAMPLES = 2, 1e-4, 2048  # processes, learning rate, samples in the dataset
@@ -238,9 +238,10 @@ def timed_step(r: Rank, runner: StepRunner) -> dict[str, float]:
 def local_compute(r: Rank, runner: StepRunner, num_micro: int) -> tuple[float, float]:
     """Wall and CPU seconds (this thread) of this stage's forward + backward of ``num_micro``
     micro-batches without pipeline traffic."""
-    samples = (stack_samples(r.dataset, r.next_start(runner), runner.per_replica)
-               if runner.needs_data else None)
-    step = runner._forward_step(samples, [])  # the step function train_step uses
+    batch = num_micro * runner.cfg.training.micro_batch_size
+    samples = runner._replica_samples(r.dataset, r.next_start(runner), list(range(num_micro)))
+    # the step function train_step uses (loss divided by the batch's token count)
+    step = runner._forward_step(samples, [], batch, float(batch * runner.cfg.model.seq_length))
     order = one_f_one_b(0, 1, range(num_micro))  # forward, backward, forward, ...
     t0, c0 = now(), time.thread_time()
     run_schedule(order, step, LocalComm(runner.comm.shape), runner.chunks)

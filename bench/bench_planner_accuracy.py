@@ -5,11 +5,9 @@ On this machine's CPU (each "chip" is one single-threaded process; the chip type
 same CPU with `emulate_slowdown: 2.0`), the script
 
 1. measures what the planner needs: `tools/profile_chip.py --threads 1` (layer / embedding /
-   head forward and backward per micro-batch size), plus two figures that tool does not measure
-   yet, added to its table: the optimizer's once-per-step work per parameter
-   (`optimizer_ns_per_param`) and a layer's extra backward time under selective recompute
-   (`selective_recompute_ms`); and gloo's loopback all-reduce and point-to-point times
-   (written into the cluster file as bandwidths);
+   head forward and backward and a layer's extra backward under selective recompute per
+   micro-batch size, the optimizer's once-per-step work per parameter); and gloo's loopback
+   all-reduce and point-to-point times (written into the cluster file as bandwidths);
 2. plans the two-chip cluster (`fast` + `slow`) with `tools/plan.py --profile`;
 3. runs every plan of a fixed set (1-2 processes: even and uneven splits, emulated slowdown,
    recompute none / selective / full, DP 2) plus the planner's plan and the same stages with a
@@ -38,7 +36,6 @@ from __future__ import annotations
 import argparse
 import copy
 import json
-import math
 import os
 import random
 import shutil
@@ -56,11 +53,13 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from megatron_h2.hetero_plan import HeteroPlan  # noqa: E402
+from megatron_h2.planner.calibration import LinkTimes, fitted_gb_per_s, steady_step_ms  # noqa: E402
 from megatron_h2.planner.cluster import Cluster  # noqa: E402
 from megatron_h2.planner.cost_model import CostConfig, CostModel  # noqa: E402
 from megatron_h2.planner.model import model_flags, model_from_dict  # noqa: E402
 from megatron_h2.planner.profile import ProfileTable  # noqa: E402
 from megatron_h2.planner.simulator import simulate  # noqa: E402
+from megatron_h2.training.host_load import OtherLoad, load_average, wait_for_quiet  # noqa: E402
 
 # hidden 256 / seq 256 / 8 layers: a layer's forward is ~6 ms on one core, so compute dominates
 # the Python and launch overheads while a whole step stays around one second.
@@ -100,62 +99,6 @@ def log(message: str) -> None:
     print(message, flush=True)
 
 
-def load_average() -> float:
-    try:
-        return float(Path("/proc/loadavg").read_text().split()[0])
-    except (OSError, ValueError, IndexError):
-        return float("nan")
-
-
-class OtherLoad:
-    """CPU used by processes other than this script's children while a block runs, in cores.
-
-    /proc/stat counts every process's CPU time; this script's children report theirs through
-    getrusage once they have been waited for. The difference over the block's wall time is what
-    other sessions took from the two cores (NaN where /proc/stat is missing).
-    """
-
-    def __enter__(self) -> OtherLoad:
-        self.start = (self._busy(), self._ours(), time.perf_counter())
-        self.cores = float("nan")
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        busy, ours, now = self._busy(), self._ours(), time.perf_counter()
-        if busy is not None and self.start[0] is not None and now > self.start[2]:
-            other = (busy - self.start[0]) - (ours - self.start[1])
-            self.cores = max(other, 0.0) / (now - self.start[2])
-
-    @staticmethod
-    def _busy() -> float | None:
-        try:
-            fields = [int(x) for x in Path("/proc/stat").read_text().split("\n")[0].split()[1:]]
-        except (OSError, ValueError):
-            return None
-        idle = fields[3] + (fields[4] if len(fields) > 4 else 0)
-        return (sum(fields[:8]) - idle) / os.sysconf("SC_CLK_TCK")
-
-    @staticmethod
-    def _ours() -> float:
-        import resource
-
-        usage = [resource.getrusage(w) for w in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)]
-        return sum(u.ru_utime + u.ru_stime for u in usage)
-
-
-def wait_for_quiet(budget: list[float], threshold: float = 0.5, log_wait=None) -> float:
-    """Wait (from ``budget[0]`` seconds left overall) until other processes use under
-    ``threshold`` cores over one second; returns the last reading."""
-    while True:
-        with OtherLoad() as probe:
-            time.sleep(1.0)
-        if probe.cores < threshold or budget[0] <= 0 or probe.cores != probe.cores:
-            return probe.cores
-        if log_wait:
-            log_wait(probe.cores)
-        budget[0] -= 1.0
-
-
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -181,107 +124,21 @@ def run(cmd: list[str], timeout: float = 300) -> subprocess.CompletedProcess:
 
 
 # ---------------------------------------------------------------------------------- probes
-def probe_gloo(out: str, dp_bytes: int, act_bytes: int, reps: int = 15) -> None:
+def probe_gloo(out: str, dp_bytes: int, act_bytes: int) -> None:
     """Under torchrun, 2 ranks: all-reduce of the DP gradient size and a point-to-point
     exchange of one micro-batch's activation (fp32, as the runtime sends them)."""
     import torch
     import torch.distributed as dist
 
+    from megatron_h2.training.profile_chip import link_times
+
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
-    rank = dist.get_rank()
-
-    def timed(fn, reps: int = reps) -> float:
-        times = []
-        for _ in range(reps + 2):
-            dist.barrier()
-            start = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - start)
-        return statistics.median(times[2:])
-
-    grads, act = torch.ones(dp_bytes // 4), torch.ones(act_bytes // 4)
-
-    def exchange() -> None:  # one send each way; half of it is one transfer
-        if rank == 0:
-            dist.send(act, 1)
-            dist.recv(act, 1)
-        else:
-            dist.recv(act, 0)
-            dist.send(act, 0)
-
-    result = {"allreduce_s": timed(lambda: dist.all_reduce(grads)),
-              "p2p_s": timed(exchange, 4 * reps) / 2,
-              "allreduce_bytes": dp_bytes, "p2p_bytes": act_bytes}
-    if rank == 0:
+    result = link_times(dp_bytes, act_bytes)
+    if dist.get_rank() == 0:
         Path(out).write_text(json.dumps(result))
     dist.barrier()
     dist.destroy_process_group()
-
-
-def probe_extras(out: str, reps: int = 9) -> None:
-    """One process, one thread: what tools/profile_chip.py does not measure (yet).
-
-    * The work StepRunner.train_step does after the last backward with the replicated optimizer
-      (grad norm, clip, AdamW step) plus the next step's zero_grad, on the whole model (the
-      largest stage of the plans): ns per parameter.
-    * Per micro-batch size, one layer's forward + backward with ``recompute: selective`` minus
-      without (measured alternately, medians): the extra backward time of selective recompute.
-    """
-    import torch
-
-    torch.set_num_threads(1)
-    from dataclasses import replace
-
-    from megatron_h2.config import OptimizerConfig
-    from megatron_h2.devices import get_accelerator
-    from megatron_h2.models.gpt import GPTModel, init_parameters
-    from megatron_h2.optimizer.distributed_optimizer import build_data_parallel_optimizer
-
-    acc = get_accelerator("cpu")
-    cfg = replace(planner_model(), hidden_dropout=0.0, attention_dropout=0.0)
-    selective = {}
-    layers = {}
-    for mode in ("none", "selective"):
-        one = replace(cfg, num_layers=1, recompute=mode)
-        layers[mode] = GPTModel(one, acc.kernels, (0, 1), False, False)
-        init_parameters(layers[mode], one, seed=0)
-        layers[mode].train()
-    for mbs in PROFILE_SIZES:
-        x = torch.randn(mbs, cfg.seq_length, cfg.hidden_size, requires_grad=True)
-        times: dict[str, list[float]] = {"none": [], "selective": []}
-        for _ in range(3 + 2 * reps):
-            for mode, layer in layers.items():
-                start = time.perf_counter()
-                layer(hidden_states=x).float().sum().backward()
-                times[mode].append(time.perf_counter() - start)
-                layer.zero_grad(set_to_none=True)
-                x.grad = None
-        extra = statistics.median(times["selective"][3:]) - statistics.median(times["none"][3:])
-        selective[mbs] = max(extra, 0.0) * 1e3
-    model = GPTModel(cfg, acc.kernels, (0, cfg.num_layers), True, True)
-    init_parameters(model, cfg, seed=0)
-    opt = build_data_parallel_optimizer(model, OptimizerConfig(lr_warmup_iters=1), None,
-                                        kernels=acc.kernels)
-    params = sum(p.numel() for p in model.parameters())
-    times = []
-    for _ in range(reps + 2):
-        opt.zero_grad()
-        for bucket in opt.grad_buckets.buckets:  # stands in for the backward's gradients
-            bucket.buffer.normal_()
-        opt.grad_buckets.start_sync()
-        start = time.perf_counter()
-        opt.grad_buckets.finish_sync()
-        norm = math.sqrt(sum(float(g.double().square().sum()) for _, g in opt.owned_grads()))
-        opt.clip_(min(1.0, 1.0 / (norm + 1e-6)))
-        opt.set_lr(1e-4)
-        opt.step()
-        opt.zero_grad()
-        times.append(time.perf_counter() - start)
-    seconds = statistics.median(times[2:])
-    Path(out).write_text(json.dumps({"seconds": seconds, "params": params,
-                                     "ns_per_param": seconds / params * 1e9,
-                                     "selective_recompute_ms": selective}))
 
 
 # ------------------------------------------------------------------------------ setup files
@@ -300,20 +157,10 @@ def write_corpus(work: Path) -> str:
 
 
 def cluster_dict(count: int, gloo: dict) -> dict:
-    """The CPU-emulated cluster: `count` chips of each type, bandwidths fitted to gloo.
-
-    The cost model times an all-reduce of B bytes over 2 chips as 2 x latency + B / (bw x
-    comm_efficiency) and a pipeline transfer as latency + B_bf16 / (bw x comm_efficiency), with
-    its default latencies; the bandwidths below make those equal the measured gloo times. The
-    runtime sends fp32 activations, twice the bf16 bytes the model counts, so the point-to-point
-    bandwidth is per modelled byte (it also absorbs gloo's per-message cost).
-    """
-    cfg = CostConfig()
-    ar = gloo["allreduce_bytes"] / max(gloo["allreduce_s"] - 2 * cfg.collective_latency_s, 1e-9)
-    modelled = gloo["p2p_bytes"] / 2  # fp32 on the wire, bf16 in the model
-    p2p = modelled / max(gloo["p2p_s"] - cfg.p2p_latency_s, 1e-9)
-    intra = round(ar / cfg.comm_efficiency / 1e9, 4)
-    inter = round(p2p / cfg.comm_efficiency / 1e9, 4)
+    """The CPU-emulated cluster: `count` chips of each type, bandwidths fitted to gloo
+    (megatron_h2.planner.calibration.fitted_gb_per_s): DP all-reduces in a node at the
+    all-reduce figure, pipeline transfers at the point-to-point one."""
+    intra, inter = fitted_gb_per_s(LinkTimes.from_dict(gloo))
     chip = {"device": "cpu", "count": count, "chips_per_node": count,
             # only the MFU column uses the peak: with a profile the measured times rule
             "tflops_bf16": 0.1, "memory_gib": 8, "intra_node_gb_per_s": intra,
@@ -355,18 +202,21 @@ def label(plan: HeteroPlan) -> str:
     return dp + " | ".join(parts) + extra
 
 
-def profile_round(work: Path, r: int, extras: dict) -> dict:
+def profile_round(work: Path, r: int) -> dict:
+    """tools/profile_chip.py --threads 1 (it measures the optimizer step and selective
+    recompute too); the bench waits for quiet cores itself."""
     out = work / f"profile_r{r}.yaml"
-    run([sys.executable, str(ROOT / "tools" / "profile_chip.py"), "--chip", "fast", "--chip",
-         "slow", *model_flags(planner_model()),
-         "--micro-batch-sizes", ",".join(map(str, PROFILE_SIZES)),
-         "--threads", "1", "--output", str(out)])
+    proc = run([sys.executable, str(ROOT / "tools" / "profile_chip.py"), "--chip", "fast",
+                "--chip", "slow", *model_flags(planner_model()),
+                "--micro-batch-sizes", ",".join(map(str, PROFILE_SIZES)),
+                "--threads", "1", "--max-wait", "0", "--output", str(out)])
     data = yaml.safe_load(out.read_text())
-    for chip in data["chips"].values():
-        chip["optimizer_ns_per_param"] = round(extras["ns_per_param"], 4)
-        for size, row in chip["micro_batch_sizes"].items():
-            row["selective_recompute_ms"] = round(extras["selective_recompute_ms"][str(size)], 4)
-    out.write_text(yaml.safe_dump(data, sort_keys=False))
+    chip = data["chips"]["fast"]
+    sel = ", ".join(f"mb {k}: {v['selective_recompute_ms']:.2f} ms"
+                    for k, v in chip["micro_batch_sizes"].items())
+    log(f"optimizer step (norm, clip, AdamW, zero_grad): {chip['optimizer_ns_per_param']:.2f} "
+        f"ns/param; selective recompute adds per layer {sel}")
+    (work / f"profile_r{r}.txt").write_text(proc.stdout)
     return data
 
 
@@ -412,8 +262,7 @@ def measure(plan_path: Path, nproc: int, data: str, iters: int, skip: int, out: 
         return {"error": "timed out", "load": load}
     if proc.returncode != 0 or not out.exists():
         return {"error": (proc.stderr or proc.stdout)[-2000:], "load": load}
-    rows = [json.loads(line) for line in out.read_text().splitlines() if line.strip()]
-    times = [r["iteration_ms"] for r in rows if "iteration_ms" in r and r["iteration"] > skip]
+    times = steady_step_ms(out, skip)
     if not times:
         return {"error": "no iteration_ms after the warm-up", "load": load}
     return {"ms": statistics.median(times), "iterations_ms": [round(t, 1) for t in times],
@@ -451,13 +300,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", metavar="FILE", help="write the results as JSON")
     parser.add_argument("--probe-gloo", nargs=3, metavar=("OUT", "DP_BYTES", "ACT_BYTES"),
                         help=argparse.SUPPRESS)
-    parser.add_argument("--probe-extras", metavar="OUT", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.probe_gloo:
         probe_gloo(args.probe_gloo[0], int(args.probe_gloo[1]), int(args.probe_gloo[2]))
-        return 0
-    if args.probe_extras:
-        probe_extras(args.probe_extras)
         return 0
     if args.iters <= args.skip:
         parser.error("--iters must exceed --skip")
@@ -486,19 +331,6 @@ def main(argv: list[str] | None = None) -> int:
         f"{1e3 * gloo['p2p_s']:.2f} ms")
     for count, name in ((1, "cluster_plan.yaml"), (2, "cluster_eval.yaml")):
         (work / name).write_text(yaml.safe_dump(cluster_dict(count, gloo), sort_keys=False))
-    extras_runs: list[dict] = []
-
-    def extras_round() -> dict:
-        out = work / "extras.json"
-        run([sys.executable, str(Path(__file__).resolve()), "--probe-extras", str(out)])
-        result = json.loads(out.read_text())
-        extras_runs.append(result)
-        sel = ", ".join(f"mb {k}: {v:.2f} ms" for k, v in result["selective_recompute_ms"].items())
-        log(f"optimizer step (norm, clip, AdamW, zero_grad) on {result['params'] / 1e6:.1f}M "
-            f"params: {1e3 * result['seconds']:.1f} ms = {result['ns_per_param']:.2f} ns/param; "
-            f"selective recompute adds per layer {sel}")
-        return result
-
     budget = [args.max_wait]
 
     def quiet() -> None:
@@ -511,7 +343,7 @@ def main(argv: list[str] | None = None) -> int:
         for attempt in range(2):
             quiet()
             with OtherLoad() as other:
-                table = profile_round(work, r, extras_round())
+                table = profile_round(work, r)
             calm = not other.cores >= args.busy
             log(f"profile round {r + 1}: other processes used {other.cores:.2f} cores meanwhile"
                 + ("" if calm else " (disturbed" + ("; again)" if attempt == 0 else ")")))
@@ -672,7 +504,7 @@ def main(argv: list[str] | None = None) -> int:
     log(f"\ntotal {elapsed:.0f} s; load average now {load_average():.2f}")
     if args.json:
         result = {"model": MODEL, "rounds": args.rounds, "iterations": args.iters,
-                  "skip": args.skip, "gloo": gloo, "extras": extras_runs,
+                  "skip": args.skip, "gloo": gloo,
                   "cluster": cluster_dict(2, gloo), "profile": profile_data,
                   "planned": label(planned), "rows": rows, "median_abs_error": med,
                   "median_abs_sim_error": med_sim, "uniform_comparison": comparison,

@@ -50,9 +50,11 @@ Rank layout (what the runtime must build its process groups from):
 * Inside a stage, ``rank = first_rank + dp_rank * tensor_parallel_size + tp_rank``: a TP group is
   ``tensor_parallel_size`` consecutive ranks (kept inside one node), a DP group takes every
   ``tensor_parallel_size``-th rank of the stage (:meth:`HeteroPlan.rank_coordinates`).
-* The pipeline of DP replica ``r`` is made of its ``tp`` ranks in every stage; pipeline
-  point-to-point traffic goes between stage ``s`` and ``s + 1`` of the same replica, even where
-  the two stages have different TP degrees.
+* Micro-batch ``j`` runs on replica ``j mod DP_s`` of every stage: its pipeline point-to-point
+  traffic goes from the TP group of replica ``j mod DP_s`` of stage ``s`` to that of replica
+  ``j mod DP_{s+1}`` of stage ``s + 1`` (the same replica when both have the same DP degree),
+  even where the two stages have different TP degrees
+  (:mod:`megatron_h2.distributed.boundary`, :mod:`megatron_h2.pipeline_orders`).
 * Layers are numbered globally; stage ``s`` runs ``layer_ranges()[s]`` (0-based, contiguous)
   when it has one chunk, and ``chunk_layer_ranges()[s]`` in general.
 """

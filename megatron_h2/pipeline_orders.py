@@ -25,25 +25,26 @@ stage ``c * p + s - 1`` (the last stage's chunk ``c - 1`` for ``s = 0``).
   1F1B's peak activation memory (``p`` micro-batches in flight on every stage, as on 1F1B's first
   stage).
 
-Stages with their own data-parallel degrees (``DP_s``): replica ``r`` of stage ``s`` runs the
-micro-batches ``j`` with ``j mod DP_s == r`` (:func:`replica_micro_batches`) in the 1F1B or
-zero-bubble order of its own list, with :func:`replica_warmup` warm-up forwards (Megatron's
-``p - s - 1`` per replica can hang when the DP degrees differ). Micro-batch ``j`` goes through
-replica ``j mod DP_s`` of every stage; each pair of neighbouring replicas exchanges its common
-micro-batches in increasing order both ways. The interleaved orders group a replica's
-micro-batches by ``p``, which does not line up across stages of different DP: with differing DP
-degrees they can hang, so they are for uniform DP only.
-
 The orders are written here rather than taken from ``torch.distributed.pipelining``, whose
 schedule classes compute them inside objects bound to ``PipelineStage`` s and one job-wide
 micro-batch count, through private helpers. They follow the same rules:
 ``tests/test_pipeline_orders.py`` checks the interleaved and zero-bubble orders against torch's
 ``ScheduleInterleaved1F1B`` / ``ScheduleInterleavedZeroBubble`` helpers, and every order against
 :func:`check_orders`, which replays the orders of all stages with our point-to-point discipline.
+
+Per-stage data parallelism (stages with different DP degrees ``DP_s``): micro-batch ``j`` of the
+``M`` of a step runs on replica ``j mod DP_s`` of every stage ``s``, so its activation goes from
+replica ``j mod DP_s`` of stage ``s`` to replica ``j mod DP_{s+1}`` of stage ``s + 1`` (and its
+gradient back). Each replica runs the schedule over its own micro-batches
+(:func:`replica_micro_batches`, in groups shared with its neighbours under interleaving) with
+the warm-ups of :func:`routed_warmups`; :func:`replica_order` is one replica's order, and
+:func:`check_orders` with ``data_parallel`` replays all replicas with routed messages.
 """
 
 from __future__ import annotations
 
+import functools
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -94,39 +95,10 @@ def check_micro_batches(schedule: str, stages: int, chunks: int, micro_batches: 
             f"the pipeline size {stages}; change the global batch size")
 
 
-def replica_warmup(stage: int, stage_dps: Sequence[int]) -> int:
-    """Warm-up forwards of each DP replica of ``stage`` under 1F1B and zero-bubble when the
-    stages have their own DP degrees ``stage_dps`` (``p - s - 1``, Megatron's, when every stage
-    has the same DP).
-
-    Replica ``r`` of stage ``s`` runs the micro-batches ``j = r (mod DP_s)``; with ``w_s`` warm-up
-    forwards it runs the forward of micro-batch ``j'`` before the backward of its ``j`` exactly
-    when ``j' <= j + G_s``, ``G_s = w_s DP_s`` (its lead, in micro-batch ids). The rule gives
-    each stage the smallest lead that exceeds the next stage's by one micro-batch per replica of
-    the next stage: ``G_{p-1} = 0``, ``G_s = DP_s ceil((G_{s+1} + DP_{s+1}) / DP_s)``, as
-    Megatron's ``G_s = (p - s - 1) DP`` does under uniform DP. Since ``G_s`` falls along the
-    pipeline, every backward waits only for forwards and backwards of smaller micro-batch ids,
-    so no order can hang (Megatron's ``p - s - 1`` per replica can: DP 1, 1, 2, 2, 1). With a
-    smaller lead, a stage would hold back the forward that a replica of the next stage waits for
-    until a backward of another replica comes back: a stage of DP 1 feeding one of DP 4 that
-    leads by only one micro-batch takes twice the time in the simulator.
-    """
-    lead = 0
-    for later in range(len(stage_dps) - 1, stage, -1):
-        lead = stage_dps[later - 1] * -(-(lead + stage_dps[later]) // stage_dps[later - 1])
-    return lead // stage_dps[stage]
-
-
-def replica_micro_batches(total: int, data_parallel_size: int, replica: int) -> range:
-    """The micro-batches of DP ``replica`` of a stage of ``data_parallel_size`` replicas, out of
-    ``total`` per step: ``replica, replica + DP, ...``."""
-    return range(replica, total, data_parallel_size)
-
-
 def one_f_one_b(stage: int, stages: int, micro_batches: Sequence[int],
                 warmup: int | None = None) -> list[Action]:
-    """Megatron's non-interleaved 1F1B order of one stage (``warmup`` forwards first: by default
-    ``p - s - 1``, see :func:`replica_warmup` for stages with their own DP degree)."""
+    """Megatron's non-interleaved 1F1B order of one stage (``warmup`` forwards first, by
+    default ``p - s - 1``)."""
     mbs = list(micro_batches)
     warmup = min(stages - stage - 1 if warmup is None else warmup, len(mbs))
     order = [Action("F", 0, j) for j in mbs[:warmup]]
@@ -146,7 +118,8 @@ def _virtual(k: int, stages: int, chunks: int, mbs: Sequence[int],
 
 def interleaved(stage: int, stages: int, chunks: int, micro_batches: Sequence[int],
                 warmup: int | None = None) -> list[Action]:
-    """Megatron's interleaved 1F1B order of one stage (see the module docstring)."""
+    """Megatron's interleaved 1F1B order of one stage (see the module docstring; ``warmup``
+    overrides the number of warm-up forwards)."""
     mbs = list(micro_batches)
     if len(mbs) % stages:
         raise ConfigError(f"the interleaved schedule needs a multiple of {stages} micro-batches, "
@@ -212,8 +185,8 @@ def forward_order(stage: int, stages: int, chunks: int,
 
 def schedule_order(schedule: str, stage: int, stages: int, chunks: int,
                    micro_batches: Sequence[int], warmup: int | None = None) -> list[Action]:
-    """The order of ``schedule`` (``1f1b``, ``interleaved`` or ``zero-bubble``) for one stage;
-    ``warmup``: forwards before the first backward (default: the schedule's own rule)."""
+    """The order of ``schedule`` (``1f1b``, ``interleaved`` or ``zero-bubble``) for one stage
+    (``warmup``: warm-up forwards instead of the schedule's own count)."""
     check_micro_batches(schedule, stages, chunks, len(micro_batches))
     if schedule == "1f1b":
         return one_f_one_b(stage, stages, micro_batches, warmup)
@@ -251,51 +224,200 @@ def _channel(action: Action, stage: int, stages: int, chunks: int,
     return (boundary, action.kind, action.micro_batch, edge // stages)
 
 
-def check_orders(orders: Sequence[Sequence[Action]], chunks: int) -> None:
-    """Replay every stage's order as the runtime runs it and raise AssertionError on a schedule
-    that could hang or mismatch messages.
+def check_orders(orders: Sequence[Sequence[Action]], chunks: int,
+                 data_parallel: Sequence[int] | None = None) -> None:
+    """Replay every pipeline's order as the runtime runs it and raise AssertionError on a
+    schedule that could hang or mismatch messages.
+
+    ``orders``: one order per stage, or with ``data_parallel`` (the DP degree ``DP_s`` of every
+    stage) one per DP replica, stage-major (stage 0's ``DP_0`` replicas, then stage 1's, ...).
+    Replica ``r`` of stage ``s`` must run exactly the micro-batches ``j`` with
+    ``j mod DP_s == r``; a message of micro-batch ``j`` goes between the replicas that run ``j``
+    on the two stages (see :func:`replica_micro_batches`).
 
     The runtime runs each rank's actions in order; an action waits only for its own input (the
-    neighbour's forward / backward, or its own forward or backward), sends never wait, and each
-    boundary carries its messages in order (first in, first out), so every receiver must
-    consume them in the order the sender sends them. Checks: every (kind, chunk, micro-batch)
-    appears exactly once where it should, the replay finishes, and sends and receives match on
-    every boundary and direction.
+    neighbour's forward / backward, or its own forward or backward), sends never wait, and the
+    messages between two replicas in one direction of one boundary travel in order (first in,
+    first out), so every receiver must consume them in the order the sender sends them. Checks:
+    every (kind, chunk, micro-batch) appears exactly once where it should, the replay finishes,
+    and sends and receives match on every boundary, direction and pair of replicas.
     """
-    stages = len(orders)
-    work = {(a.chunk, a.micro_batch) for a in orders[0] if a.kind == "F"}
+    dps = list(data_parallel) if data_parallel is not None else [1] * len(orders)
+    stages = len(dps)
+    assert len(orders) == sum(dps), f"{len(orders)} orders for {sum(dps)} replicas"
+    where = [(s, r) for s in range(stages) for r in range(dps[s])]  # order index -> replica
+    work = {(a.chunk, a.micro_batch) for (s, _), order in zip(where, orders) if s == 0
+            for a in order if a.kind == "F"}
     assert {c for c, _ in work} == set(range(chunks)), "not every chunk runs"
     kinds = {a.kind for a in orders[0]}
-    for s, order in enumerate(orders):
-        assert len(set(order)) == len(order), f"stage {s} runs an action twice"
+    names = [f"stage {s}" + (f" replica {r}" if dps[s] > 1 else "") for s, r in where]
+    for (s, r), name, order in zip(where, names, orders):
+        assert len(set(order)) == len(order), f"{name} runs an action twice"
+        mine_work = {(c, j) for c, j in work if j % dps[s] == r}
         for kind in "FBW":
             mine = {(a.chunk, a.micro_batch) for a in order if a.kind == kind}
-            assert mine == (work if kind in kinds else set()), \
-                f"stage {s} runs {kind} of other (chunk, micro-batch) pairs than its forwards"
-    done: set[tuple] = set()
-    pointer = [0] * stages
-    progress = True
-    while progress:
-        progress = False
-        for s in range(stages):
-            while pointer[s] < len(orders[s]):
-                action = orders[s][pointer[s]]
-                need = _needs(action, s, stages, chunks)
-                if need is not None and need not in done:
-                    break
-                done.add((action.kind, action.chunk * stages + s, action.micro_batch))
-                pointer[s] += 1
-                progress = True
-    stuck = [f"stage {s} at {orders[s][pointer[s]]}" for s in range(stages)
-             if pointer[s] < len(orders[s])]
-    assert not stuck, f"the schedule deadlocks: {', '.join(stuck)}"
+            assert mine == (mine_work if kind in kinds else set()), \
+                f"{name} runs {kind} of other (chunk, micro-batch) pairs than it should"
+    stuck = _replay(orders, [s for s, _ in where], chunks)
+    assert not stuck, "the schedule deadlocks: " + ", ".join(
+        f"{names[i]} at {action}" for i, action in sorted(stuck.items()))
     sent: dict[tuple, list] = {}
     received: dict[tuple, list] = {}
-    for s, order in enumerate(orders):
+    for (s, _), order in zip(where, orders):
         for action in order:
             for sending, log in ((True, sent), (False, received)):
                 channel = _channel(action, s, stages, chunks, sending)
                 if channel is not None:
-                    log.setdefault(channel[:2], []).append(channel[2:])
+                    boundary, kind, j, lap = channel
+                    pair = (j % dps[boundary], j % dps[(boundary + 1) % stages])
+                    log.setdefault((boundary, kind, pair), []).append((j, lap))
     assert sent == received, "a boundary's receiver consumes messages in another order than " \
                              "its sender sends them"
+
+
+def _replay(orders: Sequence[Sequence[Action]], stage_of: Sequence[int],
+            chunks: int) -> dict[int, Action]:
+    """Run every order (of stage ``stage_of[i]``) as far as the data dependencies allow (an
+    action runs once what it waits for has run on any replica); returns where each order that
+    could not finish is stuck (empty: the orders run to their end)."""
+    stages = max(stage_of) + 1
+    done: set[tuple] = set()
+    waiting: dict[tuple, list[int]] = {}  # what a blocked order waits for -> those orders
+    pointer = [0] * len(orders)
+    ready = list(range(len(orders)))
+    while ready:
+        index = ready.pop()
+        stage, order = stage_of[index], orders[index]
+        while pointer[index] < len(order):
+            action = order[pointer[index]]
+            need = _needs(action, stage, stages, chunks)
+            if need is not None and need not in done:
+                waiting.setdefault(need, []).append(index)
+                break
+            item = (action.kind, action.chunk * stages + stage, action.micro_batch)
+            done.add(item)
+            ready.extend(waiting.pop(item, ()))
+            pointer[index] += 1
+    return {i: orders[i][pointer[i]] for i in range(len(orders)) if pointer[i] < len(orders[i])}
+
+
+# ------------------------------------------------------------------- per-stage data parallelism
+def replica_micro_batches(total: int, data_parallel: Sequence[int], stage: int, replica: int,
+                          chunks: int = 1) -> list[int]:
+    """The global micro-batches (ids ``0 .. total - 1``) that DP replica ``replica`` of
+    ``stage`` runs in one step, in the order its schedule takes them.
+
+    ``data_parallel`` is every stage's DP degree ``DP_s``. Micro-batch ``j`` runs on replica
+    ``j mod DP_s`` of every stage ``s`` (Megatron's data sampler gives DP rank ``r`` the
+    micro-batches ``j`` with ``j mod DP == r`` too). With one model chunk a replica takes its
+    micro-batches in ascending order. With virtual stages the interleaved schedules take them in
+    groups of ``p`` (the pipeline size) through the chunks, and a boundary carries the messages
+    of every chunk in the order they were sent: two replicas that share micro-batches must then
+    form the same groups in the same order. So every group is ``p`` consecutive micro-batches of
+    one residue class modulo ``L = lcm(DP_s)``, and every replica takes its groups in one
+    job-wide order (by place within the class, then class). That needs ``total`` to be a
+    multiple of ``p x L``, which is exactly Megatron's rule (every replica's count a multiple of
+    ``p``) on every stage. With the same DP on every stage both orders are the ascending one.
+    """
+    dp, stages = data_parallel[stage], len(data_parallel)
+    if not 0 <= replica < dp or total % dp:
+        raise ConfigError(f"stage {stage} with data_parallel_size {dp} has no replica {replica} "
+                          f"of {total} micro-batches")
+    if chunks == 1:
+        return list(range(replica, total, dp))
+    lcm = math.lcm(*data_parallel)
+    if total % (lcm * stages):
+        raise ConfigError(f"{total} micro-batches do not split into groups of {stages} per "
+                          f"replica with data-parallel sizes {list(data_parallel)}")
+    return [k + lcm * (run * stages + i) for run in range(total // (lcm * stages))
+            for k in range(replica, lcm, dp) for i in range(stages)]
+
+
+def check_replica_micro_batches(schedule: str, data_parallel: Sequence[int], chunks: int,
+                                total: int) -> None:
+    """Megatron's micro-batch rules (:func:`check_micro_batches`) for every stage's replicas,
+    which run ``total / DP_s`` micro-batches each; one-line ConfigError naming the stage."""
+    dps = list(data_parallel)
+    if len(set(dps)) == 1:
+        check_micro_batches(schedule, len(dps), chunks, total // dps[0])
+        return
+    for stage, dp in enumerate(dps):
+        if total % dp:
+            raise ConfigError(f"{total} micro-batches per step do not split over stage {stage}'s "
+                              f"{dp} data-parallel replicas; change the global batch size")
+        try:
+            check_micro_batches(schedule, len(dps), chunks, total // dp)
+        except ConfigError as exc:
+            raise ConfigError(f"stage {stage} (data_parallel_size {dp}): {exc}") from None
+
+
+def _base_warmup(schedule: str, data_parallel: Sequence[int], stage: int, chunks: int) -> int:
+    """Warm-up forwards of every replica of ``stage`` before any search (see
+    :func:`routed_warmups`)."""
+    stages, dp = len(data_parallel), data_parallel[stage]
+    own = -(-sum(data_parallel[stage + 1:]) // dp)  # p - s - 1 with the same DP everywhere
+    if schedule == "1f1b":
+        return own
+    if schedule == "zero-bubble":
+        return own + (chunks - 1) * stages
+    return 2 * own + (chunks - 1) * stages
+
+
+@functools.lru_cache(maxsize=64)
+def routed_warmups(schedule: str, data_parallel: tuple[int, ...], chunks: int,
+                   total: int) -> tuple[int, ...]:
+    """Warm-up forwards of each stage's replicas when the stages have different DP degrees.
+
+    A replica of stage ``s`` keeps ``ceil(sum of DP_t over the later stages t / DP_s)`` of its
+    own micro-batches in flight under 1F1B, which is Megatron's ``p - s - 1`` when every stage
+    has the same DP: the micro-batches that enter the pipeline while one travels to the last
+    stage and back are spread over the later stages' replicas. Every warm-up (interleaved:
+    ``2 x`` that plus ``(V - 1) x p``, zero-bubble: plus ``(V - 1) x p``) then grows by one on
+    each stage whose replicas the replay of all orders (:func:`check_orders`) finds stuck
+    waiting for a backward, until the orders provably run; the search is deterministic, so every
+    rank computes the same orders. With the same DP everywhere these are the schedule's own
+    warm-ups.
+    """
+    stages = len(data_parallel)
+    warmups = [_base_warmup(schedule, data_parallel, s, chunks) for s in range(stages)]
+    if len(set(data_parallel)) == 1:
+        return tuple(warmups)
+    stage_of = [s for s, dp in enumerate(data_parallel) for _ in range(dp)]
+    limit = [total // dp * chunks for dp in data_parallel]  # every forward of a replica
+    while True:
+        orders = [schedule_order(schedule, s, stages, chunks,
+                                 replica_micro_batches(total, data_parallel, s, r, chunks),
+                                 warmups[s])
+                  for s, dp in enumerate(data_parallel) for r in range(dp)]
+        stuck = _replay(orders, stage_of, chunks)
+        grow = {stage_of[i] for i, action in stuck.items()
+                if action.kind == "B" and warmups[stage_of[i]] < limit[stage_of[i]]}
+        if not stuck:
+            return tuple(warmups)
+        assert grow, f"no warm-up makes the routed {schedule} orders run: {stuck}"
+        for s in grow:
+            warmups[s] += 1
+
+
+def replica_order(schedule: str, data_parallel: Sequence[int], stage: int, replica: int,
+                  chunks: int, total: int) -> list[Action]:
+    """The order replica ``replica`` of ``stage`` runs in a step of ``total`` micro-batches:
+    :func:`schedule_order` over its :func:`replica_micro_batches` with the
+    :func:`routed_warmups` of its stage (Megatron's orders when every stage has the same DP)."""
+    dps = tuple(data_parallel)
+    mbs = replica_micro_batches(total, dps, stage, replica, chunks)
+    return schedule_order(schedule, stage, len(dps), chunks, mbs,
+                          routed_warmups(schedule, dps, chunks, total)[stage])
+
+
+def routed_orders(schedule: str, data_parallel: Sequence[int], chunks: int, total: int,
+                  forward_only: bool = False) -> list[list[Action]]:
+    """Every replica's order (stage-major, as :func:`check_orders` takes them) of one step of
+    ``total`` micro-batches, or of its forward-only (evaluation) pass."""
+    stages = len(data_parallel)
+    if forward_only:
+        return [forward_order(s, stages, chunks,
+                              replica_micro_batches(total, data_parallel, s, r, chunks))
+                for s, dp in enumerate(data_parallel) for r in range(dp)]
+    return [replica_order(schedule, data_parallel, s, r, chunks, total)
+            for s, dp in enumerate(data_parallel) for r in range(dp)]

@@ -1,11 +1,15 @@
 #!/usr/bin/env bash
 # The whole path on the embedded default, on one machine (no download, no flags):
-#   1. plan a CPU-emulated two-chip-type cluster for a small model (tools/plan.py),
-#   2. train the plan with pretrain_gpt.py --hetero-plan under torchrun, on the embedded corpus
+#   1. measure this machine (tools/profile_chip.py; cached, so only the first run measures),
+#   2. plan a CPU-emulated two-chip-type cluster for a small model with that profile
+#      (tools/plan.py): the predicted step time is this machine's, under emulation,
+#   3. train the plan with pretrain_gpt.py --hetero-plan under torchrun, on the embedded corpus
 #      (Python standard library sources), stage boundaries through the cross-vendor bridge,
-#   3. show the predicted and the measured timelines.
+#   4. show the predicted and the measured timelines and step times.
 # Settings (environment): PYTHON (default .venv/bin/python if present, else python3),
-# OUT (default runs/demo), ITERS (default 20), CLUSTER, MODEL.
+# OUT (default runs/demo), ITERS (default 20), CLUSTER, MODEL, PROFILE_FLAGS (extra flags for
+# tools/profile_chip.py); MEGATRON_H2_CACHE (default ~/.cache/megatron_h2) holds the corpus and
+# the measurements.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 if [ -z "${PYTHON:-}" ]; then
@@ -18,24 +22,55 @@ CLUSTER=${CLUSTER:-examples/clusters/cpu_2types.yaml}
 MODEL=${MODEL:-examples/models/tiny.yaml}
 mkdir -p "$OUT"
 
-echo "== 1/3 planning $CLUSTER for $MODEL"
-"$PYTHON" tools/plan.py --cluster "$CLUSTER" --model "$MODEL" --output "$OUT/plan.yaml" \
-  --timeline "$OUT/predicted_timeline.png" --top 3
+# Every emulated chip is a single-threaded process of this machine, and the job's processes
+# share its cores: the profile is measured the same way (--emulate: one process per rank of a
+# plan, all at once). Which chips compute at once depends on the plan, so plan first with the
+# chips measured alone, then measure as that plan's processes and plan again, until the plan
+# runs the processes it was measured with. PROFILE_FLAGS go to every tools/profile_chip.py.
+echo "== 1/4 measuring this machine (cached in ${MEGATRON_H2_CACHE:-~/.cache/megatron_h2}/profiles)"
+"$PYTHON" tools/profile_chip.py --model "$MODEL" --cluster "$CLUSTER" \
+  --calibrated-cluster "$OUT/cluster.yaml" --cache --output "$OUT/profile_alone.yaml" \
+  ${PROFILE_FLAGS:-}
+"$PYTHON" tools/plan.py --cluster "$OUT/cluster.yaml" --model "$MODEL" \
+  --profile "$OUT/profile_alone.yaml" --output "$OUT/plan_alone.yaml" > "$OUT/plan_alone.txt"
+cp "$OUT/plan_alone.yaml" "$OUT/measured_as.yaml"
+# the processes of a plan: the emulated slowdown of every rank's chip
+MIX='import sys; from megatron_h2.hetero_plan import HeteroPlan as H; p = H.from_yaml(sys.argv[1]);
+print(sorted(p.chips[s.chip].emulate_slowdown for s in p.stages
+             for _ in range(s.tensor_parallel_size * p.data_parallel_size)))'
+for round in 1 2 3; do
+  echo "-- measuring as the processes of: $(grep '^# stages:' "$OUT/measured_as.yaml" | cut -c11-)"
+  "$PYTHON" tools/profile_chip.py --model "$MODEL" --cluster "$CLUSTER" \
+    --emulate "$OUT/measured_as.yaml" --micro-batch-sizes 1,2 --cache \
+    --output "$OUT/profile.yaml" ${PROFILE_FLAGS:-}
+  "$PYTHON" tools/plan.py --cluster "$OUT/cluster.yaml" --model "$MODEL" \
+    --profile "$OUT/profile.yaml" --output "$OUT/plan.yaml" \
+    --timeline "$OUT/predicted_timeline.png" --top 3 > "$OUT/plan.txt"
+  if [ "$("$PYTHON" -c "$MIX" "$OUT/plan.yaml")" = "$("$PYTHON" -c "$MIX" "$OUT/measured_as.yaml")" ]
+  then break; fi
+  cp "$OUT/plan.yaml" "$OUT/measured_as.yaml"
+done
+
+echo "== 2/4 planning $CLUSTER for $MODEL with this machine's profile"
+cat "$OUT/plan.txt"
 
 WORLD=$("$PYTHON" -c "from megatron_h2.hetero_plan import HeteroPlan; \
 print(HeteroPlan.from_yaml('$OUT/plan.yaml').world_size)")
 MODEL_FLAGS=$("$PYTHON" -c "from megatron_h2.planner.model import model_flags, model_from_yaml; \
 print(' '.join(model_flags(model_from_yaml('$MODEL'), vocab=False)))")
 
-echo "== 2/3 training the plan on $WORLD processes ($ITERS iterations)"
+echo "== 3/4 training the plan on $WORLD processes ($ITERS iterations)"
+rm -f "$OUT/metrics.jsonl"
 OMP_NUM_THREADS=1 "$PYTHON" -m torch.distributed.run --standalone --nproc-per-node "$WORLD" \
   pretrain_gpt.py --hetero-plan "$OUT/plan.yaml" $MODEL_FLAGS --force-bridge \
-  --train-iters "$ITERS" --lr-warmup-iters $WARMUP --log-interval 5 --eval-interval "$ITERS" \
+  --train-iters "$ITERS" --lr-warmup-iters $WARMUP --log-interval 1 --eval-interval "$ITERS" \
   --eval-iters 2 --save "$OUT/checkpoints" --tensorboard-dir "$OUT/tensorboard" \
   --log-jsonl "$OUT/metrics.jsonl" --timeline-trace "$OUT/timeline.json"
 
-echo "== 3/3 timelines"
+echo "== 4/4 timelines and step time"
 "$PYTHON" tools/show_timeline.py "$OUT/timeline.json" --output "$OUT/measured_timeline.png"
-echo "predicted timeline: $OUT/predicted_timeline.png (the planner's 1F1B simulation)"
+echo "predicted timeline: $OUT/predicted_timeline.png (the planner's simulation of its schedule)"
 echo "measured trace:     $OUT/timeline.json (open in ui.perfetto.dev or chrome://tracing)"
 echo "plan: $OUT/plan.yaml | checkpoint: $OUT/checkpoints | TensorBoard: $OUT/tensorboard"
+"$PYTHON" tools/step_time.py --plan "$OUT/plan.yaml" --cluster "$OUT/cluster.yaml" \
+  --model "$MODEL" --profile "$OUT/profile.yaml" --metrics "$OUT/metrics.jsonl" --skip "$WARMUP"

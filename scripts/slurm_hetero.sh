@@ -123,8 +123,8 @@ try:
 except ConfigError as exc:
     print(f"error: {exc}", file=sys.stderr)
     sys.exit(2)
-dp = plan.data_parallel_size
-per_rank = [s.chip for s in plan.stages for _ in range(s.tensor_parallel_size * dp)]
+# stage s owns TP_s x DP_s ranks (DP_s: the stage's own data_parallel_size, else the plan's)
+per_rank = [plan.stages[plan.rank_coordinates(r)[0]].chip for r in range(plan.world_size)]
 merge = lambda xs: [x for i, x in enumerate(xs) if i == 0 or xs[i - 1] != x]
 chips = chips_arg.split(",") if chips_arg else merge(per_rank)
 def fail(msg):

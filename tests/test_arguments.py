@@ -31,6 +31,9 @@ REQUIRED = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads",
     (["--totally-unknown"], "unknown flag --totally-unknown; see pretrain_gpt.py --help"),
     (["--num-layers", "x"], "argument --num-layers: expected int, got 'x'"),
     (["--lr-decay-style", "cosin"], "invalid choice: 'cosin'"),
+    (["--num-experts", "8"], "--num-experts is not supported: mixture-of-experts layers are not "
+                             "implemented"),
+    (["--moe-router-topk", "2"], "--moe-router-topk is not supported: mixture-of-experts"),
 ])
 def test_bad_flags_are_one_line(argv, expected):
     with pytest.raises(ConfigError) as err:

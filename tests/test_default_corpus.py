@@ -42,8 +42,8 @@ def test_builds_once_and_reuses(tmp_path, capsys, monkeypatch):
     assert ends == [tokenizer.eod] * len(dataset)
     text = "".join(tokenizer.detokenize(dataset[i][:-1]) for i in range(len(dataset)))
     assert "def " in text and "import " in text
-    # no staging folder left
-    assert sorted(os.listdir(os.path.dirname(folder))) == [os.path.basename(folder)]
+    left = sorted(os.listdir(os.path.dirname(folder)))  # no staging left, only the build's lock
+    assert left == [os.path.basename(folder), os.path.basename(folder) + ".lock"]
 
     def fail(*args, **kwargs):
         raise AssertionError("rebuilt a finished corpus")
@@ -62,7 +62,7 @@ def test_crash_leaves_no_finished_looking_cache(tmp_path, monkeypatch):
     monkeypatch.setattr(default_corpus, "preprocess_jsonl", crash)
     with pytest.raises(RuntimeError, match="simulated crash"):
         ensure_default_corpus(str(tmp_path), **SMALL)
-    assert os.listdir(tmp_path) == []
+    assert [n for n in os.listdir(tmp_path) if not n.endswith(".lock")] == []
     monkeypatch.undo()
     final = tmp_path / os.path.basename(default_corpus._corpus_dir(str(tmp_path), **SMALL))
     final.mkdir()

@@ -3,6 +3,9 @@ without a hang or a mismatched message under our point-to-point discipline."""
 
 from __future__ import annotations
 
+import itertools
+import math
+
 import pytest
 
 from megatron_h2.errors import ConfigError
@@ -10,9 +13,14 @@ from megatron_h2.pipeline_orders import (
     Action,
     check_micro_batches,
     check_orders,
+    check_replica_micro_batches,
     forward_order,
     interleaved,
     one_f_one_b,
+    replica_micro_batches,
+    replica_order,
+    routed_orders,
+    routed_warmups,
     schedule_order,
     zero_bubble,
 )
@@ -142,3 +150,86 @@ def test_micro_batch_rules(schedule, p, v, m, fragment):
 def test_zero_bubble_without_virtual_stages_takes_any_micro_batch_count():
     check_micro_batches("zero-bubble", 4, 1, 3)
     check_micro_batches("1f1b", 4, 1, 5)
+
+
+# ------------------------------------------------------------- per-stage data parallelism
+def test_replica_micro_batches_are_j_mod_dp_in_groups_shared_by_neighbours():
+    assert replica_micro_batches(8, [2, 1], 0, 1) == [1, 3, 5, 7]
+    assert replica_micro_batches(8, [2, 1], 1, 0) == list(range(8))
+    # interleaved: groups of p = 2 micro-batches of one residue class mod lcm(DP) = 2
+    assert replica_micro_batches(8, [1, 2], 0, 0, chunks=2) == [0, 2, 1, 3, 4, 6, 5, 7]
+    assert replica_micro_batches(8, [1, 2], 1, 1, chunks=2) == [1, 3, 5, 7]
+    # the same DP everywhere: each replica's own micro-batches in ascending order
+    for chunks in (1, 2):
+        assert replica_micro_batches(12, [3, 3], 0, 2, chunks) == [2, 5, 8, 11]
+        assert replica_micro_batches(6, [1, 1, 1], 2, 0, chunks) == list(range(6))
+    with pytest.raises(ConfigError, match="no replica 2"):
+        replica_micro_batches(8, [2, 1], 0, 2)
+
+
+@pytest.mark.parametrize("schedule, chunks", [("1f1b", 1), ("zero-bubble", 1),
+                                              ("interleaved", 2), ("zero-bubble", 2),
+                                              ("interleaved", 3)])
+def test_routed_orders_run_without_hang_or_mismatch(schedule, chunks):
+    """Every replica's order over its own micro-batches, for many per-stage DP degrees: the
+    replay of all replicas with routed messages finishes and every pair of replicas
+    consumes its messages in the order they are sent (training and evaluation)."""
+    checked = 0
+    for p in (2, 3):
+        for dps in itertools.product((1, 2, 3), repeat=p):
+            lcm = math.lcm(*dps)
+            for total in range(lcm, 2 * p * lcm + 1, lcm):
+                try:
+                    check_replica_micro_batches(schedule, dps, chunks, total)
+                except ConfigError:
+                    continue
+                for forward in (False, True):
+                    check_orders(routed_orders(schedule, dps, chunks, total, forward), chunks,
+                                 dps)
+                checked += 1
+    assert checked >= 40
+
+
+def test_routed_warmups_are_megatrons_with_one_dp_and_grow_where_needed():
+    # the same DP everywhere: Megatron's p - s - 1 (1F1B), 2 (p - s - 1) + (V - 1) p
+    assert routed_warmups("1f1b", (2, 2, 2), 1, 12) == (2, 1, 0)
+    assert routed_warmups("interleaved", (2, 2), 2, 8) == (4, 2)
+    # DP 1 / 3 / 1: stage 0 keeps the micro-batches that enter while one reaches the end
+    assert routed_warmups("1f1b", (1, 3, 1), 1, 6) == (4, 1, 0)
+    orders = [replica_order("1f1b", (1, 3, 1), 1, r, 1, 6) for r in range(3)]
+    assert [str(a) for a in orders[0]] == ["F0", "F3", "B0", "B3"]
+    # Megatron's own warm-ups on each replica's list would hang there
+    naive = [one_f_one_b(s, 3, replica_micro_batches(6, (1, 3, 1), s, r))
+             for s, dp in enumerate((1, 3, 1)) for r in range(dp)]
+    with pytest.raises(AssertionError, match="deadlocks"):
+        check_orders(naive, 1, (1, 3, 1))
+    # interleaved with DP 1 / 2 / 1: warm-ups grown by the replay
+    grown = routed_warmups("interleaved", (1, 2, 1), 2, 12)
+    assert all(g >= b for g, b in zip(grown, (9, 5, 3))) and grown != (9, 5, 3)
+
+
+def test_interleaved_routing_needs_shared_groups():
+    """Ascending lists (groups not shared between replicas of neighbouring stages) put a
+    boundary's chunks in another order than its receiver takes them."""
+    dps, total = (1, 2), 8
+    orders = []
+    for s, dp in enumerate(dps):
+        for r in range(dp):
+            mbs = list(range(r, total, dp))
+            orders.append(interleaved(s, 2, 2, mbs, routed_warmups("interleaved", dps, 2,
+                                                                  total)[s]))
+    with pytest.raises(AssertionError, match="order|deadlocks"):
+        check_orders(orders, 2, dps)
+
+
+@pytest.mark.parametrize("dps, schedule, chunks, total, fragment", [
+    ((2, 1), "interleaved", 2, 6, "stage 0 (data_parallel_size 2): the interleaved schedule "
+                                  "with virtual stages needs the number of micro-batches per "
+                                  "replica (global batch / (micro-batch x DP) = 3)"),
+    ((1, 3), "1f1b", 1, 4, "do not split over stage 1's 3 data-parallel replicas"),
+    ((2, 2), "interleaved", 2, 6, "(global batch / (micro-batch x DP) = 3) to be a multiple"),
+])
+def test_replica_micro_batch_rules(dps, schedule, chunks, total, fragment):
+    with pytest.raises(ConfigError) as err:
+        check_replica_micro_batches(schedule, dps, chunks, total)
+    assert fragment in str(err.value)

@@ -20,8 +20,13 @@ import pytest
 from megatron_h2.config import RECOMPUTE_MODES
 from megatron_h2.hetero_plan import ChipSpec, HeteroPlan, StageSpec
 from megatron_h2.planner.cluster import ChipType, Cluster
-from megatron_h2.pipeline_orders import replica_warmup
-from megatron_h2.planner.cost_model import CostConfig, CostModel, StageEstimate, step_time_terms
+from megatron_h2.planner.cost_model import (
+    CostConfig,
+    CostModel,
+    StageEstimate,
+    replica_warmups,
+    step_time_terms,
+)
 from megatron_h2.planner.orders import held_totals
 from megatron_h2.planner.partition import StageSlot, solve_split
 from megatron_h2.planner.search import SearchOptions, search
@@ -118,7 +123,7 @@ class Enumerator:
         wrap = self.cost.link_s(names[-1], names[0], mbs) if v > 1 else 0.0
         dps = [d for _, _, d in stages]
         uniform = len(set(dps)) == 1
-        warmups = [None if uniform else replica_warmup(i, dps) for i in range(p)]
+        warmups = replica_warmups(schedule, dps, v, total)
         counts = [total // d for d in dps]
         for units in compositions(self.cost.model.num_layers // v, p):
             split = [u * v for u in units]
@@ -284,7 +289,7 @@ def test_layer_split_is_exact_for_fixed_stages(schedule: str, v: int, dps: tuple
     uniform = len(set(dps)) == 1
     specs = {c.name: ChipSpec("cpu") for c in cluster.chips}
     p = len(layout)
-    warmups = [None if uniform else replica_warmup(i, dps) for i in range(p)]
+    warmups = replica_warmups(schedule, dps, v, total)
     slots, caps = [], []
     for i, ((name, tp), dp, warmup) in enumerate(zip(layout, dps, warmups)):
         costs = cost.stage_costs(name, tp, mbs, dp)

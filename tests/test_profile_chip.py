@@ -3,6 +3,8 @@
 import sys
 from pathlib import Path
 
+import pytest
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
 
 import profile_chip  # noqa: E402
@@ -17,7 +19,7 @@ def test_profile_table_round_trip(tmp_path, capsys):
                               "--group-query-attention", "--num-query-groups", "2",
                               "--ffn-hidden-size", "128", "--seq-length", "32", "--vocab-size",
                               "256", "--micro-batch-sizes", "1,2", "--reps", "2", "--warmup", "1",
-                              "--output", str(out)]) == 0
+                              "--max-wait", "0", "--output", str(out)]) == 0
     table = ProfileTable.from_yaml(out)
     for chip in ("fast", "slow"):
         prof = table.for_chip(chip)
@@ -32,3 +34,59 @@ def test_bad_input_is_one_line(tmp_path, capsys):
                               "--vocab-size", "256", "--output", str(tmp_path / "p.yaml")]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("error: ") and "\n" not in err
+
+
+SMALL = ["--num-layers", "1", "--hidden-size", "64", "--num-attention-heads", "4",
+         "--group-query-attention", "--num-query-groups", "2", "--ffn-hidden-size", "128",
+         "--seq-length", "32", "--vocab-size", "256", "--micro-batch-sizes", "1", "--reps", "2",
+         "--warmup", "1", "--max-wait", "0"]
+
+
+def test_measures_optimizer_and_selective_recompute_and_names_the_cluster_chips(tmp_path):
+    out = tmp_path / "profile.yaml"
+    cluster = Path(__file__).resolve().parents[1] / "examples" / "clusters" / "cpu_2types.yaml"
+    assert profile_chip.main([*SMALL, "--cluster", str(cluster), "--output", str(out)]) == 0
+    table = ProfileTable.from_yaml(out)
+    assert sorted(table.chips) == ["fast", "slow"]
+    for chip in table.chips.values():
+        assert chip.optimizer_ns_per_param > 0
+        assert chip.micro_batch_sizes[1].selective_recompute_ms is not None
+
+
+def test_cache_reuses_a_measurement_of_the_same_inputs(tmp_path, monkeypatch, capsys):
+    from megatron_h2.training import profile_chip as library
+
+    monkeypatch.setenv("MEGATRON_H2_CACHE", str(tmp_path / "cache"))
+    first, second = tmp_path / "a.yaml", tmp_path / "b.yaml"
+    assert profile_chip.main([*SMALL, "--chip", "fast", "--cache", "--output", str(first)]) == 0
+    assert len(list((tmp_path / "cache" / "profiles").iterdir())) == 1
+    capsys.readouterr()
+
+    def measuring(*args, **kwargs):
+        raise AssertionError("measured again")
+
+    monkeypatch.setattr(library, "profile_model", measuring)
+    assert profile_chip.main([*SMALL, "--chip", "fast", "--cache", "--output", str(second)]) == 0
+    assert "using the measurement of" in capsys.readouterr().out
+    assert second.read_text() == first.read_text()
+    with pytest.raises(AssertionError, match="measured again"):  # another shape: measures
+        profile_chip.main([*SMALL, "--chip", "fast", "--cache", "--hidden-size", "32",
+                           "--output", str(second)])
+
+
+def test_cache_key_follows_shape_torch_and_machine(tmp_path, monkeypatch):
+    import torch
+
+    monkeypatch.setenv("MEGATRON_H2_CACHE", str(tmp_path))
+    args = profile_chip.parse([*SMALL, "--chip", "fast", "--output", "p.yaml"])
+    key = profile_chip.cache_file(args, profile_chip.model_config(args), [1])
+    assert key.parent == tmp_path / "profiles"
+    other = profile_chip.parse([*SMALL, "--chip", "fast", "--output", "p.yaml", "--seq-length",
+                                "64"])
+    assert profile_chip.cache_file(other, profile_chip.model_config(other), [1]) != key
+    monkeypatch.setattr(torch, "__version__", "0.0.1")
+    assert profile_chip.cache_file(args, profile_chip.model_config(args), [1]) != key
+    monkeypatch.undo()
+    monkeypatch.setenv("MEGATRON_H2_CACHE", str(tmp_path))
+    monkeypatch.setattr(profile_chip, "describe_machine", lambda: "another machine")
+    assert profile_chip.cache_file(args, profile_chip.model_config(args), [1]) != key

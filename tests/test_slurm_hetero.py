@@ -288,3 +288,17 @@ def test_unreadable_plan_skips_the_check_only_with_chips(job):
     assert proc.returncode == 0, proc.stderr
     assert "warning: plan not checked" in proc.stderr
     assert [t["MEGATRON_H2_CHIP"] for t in tasks(tmp_path)] == ["gpu", "gpu", "npu"]
+
+
+def test_stage_with_its_own_dp_needs_its_tasks(job):
+    """A stage's own data_parallel_size counts in its chip's tasks: npu x TP 1 x DP 2."""
+    tmp_path, env = job
+    (tmp_path / "plan.yaml").write_text(PLAN.replace(
+        "tensor_parallel_size: 1, num_layers: 1",
+        "tensor_parallel_size: 1, num_layers: 1, data_parallel_size: 2"))
+    proc = launch(tmp_path, env, "--plan", "plan.yaml", "--chips", "gpu,npu")
+    assert proc.returncode == 2
+    assert "the components have 2+1 = 3 tasks but the plan needs 4 ranks" in proc.stderr
+    env["SLURM_NTASKS_HET_GROUP_1"] = "2"
+    proc = launch(tmp_path, env, "--plan", "plan.yaml", "--chips", "gpu,npu", "--dry-run")
+    assert proc.returncode == 0, proc.stderr

@@ -55,12 +55,20 @@ class ParallelConfig:
         "gradients into the bubble); default: interleaved with virtual stages, else 1f1b.",
         choices=("1f1b", "interleaved", "zero-bubble"))
 
+    context_parallel_size: int = flag(
+        1, "Degree of context parallelism; only 1: context parallelism is not implemented (split "
+        "long sequences with TP and --sequence-parallel instead).")
+
     def bucket_size_mb(self, data_parallel_size: int) -> float:
         """The gradient bucket size in MiB of fp32 gradients (Megatron's default when unset)."""
         elements = self.ddp_bucket_size or max(40_000_000, 1_000_000 * data_parallel_size)
         return elements * 4 / 2**20
 
     def __post_init__(self) -> None:
+        if self.context_parallel_size != 1:
+            raise ConfigError(f"--context-parallel-size {self.context_parallel_size}: context "
+                              "parallelism is not implemented; use 1 (split long sequences with "
+                              "TP and --sequence-parallel instead)")
         _positive(self, "tensor_model_parallel_size", "pipeline_model_parallel_size",
                   "distributed_timeout_minutes", "bridge_chunk_mb")
         if self.ddp_bucket_size is not None:

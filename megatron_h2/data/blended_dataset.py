@@ -19,6 +19,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from megatron_h2.data.build_lock import build_once
 from megatron_h2.errors import ConfigError
 
 logger = logging.getLogger(__name__)
@@ -74,32 +75,56 @@ def cached_arrays(
     written last, so a crash never leaves something that looks like a finished cache. Without
     a ``cache_dir`` the arrays are built and kept in memory only. Loaded arrays go through
     ``check`` (which raises ValueError on values that cannot be right); an unreadable or failing
-    cache is rebuilt, with one warning line.
+    cache is rebuilt, with one warning line. The build runs under a file lock
+    (``{hash}-{stem}.lock``): processes of several jobs sharing the cache folder build the same
+    arrays once, the others wait and load them.
     """
     if cache_dir is None:
         return build(), False
     base = os.path.join(cache_dir, f"{description_hash(description)}-{stem}")
     marker = f"{base}-description.json"
     paths = {name: f"{base}-{name}.npy" for name in names}
-    if os.path.isfile(marker) and all(os.path.isfile(p) for p in paths.values()):
+
+    def ready() -> bool:
+        return os.path.isfile(marker) and all(os.path.isfile(p) for p in paths.values())
+
+    def load() -> dict[str, np.ndarray] | None:
         try:
             arrays = {name: np.load(path, mmap_mode="r") for name, path in paths.items()}
             if check is not None:
                 check(arrays)
-            return arrays, True
+            return arrays
         except (OSError, ValueError, EOFError) as error:
             logger.warning("rebuilding unreadable index cache %s (%s)", base, error)
-    arrays = build()
-    try:
-        os.makedirs(cache_dir, exist_ok=True)
+            return None
+
+    if ready() and (arrays := load()) is not None:
+        return arrays, True
+    built: dict[str, np.ndarray] = {}
+
+    def build_and_save() -> None:
+        built.update(build())
         for name, path in paths.items():
-            array = arrays[name]
+            array = built[name]
             atomic_write(path, lambda stream, a=array: np.save(stream, a, allow_pickle=False))
         text = json.dumps(description, sort_keys=True, indent=2)
         atomic_write(marker, lambda stream: stream.write(text), mode="w")
+
+    try:
+        os.makedirs(cache_dir, exist_ok=True)
+        if os.path.isfile(marker):  # unreadable or failing its check: rebuild it
+            os.unlink(marker)
+        build_once(f"{base}.lock", ready, build_and_save, f"the index cache {base}",
+                   say=logger.warning)
     except OSError as error:
         raise cache_write_error(cache_dir, error) from None
-    return arrays, False
+    if built:
+        return built, False
+    arrays = load()  # another process built it while this one waited
+    if arrays is None:
+        raise ConfigError(f"the dataset index cache {base} written by another process is "
+                          "unreadable; delete it and start again")
+    return arrays, True
 
 
 def cache_write_error(cache_dir: str, error: OSError) -> ConfigError:

@@ -4,7 +4,9 @@
 files, cuts them into documents at top-level statements, trains a SentencePiece tokenizer
 on them and writes a Megatron dataset with an eod after every document. Everything is built
 in a private staging folder that is renamed into place only after a done-marker was written,
-so an interrupted build is never mistaken for a finished one and concurrent callers are safe.
+so an interrupted build is never mistaken for a finished one. Processes that ask at the same
+time (every rank of a job, several jobs sharing the cache) build it once: the first takes a
+file lock and builds, the others wait and reuse it (:func:`megatron_h2.data.build_lock.build_once`).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import tempfile
 import time
 from collections.abc import Iterator
 
+from megatron_h2.data.build_lock import build_once
 from megatron_h2.data.preprocess import preprocess_jsonl
 from megatron_h2.data.tokenizer import MIN_SENTENCEPIECE_VOCAB, train_sentencepiece
 from megatron_h2.errors import ConfigError
@@ -164,30 +167,38 @@ def ensure_default_corpus(
     _check_int("vocab_size", vocab_size, MIN_SENTENCEPIECE_VOCAB)
     _check_int("max_bytes", max_bytes, _MIN_MAX_BYTES)
     final = _corpus_dir(cache_dir, vocab_size, max_bytes)
-    if os.path.isfile(os.path.join(final, DONE_MARKER)):
+    marker = os.path.join(final, DONE_MARKER)
+    if os.path.isfile(marker):
         return _paths(final)
     parent = os.path.dirname(final)
     try:
         os.makedirs(parent, exist_ok=True)
-        staging = tempfile.mkdtemp(prefix=".staging-", dir=parent)
+        built = build_once(f"{final}.lock", lambda: os.path.isfile(marker),
+                           lambda: _build_into(final, vocab_size, max_bytes), "the default corpus")
     except OSError as error:
         raise ConfigError(
             f"cannot create the default corpus cache in {parent} ({error});"
             " pass a writable cache dir"
         ) from None
+    if built:
+        print(f"default corpus ready: {_paths(final)[0]}", flush=True)
+    return _paths(final)
+
+
+def _build_into(final: str, vocab_size: int, max_bytes: int) -> None:
+    """Build in a staging folder and rename it to ``final`` (the caller holds the lock)."""
+    parent, prefix = os.path.dirname(final), f".staging-{os.path.basename(final)}-"
+    for name in os.listdir(parent):  # left by a builder that crashed: nobody else builds now
+        if name.startswith(prefix):
+            shutil.rmtree(os.path.join(parent, name), ignore_errors=True)
+    staging = tempfile.mkdtemp(prefix=prefix, dir=parent)
     try:
         info = _build(staging, vocab_size, max_bytes)
         with open(os.path.join(staging, DONE_MARKER), "w", encoding="utf-8") as stream:
             json.dump(info, stream, indent=2)
         os.chmod(staging, 0o755)  # mkdtemp makes it private; the cache may be shared
-        if os.path.isdir(final) and not os.path.isfile(os.path.join(final, DONE_MARKER)):
+        if os.path.isdir(final):
             shutil.rmtree(final, ignore_errors=True)  # leftover without a marker: never finished
-        try:
-            os.rename(staging, final)
-        except OSError:
-            if not os.path.isfile(os.path.join(final, DONE_MARKER)):
-                raise
+        os.rename(staging, final)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
-    print(f"default corpus ready: {_paths(final)[0]}", flush=True)
-    return _paths(final)

@@ -14,10 +14,19 @@ of one DP replica the activation is ``[mbs, seq, h]``:
 
 A plan lists, for one rank, :class:`Transfer` s ``(peer, local rows, peer rows)``, where rows are
 slices of dimension 1 (the sequence) of the local and of the peer's tensor.
+
+Stages with different DP degrees (per-stage data parallelism): micro-batch ``j`` runs on replica
+``j mod DP_s`` of every stage ``s`` (:mod:`megatron_h2.pipeline_orders`), so replica ``a`` of stage
+``s`` exchanges with every replica ``b`` of stage ``s + 1`` that shares micro-batches with it:
+``a = b mod gcd(DP_s, DP_{s+1})`` (:func:`linked_replicas`). Each such pair of TP groups has its own
+plan, built as above (:func:`rank_routes`); a message of micro-batch ``j`` uses the plan of replica
+``j mod DP`` of the other stage. With the same DP on both sides the only partner is the same
+replica.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -139,10 +148,23 @@ def replica_ranks(plan: HeteroPlan, stage: int, dp_rank: int) -> list[int]:
     return list(range(start, start + tp))
 
 
-def rank_boundaries(plan: HeteroPlan, rank: int, seq_length: int, sequence_parallel: bool
-                    ) -> tuple[BoundaryPlan | None, BoundaryPlan | None]:
-    """``(plan on the boundary with the previous stage, plan on the one with the next stage)``
-    of ``rank``; None where its stage is the first / last.
+def linked_replicas(plan: HeteroPlan, stage: int, dp_rank: int, other: int) -> list[int]:
+    """The replicas of stage ``other`` that share micro-batches with replica ``dp_rank`` of
+    ``stage`` (micro-batch ``j`` runs on replica ``j mod DP`` of every stage)."""
+    common = math.gcd(plan.stage_dp(stage), plan.stage_dp(other))
+    return [b for b in range(plan.stage_dp(other)) if b % common == dp_rank % common]
+
+
+Routes = dict[int, BoundaryPlan]
+"""A rank's plans on one boundary, keyed by the replica of the neighbouring stage."""
+
+
+def rank_routes(plan: HeteroPlan, rank: int, seq_length: int, sequence_parallel: bool
+                ) -> tuple[Routes | None, Routes | None]:
+    """``(routes on the boundary with the previous stage, routes on the one with the next
+    stage)`` of ``rank``: for every replica of the neighbouring stage that shares micro-batches
+    with this rank's replica, this rank's plan with that replica's TP group; None where its
+    stage is the first / last.
 
     With virtual stages (``plan.virtual_pipeline_size > 1``) the last stage's chunk ``c`` feeds
     the first stage's chunk ``c + 1``: the first stage's previous stage is then the last one and
@@ -151,13 +173,30 @@ def rank_boundaries(plan: HeteroPlan, rank: int, seq_length: int, sequence_paral
     stage, dp_rank, _ = plan.rank_coordinates(rank)
     p = plan.pipeline_parallel_size
     ring = plan.virtual_pipeline_size > 1
+    mine = replica_ranks(plan, stage, dp_rank)
     prev = nxt = None
     if stage > 0 or ring:
-        prev = boundary_plan(replica_ranks(plan, (stage - 1) % p, dp_rank),
-                             replica_ranks(plan, stage, dp_rank), rank, seq_length,
-                             sequence_parallel)
+        up = (stage - 1) % p
+        prev = {b: boundary_plan(replica_ranks(plan, up, b), mine, rank, seq_length,
+                                 sequence_parallel)
+                for b in linked_replicas(plan, stage, dp_rank, up)}
     if stage < p - 1 or ring:
-        nxt = boundary_plan(replica_ranks(plan, stage, dp_rank),
-                            replica_ranks(plan, (stage + 1) % p, dp_rank), rank, seq_length,
-                            sequence_parallel)
+        down = (stage + 1) % p
+        nxt = {b: boundary_plan(mine, replica_ranks(plan, down, b), rank, seq_length,
+                                sequence_parallel)
+               for b in linked_replicas(plan, stage, dp_rank, down)}
     return prev, nxt
+
+
+def rank_boundaries(plan: HeteroPlan, rank: int, seq_length: int, sequence_parallel: bool
+                    ) -> tuple[BoundaryPlan | None, BoundaryPlan | None]:
+    """``(plan on the boundary with the previous stage, plan on the one with the next stage)``
+    of ``rank`` where its neighbours have its stage's DP degree (one partner replica each, see
+    :func:`rank_routes`); None where its stage is the first / last."""
+    out = []
+    for routes in rank_routes(plan, rank, seq_length, sequence_parallel):
+        if routes is not None and len(routes) != 1:
+            raise ConfigError(f"rank {rank} exchanges with {len(routes)} replicas of a "
+                              "neighbouring stage of another DP degree; use rank_routes")
+        out.append(None if routes is None else next(iter(routes.values())))
+    return out[0], out[1]

@@ -26,7 +26,7 @@ matching collectives.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -148,10 +148,11 @@ class GradBuckets:
             :meth:`finish_sync`.
         reduce_scatter: reduce-scatter instead of all-reduce; each rank then gets only its
             range of each bucket, in :attr:`Bucket.shard_grad` (for the distributed optimizer).
-        deferred: parameters (of ``params``) whose gradients are still changed after backward
-            and before :meth:`finish_sync` (the pipeline's tied embedding copies, summed across
-            stages): they get a bucket of their own, the last, which only :meth:`finish_sync`
-            launches.
+        deferred: parameters (of ``params``) whose summed gradients are changed further before
+            the optimizer uses them (the pipeline's tied embedding copies, summed across the
+            first and the last stage after each stage's DP sum): they get a bucket of their own,
+            the last, which only :meth:`finish_sync` launches, always as an all-reduce, and
+            which its ``combine`` may change before a reduce-scatter rank takes its shard.
 
     Every ``param.grad`` is a view into a persistent buffer: zero gradients with
     :meth:`zero_grad`, never by setting ``.grad = None`` (that detaches it from the buffer;
@@ -227,8 +228,11 @@ class GradBuckets:
             elif self._armed_params is not None:
                 self._armed_params.update(params)
 
-    def finish_sync(self) -> None:
-        """Launch every bucket not launched yet, in order, then wait for all collectives."""
+    def finish_sync(self, combine: Callable[[], None] | None = None) -> None:
+        """Launch every bucket not launched yet, in order, then wait for all collectives.
+
+        ``combine`` runs once every gradient is summed over DP, before a reduce-scatter rank
+        takes its shard of the deferred bucket (whose gradients it may change)."""
         for bucket in self.buckets:
             for slot in bucket.slots:
                 if not self._is_attached(bucket, slot):
@@ -241,6 +245,12 @@ class GradBuckets:
             bucket.work = None
             bucket.launched = False
             bucket.ready.clear()
+        if combine is not None:
+            combine()
+        for bucket in self.buckets[self._first_deferred:]:
+            if bucket.shard_grad is not None and bucket.shard_grad is not bucket.buffer:
+                start, end = bucket.shard_range(self.dp_rank)
+                bucket.shard_grad.copy_(bucket.buffer[start:end])
         self._armed = False
         self._armed_params = set()
         self._next_launch = 0
@@ -293,7 +303,7 @@ class GradBuckets:
         bucket.launched = True
         if self.dp_group is None:
             return
-        if self.reduce_scatter:
+        if self.reduce_scatter and bucket.index < self._first_deferred:
             bucket.work = _reduce_scatter_flat(bucket.shard_grad, bucket.buffer,
                                                group=self.dp_group, async_op=True)
         else:

@@ -1,4 +1,4 @@
-"""Point-to-point traffic between neighbouring pipeline stages of one DP replica.
+"""Point-to-point traffic between neighbouring pipeline stages.
 
 The two sides of a stage boundary may have different TP degrees and run on chips of different
 vendors. Per boundary, :class:`PipeComm` picks the path (:class:`~.bridge.DirectLink` when
@@ -6,7 +6,10 @@ both stages use the same device type, the host-staged :class:`~.bridge.Bridge` w
 or ``BridgeConfig.force`` is set; the bridge's transport is the one the plan names for the two
 chip types, gloo by default) and the transfer plan (:mod:`~.boundary`), which re-shards the
 activation ``[mbs, seq, h]`` (``[mbs, seq / TP, h]`` per rank with sequence parallelism) between
-the two TP groups. Shapes are fixed for a run, so no shape is ever exchanged.
+the two TP groups. Shapes are fixed for a run, so no shape is ever exchanged. Where the two
+stages have different DP degrees, the message of micro-batch ``j`` goes to (or comes from) the TP
+group of replica ``j mod DP`` of the other stage (:func:`~.boundary.rank_routes`); every
+call that moves a micro-batch's data names it (:meth:`PipeComm.exchange`).
 
 Sends stay in flight after a call returns: the next micro-batch is computed while the last one
 is on the wire. :meth:`PipeComm.wait_sends` completes them (call it at the end of every step);
@@ -25,7 +28,13 @@ from typing import Protocol
 import torch
 import torch.distributed as dist
 
-from megatron_h2.distributed.boundary import BoundaryPlan, Transfer, local_rows, rank_boundaries
+from megatron_h2.distributed.boundary import (
+    BoundaryPlan,
+    Routes,
+    Transfer,
+    local_rows,
+    rank_routes,
+)
 from megatron_h2.distributed.bridge import (
     Bridge,
     BridgeConfig,
@@ -54,10 +63,30 @@ class CommObserver(Protocol):
 
 @dataclass
 class _Side:
-    """One boundary of this rank: its plan and its transport."""
+    """One boundary of this rank: its plans (per replica of the other stage, whose DP degree
+    is ``dp``) and its transport."""
 
-    plan: BoundaryPlan
+    routes: Routes
+    dp: int
     link: Bridge | DirectLink
+
+    def plan_of(self, micro_batch: int) -> BoundaryPlan:
+        """The plan of micro-batch ``micro_batch`` (with replica ``micro_batch mod dp``)."""
+        return self.routes[micro_batch % self.dp]
+
+    @property
+    def plan(self) -> BoundaryPlan:
+        """The only plan, where the other stage has this stage's DP degree."""
+        if len(self.routes) != 1:
+            raise ValueError("this boundary routes micro-batches to several replicas: use "
+                             "PipeComm.exchange, which names the micro-batch")
+        return next(iter(self.routes.values()))
+
+
+def _peers(routes: Routes) -> list[int]:
+    """Every rank that a boundary's plans exchange with."""
+    return sorted({tr.peer for plan in routes.values()
+                   for tr in (*plan.fwd_send, *plan.fwd_recv, *plan.bwd_send, *plan.bwd_recv)})
 
 
 def _device_type(name: str) -> str:
@@ -107,22 +136,24 @@ class PipeComm:
         self.transports: dict[int, str] = {}  # bridged boundary (upstream stage) -> transport
         self.stage, self.stages = topo.stage, topo.pp_size
         self.chunks = topo.plan.virtual_pipeline_size
-        prev_plan, next_plan = rank_boundaries(topo.plan, topo.rank, seq_length,
+        prev_routes, next_routes = rank_routes(topo.plan, topo.rank, seq_length,
                                                sequence_parallel)
         prev_up, next_up = (topo.stage - 1) % topo.pp_size, topo.stage
         bridge_group: dist.ProcessGroup | None = None
-        if any(self._bridged(up) for up, p in ((prev_up, prev_plan), (next_up, next_plan))
-               if p is not None and not self._wraps(up)):
+        if any(self._bridged(up) for up, r in ((prev_up, prev_routes), (next_up, next_routes))
+               if r is not None and not self._wraps(up)):
             if cpu_group is None:
                 cpu_group = getattr(topo, "cpu_group", None)
             bridge_group = _check_cpu_group(cpu_group)
         # links are made in boundary order (the wrap-around boundary last): transports that
         # exchange set-up data with their peers then meet in the same order on every rank
         sides: dict[str, _Side] = {}
-        for name, up, plan in sorted((("prev", prev_up, prev_plan), ("next", next_up, next_plan)),
-                                     key=lambda side: side[1]):
-            if plan is not None:
-                sides[name] = _Side(plan, self._link(topo, up, bridge_group, plan))
+        for name, up, routes in sorted((("prev", prev_up, prev_routes),
+                                        ("next", next_up, next_routes)), key=lambda side: side[1]):
+            if routes is not None:
+                other = up if name == "prev" else (up + 1) % topo.pp_size
+                sides[name] = _Side(routes, topo.plan.stage_dp(other),
+                                    self._link(topo, up, bridge_group, _peers(routes)))
         self.prev, self.next = sides.get("prev"), sides.get("next")
         self._pending: list[SendHandle] = []  # sends in flight, oldest first
         self._counts = dict.fromkeys(
@@ -139,7 +170,7 @@ class PipeComm:
         return upstream == self.stages - 1
 
     def _link(self, topo: Topology, upstream: int, group: dist.ProcessGroup | None,
-              plan: BoundaryPlan) -> Bridge | DirectLink:
+              peers: list[int]) -> Bridge | DirectLink:
         wrap = self._wraps(upstream)
         if wrap and (topo.wrap_group is None or topo.wrap_cpu_group is None):
             raise ConfigError("virtual pipeline stages need the wrap-around boundary's process "
@@ -151,8 +182,6 @@ class PipeComm:
         name = topo.plan.transport_between(stages[upstream].chip,
                                            stages[(upstream + 1) % self.stages].chip)
         self.transports[upstream] = name
-        peers = sorted({tr.peer for tr in (*plan.fwd_send, *plan.fwd_recv, *plan.bwd_send,
-                                           *plan.bwd_recv)})
         cfg = self.bridge_config
         transport = make_transport(name, group, topo.rank, peers,
                                    cfg.chunk_elements(1), f"b{upstream}", cfg.timeout_s)
@@ -292,7 +321,8 @@ class PipeComm:
         recv_side = None if recv is None else self._side_of(recv[0], recv[1], False)
         posts: dict[int, tuple[_Side, list, list]] = {}
         if recv_side is not None:
-            plan = recv_side.plan.fwd_recv if recv[0] == "forward" else recv_side.plan.bwd_recv
+            route = recv_side.plan_of(recv[2])
+            plan = route.fwd_recv if recv[0] == "forward" else route.bwd_recv
             posts[id(recv_side)] = (recv_side, [], [
                 ((self.shape[0], tr.num_rows, self.shape[2]), self.dtype, tr.peer)
                 for tr in plan])
@@ -301,7 +331,8 @@ class PipeComm:
             side = self._side_of(way, chunk, True)
             if way == "backward":
                 tensor = self._grad(tensor)
-            plan = side.plan.fwd_send if way == "forward" else side.plan.bwd_send
+            route = side.plan_of(micro_batch)
+            plan = route.fwd_send if way == "forward" else route.bwd_send
             posts.setdefault(id(side), (side, [], []))[1].extend(self._pieces(tensor, plan))
             sent.append((f"send_{way}", micro_batch, chunk))
         handles = None
@@ -315,8 +346,8 @@ class PipeComm:
             self._observe(kind, micro_batch, start, posted, chunk)
         if recv is None:
             return None
-        plan = recv_side.plan.fwd_recv if recv[0] == "forward" else recv_side.plan.bwd_recv
-        out = self._assemble(plan, handles)
+        route = recv_side.plan_of(recv[2])
+        out = self._assemble(route.fwd_recv if recv[0] == "forward" else route.bwd_recv, handles)
         self._observe(f"recv_{recv[0]}", recv[2], posted, time.time(), recv[1])
         return out.requires_grad_() if recv[0] == "forward" else out
 

@@ -3,13 +3,16 @@
 With tied embeddings (Megatron's default) and more than one pipeline stage, the first stage
 holds the word embedding and the last stage a copy for its output layer. Both start equal (see
 ``megatron_h2.models.gpt.init_parameters``) and stay equal because every step each copy's
-gradient becomes the sum of both, before the data-parallel reduction (Megatron's embedding
-group does the same sum after it; sums commute).
+gradient becomes the sum of both, after each stage has summed it over its own data-parallel
+replicas (Megatron's embedding group does the same).
 
-The two stages may sit on chips of different vendors and use different tensor-parallel degrees,
-so the sum goes through the job's gloo group with the tensors staged in host memory, like the
-cross-vendor bridge: each rank exchanges with the ranks of its own data-parallel replica at the
-other end whose vocabulary rows overlap its own (one peer when both ends have the same TP).
+The two stages may sit on chips of different vendors and use different tensor-parallel and
+data-parallel degrees, so the sum goes through the job's gloo group with the tensors staged in
+host memory, like the cross-vendor bridge. After the DP sums every replica of a stage holds the
+same gradient, so each rank of replica ``a`` of one end takes the other end's gradient from
+replica ``a mod DP_other`` (each replica of the other end sends to the replicas that take from
+it), exchanging with the ranks there whose vocabulary rows overlap its own (one peer when both
+ends have the same TP). Both ends add the same two values, so the copies stay bitwise equal.
 """
 
 from __future__ import annotations
@@ -48,31 +51,43 @@ class TiedEmbeddingSync:
             raise ValueError("the tied embedding is exchanged between the first and the last of "
                              "two or more pipeline stages")
         self.weight, self.group = weight, topo.cpu_group
+        other = topo.pp_size - 1 if topo.is_first_stage else 0
+        other_dp = topo.plan.stage_dp(other)
+        self.recvs = self._overlaps(topo, other, topo.dp_rank % other_dp, vocab_size)
+        self.sends = [ex for b in range(topo.dp_rank, other_dp, topo.dp_size)
+                      for ex in self._overlaps(topo, other, b, vocab_size)]
+
+    @staticmethod
+    def _overlaps(topo: Topology, stage: int, replica: int, vocab_size: int) -> list[_Exchange]:
+        """This rank's rows that each rank of ``replica`` of ``stage`` holds too."""
         mine = vocab_rows(topo.tp_rank, topo.tp_size, vocab_size)
-        peers = topo.peer_ranks(topo.pp_size - 1 if topo.is_first_stage else 0)
-        self.exchanges: list[_Exchange] = []
+        peers = topo.peer_ranks(stage, replica)
+        out = []
         for t, peer in enumerate(peers):
             lo, hi = vocab_rows(t, len(peers), vocab_size)
             start, end = max(lo, mine[0]), min(hi, mine[1])
             if start < end:
-                self.exchanges.append(_Exchange(peer, start - mine[0], end - mine[0]))
+                out.append(_Exchange(peer, start - mine[0], end - mine[0]))
+        return out
 
     @torch.no_grad()
     def sum_grads(self) -> None:
-        """``grad += other end's grad`` on this rank's rows, through host memory (both ends add
-        the same two values, so the copies stay bitwise equal)."""
-        grad = self.weight.grad  # [V/tp, h] on the device
-        posted = []
-        for ex in self.exchanges:
-            mine = grad[ex.start:ex.end].to("cpu", copy=True)  # [rows, h] host copy
-            theirs = torch.empty_like(mine)
-            recv = dist.irecv(theirs, ex.peer, group=self.group, tag=TIED_TAG)
-            send = dist.isend(mine, ex.peer, group=self.group, tag=TIED_TAG)
-            posted.append((ex, recv, send, mine, theirs))
-        for ex, recv, send, _, theirs in posted:
-            recv.wait()
+        """``grad += other end's grad`` on this rank's rows, through host memory; call once the
+        gradient is summed over this stage's DP replicas (every rank of both ends)."""
+        grad = self.weight.grad  # [V/tp, h] on the device, summed over this stage's replicas
+        host = grad.to("cpu", copy=True)  # [V/tp, h] what the other end adds
+        recvs = []
+        for ex in self.recvs:
+            theirs = torch.empty_like(host[ex.start:ex.end])
+            recvs.append((ex, theirs, dist.irecv(theirs, ex.peer, group=self.group,
+                                                 tag=TIED_TAG)))
+        sends = [dist.isend(host[ex.start:ex.end], ex.peer, group=self.group, tag=TIED_TAG)
+                 for ex in self.sends]
+        for ex, theirs, work in recvs:
+            work.wait()
             grad[ex.start:ex.end] += theirs.to(grad.device)
-            send.wait()
+        for work in sends:
+            work.wait()
 
 
 def tied_embedding_sync(topo: Topology, weight: nn.Parameter | None,

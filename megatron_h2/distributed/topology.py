@@ -1,16 +1,21 @@
 """Which rank does what: built once from the plan, then passed to model, schedule and optimizer.
 
 Rank order (the same for uniform layouts and heterogeneous plans, see
-:mod:`megatron_h2.hetero_plan`): stage ``s`` owns ``TP_s x DP`` consecutive ranks, stages in
+:mod:`megatron_h2.hetero_plan`): stage ``s`` owns ``TP_s x DP_s`` consecutive ranks, stages in
 pipeline order; inside a stage ``rank = first_rank + dp_rank * TP_s + tp_rank``. So
 
 * a TP group is ``TP_s`` consecutive ranks of one stage and one DP replica;
-* a DP group is every ``TP_s``-th rank of one stage (same ``tp_rank``);
-* DP replica ``d``'s pipeline is its TP group in every stage; pipeline traffic goes from
-  ``(s, d, t)`` to ``(s + 1, d, t)``.
+* a DP group is every ``TP_s``-th rank of one stage (same ``tp_rank``), ``DP_s`` ranks: each
+  stage sums its gradients over its own replicas;
+* micro-batch ``j`` runs on replica ``j mod DP_s`` of every stage ``s``: pipeline traffic goes from
+  the TP group of replica ``j mod DP_s`` of stage ``s`` to that of replica ``j mod DP_{s+1}`` of
+  stage ``s + 1`` (the same replica when both stages have the same DP degree; see
+  :mod:`megatron_h2.distributed.boundary`).
 
 Example: TP=2, PP=2, DP=2 on 8 ranks: stage 0 = ranks 0-3 (TP groups [0,1], [2,3]; DP groups
-[0,2], [1,3]), stage 1 = ranks 4-7; rank 1 sends activations to rank 5.
+[0,2], [1,3]), stage 1 = ranks 4-7; rank 1 sends activations to rank 5. With DP 2 on stage 0
+(TP 1, ranks 0-1) and DP 1 on stage 1 (TP 2, ranks 2-3), ranks 0 and 1 both send to ranks 2-3:
+rank 0 the even micro-batches, rank 1 the odd ones.
 
 Nothing here is module-level state: :func:`build_topology` creates the groups and returns one
 :class:`Topology` that the caller passes on.
@@ -121,8 +126,8 @@ class Topology:
     cpu_group: dist.ProcessGroup | None = None  # gloo over every rank (None: the default group)
     tp_ranks: list[int] = field(default_factory=list)
     dp_ranks: list[int] = field(default_factory=list)
-    # With virtual stages: the groups of the wrap-around boundary (last stage -> first stage of
-    # this DP replica), the chip backend's and gloo (the same group when the backend is gloo).
+    # With virtual stages: the groups of the wrap-around boundary (last stage -> first stage,
+    # every rank of both), the chip backend's and gloo (the same group when the backend is gloo).
     # A boundary of its own keeps its messages apart from the 0 -> 1 boundary's when PP = 2.
     wrap_group: dist.ProcessGroup | None = None
     wrap_cpu_group: dist.ProcessGroup | None = None
@@ -141,7 +146,8 @@ class Topology:
 
     @property
     def dp_size(self) -> int:
-        return self.plan.data_parallel_size
+        """DP degree of this rank's stage (its replicas split the step's micro-batches)."""
+        return self.plan.stage_dp(self.stage)
 
     @property
     def pp_size(self) -> int:
@@ -175,11 +181,10 @@ class Topology:
     def distributed(self) -> bool:
         return self.world_size > 1
 
-    def peer_ranks(self, stage: int) -> list[int]:
-        """Ranks of this rank's DP replica in ``stage`` (its TP group there), in tp order."""
-        tp = self.plan.stages[stage].tensor_parallel_size
-        start = self.plan.stage_ranks(stage).start + self.dp_rank * tp
-        return list(range(start, start + tp))
+    def peer_ranks(self, stage: int, replica: int | None = None) -> list[int]:
+        """Ranks of DP replica ``replica`` (default: this rank's) of ``stage`` (its TP group
+        there), in tp order."""
+        return replica_ranks(self.plan, stage, self.dp_rank if replica is None else replica)
 
     def tp_context(self, sequence_parallel: bool = False) -> TPContext:
         """This rank's tensor-parallel context; sequence parallelism only where TP > 1."""
@@ -207,15 +212,15 @@ def build_topology(plan: HeteroPlan, rank: int, world_size: int) -> Topology:
     for s, spec in enumerate(plan.stages):
         start, tp = plan.stage_ranks(s).start, spec.tensor_parallel_size
         backend = ACCELERATORS[plan.chips[spec.chip].device].dist_backend
-        for d in range(plan.data_parallel_size):  # TP groups
+        dp = plan.stage_dp(s)
+        for d in range(dp):  # TP groups
             ranks = list(range(start + d * tp, start + (d + 1) * tp))
             group = dist.new_group(ranks, backend=backend) if tp > 1 else None
             if rank in ranks:
                 topo.tp_group, topo.tp_ranks = group, ranks
         for t in range(tp):  # DP groups
-            ranks = [start + d * tp + t for d in range(plan.data_parallel_size)]
-            group = (dist.new_group(ranks, backend=backend) if plan.data_parallel_size > 1
-                     else None)
+            ranks = [start + d * tp + t for d in range(dp)]
+            group = dist.new_group(ranks, backend=backend) if dp > 1 else None
             if rank in ranks:
                 topo.dp_group, topo.dp_ranks = group, ranks
     if plan.virtual_pipeline_size > 1:
@@ -224,17 +229,17 @@ def build_topology(plan: HeteroPlan, rank: int, world_size: int) -> Topology:
 
 
 def _build_wrap_groups(topo: Topology) -> None:
-    """Groups of the wrap-around boundary of every DP replica (collective, like the others)."""
+    """Groups of the wrap-around boundary: every rank of the last and the first stage, whose
+    replicas exchange by micro-batch (collective, like the others)."""
     plan, last = topo.plan, topo.pp_size - 1
     ends = (plan.stages[0], plan.stages[last])
     devices = {plan.chips[spec.chip].device for spec in ends}
     backend = ACCELERATORS[devices.pop()].dist_backend if len(devices) == 1 else "gloo"
-    for d in range(plan.data_parallel_size):
-        ranks = sorted(replica_ranks(plan, 0, d) + replica_ranks(plan, last, d))
-        cpu = dist.new_group(ranks, backend="gloo")
-        chip = cpu if backend == "gloo" else dist.new_group(ranks, backend=backend)
-        if topo.rank in ranks:
-            topo.wrap_group, topo.wrap_cpu_group = chip, cpu
+    ranks = sorted({*plan.stage_ranks(0), *plan.stage_ranks(last)})
+    cpu = dist.new_group(ranks, backend="gloo")
+    chip = cpu if backend == "gloo" else dist.new_group(ranks, backend=backend)
+    if topo.rank in ranks:
+        topo.wrap_group, topo.wrap_cpu_group = chip, cpu
 
 
 def init_process_group(backend: str, env: LaunchEnv,

@@ -10,7 +10,7 @@ bounds work with the *folded* steady term ``g = F_i w_i`` (``F_i = m_i - 1``, or
 under interleaving), so that kinds of different DP degrees compare on one scale.
 
 Memory caps depend on how many micro-batches a stage holds, which its warm-up ``q`` sets
-(:func:`~megatron_h2.pipeline_orders.replica_warmup`: ``q = 0`` on the last stage; under uniform
+(:func:`~megatron_h2.pipeline_orders.routed_leads`: ``q = 0`` on the last stage; under uniform
 DP ``q`` is the number of stages after it). The warm-up of a stage of kind ``k`` placed in front of
 a pipeline suffix follows from the suffix's *lead* ``L`` (the micro-batch lead its front stage
 needs from the next stage in front: ``G + d`` of the front stage, 0 for an empty suffix):
@@ -174,7 +174,7 @@ class BatchShape:
 
     def warmups(self, suffix: Sequence[tuple[int, int]]) -> list[int]:
         """Warm-up ``q`` of every stage of a closed pipeline (blocks of (kind, stages), pipeline
-        order): :func:`~megatron_h2.pipeline_orders.replica_warmup` of the stages' DP degrees."""
+        order): :func:`~megatron_h2.pipeline_orders.routed_leads` of the stages' DP degrees."""
         out: list[int] = []
         lead = 0
         for kind, count in reversed(suffix):

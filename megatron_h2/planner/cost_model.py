@@ -42,7 +42,7 @@ from typing import TYPE_CHECKING
 from megatron_h2.config import RECOMPUTE_MODES, ModelConfig, Recompute, state_bytes_per_param
 from megatron_h2.errors import ConfigError
 from megatron_h2.hetero_plan import HeteroPlan, StageSpec, positive_float
-from megatron_h2.pipeline_orders import replica_warmup
+from megatron_h2.pipeline_orders import check_replica_micro_batches, routed_warmups
 from megatron_h2.planner.cluster import ChipType, Cluster
 from megatron_h2.planner.orders import check_schedule, held_states
 from megatron_h2.planner.stage_costs import StageCosts
@@ -193,13 +193,15 @@ def zero_bubble_share(stages: int, micro_batches: int) -> float:
     return 1.0 if stages == 1 else min(micro_batches - 1, stages - 1) / (stages - 1)
 
 
-def replica_warmups(schedule: str, stage_dps: Sequence[int]) -> list[int | None]:
-    """Warm-up forwards of each stage's replicas: the schedule's own rule (None) when every
-    stage has the same DP degree, else :func:`~megatron_h2.pipeline_orders.replica_warmup`
-    (1F1B and zero-bubble; it equals ``p - s - 1`` under uniform DP)."""
-    if len(set(stage_dps)) <= 1 or schedule == "interleaved":
+def replica_warmups(
+    schedule: str, stage_dps: Sequence[int], chunks: int, total: int
+) -> list[int | None]:
+    """Warm-up forwards of each stage's replicas in a step of ``total`` micro-batches: the
+    schedule's own rule (None) when every stage has the same DP degree, else the runtime's
+    :func:`~megatron_h2.pipeline_orders.routed_warmups`."""
+    if len(set(stage_dps)) <= 1:
         return [None] * len(stage_dps)
-    return [replica_warmup(s, stage_dps) for s in range(len(stage_dps))]
+    return list(routed_warmups(schedule, tuple(stage_dps), chunks, total))
 
 
 def step_time_terms(
@@ -417,15 +419,11 @@ class CostModel:
         schedule, chunks = str(plan.schedule), plan.virtual_pipeline_size
         dps = [plan.stage_dp(s) for s in range(p)]
         counts = [plan.stage_micro_batches(s) for s in range(p)]
-        warmups = replica_warmups(schedule, dps)
-        if not plan.uniform_dp and schedule == "interleaved":
-            raise ConfigError(
-                "the interleaved schedule needs one data_parallel_size for every stage (its "
-                "orders group micro-batches by the pipeline size, which does not line up across "
-                "stages of different DP); use 1f1b or zero-bubble"
-            )
         for m in sorted(set(counts)):
             check_schedule(schedule, p, m, chunks)
+        if not plan.uniform_dp:
+            check_replica_micro_batches(schedule, dps, chunks, plan.total_micro_batches)
+        warmups = replica_warmups(schedule, dps, chunks, plan.total_micro_batches)
         stages = tuple(
             self.stage_estimate(spec, index, p, m, mbs, dp, schedule, warmup)
             for index, (spec, m, dp, warmup) in enumerate(zip(plan.stages, counts, dps, warmups))

@@ -36,6 +36,7 @@ gradients). A stage's peak memory is a maximum over these states of a positive w
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from functools import lru_cache
 
 import numpy as np
@@ -73,13 +74,13 @@ def check_schedule(schedule: str, stages: int, micro_batches: int, chunks: int) 
 def stage_order(
     schedule: str,
     stages: int,
-    micro_batches: int | range,
+    micro_batches: int | Sequence[int],
     chunks: int,
     stage: int,
     warmup: int | None = None,
 ) -> list[Action]:
     """The order of actions of ``stage`` (or of one of its DP replicas, given its micro-batch
-    ids and :func:`~megatron_h2.pipeline_orders.replica_warmup`): the runtime's own
+    ids and :func:`~megatron_h2.pipeline_orders.routed_warmups`): the runtime's own
     (:func:`~megatron_h2.pipeline_orders.schedule_order`), as ``(kind, chunk, micro_batch)``."""
     ids = range(micro_batches) if isinstance(micro_batches, int) else micro_batches
     check_schedule(schedule, stages, len(ids), chunks)
@@ -99,7 +100,7 @@ def held_states(
     """The Pareto-maximal states of what ``stage`` holds over its order (see the module doc);
     ``warmup``: the stage's warm-up forwards when they are not the schedule's own rule (a DP
     replica of a stage with its own DP degree, :func:`~megatron_h2.pipeline_orders.
-    replica_warmup`), ``micro_batches`` then the replica's.
+    routed_warmups`), ``micro_batches`` then the replica's.
 
     Every state the stage passes through is dominated (component-wise) by one of these, so the
     peak of any memory that grows with the held counts is reached in one of them.
@@ -157,7 +158,9 @@ def held_totals(
         held = min(warm + 1, m)
         return ((held, 0, held if last else 0, 0, 0),)
     if schedule == "interleaved" and not last:  # one peak: the warm-up plus one
-        warmup = min(2 * (p - s - 1) + (chunks - 1) * p, m * chunks)
+        if warmup is None:
+            warmup = 2 * (p - s - 1) + (chunks - 1) * p
+        warmup = min(warmup, m * chunks)
         return ((min(warmup + 1, m * chunks), 0, 0, 0, 0),)
     if schedule == "zero-bubble":
         pairs = zero_bubble_peaks(warm, m, s)

@@ -1,8 +1,8 @@
 """Profile tables: measured per-layer times (or efficiencies) that replace the FLOP-based guess.
 
 A profile table is YAML. ``tools/profile_chip.py`` (:mod:`megatron_h2.training.profile_chip`)
-writes it by timing one transformer layer, the embedding and the head on one chip; it can also
-be written by hand::
+writes it by timing one transformer layer, the embedding, the head and the optimizer step on one
+chip; it can also be written by hand::
 
     model:                       # optional: the shape it was measured for; must match the model
       hidden_size: 64
@@ -41,9 +41,7 @@ work that follows the last backward on every rank, per parameter the chip holds:
 norm, clipping, the AdamW update and zeroing the gradient buffers. It is memory-bound, so it
 scales with the parameters a chip holds (divided by DP under the distributed optimizer) rather
 than with tokens. ``emulate_slowdown`` does not scale it: the runtime pads only forwards and
-backwards. ``tools/profile_chip.py`` measures neither of these two yet;
-``bench/bench_planner_accuracy.py`` measures both with the runtime's own model and optimizer and
-adds them to the table it writes.
+backwards. ``tools/profile_chip.py`` measures both with the runtime's own model and optimizer.
 """
 
 from __future__ import annotations

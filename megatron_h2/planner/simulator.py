@@ -136,7 +136,7 @@ def simulate(plan: HeteroPlan, cost: CostModel) -> SimulationResult:
     """Simulate one step of ``plan`` with durations from ``cost`` (see the module docstring).
 
     Stages with their own DP degree: every DP replica runs its own order over its micro-batches
-    (``j mod DP_s``, :func:`~megatron_h2.pipeline_orders.replica_warmup` warm-up forwards) and
+    (``j mod DP_s``, :func:`~megatron_h2.pipeline_orders.routed_warmups` warm-up forwards) and
     micro-batch ``j`` goes through replica ``j mod DP_s`` of every stage; a stage's DP sync
     starts when its last replica is done. Under uniform DP the replicas are alike and one is
     simulated. Events, busy time and memory are those of replica 0 of each stage (the events of
@@ -148,12 +148,12 @@ def simulate(plan: HeteroPlan, cost: CostModel) -> SimulationResult:
         dps, total, warmups = [1] * p, plan.num_micro_batches, [None] * p
     else:
         dps, total = [plan.stage_dp(s) for s in range(p)], plan.total_micro_batches
-        warmups = replica_warmups(str(plan.schedule), dps)
+        warmups = replica_warmups(str(plan.schedule), dps, v, total)
     timing = _Timing(estimate)
     actors = [(s, r) for s in range(p) for r in range(dps[s])]
     orders = {
         (s, r): stage_order(
-            str(plan.schedule), p, replica_micro_batches(total, dps[s], r), v, s, warmups[s]
+            str(plan.schedule), p, replica_micro_batches(total, dps, s, r, v), v, s, warmups[s]
         )
         for s, r in actors
     }

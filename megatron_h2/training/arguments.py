@@ -30,6 +30,7 @@ from megatron_h2.config import (
     flag_name,
 )
 from megatron_h2.errors import ConfigError
+from megatron_h2.training.megatron_compat import unsupported_reason
 
 
 @dataclass
@@ -178,6 +179,9 @@ def parse_flags(argv: list[str] | None) -> tuple[dict[str, dict[str, Any]], tupl
     if unknown:
         bad = next((u for u in unknown if u.startswith("-")), unknown[0])
         name = bad.split("=", 1)[0]
+        reason = unsupported_reason(name)
+        if reason is not None:
+            raise ConfigError(f"{name} is not supported: {reason}")
         close = difflib.get_close_matches(name, _known_flags(parser), n=1, cutoff=0.6)
         hint = f"; did you mean {close[0]}?" if close else "; see pretrain_gpt.py --help"
         what = "unknown flag" if name.startswith("-") else "unexpected value"

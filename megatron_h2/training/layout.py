@@ -17,7 +17,12 @@ from megatron_h2.devices import ACCELERATORS, PLUGINS_ENV
 from megatron_h2.distributed.transport import check_transport
 from megatron_h2.errors import ConfigError
 from megatron_h2.hetero_plan import ChipSpec, HeteroPlan, StageSpec
-from megatron_h2.pipeline_orders import check_micro_batches
+from megatron_h2.pipeline_orders import (
+    check_micro_batches,
+    check_orders,
+    check_replica_micro_batches,
+    routed_orders,
+)
 
 # Config fields that a heterogeneous plan replaces: giving both is ambiguous, so it is an error.
 PLAN_OWNED: tuple[tuple[type, str], ...] = (
@@ -101,11 +106,7 @@ def check_plan_for_model(plan: HeteroPlan, model: ModelConfig, parallel: Paralle
     """Everything about the layout that must hold before any process group starts."""
     plan.validate(model.num_layers, model.num_attention_heads, model.num_query_groups,
                   world_size=world_size)
-    if not plan.uniform_dp:
-        raise ConfigError("stages with their own data_parallel_size are not run yet; give every "
-                          "stage the plan's data_parallel_size")
-    check_micro_batches(plan.schedule, plan.pipeline_parallel_size, plan.virtual_pipeline_size,
-                        plan.num_micro_batches)
+    check_routing(plan, [plan.global_batch_size])
     for index, stage in enumerate(plan.stages):
         tp = stage.tensor_parallel_size
         if model.vocab_size % tp:
@@ -120,3 +121,35 @@ def check_plan_for_model(plan: HeteroPlan, model: ModelConfig, parallel: Paralle
                               f"divisible by the tensor parallel size {tp} (stage {index})")
     if len(plan.stages) == 1 and plan.stages[0].num_layers == 0:
         raise ConfigError("the only pipeline stage has no transformer layer")
+
+
+def stage_dps(plan: HeteroPlan) -> tuple[int, ...]:
+    """Every stage's DP degree, in pipeline order."""
+    return tuple(plan.stage_dp(s) for s in range(plan.pipeline_parallel_size))
+
+
+def describe_dp(plan: HeteroPlan) -> str:
+    """``2`` with one DP degree, ``2/1/2 per stage (micro-batch j on replica j mod DP)``."""
+    if plan.uniform_dp:
+        return str(plan.data_parallel_size)
+    return ("/".join(map(str, stage_dps(plan))) + " per stage (micro-batch j on replica j mod "
+            "DP)")
+
+
+def check_routing(plan: HeteroPlan, batch_sizes: list[int]) -> None:
+    """Every global batch size splits into micro-batches that each stage's replicas can run
+    under the plan's schedule (Megatron's rules per replica); with per-stage DP degrees, the
+    replay of every replica's order proves that the routed schedule cannot hang."""
+    dps, chunks = stage_dps(plan), plan.virtual_pipeline_size
+    for batch in batch_sizes:
+        total = batch // plan.micro_batch_size
+        check_replica_micro_batches(plan.schedule, dps, chunks, total)
+        if plan.uniform_dp:
+            continue
+        try:
+            for forward_only in (False, True):
+                check_orders(routed_orders(plan.schedule, dps, chunks, total, forward_only),
+                             chunks, dps)
+        except AssertionError as exc:  # never seen: the orders are built to pass
+            raise ConfigError(f"the {plan.schedule} schedule cannot run {total} micro-batches "
+                              f"over data-parallel sizes {list(dps)}: {exc}") from None

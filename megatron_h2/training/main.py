@@ -11,6 +11,7 @@ collectives fail instead of waiting, and they say only that they stop
 from __future__ import annotations
 
 import json
+import math
 import os
 import random
 import sys
@@ -69,7 +70,14 @@ from megatron_h2.training.data_setup import (
     unused_data_flags,
 )
 from megatron_h2.training.health import JobTrainingError
-from megatron_h2.training.layout import check_plan_for_model, load_hetero_plan, uniform_plan
+from megatron_h2.training.layout import (
+    check_plan_for_model,
+    check_routing,
+    describe_dp,
+    load_hetero_plan,
+    stage_dps,
+    uniform_plan,
+)
 from megatron_h2.training.metrics import MetricsWriter, log
 from megatron_h2.training.watchdog import start_orphan_watchdog
 
@@ -187,12 +195,14 @@ def validate_launch(cfg: RunConfig, launch: LaunchOptions, env: LaunchEnv, say):
     else:
         device = cfg.training.device or detect_device_type()
         plan = uniform_plan(cfg.parallel, cfg.model, cfg.training, env.world_size, device)
-    batch, iterations = check_run_schedule(cfg, plan.micro_batch_size, plan.data_parallel_size)
+    batch, iterations = check_run_schedule(cfg, plan.micro_batch_size,
+                                           math.lcm(*stage_dps(plan)))
     tokenizer = prepare_data(cfg, say)
     unused = unused_data_flags(cfg.data, launch.explicit)
     if unused:
         say(unused)
     check_plan_for_model(plan, cfg.model, cfg.parallel, env.world_size)
+    check_routing(plan, batch.sizes())
     check_load(cfg, launch)
     accelerator = (accelerator_for_rank(plan, env.rank, env.local_rank) if device is None
                    else get_accelerator(device, env.local_rank))
@@ -310,7 +320,7 @@ def _train(cfg: RunConfig, launch: LaunchOptions, env: LaunchEnv, failures: JobF
         f"ffn {m.ffn_hidden_size} | seq {m.seq_length} | vocab {tokenizer.vocab_size} "
         f"(padded {m.vocab_size}) | recompute {m.recompute}")
     say(f"architecture: {m.describe_architecture()}")
-    say(f"parallel: world {env.world_size} | DP {plan.data_parallel_size} | distributed "
+    say(f"parallel: world {env.world_size} | DP {describe_dp(plan)} | distributed "
         f"optimizer {cfg.parallel.use_distributed_optimizer} | sequence parallel "
         f"{cfg.parallel.sequence_parallel}")
     say(pipeline_line(plan))
@@ -319,8 +329,9 @@ def _train(cfg: RunConfig, launch: LaunchOptions, env: LaunchEnv, failures: JobF
         slow = (f" | emulating a chip {chip.emulate_slowdown:g}x slower (compute padded with "
                 "sleep)" if chip.emulate_slowdown != 1.0 else "")
         layers = ", ".join(f"{r.start}-{r.stop - 1}" if len(r) else "none" for r in chunks)
-        say(f"stage {index}: chip {spec.chip} ({chip.device}) | TP {spec.tensor_parallel_size} |"
-            f" layers {layers} ({spec.num_layers}) | recompute {spec.recompute}{slow}")
+        dp = "" if plan.uniform_dp else f" | DP {plan.stage_dp(index)}"
+        say(f"stage {index}: chip {spec.chip} ({chip.device}) | TP {spec.tensor_parallel_size}"
+            f"{dp} | layers {layers} ({spec.num_layers}) | recompute {spec.recompute}{slow}")
     say_bridges(plan, cfg.parallel, say)
     say(f"data: {describe_source(cfg.data)} | {len(train_ds)} training samples | setup took "
         f"{time.perf_counter() - start:.1f} s")
@@ -366,7 +377,9 @@ def _train(cfg: RunConfig, launch: LaunchOptions, env: LaunchEnv, failures: JobF
 
 def pipeline_line(plan: HeteroPlan) -> str:
     """The start-up line on the pipeline schedule."""
-    v, m = plan.virtual_pipeline_size, plan.num_micro_batches
+    v = plan.virtual_pipeline_size
+    m = (str(plan.num_micro_batches) if plan.uniform_dp else
+         "/".join(str(plan.stage_micro_batches(s)) for s in range(plan.pipeline_parallel_size)))
     line = (f"pipeline: {plan.pipeline_parallel_size} stage(s) | schedule {plan.schedule} | "
             f"{m} micro-batches per replica" + (f" | {v} model chunks per stage (layers "
                                                "chunk-major)" if v > 1 else ""))

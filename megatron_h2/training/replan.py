@@ -19,7 +19,7 @@ from megatron_h2.errors import ConfigError
 from megatron_h2.hetero_plan import HeteroPlan
 from megatron_h2.planner import Cluster, CostConfig, CostModel, SearchOptions, search
 from megatron_h2.planner.report import stage_summary
-from megatron_h2.training.layout import check_plan_for_model
+from megatron_h2.training.layout import check_plan_for_model, describe_dp
 
 
 def with_counts(cluster: Cluster, counts: dict[str, int]) -> Cluster:
@@ -47,7 +47,7 @@ class Planned:
     tokens_per_s: float
 
     def describe(self) -> str:
-        return (f"{stage_summary(self.plan)} (DP {self.plan.data_parallel_size}, micro-batch "
+        return (f"{stage_summary(self.plan)} (DP {describe_dp(self.plan)}, micro-batch "
                 f"{self.plan.micro_batch_size}, {self.plan.world_size} chips)")
 
 

@@ -1,6 +1,12 @@
 """One training / evaluation step on this rank: micro-batches through the pipeline schedule,
 data-parallel gradient sync, global gradient norm and clipping, optimizer update.
 
+The global batch is cut into micro-batches ``0 .. M - 1`` (micro-batch ``j`` = samples
+``j x mbs .. (j + 1) x mbs - 1`` of the batch); replica ``r`` of a stage with DP degree ``DP_s``
+runs those with ``j mod DP_s == r`` (:func:`~megatron_h2.pipeline_orders.replica_order`), so
+stages may have different DP degrees. Each micro-batch's loss is divided by the token count of
+the whole global batch, so gradients are summed, never averaged, over each stage's replicas.
+
 Everything that spans ranks (loss, gradient norm, stop requests) is reduced over the whole job,
 so every rank sees the same numbers; with one process all of it reduces to the plain loop.
 """
@@ -27,7 +33,7 @@ from megatron_h2.models.gpt.model import TIED_COPY_ATTR
 from megatron_h2.optimizer.distributed_optimizer import DataParallelOptimizer
 from megatron_h2.parallel import TPContext, allreduce_coalesced_, get_tp_shard
 from megatron_h2.pipeline.schedules import StageChunks, forward_only, run_schedule
-from megatron_h2.pipeline_orders import schedule_order
+from megatron_h2.pipeline_orders import replica_micro_batches, replica_order
 from megatron_h2.training.stage_clock import StageClock
 from megatron_h2.training.timeline import Timeline
 
@@ -71,8 +77,7 @@ class StepRunner:
         self.eod_mask = eod_mask
         self.model, self.optimizer = model, optimizer
         t, m, par = cfg.training, cfg.model, cfg.parallel
-        self.per_replica = t.global_batch_size // topo.dp_size
-        self.num_micro = self.per_replica // t.micro_batch_size
+        self.stage_dps = tuple(topo.plan.stage_dp(s) for s in range(topo.pp_size))
         self.timeline = timeline if timeline is not None and timeline.recording else None
         self.clock = StageClock(acc, topo.chip.emulate_slowdown, self.timeline)
         bridge = BridgeConfig(force=par.force_bridge, chunk_mb=par.bridge_chunk_mb,
@@ -96,15 +101,23 @@ class StepRunner:
         self.tied = tied_embedding_sync(topo, model.tied_embedding_weight(), m.vocab_size)
         self.needs_data = topo.is_first_stage or topo.is_last_stage
 
-    def _replica_samples(self, dataset, start: int, per_replica: int) -> torch.Tensor | None:
-        """This DP replica's ``per_replica`` samples of the global batch that starts at sample
-        ``start``."""
+    def _micro_batches(self, global_batch_size: int) -> list[int]:
+        """This replica's micro-batches of a global batch, in the order its schedule takes
+        them."""
+        total = global_batch_size // self.cfg.training.micro_batch_size
+        return replica_micro_batches(total, self.stage_dps, self.topo.stage, self.topo.dp_rank,
+                                     self.chunks.chunks)
+
+    def _replica_samples(self, dataset, start: int, micro_batches: list[int]
+                         ) -> dict[int, torch.Tensor] | None:
+        """``{j: samples [mbs, s + 1] of micro-batch j}`` for this replica's micro-batches of
+        the global batch that starts at sample ``start`` (None on stages that read no data)."""
         if not self.needs_data:
             return None
-        first = start + self.topo.dp_rank * per_replica
-        return stack_samples(dataset, first, per_replica)
+        mbs = self.cfg.training.micro_batch_size
+        return {j: stack_samples(dataset, start + j * mbs, mbs) for j in micro_batches}
 
-    def _loss_divisor(self, samples: torch.Tensor | None, global_batch_size: int
+    def _loss_divisor(self, samples: dict[int, torch.Tensor] | None, global_batch_size: int
                       ) -> float | None:
         """What each micro-batch's summed token loss is divided by: the tokens counted in the
         loss over the whole global batch, or None where each micro-batch averages over its own
@@ -116,19 +129,19 @@ class StepRunner:
             return None
         mine = 0.0
         if samples is not None and self.topo.is_last_stage and self.tp.rank == 0:
-            mine = float((samples[:, :-1] != self.eod_mask).sum())
+            mine = float(sum(int((mb[:, :-1] != self.eod_mask).sum())
+                             for mb in samples.values()))
         return world_sum([mine], self.topo)[0]  # collective: every rank asks
 
-    def _forward_step(self, samples: torch.Tensor | None, sums: list[tuple], global_batch: int,
-                      divisor: float | None):
-        mbs = self.cfg.training.micro_batch_size
-        micro_batches = global_batch // mbs  # over all DP replicas
+    def _forward_step(self, samples: dict[int, torch.Tensor] | None, sums: list[tuple],
+                      global_batch: int, divisor: float | None):
+        micro_batches = global_batch // self.cfg.training.micro_batch_size  # all replicas'
 
-        def step(chunk: int, i: int, inp: torch.Tensor | None) -> torch.Tensor:
+        def step(chunk: int, j: int, inp: torch.Tensor | None) -> torch.Tensor:
             first, last = self.chunks.first(chunk), self.chunks.last(chunk)
             tokens = labels = None
             if samples is not None and (first or last):
-                mb = samples[i * mbs:(i + 1) * mbs].to(self.acc.device, non_blocking=True)
+                mb = samples[j].to(self.acc.device, non_blocking=True)
                 tokens, labels = mb[:, :-1], mb[:, 1:]  # [b, s] each
             with self.acc.autocast(self.cfg.training.bf16):
                 out = self.model(tokens=tokens if first else None, hidden_states=inp,
@@ -149,7 +162,7 @@ class StepRunner:
 
     def _reported_loss(self, sums: list[tuple]) -> float:
         """Mean loss per counted token of the global batch, as Megatron reports it (summed over
-        DP replicas, counted once per TP group on the last stage)."""
+        the last stage's DP replicas, counted once per TP group)."""
         mine = [0.0, 0.0]
         if sums and self.tp.rank == 0:
             mine = [float(sum(float(total) for total, _ in sums)),
@@ -173,9 +186,10 @@ class StepRunner:
         """L2 norm of the global gradient over every stage, TP shard and (ZeRO) DP shard."""
         local = sum(self.norm_weight[p] * float(g.double().square().sum())
                     for p, g in self.optimizer.owned_grads())
-        # replicated optimizers hold the same full gradient on every DP rank: count it once
+        # replicated optimizers hold the same full gradient on every DP rank of a stage (whose
+        # DP degree is its own): count it once
         replicas = 1 if self.optimizer.sharded else self.topo.dp_size
-        return math.sqrt(world_sum([local], self.topo)[0] / replicas)
+        return math.sqrt(world_sum([local / replicas], self.topo)[0])
 
     def train_step(self, dataset, start: int, iteration: int, lr: float,
                    global_batch_size: int | None = None,
@@ -189,26 +203,24 @@ class StepRunner:
         a batch-size schedule, and with it the number of micro-batches.
         """
         batch = global_batch_size or self.cfg.training.global_batch_size
-        per_replica = batch // self.topo.dp_size
         self.model.train()
         self.optimizer.zero_grad()
         losses: list[tuple] = []
-        samples = self._replica_samples(dataset, start, per_replica)
+        samples = self._replica_samples(dataset, start, self._micro_batches(batch))
         if self.timeline is not None:
             self.timeline.set_iteration(iteration)
         divisor = self._loss_divisor(samples, batch)
-        micro_batches = per_replica // self.cfg.training.micro_batch_size
-        order = schedule_order(self.topo.plan.schedule, self.topo.stage, self.topo.pp_size,
-                               self.chunks.chunks, range(micro_batches))
+        order = replica_order(self.topo.plan.schedule, self.stage_dps, self.topo.stage,
+                              self.topo.dp_rank, self.chunks.chunks,
+                              batch // self.cfg.training.micro_batch_size)
         buckets = self.optimizer.grad_buckets
         run_schedule(order, self._forward_step(samples, losses, batch, divisor), self.comm,
                      self.chunks,
                      before_last_grads=lambda c: buckets.start_sync(self.chunks.params[c]),
                      observer=self.clock)
         self.comm.wait_sends()
-        if self.tied is not None:  # before the DP sync, which defers the tied weight's bucket
-            self.tied.sum_grads()
-        self.optimizer.grad_buckets.finish_sync()
+        # the tied weight's bucket is summed over DP last, then across first and last stage
+        buckets.finish_sync(combine=None if self.tied is None else self.tied.sum_grads)
         self._reduce_sequence_parallel_grads()
         grad_norm = self._grad_norm()
         loss = self._reported_loss(losses)
@@ -234,9 +246,10 @@ class StepRunner:
         for b in range(num_batches):
             losses: list[tuple] = []
             batch = self.cfg.training.global_batch_size
-            samples = self._replica_samples(dataset, b * batch, self.per_replica)
+            micro_batches = self._micro_batches(batch)
+            samples = self._replica_samples(dataset, b * batch, micro_batches)
             step = self._forward_step(samples, losses, batch, self._loss_divisor(samples, batch))
-            forward_only(step, range(self.num_micro), self.comm, self.chunks)
+            forward_only(step, micro_batches, self.comm, self.chunks)
             self.comm.wait_sends()
             total += self._reported_loss(losses)
         self.model.train()

@@ -73,9 +73,12 @@ def event_name(kind: str, micro_batch: int, chunk: int | None = None) -> str:
     return kind if micro_batch < 0 else f"{kind} {micro_batch}"
 
 
-def stage_label(stage: int, chip: str, tensor_parallel_size: int) -> str:
-    """The process-row title of a stage, e.g. ``stage 1 (chip slow, TP 2)``."""
-    return f"stage {stage} (chip {chip}, TP {tensor_parallel_size})"
+def stage_label(stage: int, chip: str, tensor_parallel_size: int,
+                data_parallel_size: int | None = None) -> str:
+    """The process-row title of a stage, e.g. ``stage 1 (chip slow, TP 2)``, or with the
+    stage's own DP degree ``stage 1 (chip slow, TP 2, DP 3)``."""
+    dp = "" if data_parallel_size is None else f", DP {data_parallel_size}"
+    return f"stage {stage} (chip {chip}, TP {tensor_parallel_size}{dp})"
 
 
 class Timeline:
@@ -106,10 +109,13 @@ class Timeline:
     @classmethod
     def for_plan(cls, plan: HeteroPlan, rank: int, enabled: bool,
                  max_iterations: int = DEFAULT_MAX_ITERATIONS) -> Timeline:
-        """A timeline for ``rank`` of ``plan``, its stage row titled with chip and TP degree."""
+        """A timeline for ``rank`` of ``plan``, its stage row titled with chip and TP degree (and
+        DP degree where the stages have their own)."""
         stage = plan.rank_coordinates(rank)[0]
         spec = plan.stages[stage]
-        return cls(rank, stage, enabled, stage_label(stage, spec.chip, spec.tensor_parallel_size),
+        dp = None if plan.uniform_dp else plan.stage_dp(stage)
+        return cls(rank, stage, enabled,
+                   stage_label(stage, spec.chip, spec.tensor_parallel_size, dp),
                    max_iterations=max_iterations, chunks=plan.virtual_pipeline_size)
 
     @property
