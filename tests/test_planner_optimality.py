@@ -2,7 +2,8 @@
 
 The enumerator below shares nothing with the search but the cost model: it lists every plan of
 the planner's plan space (micro-batch size; per chip type: unused or a TP degree, its own DP
-degree and a stage count; every order of the used types, every pipeline schedule the pipeline
+degree and a stage count, all its chips when the used types' DP degrees differ; every order
+of the used types, every pipeline schedule the pipeline
 can run -- 1f1b; zero-bubble from two stages; interleaved with V = 2..4 model chunks from two
 stages when every used type has the same DP degree and the micro-batches are a multiple of the
 stages -- every layer split with at least one layer per model chunk and equal chunks on each
@@ -90,6 +91,7 @@ class Enumerator:
     def plans(self, all_modes: bool = False):  # type: ignore[no-untyped-def]
         """Yield (step time, structure key, plan factory) for every plan that fits."""
         cost, model = self.cost, self.cost.model
+        sizes = {c.name: c.count for c in cost.cluster.chips}
         for mbs in self.options.micro_batch_candidates():
             total = self.options.global_batch_size // mbs
             choices = [
@@ -108,6 +110,8 @@ class Enumerator:
             for combo in itertools.product(*choices):
                 used = [c for c in combo if c]
                 degrees = {d for _, _, d, _ in used}
+                if len(degrees) > 1 and any(t * d * n != sizes[name] for name, t, d, n in used):
+                    continue  # types with their own DP degree use all their chips
                 for order in itertools.permutations(used):
                     stages = [(name, t, d) for name, t, d, n in order for _ in range(n)]
                     for schedule, v in VARIANTS:

@@ -2,9 +2,11 @@
 
 A *batch shape* is a micro-batch size ``b`` and a pipeline schedule (with ``V`` model chunks); it
 fixes the number of micro-batches ``M = global batch / b``. Its *stage kinds* are (chip type, TP
-degree ``t``, DP degree ``d``): every chip type picks its own DP degree, a divisor of ``M``
-(interleaved shapes keep one DP degree for every stage, their orders need it), and a kind's
-replicas run ``m = M / d`` micro-batches each. The step time of every schedule has the form
+degree ``t``, DP degree ``d``). *Uniform* shapes give every stage one DP degree ``d`` (a
+divisor of ``M``), as Megatron does; in the other shapes every chip type picks its own DP
+degree and then uses all of its chips (its ``n`` stages with ``n t d`` = its chip count, so no
+type is forced into extra stages or left partly idle; interleaved shapes are uniform only). A
+kind's replicas run ``m = M / d`` micro-batches each. The step time of every schedule has the form
 ``T = max_i F_i w_i + sum_i f_i + max_i z_i + links`` (:mod:`~megatron_h2.planner.partition`);
 bounds work with the *folded* steady term ``g = F_i w_i`` (``F_i = m_i - 1``, or ``m V - 1``
 under interleaving), so that kinds of different DP degrees compare on one scale.
@@ -110,8 +112,9 @@ class BatchShape:
             ):
                 for d in degrees:
                     count = chip.count // (tp * d)
-                    if not count:
-                        continue
+                    if not count or (dp is None and (count * tp * d != chip.count
+                                                     or count > self.layers)):
+                        continue  # own-DP kinds use all of their type's chips
                     m = self.total // d
                     factor = m * chunks - 1 if schedule == "interleaved" else m - 1
                     costs = cost.stage_costs(chip.name, tp, mbs, d)
@@ -128,12 +131,18 @@ class BatchShape:
         self._mode_caps: dict[tuple[int, int, int, int | None], tuple[int, int, int]] = {}
         self._placed_caps: dict[tuple[int, int, int, int], tuple[int, int, int]] = {}
         self._links: dict[tuple[str, str], float] = {}
-        self._floors: dict[int, float] = {}
         self.grid = np.zeros(1)
         self.grid_is_max = True
         self.prepared, self.pre_bound = False, 0.0
         if not lazy:
             self.prepare()
+
+    def fits_before(self, kind: int, room: int) -> bool:
+        """Whether some block of ``kind`` fits in ``room`` free stage positions (a kind of its
+        own DP degree comes only as its ``max_stages`` stages, which use every chip of its
+        type)."""
+        most = self.kinds[kind].max_stages
+        return 1 <= room and (most <= room if not self.uniform else True)
 
     @property
     def uniform(self) -> bool:
@@ -149,8 +158,7 @@ class BatchShape:
     def cheap_bound(self, floor: float) -> float:
         """A lower bound on :meth:`root_bound` from the 1F1B shape of the same micro-batch size,
         without the tables: the same time caps and no more memory capacity. ``floor``: that
-        shape's folded floor (zero-bubble: over every DP degree; interleaved: its DP degree's,
-        :meth:`floor_for`)."""
+        shape's folded floor (:attr:`w_floor` of the 1F1B shape with the same DP degrees)."""
         units = np.array([k.costs.layer_time(0) for k in self.kinds])
         if self.schedule == "zero-bubble":
             weight = np.array([k.costs.layer_weight_grad for k in self.kinds])
@@ -371,13 +379,6 @@ class BatchShape:
             else:
                 low = float(probes[-1])
         return low
-
-    def floor_for(self, dp: int) -> float:
-        """Folded work floor (as :attr:`w_floor`) of the plans whose stages all have DP ``dp``."""
-        if dp not in self._floors:
-            kinds = [i for i, k in enumerate(self.kinds) if k.dp == dp]
-            self._floors[dp] = self._root_w(kinds) if kinds and self.positions else INF
-        return self._floors[dp]
 
     def root_bound(self) -> float:
         """Lower bound on the step time of every plan of this batch shape."""

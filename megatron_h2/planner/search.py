@@ -221,46 +221,53 @@ class _Search:
         self.stats.lower_bound_s = min(self.stats.lower_bound_s, bound)
 
     def _shapes(self) -> list[BatchShape]:
-        """Every (micro-batch size, schedule, V) shape with some stage kind (interleaved: one per
-        DP degree, its orders need every stage to have the same). The zero-bubble and
-        interleaved shapes are lazy: the 1F1B shape of the same micro-batch size bounds them
+        """Every (micro-batch size, schedule, V, DP) shape with some stage kind: one per uniform
+        DP degree, and for 1F1B and zero-bubble one where every chip type has its own (the
+        interleaved search keeps one DP degree). The zero-bubble and interleaved shapes are
+        lazy: the 1F1B shape of the same micro-batch size and DP degrees bounds them
         (:meth:`BatchShape.cheap_bound`) until they are needed."""
         shapes = []
         largest = max(c.count for c in self.cost.cluster.chips)
         variants = self.options.schedule_variants(self.cost.model.num_layers)
         gbs = self.options.global_batch_size
         for mbs in self.options.micro_batch_candidates():
-            plain = BatchShape(self.cost, gbs, mbs) if ("1f1b", 1) in variants else None
             per_dp = gbs // mbs
+            degrees = [d for d in range(1, min(per_dp, largest) + 1) if per_dp % d == 0]
+            plain = {  # the 1F1B shapes: own DP per type (key None), then each uniform DP
+                dp: BatchShape(self.cost, gbs, mbs, "1f1b", 1, dp)
+                for dp in [None, *degrees]
+                if ("1f1b", 1) in variants
+            }
             for schedule, chunks in variants:
-                if (schedule, chunks) == ("1f1b", 1):
-                    group = [(plain, 0.0)]
-                elif schedule == "zero-bubble":
-                    shape = BatchShape(self.cost, gbs, mbs, schedule, chunks, lazy=True)
-                    floor = plain.w_floor if plain is not None and plain.kinds else None
-                    group = [(shape, floor)]
-                else:
-                    group = []
-                    for dp in (d for d in range(1, min(per_dp, largest) + 1) if per_dp % d == 0):
+                own = [None] if schedule != "interleaved" else []
+                for dp in own + degrees:
+                    if (schedule, chunks) == ("1f1b", 1):
+                        shape, floor = plain[dp], None
+                    else:
                         shape = BatchShape(self.cost, gbs, mbs, schedule, chunks, dp, lazy=True)
-                        floor = plain.floor_for(dp) if plain is not None and plain.kinds else None
-                        group.append((shape, floor))
-                for shape, floor in group:
-                    if shape is None or not shape.kinds:
+                        floor = plain[dp].w_floor if dp in plain and plain[dp].kinds else None
+                    if not shape.kinds:
                         continue
-                    if shape is not plain:
-                        if floor is not None and floor < INF:
-                            shape.pre_bound = shape.cheap_bound(floor)
-                        elif floor is not None:
-                            shape.pre_bound = INF  # no plan of the 1F1B shape fits either
-                        else:
-                            shape.prepare()
+                    if floor is not None and floor < INF:
+                        shape.pre_bound = shape.cheap_bound(floor)
+                    elif floor is not None:
+                        shape.pre_bound = INF  # no plan of the 1F1B shape fits either
+                    else:
+                        shape.prepare()
                     shapes.append(shape)
         return shapes
 
     def run(self) -> list[_Found]:
+        """Uniform-DP shapes first (small trees: their plans give the threshold), then the
+        shapes where every chip type picks its own DP degree (plans with one DP degree there
+        are left to the uniform shapes), pruned against that threshold."""
         shapes = self._shapes()
         self.stats.batch_shapes = len(shapes)
+        self._run_shapes([s for s in shapes if s.uniform])
+        self._run_shapes([s for s in shapes if not s.uniform])
+        return sorted((item[2] for item in self.best), key=lambda f: f.value)
+
+    def _run_shapes(self, shapes: list[BatchShape]) -> None:
         shapes.sort(key=lambda s: s.root_bound())
         for shape in shapes[: self.options.dive_shapes]:  # short dives: good incumbents early
             if (
@@ -293,7 +300,6 @@ class _Search:
             else:
                 refined.append((bound, shape))
         self._best_first(refined)
-        return sorted((item[2] for item in self.best), key=lambda f: f.value)
 
     def _best_first(self, roots: list[tuple[float, BatchShape]]) -> None:
         """Expand pipeline suffixes of all batch shapes in order of their bounds.
@@ -352,7 +358,10 @@ class _Search:
             if kind < 0:
                 self._evaluate(shape, node.suffix)
                 continue
-            bound, kind, count = min(self._expand(shape, node, kind))  # the group's best count
+            counts = self._expand(shape, node, kind)
+            if not counts:
+                continue
+            bound, kind, count = min(counts)  # the group's best count
             if bound >= self.threshold * (1 - _SLACK):
                 continue
             links = self._block_links(shape, node, kind, count)
@@ -403,7 +412,7 @@ class _Search:
         for t_index, chip in enumerate(shape.types):  # one bound call per chip type
             if not mask >> t_index & 1:
                 continue
-            kinds = [k for k in shape.kinds_of[chip] if min(shape.kinds[k].max_stages, room) >= 1]
+            kinds = [k for k in shape.kinds_of[chip] if shape.fits_before(k, room)]
             if kinds:
                 options += self._bounds(shape, node, fixed, need, kinds, None)
         options.sort(key=lambda item: (item[0], -item[2]))
@@ -462,7 +471,12 @@ class _Search:
         """The options of a group: every stage count of ``kind`` in front of ``node``."""
         fixed, need = self._fixed(shape, node)
         most = min(shape.kinds[kind].max_stages, shape.positions - node.position)
-        return self._bounds(shape, node, fixed, need, [kind], np.arange(1, most + 1))
+        counts = np.arange(1, most + 1)
+        if not shape.uniform:  # a type with its own DP degree fills its chips: max_stages
+            counts = counts[counts == shape.kinds[kind].max_stages]
+        if not len(counts):
+            return []
+        return self._bounds(shape, node, fixed, need, [kind], counts)
 
     def _block_links(self, shape: BatchShape, node: _Node, kind: int, count: Any) -> Any:
         """Link time in the step formula added by prepending ``count`` stages of ``kind``."""
@@ -477,6 +491,8 @@ class _Search:
         key = (shape.mbs, shape.schedule, shape.chunks, shape.dp, suffix)
         if key in self.evaluated:
             return
+        if not shape.uniform and len({shape.kinds[kind].dp for kind, _ in suffix}) == 1:
+            return  # one DP degree after all: the uniform shape of that degree has it
         self.evaluated.add(key)
         self.stats.splits_solved += 1
         split = solve_structure(shape, suffix, cutoff=self.threshold)
