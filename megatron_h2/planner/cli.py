@@ -165,7 +165,7 @@ def _run(args: argparse.Namespace) -> int:
     print(f"  - {search_summary(result)}")
     _write_outputs(args, result, cost, simulation)
     if args.compare_homogeneous:
-        comparison = compare_homogeneous(cost, options, best.estimate.tokens_per_s)
+        comparison = compare_homogeneous(cost, options, best.estimate.tokens_per_s, best)
         print("\neach chip type alone vs together:")
         print(comparison_text(comparison))
     return 0

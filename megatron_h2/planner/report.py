@@ -7,7 +7,7 @@ from collections.abc import Sequence
 from megatron_h2.hetero_plan import HeteroPlan
 from megatron_h2.planner.alternatives import Alternative
 from megatron_h2.planner.cluster import Cluster
-from megatron_h2.planner.compare import Comparison
+from megatron_h2.planner.compare import Comparison, type_roles
 from megatron_h2.planner.cost_model import PlanEstimate, zero_bubble_share
 from megatron_h2.planner.search import Candidate, SearchResult
 from megatron_h2.planner.simulator import SimulationResult, schedule_label
@@ -354,7 +354,19 @@ def comparison_text(comparison: Comparison) -> str:
     rows.append(["sum", f"{comparison.homogeneous_sum:,.0f}", ""])
     rows.append(["heterogeneous", f"{comparison.heterogeneous_tokens_per_s:,.0f}", ""])
     verdict = "superlinear" if comparison.ratio > 1 else "not superlinear"
-    return (
+    text = (
         _table(header, rows)
         + f"\nratio heterogeneous / sum of homogeneous = {comparison.ratio:.3f} ({verdict})"
     )
+    roles = type_roles(comparison)
+    if roles:
+        text += "\nwhy (each type's contribution = its share of the layers x the mixed tokens/s):"
+        for role in roles:
+            mixed = (
+                f"mixed: {role.mixed}: contributes {role.contributed_tokens_per_s:,.0f} tokens/s,"
+                f" {role.gain:.2f} x alone"
+                if role.mixed
+                else "mixed: unused"
+            )
+            text += f"\n  - {role.chip}: {role.bound_alone}-bound alone ({role.alone}); {mixed}"
+    return text
