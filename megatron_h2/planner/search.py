@@ -358,12 +358,13 @@ class _Search:
             if kind < 0:
                 self._evaluate(shape, node.suffix)
                 continue
-            counts = self._expand(shape, node, kind)
-            if not counts:
-                continue
-            bound, kind, count = min(counts)  # the group's best count
-            if bound >= self.threshold * (1 - _SLACK):
-                continue
+            if count < 0:  # a group: its best count
+                counts = self._expand(shape, node, kind)
+                if not counts:
+                    continue
+                bound, kind, count = min(counts)
+                if bound >= self.threshold * (1 - _SLACK):
+                    continue
             links = self._block_links(shape, node, kind, count)
             visited += self._explore(shape, node.child(shape, kind, count, links), budget - visited)
         return visited
@@ -435,6 +436,7 @@ class _Search:
         which only lowers the bound."""
         room = shape.positions - node.position
         others = node.mask & ~(1 << shape.types.index(shape.kinds[kinds[0]].chip))
+        whole = counts is None and not shape.uniform  # own-DP kinds: one count, no group
         columns = (
             [(kind, np.array([min(shape.kinds[kind].max_stages, room)])) for kind in kinds]
             if counts is None
@@ -446,7 +448,7 @@ class _Search:
         for kind, count in columns:
             hi = lo + len(count)
             start = shape.start(kind, node.lead)
-            mandatory = np.ones(len(count)) if counts is None else count
+            mandatory = np.ones(len(count)) if counts is None and not whole else count
             caps = np.zeros((len(shape.grid), width))  # this kind's options only
             caps[:, lo:hi] = shape.block(kind, start, start + count)
             stages = np.zeros(width)
@@ -463,6 +465,8 @@ class _Search:
             parts, others, np.concatenate(leads), np.concatenate(child_links),
             np.concatenate(edges), np.concatenate(needs), np.concatenate(syncs),
         )  # fmt: skip
+        if whole:
+            return [(float(bound), kind, int(n[0])) for bound, (kind, n) in zip(bounds, columns)]
         if counts is None:
             return [(float(bound), kind, -1) for bound, (kind, _) in zip(bounds, columns)]
         return [(float(bound), kinds[0], int(n)) for bound, n in zip(bounds, counts)]
