@@ -233,13 +233,14 @@ class _Search:
         for mbs in self.options.micro_batch_candidates():
             per_dp = gbs // mbs
             degrees = [d for d in range(1, min(per_dp, largest) + 1) if per_dp % d == 0]
+            mixed = len(self.cost.cluster.chips) > 1  # own DP degrees need two chip types
             plain = {  # the 1F1B shapes: own DP per type (key None), then each uniform DP
                 dp: BatchShape(self.cost, gbs, mbs, "1f1b", 1, dp)
-                for dp in [None, *degrees]
+                for dp in ([None] if mixed else []) + degrees
                 if ("1f1b", 1) in variants
             }
             for schedule, chunks in variants:
-                own = [None] if schedule != "interleaved" else []
+                own = [None] if schedule != "interleaved" and mixed else []
                 for dp in own + degrees:
                     if (schedule, chunks) == ("1f1b", 1):
                         shape, floor = plain[dp], None
@@ -286,7 +287,11 @@ class _Search:
                 self.stats.batch_shapes_pruned += 1
                 continue
             if time.monotonic() > self.deadline:
-                self._abandon(shape.root_bound())
+                shape.prepare()  # its tables' bound, not the cheap one (a small cost)
+                if shape.root_bound() >= self.threshold * (1 - _SLACK):
+                    self.stats.batch_shapes_pruned += 1
+                else:
+                    self._abandon(shape.root_bound())
                 continue
             shape.prepare()
             if shape.root_bound() >= self.threshold * (1 - _SLACK):
