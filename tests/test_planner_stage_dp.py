@@ -10,9 +10,10 @@ import pytest
 from dist_utils import assert_losses_close, losses, tiny_model_flags, torchrun
 
 from megatron_h2.config import ParallelConfig
-from megatron_h2.hetero_plan import HeteroPlan
+from megatron_h2.hetero_plan import ChipSpec, HeteroPlan, StageSpec
 from megatron_h2.pipeline_orders import check_orders, routed_orders
 from megatron_h2.planner import Cluster, CostConfig, CostModel, SearchOptions, search
+from megatron_h2.planner.alternatives import schedule_alternatives
 from megatron_h2.planner.model import model_from_dict
 from megatron_h2.planner.simulator import simulate
 from megatron_h2.training.layout import check_plan_for_model, stage_dps
@@ -74,3 +75,22 @@ def test_planned_per_type_dp_plan_trains_like_one_process(
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert_losses_close(losses(out), tiny_reference)
+
+
+def test_schedule_alternatives_of_a_one_dp_plan_that_leaves_chips_idle() -> None:
+    """The other schedules of a plan with one DP degree 2 whose fast type uses two of its three
+    chips are solved in the search's one-DP shape (own-DP shapes only hold types that use all
+    their chips)."""
+    data = {"device": "cpu", "chips_per_node": 1, "tflops_bf16": 0.02, "memory_gib": 0.05,
+            "intra_node_gb_per_s": 5, "inter_node_gb_per_s": 1}  # fmt: skip
+    cluster = Cluster.from_dict(
+        {"chips": {"fast": {**data, "count": 3}, "slow": {**data, "count": 2}},
+         "cross_chip_gb_per_s": 1}
+    )  # fmt: skip
+    cost = CostModel(cluster, MODEL, CostConfig())
+    stages = [StageSpec("slow", 1, 1), StageSpec("fast", 1, 3)]
+    plan = HeteroPlan(2, 2, 8, {"fast": ChipSpec("cpu"), "slow": ChipSpec("cpu")}, stages)
+    found = {a.schedule: a for a in schedule_alternatives(cost, plan, SearchOptions(8))}
+    best = found["zero-bubble"].candidate
+    assert best is not None and best.plan.world_size == 4
+    assert found["1f1b"].candidate.estimate.step_time_s <= cost.evaluate(plan).step_time_s

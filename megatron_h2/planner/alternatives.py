@@ -54,7 +54,7 @@ def schedule_alternatives(
         if problem is not None:
             out.append(Alternative(schedule, chunks, None, problem))
             continue
-        dp = plan.data_parallel_size if schedule == "interleaved" else None
+        dp = plan.data_parallel_size if plan.uniform_dp else None  # the search's shape
         shape = BatchShape(
             cost, plan.global_batch_size, plan.micro_batch_size, schedule, chunks, dp, lazy=True
         )

@@ -134,8 +134,10 @@ def type_roles(comparison: Comparison) -> list[TypeRole]:
             full = any(s.memory_bytes > 0.9 * s.capacity_bytes for s in est.stages)
             bound = "compute" if set(modes) == {"none"} and not full else "memory"
             tps = sorted({s.tensor_parallel_size for s in own.stages})
+            peak = max(s.memory_bytes / s.capacity_bytes for s in est.stages)
             alone = (
-                f"{_recompute_text(modes)}, TP {'/'.join(map(str, tps))},"
+                f"{_recompute_text(modes)}, memory up to {100 * peak:.0f}%,"
+                f" TP {'/'.join(map(str, tps))},"
                 f" {_stages(own.pipeline_parallel_size)}, {100 * est.bubble_fraction:.0f}% bubble,"
                 f" {own.world_size} chips"
             )
