@@ -29,7 +29,7 @@ from megatron_h2.planner import (  # noqa: E402
     model_from_yaml,
     search,
 )
-from megatron_h2.planner.report import search_summary, stage_summary  # noqa: E402
+from megatron_h2.planner.report import dp_label, search_summary, stage_summary  # noqa: E402
 from megatron_h2.planner.simulator import schedule_label  # noqa: E402
 
 CASES = (
@@ -69,7 +69,7 @@ def main() -> int:
         print(
             f"  best: step {best.estimate.step_time_s:.3f} s,"
             f" {best.estimate.tokens_per_s:,.0f} tokens/s,"
-            f" MFU {100 * best.estimate.mfu:.1f}%, DP {best.plan.data_parallel_size},"
+            f" MFU {100 * best.estimate.mfu:.1f}%, DP {dp_label(best.plan)},"
             f" micro-batch {best.plan.micro_batch_size}, {schedule_label(best.plan)}"
         )
         print(f"  stages: {stage_summary(best.plan)}")
