@@ -146,12 +146,12 @@ class SyncProbe:
         self.align, self.enter, self.enter_cpu, self.aligned, self.exit = False, 0, 0, 0, 0
         buckets.finish_sync = self
 
-    def __call__(self) -> None:
+    def __call__(self, combine=None) -> None:
         self.enter, self.enter_cpu = now(), time.thread_time()
         if self.align and self.group is not None:
             dist.barrier(group=self.group)
         self.aligned = now()
-        self._inner()
+        self._inner(combine=combine)
         self.exit = now()
 
 

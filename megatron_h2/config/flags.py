@@ -14,7 +14,7 @@ def flag(default: Any = None, help: str = "", *, name: str | None = None,
          choices: tuple | None = None, negative: bool = False, required: bool = False,
          parse: Callable[[str], Any] | None = None, metavar: str | None = None,
          shortcuts: tuple[tuple[str, Any, str], ...] = (), unless: tuple[str, ...] = (),
-         nargs: int | None = None) -> Any:
+         nargs: int | None = None, aliases: tuple[str, ...] = ()) -> Any:
     """A dataclass field that is also a command-line flag.
 
     ``name`` overrides the flag (default ``--field-name``); ``negative`` makes a bool flag that
@@ -23,11 +23,12 @@ def flag(default: Any = None, help: str = "", *, name: str | None = None,
     (the alternatives, e.g. ``--train-samples`` for ``--train-iters``; the embedded demo's value
     for the field is dropped when one of them is given) is given; ``parse``
     converts the text; ``shortcuts`` are extra flags ``(flag, value, help)`` that set the field
-    to a fixed value; ``nargs`` fixes the number of values of a list flag.
+    to a fixed value; ``nargs`` fixes the number of values of a list flag; ``aliases`` are other
+    names of the same flag (Megatron's renamed flags).
     """
     meta = {"help": help, "name": name, "choices": choices, "negative": negative,
             "required": required, "parse": parse, "metavar": metavar, "shortcuts": shortcuts,
-            "unless": unless, "nargs": nargs}
+            "unless": unless, "nargs": nargs, "aliases": aliases}
     if isinstance(default, list):
         return field(default_factory=lambda: list(default), metadata={"cli": meta})
     return field(default=default, metadata={"cli": meta})

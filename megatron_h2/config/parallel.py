@@ -47,7 +47,8 @@ class ParallelConfig:
     # Virtual pipeline stages (Megatron's interleaving): model chunks per stage, or layers per
     # chunk (V = layers / PP / N); at most one of the two.
     virtual_pipeline_model_parallel_size: int | None = flag(
-        None, "Model chunks per pipeline stage (Megatron's interleaved schedule).")
+        None, "Model chunks per pipeline stage (Megatron's interleaved schedule).",
+        aliases=("--num-virtual-stages-per-pipeline-rank",))
     num_layers_per_virtual_pipeline_stage: int | None = flag(
         None, "Layers per model chunk: virtual pipeline size = layers / PP / N.")
     pipeline_schedule: str | None = flag(

@@ -71,7 +71,11 @@ class _Side:
     link: Bridge | DirectLink
 
     def plan_of(self, micro_batch: int) -> BoundaryPlan:
-        """The plan of micro-batch ``micro_batch`` (with replica ``micro_batch mod dp``)."""
+        """The plan of micro-batch ``micro_batch`` (with replica ``micro_batch mod dp``). With
+        one partner replica (the neighbour has this stage's DP degree) that replica's plan, so
+        callers may number micro-batches per replica (0 .. m-1 on every replica) as well."""
+        if len(self.routes) == 1:
+            return next(iter(self.routes.values()))
         return self.routes[micro_batch % self.dp]
 
     @property

@@ -3,7 +3,8 @@
 Every flag is a field of a config dataclass declared with :func:`megatron_h2.config.flag`
 (name, help, choices, default), so ``--help`` shows each flag's meaning and default and there is
 no second list of flags. Flags that Megatron-LM scripts pass but that change nothing here are
-listed once in :data:`COMPAT_FLAGS` and reported at start-up. Abbreviated flags are not
+listed once in :data:`megatron_h2.training.megatron_compat.COMPAT_FLAGS` (with those refused) and
+reported at start-up. Abbreviated flags are not
 accepted (``--num-layer`` is an error, as is any unknown flag, in one line naming the closest
 known flag).
 """
@@ -30,7 +31,7 @@ from megatron_h2.config import (
     flag_name,
 )
 from megatron_h2.errors import ConfigError
-from megatron_h2.training.megatron_compat import unsupported_reason
+from megatron_h2.training.megatron_compat import COMPAT_FLAGS, unsupported_reason
 
 
 @dataclass
@@ -54,26 +55,6 @@ GROUPS: tuple[tuple[str, type], ...] = (
     ("parallelism (DP = world size / (TP x PP))", ParallelConfig),
     ("checkpoint loading", LaunchOptions),
 )
-
-# Flags Megatron-LM's scripts pass that megatron_h2 accepts without effect, with the reason
-# (said once at start-up), and whether they take a value.
-COMPAT_FLAGS: dict[str, tuple[bool, str]] = {
-    "--use-mcore-models": (False, "there is one model implementation"),
-    "--no-masked-softmax-fusion": (False, "attention runs through torch's SDPA"),
-    "--distributed-backend": (True, "each chip type's backend comes from the device layer"),
-    "--num-workers": (True, "samples are read from memory-mapped files in the training process"),
-    "--no-create-attention-mask-in-dataloader": (False, "attention is causal inside SDPA; no "
-                                                 "mask tensor is ever built"),
-    "--attention-softmax-in-fp32": (False, "torch's scaled_dot_product_attention computes the "
-                                    "softmax in fp32 already"),
-    "--openai-gelu": (False, "Megatron-Core ignores it too; the GeLU follows "
-                      "--no-bias-gelu-fusion"),
-    "--no-bias-swiglu-fusion": (False, "SwiGLU is computed the same way fused or not"),
-    "--no-bias-dropout-fusion": (False, "bias, dropout and residual add are computed the same "
-                                 "way fused or not"),
-    "--no-rope-fusion": (False, "rotary embeddings are computed the same way fused or not"),
-}
-
 
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> typing.NoReturn:
@@ -102,7 +83,7 @@ def _add_field(group: argparse._ArgumentGroup, cls: type, f, hint: Any) -> None:
     common = {"dest": dest, "default": argparse.SUPPRESS, "help": text}
     if kind is bool:
         action = "store_false" if meta["negative"] else "store_true"
-        group.add_argument(flag_name(f), action=action, **common)
+        group.add_argument(flag_name(f), *meta["aliases"], action=action, **common)
     else:
         if typing.get_origin(kind) is list and meta["parse"] is None:
             item = typing.get_args(kind)[0]
@@ -111,7 +92,7 @@ def _add_field(group: argparse._ArgumentGroup, cls: type, f, hint: Any) -> None:
         if typing.get_origin(kind) is typing.Literal:
             kind = str
         parse = meta["parse"] or kind
-        group.add_argument(flag_name(f), type=_converter(parse),
+        group.add_argument(flag_name(f), *meta["aliases"], type=_converter(parse),
                            choices=meta["choices"],
                            metavar=None if meta["choices"] else (meta["metavar"] or f.name.upper()),
                            **common)
@@ -145,10 +126,13 @@ def build_parser() -> argparse.ArgumentParser:
         for f in cli_fields(cls):
             _add_field(group, cls, f, hints[f.name])
     compat = p.add_argument_group("accepted for Megatron compatibility, without effect")
-    for name, (takes_value, reason) in COMPAT_FLAGS.items():
-        kwargs = {"metavar": "VALUE"} if takes_value else {"action": "store_true"}
+    for name, entry in COMPAT_FLAGS.items():
+        kwargs: dict[str, Any] = {"action": "store_true"}
+        if entry.takes_value:
+            kwargs = {"metavar": None if entry.choices else "VALUE", "choices": entry.choices,
+                      "nargs": entry.nargs}
         compat.add_argument(name, dest=f"compat.{name}", default=argparse.SUPPRESS,
-                            help=reason, **kwargs)
+                            help=entry.reason, **kwargs)
     return p
 
 
@@ -306,7 +290,7 @@ def describe_no_effect(launch: LaunchOptions) -> str | None:
     """One start-up line naming the flags given that change nothing here, and why."""
     if not launch.no_effect:
         return None
-    parts = [f"{name} ({COMPAT_FLAGS[name][1]})" if name in COMPAT_FLAGS else name
+    parts = [f"{name} ({COMPAT_FLAGS[name].reason})" if name in COMPAT_FLAGS else name
              for name in launch.no_effect]
     return "accepted, no effect: " + "; ".join(parts)
 
@@ -322,7 +306,7 @@ def describe_demo(launch: LaunchOptions, model: ModelConfig) -> str | None:
             + " (Megatron's defaults otherwise)")
 
 
-__all__ = ["COMPAT_FLAGS", "GROUPS", "LaunchOptions", "add_config_flags", "as_flag",
+__all__ = ["GROUPS", "LaunchOptions", "add_config_flags", "as_flag",
            "build_parser", "config_from_args", "config_values", "demo_settings", "describe_demo",
            "describe_no_effect",
            "parse_flags"]
