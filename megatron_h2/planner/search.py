@@ -24,7 +24,7 @@ from __future__ import annotations
 import heapq
 import itertools
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -43,6 +43,7 @@ from megatron_h2.planner.cost_model import MODES, CostModel, PlanEstimate
 from megatron_h2.planner.partition import INF, Split, StageSlot, solve_split
 
 _SLACK = 1e-9  # relative tolerance when comparing a bound with the K-th best
+OWN_DP_SPACES = ("derived", "all", "none")
 
 
 @dataclass(frozen=True)
@@ -61,6 +62,11 @@ class SearchOptions:
     """Pipeline schedules to consider (``1f1b``, ``interleaved``, ``zero-bubble``)."""
     max_virtual_stages: int = 4
     """Most model chunks per stage (``V``) under ``interleaved``."""
+    own_dp: str = "derived"
+    """Plans whose chip types have their own DP degrees: ``derived`` (those with the micro-batch
+    size, chip-type order and TP degrees of one of the ``top_k`` best one-DP plans found, under
+    1f1b and zero-bubble), ``all`` (every such plan: exhaustive, for small clusters) or
+    ``none`` (one DP degree only)."""
 
     def __post_init__(self) -> None:
         positive_int(self.global_batch_size, "global_batch_size")
@@ -87,6 +93,10 @@ class SearchOptions:
                     f" choose from {', '.join(SCHEDULES)}"
                 )
         positive_int(self.max_virtual_stages, "max_virtual_stages", minimum=2)
+        if self.own_dp not in OWN_DP_SPACES:
+            raise ConfigError(
+                f"unknown own_dp {self.own_dp!r}; choose from {', '.join(OWN_DP_SPACES)}"
+            )
         if not self.time_limit_s > 0:
             raise ConfigError(f"time limit must be positive, got {self.time_limit_s}")
 
@@ -136,6 +146,10 @@ class SearchStats:
     elapsed_s: float = 0.0
     exhaustive: bool = True
     lower_bound_s: float = INF
+    own_dp_seeds: int = 0
+    """One-DP structures whose own-DP re-splits were searched (``own_dp="derived"``)."""
+    own_dp_complete: bool = True
+    """False when the time limit stopped the search before the own-DP plans it covers."""
 
 
 @dataclass(frozen=True)
@@ -220,28 +234,30 @@ class _Search:
         self.stats.exhaustive = False
         self.stats.lower_bound_s = min(self.stats.lower_bound_s, bound)
 
-    def _shapes(self) -> list[BatchShape]:
-        """Every (micro-batch size, schedule, V, DP) shape with some stage kind: one per uniform
-        DP degree, and for 1F1B and zero-bubble one where every chip type has its own (the
-        interleaved search keeps one DP degree). The zero-bubble and interleaved shapes are
-        lazy: the 1F1B shape of the same micro-batch size and DP degrees bounds them
-        (:meth:`BatchShape.cheap_bound`) until they are needed."""
+    def _shapes(self, own: bool) -> list[BatchShape]:
+        """Every (micro-batch size, schedule, V, DP) shape with some stage kind: with ``own``
+        False one per uniform DP degree, else for 1F1B and zero-bubble the one where every chip
+        type has its own (the interleaved search keeps one DP degree). The zero-bubble and
+        interleaved shapes are lazy: the 1F1B shape of the same micro-batch size and DP degrees
+        bounds them (:meth:`BatchShape.cheap_bound`) until they are needed."""
         shapes = []
         largest = max(c.count for c in self.cost.cluster.chips)
         variants = self.options.schedule_variants(self.cost.model.num_layers)
+        if own:
+            variants = [v for v in variants if v[0] != "interleaved"]
         gbs = self.options.global_batch_size
         for mbs in self.options.micro_batch_candidates():
             per_dp = gbs // mbs
-            degrees = [d for d in range(1, min(per_dp, largest) + 1) if per_dp % d == 0]
-            mixed = len(self.cost.cluster.chips) > 1  # own DP degrees need two chip types
-            plain = {  # the 1F1B shapes: own DP per type (key None), then each uniform DP
+            degrees: list[int | None] = (
+                [None] if own else [d for d in range(1, min(per_dp, largest) + 1) if per_dp % d == 0]
+            )
+            plain = {  # the 1F1B shapes, one per DP key
                 dp: BatchShape(self.cost, gbs, mbs, "1f1b", 1, dp)
-                for dp in ([None] if mixed else []) + degrees
+                for dp in degrees
                 if ("1f1b", 1) in variants
             }
             for schedule, chunks in variants:
-                own = [None] if schedule != "interleaved" and mixed else []
-                for dp in own + degrees:
+                for dp in degrees:
                     if (schedule, chunks) == ("1f1b", 1):
                         shape, floor = plain[dp], None
                     else:
@@ -259,14 +275,87 @@ class _Search:
         return shapes
 
     def run(self) -> list[_Found]:
-        """Uniform-DP shapes first (small trees: their plans give the threshold), then the
-        shapes where every chip type picks its own DP degree (plans with one DP degree there
-        are left to the uniform shapes), pruned against that threshold."""
-        shapes = self._shapes()
+        """Uniform-DP shapes first, with the whole time limit (their plans set the threshold
+        and their gap is that of a one-DP search), then, in the time left, the plans where chip
+        types have their own DP degrees that :attr:`SearchOptions.own_dp` names (plans with
+        one DP degree there are left to the uniform shapes), pruned against that threshold."""
+        shapes = self._shapes(own=False)
         self.stats.batch_shapes = len(shapes)
-        self._run_shapes([s for s in shapes if s.uniform])
-        self._run_shapes([s for s in shapes if not s.uniform])
+        self._run_shapes(shapes)
+        if len(self.cost.cluster.chips) > 1 and self.options.own_dp == "all":
+            if time.monotonic() > self.deadline:
+                self.stats.own_dp_complete = self.stats.exhaustive = False
+            else:
+                own = self._shapes(own=True)
+                self.stats.batch_shapes += len(own)
+                self._run_shapes(own)
+                self.stats.own_dp_complete = self.stats.exhaustive
+        elif len(self.cost.cluster.chips) > 1 and self.options.own_dp == "derived":
+            self._derive()
         return sorted((item[2] for item in self.best), key=lambda f: f.value)
+
+    def _derive(self) -> None:
+        """Own-DP re-splits of the best one-DP plans: for each of them (its micro-batch size,
+        chip types and their TP degrees), under 1F1B and zero-bubble, every order of those
+        types and every choice of each type's own DP degree (each type then uses all its
+        chips), by a depth-first branch and bound restricted to those types and TP degrees."""
+        seeds: dict[tuple[int, str, tuple[tuple[int, int, int], ...]], None] = {}
+        for _, _, found in sorted(self.best, key=lambda item: -item[0]):
+            types = tuple(
+                sorted((found.kinds[k].chip, found.kinds[k].tp, found.kinds[k].dp)
+                       for k, _ in found.blocks)
+            )  # fmt: skip
+            if len(types) > 1 and found.schedule != "interleaved":
+                seeds.setdefault((found.micro_batch_size, found.schedule, types), None)
+        shapes: dict[tuple[int, str], BatchShape] = {}
+        gbs = self.options.global_batch_size
+        queue: list[tuple[float, int, BatchShape, int, int, _Node, frozenset[int]]] = []
+        for mbs, schedule, types in seeds:
+            self.stats.own_dp_seeds += 1
+            if time.monotonic() > self.deadline:
+                self.stats.own_dp_complete = self.stats.exhaustive = False
+                return
+            if (mbs, schedule) not in shapes:
+                shape = shapes[mbs, schedule] = BatchShape(self.cost, gbs, mbs, schedule, 1, None)
+                self.stats.batch_shapes += 1
+                shape.build_grid(
+                    self.threshold if self.threshold < INF else shape.w_max,
+                    self.options.grid_points,
+                )
+            shape = shapes[mbs, schedule]
+            near = {(chip, tp, d * f) for chip, tp, d in types for f in (0.5, 1, 2)}
+            allowed = frozenset(i for i, k in enumerate(shape.kinds) if (k.chip, k.tp, k.dp) in near)
+            chips = {shape.kinds[i].chip for i in allowed}
+            if len(chips) < len(types):
+                continue  # some type cannot use all its chips with its TP degree
+            mask = sum(1 << shape.types.index(chip) for chip in chips)
+            root = replace(_root(shape), mask=mask)
+            queue.append((shape.root_bound(), next(self.counter), shape, 0, 0, root, allowed))
+        heapq.heapify(queue)
+        while queue:
+            bound, _, shape, kind, count, node, allowed = heapq.heappop(queue)
+            if bound >= self.threshold * (1 - _SLACK):
+                self.stats.nodes_pruned += 1 + len(queue)
+                return
+            if time.monotonic() > self.deadline:
+                self._abandon(bound)
+                self.stats.own_dp_complete = False
+                return
+            if kind < 0:
+                self._evaluate(shape, node.suffix)
+                continue
+            if count:
+                links = self._block_links(shape, node, kind, count)
+                node = node.child(shape, kind, count, links)
+            self.stats.nodes += 1
+            for option, child, stages in self._options(
+                shape, node, allowed if node.mask else frozenset()
+            ):
+                if option >= self.threshold * (1 - _SLACK):
+                    self.stats.nodes_pruned += 1
+                    continue
+                entry = (option, next(self.counter), shape, child, stages, node, allowed)
+                heapq.heappush(queue, entry)
 
     def _run_shapes(self, shapes: list[BatchShape]) -> None:
         shapes.sort(key=lambda s: s.root_bound())
@@ -392,14 +481,17 @@ class _Search:
         need = max((float(shape.unit[kind, 0]) for kind, _ in node.suffix), default=0.0)
         return fixed, need
 
-    def _options(self, shape: BatchShape, node: _Node) -> list[tuple[float, int, int]]:
+    def _options(
+        self, shape: BatchShape, node: _Node, allowed: frozenset[int] | None = None
+    ) -> list[tuple[float, int, int]]:
         """The close-here leaf (kind -1) and, per kind, a group of its children (count -1,
-        :meth:`_bounds`), with bounds, best first."""
+        :meth:`_bounds`), with bounds, best first; with ``allowed`` only the children of those
+        kinds, and the leaf only when it is empty."""
         suffix, groups, position, mask = node.suffix, node.groups, node.position, node.mask
         options: list[tuple[float, int, int]] = []
         fixed, need = self._fixed(shape, node)
         warmups = shape.warmups(suffix) if suffix else []
-        if suffix and shape.closes(position):
+        if suffix and shape.closes(position) and not allowed:
             edges = float(shape.head_time[suffix[-1][0]] + shape.embedding_time[suffix[0][0]])
             sync = shape.sync_bound(suffix, 0)
             placed = [(u, caps[:, None], count) for u, caps, count in groups]
@@ -418,7 +510,11 @@ class _Search:
         for t_index, chip in enumerate(shape.types):  # one bound call per chip type
             if not mask >> t_index & 1:
                 continue
-            kinds = [k for k in shape.kinds_of[chip] if shape.fits_before(k, room)]
+            kinds = [
+                k
+                for k in shape.kinds_of[chip]
+                if shape.fits_before(k, room) and (allowed is None or k in allowed)
+            ]
             if kinds:
                 options += self._bounds(shape, node, fixed, need, kinds, None)
         options.sort(key=lambda item: (item[0], -item[2]))
