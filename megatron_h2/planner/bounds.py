@@ -77,7 +77,8 @@ class Kind:
 class BatchShape:
     """Stage kinds, memory caps, link times and bound tables for one batch shape: micro-batch
     size and pipeline schedule (with its number of model chunks ``V``), and for ``interleaved``
-    the one DP degree ``dp`` of every stage.
+    the one DP degree ``dp`` of every stage. ``only`` keeps just the kinds with those (chip
+    index, TP, DP) triples (a restricted space: its bounds hold for the plans of those kinds).
 
     Layers are counted in *units* of one layer per chunk (``V`` layers; one layer unless the
     schedule is ``interleaved``).
@@ -92,6 +93,7 @@ class BatchShape:
         chunks: int = 1,
         dp: int | None = None,
         lazy: bool = False,
+        only: frozenset[tuple[int, int, int]] | None = None,
     ) -> None:
         self.cost, self.mbs, self.dp = cost, mbs, dp
         self.schedule, self.chunks = schedule, chunks
@@ -115,6 +117,8 @@ class BatchShape:
                     if not count or (dp is None and (count * tp * d != chip.count
                                                      or count > self.layers)):
                         continue  # own-DP kinds use all of their type's chips
+                    if only is not None and (index, tp, d) not in only:
+                        continue
                     m = self.total // d
                     factor = m * chunks - 1 if schedule == "interleaved" else m - 1
                     costs = cost.stage_costs(chip.name, tp, mbs, d)

@@ -307,33 +307,23 @@ class _Search:
             )  # fmt: skip
             if len(types) > 1 and found.schedule != "interleaved":
                 seeds.setdefault((found.micro_batch_size, found.schedule, types), None)
-        shapes: dict[tuple[int, str], BatchShape] = {}
         gbs = self.options.global_batch_size
-        queue: list[tuple[float, int, BatchShape, int, int, _Node, frozenset[int]]] = []
+        queue: list[tuple[float, int, BatchShape, int, int, _Node]] = []
         for mbs, schedule, types in seeds:
             self.stats.own_dp_seeds += 1
             if time.monotonic() > self.deadline:
                 self.stats.own_dp_complete = self.stats.exhaustive = False
                 return
-            if (mbs, schedule) not in shapes:
-                shape = shapes[mbs, schedule] = BatchShape(self.cost, gbs, mbs, schedule, 1, None)
-                self.stats.batch_shapes += 1
-                shape.build_grid(
-                    self.threshold if self.threshold < INF else shape.w_max,
-                    self.options.grid_points,
-                )
-            shape = shapes[mbs, schedule]
-            near = {(chip, tp, d * f) for chip, tp, d in types for f in (0.5, 1, 2)}
-            allowed = frozenset(i for i, k in enumerate(shape.kinds) if (k.chip, k.tp, k.dp) in near)
-            chips = {shape.kinds[i].chip for i in allowed}
-            if len(chips) < len(types):
-                continue  # some type cannot use all its chips with its TP degree
-            mask = sum(1 << shape.types.index(chip) for chip in chips)
-            root = replace(_root(shape), mask=mask)
-            queue.append((shape.root_bound(), next(self.counter), shape, 0, 0, root, allowed))
+            near = frozenset((chip, tp, d * f) for chip, tp, d in types for f in (0.5, 1, 2))
+            shape = BatchShape(self.cost, gbs, mbs, schedule, 1, None, only=near)
+            self.stats.batch_shapes += 1
+            if len(shape.types) < len(types) or shape.root_bound() >= self.threshold:
+                continue  # some type cannot use all its chips with its TP degree, or no win
+            shape.build_grid(self.threshold, self.options.grid_points)
+            queue.append((shape.root_bound(), next(self.counter), shape, 0, 0, _root(shape)))
         heapq.heapify(queue)
         while queue:
-            bound, _, shape, kind, count, node, allowed = heapq.heappop(queue)
+            bound, _, shape, kind, count, node = heapq.heappop(queue)
             if bound >= self.threshold * (1 - _SLACK):
                 self.stats.nodes_pruned += 1 + len(queue)
                 return
@@ -348,14 +338,11 @@ class _Search:
                 links = self._block_links(shape, node, kind, count)
                 node = node.child(shape, kind, count, links)
             self.stats.nodes += 1
-            for option, child, stages in self._options(
-                shape, node, allowed if node.mask else frozenset()
-            ):
+            for option, child, stages in self._options(shape, node, use_all=True):
                 if option >= self.threshold * (1 - _SLACK):
                     self.stats.nodes_pruned += 1
                     continue
-                entry = (option, next(self.counter), shape, child, stages, node, allowed)
-                heapq.heappush(queue, entry)
+                heapq.heappush(queue, (option, next(self.counter), shape, child, stages, node))
 
     def _run_shapes(self, shapes: list[BatchShape]) -> None:
         shapes.sort(key=lambda s: s.root_bound())
@@ -482,16 +469,16 @@ class _Search:
         return fixed, need
 
     def _options(
-        self, shape: BatchShape, node: _Node, allowed: frozenset[int] | None = None
+        self, shape: BatchShape, node: _Node, use_all: bool = False
     ) -> list[tuple[float, int, int]]:
         """The close-here leaf (kind -1) and, per kind, a group of its children (count -1,
-        :meth:`_bounds`), with bounds, best first; with ``allowed`` only the children of those
-        kinds, and the leaf only when it is empty."""
+        :meth:`_bounds`), with bounds, best first; with ``use_all`` the leaf only once every
+        chip type of the shape is used."""
         suffix, groups, position, mask = node.suffix, node.groups, node.position, node.mask
         options: list[tuple[float, int, int]] = []
         fixed, need = self._fixed(shape, node)
         warmups = shape.warmups(suffix) if suffix else []
-        if suffix and shape.closes(position) and not allowed:
+        if suffix and shape.closes(position) and not (use_all and mask):
             edges = float(shape.head_time[suffix[-1][0]] + shape.embedding_time[suffix[0][0]])
             sync = shape.sync_bound(suffix, 0)
             placed = [(u, caps[:, None], count) for u, caps, count in groups]
@@ -510,11 +497,7 @@ class _Search:
         for t_index, chip in enumerate(shape.types):  # one bound call per chip type
             if not mask >> t_index & 1:
                 continue
-            kinds = [
-                k
-                for k in shape.kinds_of[chip]
-                if shape.fits_before(k, room) and (allowed is None or k in allowed)
-            ]
+            kinds = [k for k in shape.kinds_of[chip] if shape.fits_before(k, room)]
             if kinds:
                 options += self._bounds(shape, node, fixed, need, kinds, None)
         options.sort(key=lambda item: (item[0], -item[2]))
