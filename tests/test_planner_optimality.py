@@ -15,6 +15,7 @@ from __future__ import annotations
 import itertools
 import math
 import random
+from dataclasses import replace
 
 import pytest
 
@@ -154,15 +155,55 @@ class Enumerator:
                 yield step, (mbs, schedule, v, tuple(stages)), plan
 
 
+def blocks(stages: tuple) -> tuple:
+    """(chip, TP, DP) of each chip type of a structure's stages (each type is one block)."""
+    return tuple(sorted(set(stages)))
+
+
+def derived(best: dict[tuple, tuple[float, tuple]], top_k: int) -> dict[tuple, tuple]:
+    """The structures of the planner's default space: every one-DP structure, and the own-DP
+    structures that re-split one of the ``top_k`` best one-DP structures of two or more chip
+    types under 1f1b or zero-bubble: the same micro-batch size, schedule, chip types and TP
+    degrees, any order, each type's DP half, equal to or twice its DP there."""
+    uniform = {k: v for k, v in best.items() if len({d for _, _, d in k[3]}) == 1}
+    seeds = set()
+    for key in sorted(uniform, key=lambda k: uniform[k][0])[:top_k]:
+        mbs, schedule, _, stages = key
+        if len(blocks(stages)) > 1 and schedule != "interleaved":
+            seeds.add((mbs, schedule, blocks(stages)))
+    kept = dict(uniform)
+    for key, item in best.items():
+        mbs, schedule, _, stages = key
+        if key in uniform:
+            continue
+        for seed_mbs, seed_schedule, types in seeds:
+            near = {(name, t, d * f) for name, t, d in types for f in (0.5, 1, 2)}
+            names = sorted((name, t) for name, t, _ in types)
+            if (
+                (mbs, schedule) == (seed_mbs, seed_schedule)
+                and sorted((name, t) for name, t, _ in blocks(stages)) == names
+                and set(blocks(stages)) <= near
+            ):
+                kept[key] = item
+    return kept
+
+
 def brute_force_best(
-    cost: CostModel, options: SearchOptions, count: int, all_modes: bool = False
+    cost: CostModel,
+    options: SearchOptions,
+    count: int,
+    all_modes: bool = False,
+    own_dp: str = "all",
 ) -> list[float]:
-    """The ``count`` best step times over structures (each structure's best split), checked
-    against ``CostModel.evaluate`` of the plans themselves."""
+    """The ``count`` best step times over structures (each structure's best split) of the
+    space ``own_dp`` names (``all`` or ``derived``), checked against ``CostModel.evaluate`` of
+    the plans themselves."""
     best: dict[tuple, tuple[float, tuple]] = {}
     for value, key, plan in Enumerator(cost, options).plans(all_modes):
         if key not in best or value < best[key][0]:
             best[key] = (value, plan)
+    if own_dp == "derived":
+        best = derived(best, options.top_k)
     ranked = sorted(best.values(), key=lambda item: item[0])[:count]
     for value, args in ranked:
         dp, mbs, gbs, specs, stages, schedule = args
@@ -237,12 +278,15 @@ CASES = {
 }
 
 
+@pytest.mark.parametrize("own_dp", ["all", "derived"])
 @pytest.mark.parametrize("name", list(CASES))
-def test_search_finds_the_brute_force_optimum(name: str) -> None:
+def test_search_finds_the_brute_force_optimum(name: str, own_dp: str) -> None:
     cluster, model, global_batch, distributed = CASES[name]
     cost = CostModel(cluster, model, CostConfig(use_distributed_optimizer=distributed))
-    options = SearchOptions(global_batch_size=global_batch, top_k=3, max_micro_batch_size=4)
-    expected = brute_force_best(cost, options, 3)
+    options = SearchOptions(
+        global_batch_size=global_batch, top_k=3, max_micro_batch_size=4, own_dp=own_dp
+    )
+    expected = brute_force_best(cost, options, 3, own_dp=own_dp)
     result = search(cost, options)
     found = [c.estimate.step_time_s for c in result.candidates]
     assert result.stats.exhaustive
@@ -254,9 +298,8 @@ def test_the_cases_exercise_recompute_tp_several_types_and_own_dp() -> None:
     seen_modes, seen_tp, mixed, own_dp = set(), set(), False, False
     for cluster, model, global_batch, distributed in CASES.values():
         cost = CostModel(cluster, model, CostConfig(use_distributed_optimizer=distributed))
-        result = search(
-            cost, SearchOptions(global_batch_size=global_batch, top_k=3, max_micro_batch_size=4)
-        )
+        options = SearchOptions(global_batch, top_k=3, max_micro_batch_size=4, own_dp="all")
+        result = search(cost, options)
         for cand in result.candidates:
             seen_modes |= {s.recompute for s in cand.plan.stages}
             seen_tp |= {s.tensor_parallel_size for s in cand.plan.stages}
@@ -269,7 +312,7 @@ def test_fastest_fitting_recompute_is_optimal_against_all_modes() -> None:
     cluster = Cluster((chip("A", 2, 2, 0.4, 2.4), chip("B", 2, 2, 0.2, 4.0)), 0.5)
     model = planner_model(3, 64, 176, 4, 128, 1000, 2)
     cost = CostModel(cluster, model)
-    options = SearchOptions(global_batch_size=4, top_k=1, max_micro_batch_size=2)
+    options = SearchOptions(global_batch_size=4, top_k=1, max_micro_batch_size=2, own_dp="all")
     brute = brute_force_best(cost, options, 1, all_modes=True)[0]
     assert search(cost, options).best.estimate.step_time_s == pytest.approx(brute, rel=1e-9)
 
@@ -345,7 +388,10 @@ def random_case(seed: int) -> tuple[CostModel, SearchOptions]:
     model = planner_model(rng.choice([4, 5, 6, 7, 8]), 64, 176, 4, 128, 1000, 2)
     config = CostConfig(use_distributed_optimizer=rng.random() < 0.5)
     options = SearchOptions(
-        global_batch_size=rng.choice([4, 6, 8, 12]), top_k=2, max_micro_batch_size=4
+        global_batch_size=rng.choice([4, 6, 8, 12]),
+        top_k=2,
+        max_micro_batch_size=4,
+        own_dp=("all", "derived")[seed % 2],
     )
     return CostModel(Cluster(tuple(chips), rng.uniform(0.1, 1)), model, config), options
 
@@ -353,6 +399,18 @@ def random_case(seed: int) -> tuple[CostModel, SearchOptions]:
 @pytest.mark.parametrize("seed", range(16))
 def test_search_matches_brute_force_on_random_clusters(seed: int) -> None:
     cost, options = random_case(seed)
-    expected = brute_force_best(cost, options, 2)
+    expected = brute_force_best(cost, options, 2, own_dp=options.own_dp)
     found = [c.estimate.step_time_s for c in search(cost, options).candidates]
     assert found == pytest.approx(expected, rel=1e-9)
+
+
+@pytest.mark.parametrize("seed", [9, 31, 35])
+def test_derived_space_reaches_own_dp_plans(seed: int) -> None:
+    """Random clusters where re-splits of the best one-DP plans give own-DP plans among the
+    best: the search finds the brute-force best of that space, own-DP plans included."""
+    cost, options = random_case(seed)
+    options = replace(options, own_dp="derived")
+    expected = brute_force_best(cost, options, 2, own_dp="derived")
+    candidates = search(cost, options).candidates
+    assert [c.estimate.step_time_s for c in candidates] == pytest.approx(expected, rel=1e-9)
+    assert any(not c.plan.uniform_dp for c in candidates)
