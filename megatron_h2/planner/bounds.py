@@ -44,8 +44,8 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from megatron_h2.planner.cost_model import MODES, CostModel, zero_bubble_share
-from megatron_h2.planner.orders import held_totals, schedule_problem, zero_bubble_peaks
 from megatron_h2.planner.partition import INF
+from megatron_h2.planner.shape_memory import ShapeMemory
 from megatron_h2.planner.stage_costs import StageCosts
 
 if TYPE_CHECKING:
@@ -74,7 +74,7 @@ class Kind:
         self.micro_batches, self.factor = micro_batches, factor
 
 
-class BatchShape:
+class BatchShape(ShapeMemory):
     """Stage kinds, memory caps, link times and bound tables for one batch shape: micro-batch
     size and pipeline schedule (with its number of model chunks ``V``), and for ``interleaved``
     the one DP degree ``dp`` of every stage. ``only`` keeps just the kinds with those (chip
@@ -114,8 +114,9 @@ class BatchShape:
             ):
                 for d in degrees:
                     count = chip.count // (tp * d)
-                    if not count or (dp is None and (count * tp * d != chip.count
-                                                     or count > self.layers)):
+                    if not count or (
+                        dp is None and (count * tp * d != chip.count or count > self.layers)
+                    ):
                         continue  # own-DP kinds use all of their type's chips
                     if only is not None and (index, tp, d) not in only:
                         continue
@@ -141,12 +142,13 @@ class BatchShape:
         if not lazy:
             self.prepare()
 
-    def fits_before(self, kind: int, room: int) -> bool:
-        """Whether some block of ``kind`` fits in ``room`` free stage positions (a kind of its
-        own DP degree comes only as its ``max_stages`` stages, which use every chip of its
-        type)."""
+    def counts(self, kind: int, room: int) -> np.ndarray:
+        """Stage counts of a block of ``kind`` that fit in ``room`` free stage positions: 1 to
+        its most, or under own DP degrees only its ``max_stages`` (every chip of its type)."""
         most = self.kinds[kind].max_stages
-        return 1 <= room and (most <= room if not self.uniform else True)
+        if not self.uniform:
+            return np.array([most] if most <= room else [], dtype=np.int64)
+        return np.arange(1, min(most, room) + 1)
 
     @property
     def uniform(self) -> bool:
@@ -164,11 +166,12 @@ class BatchShape:
         without the tables: the same time caps and no more memory capacity. ``floor``: that
         shape's folded floor (:attr:`w_floor` of the 1F1B shape with the same DP degrees)."""
         units = np.array([k.costs.layer_time(0) for k in self.kinds])
+        m = self.kinds[0].micro_batches
         if self.schedule == "zero-bubble":
             weight = np.array([k.costs.layer_weight_grad for k in self.kinds])
-            return floor + max(self.layers * float((units - 2.0 * weight).min()), 0.0)
-        m = self.kinds[0].micro_batches
-        work = (floor / (m - 1) if m > 1 else 0.0) / self.chunks  # W of the slowest stage / V
+            steady = floor if m > 1 else 0.0  # one micro-batch: no steady term
+            return steady + max(self.layers * float((units - 2.0 * weight).min()), 0.0)
+        work = floor / max(m - 1, 1) / self.chunks  # W of the slowest stage / V
         return (m * self.chunks - 1) * work + max(work, self.layers * float(units.min()))
 
     # ------------------------------------------------------------------------- exact pieces
@@ -179,86 +182,17 @@ class BatchShape:
             self._links[key] = self.cost.link_s(sender, receiver, self.mbs)
         return self._links[key]
 
-    def closes(self, stages: int) -> bool:
-        """Whether a pipeline of ``stages`` stages can run this shape's schedule."""
-        m = self.kinds[0].micro_batches if self.uniform else self.total
-        return schedule_problem(self.schedule, stages, m, self.chunks) is None
-
-    def warmups(self, suffix: Sequence[tuple[int, int]]) -> list[int]:
-        """Warm-up ``q`` of every stage of a closed pipeline (blocks of (kind, stages), pipeline
-        order): :func:`~megatron_h2.pipeline_orders.routed_leads` of the stages' DP degrees."""
-        out: list[int] = []
-        lead = 0
-        for kind, count in reversed(suffix):
-            d = self.kinds[kind].dp
-            start = -(-lead // d)
-            out += [start + i for i in range(count)]
-            lead = d * (start + count)
-        return out[::-1]
-
-    def mode_caps(
-        self, kind: int, stages: int, stage: int, warmup: int | None = None
-    ) -> tuple[int, int, int]:
-        """Most units that fit per recompute mode for stage ``stage`` of ``stages`` of ``kind``
-        with ``warmup`` warm-up forwards (None: the schedule's own rule; exact, from the
-        schedule's held states; cached)."""
-        if self.uniform:
-            warmup = None  # interleaved: the schedule's own rule
-        key = (kind, stages, stage, warmup)
-        if key not in self._mode_caps:
-            k = self.kinds[kind]
-            states = held_totals(self.schedule, stages, k.micro_batches, self.chunks, stage, warmup)
-            first, last = stage == 0, stage == stages - 1
-            caps = [
-                k.costs.max_units(self.chunks, mode, states, first, last)
-                for mode in range(len(MODES))
-            ]
-            self._mode_caps[key] = (caps[0], caps[1], caps[2])
-        return self._mode_caps[key]
-
     # ------------------------------------------------------------------------------- bounds
-    def _optimistic_pairs(self, m: int, q: int) -> list[tuple[int, int]]:
-        """(activations, deferred weight-gradient inputs) held at the peaks of a middle stage
-        (no embedding or head) with warm-up ``q`` and ``m`` micro-batches per replica, in the
-        pipeline that holds least (under interleaving, uniform DP, ``q`` is the position from
-        the end: the shortest pipeline with that position); [] if no stage can have ``q``."""
-        if self.schedule == "1f1b":
-            return [(min(q + 1, m), 0)]
-        if self.schedule == "zero-bubble":  # front index 0, or 1 for the last stage (p >= 2)
-            return zero_bubble_peaks(q, m, 1 if q == 0 else 0)
-        for stages in range(max(q + 1, 1), self.positions + 1):
-            if self.closes(stages):
-                totals = held_totals(self.schedule, stages, m, self.chunks, stages - 1 - q)
-                return [(t[0], t[1]) for t in totals]
-        return []
-
-    def _memory_caps(self) -> np.ndarray:
-        """Upper bound on the units per (kind, mode, warm-up) that fit in memory."""
-        caps = np.zeros((len(self.kinds), len(MODES), self.depth))
-        for m in sorted({k.micro_batches for k in self.kinds}):
-            pairs = [self._optimistic_pairs(m, q) for q in range(self.depth)]
-            valid = np.array([bool(p) for p in pairs])
-            width = max(len(p) for p in pairs)
-            padded = np.array(
-                [(p or [(0, 0)]) + [(p or [(0, 0)])[0]] * (width - len(p or [0])) for p in pairs],
-                dtype=np.float64,
-            )  # warm-up x pair x (A, D)
-            kinds = [i for i, k in enumerate(self.kinds) if k.micro_batches == m]
-            costs = [self.kinds[i].costs for i in kinds]
-            act = np.array([c.layer_activation for c in costs])[:, :, None, None]  # kind x mode
-            keep = np.array([c.layer_weight_inputs for c in costs])[:, None, None, None]
-            held = (padded[None, None, :, :, 0] * act + padded[None, None, :, :, 1] * keep).max(3)
-            static = np.array([self.chunks * c.layer_static for c in costs])[:, None, None]
-            room = np.array([c.capacity - c.working for c in costs])[:, None, None]
-            caps[kinds] = np.where(valid[None, None, :], _most_units(room, static + held), 0.0)
-        return caps
-
     def _prepare(self) -> None:
         layers, v = self.layers, self.chunks
         factors = np.array([k.factor for k in self.kinds], dtype=np.float64)
         times = np.array([[k.costs.layer_time(r) for r in range(len(MODES))] for k in self.kinds])
         scale = 1.0 / v if self.schedule == "interleaved" else 1.0
-        self.unit = factors[:, None] * times  # folded steady term per unit (w = W / V per unit)
+        # With one micro-batch per replica everywhere (F = 0) there is no steady term: probes
+        # then bound the slowest stage's own work w (fold 1) and count once, not twice.
+        self.steady = 1.0 if self.factor_max > 0 else 0.0
+        folds = factors if self.factor_max > 0 else np.ones(len(self.kinds))
+        self.unit = folds[:, None] * times  # folded steady term per unit (w = W / V per unit)
         weight = np.array([k.costs.layer_weight_grad for k in self.kinds])
         share = 2.0 if self.schedule == "zero-bubble" else 0.0  # (1 + b) <= 2: a lower bound
         self.fill_unit = times[:, 0] - share * weight
@@ -297,7 +231,8 @@ class BatchShape:
             for t in self.types
         }
         full = [
-            k.factor * (k.costs.edge_time(True, True) * scale + layers * k.costs.layer_time(2))
+            max(k.factor, 1 - self.steady)
+            * (k.costs.edge_time(True, True) * scale + layers * k.costs.layer_time(2))
             for k in self.kinds
         ]
         self.w_max = max(max(full) * (1 + 1e-9), 1e-30)
@@ -322,13 +257,14 @@ class BatchShape:
         """What the sum term is at least when the largest folded steady term is ``work``: the
         slowest stage's own fill, at least ``work / max F`` (nothing under zero-bubble, whose
         tail holds it)."""
-        if self.schedule == "zero-bubble" or self.factor_max <= 0:
+        if self.schedule == "zero-bubble":
             return 0.0 * work
-        return work / self.factor_max
+        return self._own_work(work)
 
     def _own_work(self, work: np.ndarray | float) -> np.ndarray | float:
-        """The slowest stage's own work when the largest folded steady term is ``work``."""
-        return work / self.factor_max if self.factor_max > 0 else 0.0 * work
+        """The slowest stage's own work when the largest folded steady term is ``work`` (the
+        probe itself when no stage has a steady term)."""
+        return work / max(self.factor_max, 1)
 
     def capacity(self, probes: np.ndarray) -> np.ndarray:
         """Upper bound on units per (kind, probe, warm-up) with folded work at most the probe."""
@@ -391,7 +327,7 @@ class BatchShape:
         if not self.prepared:
             return self.pre_bound
         w = self.w_floor
-        return w + max(self.sum_floor(w), self.layers * float(self.fill_unit.min()))
+        return self.steady * w + max(self.sum_floor(w), self.layers * float(self.fill_unit.min()))
 
     def build_grid(self, w_high: float, points: int, coarse: int = 32) -> None:
         """Probe values from the root bound up to ``w_high`` (geometric) and their prefix sums.
@@ -465,74 +401,6 @@ class BatchShape:
         table = min(start, self.depth - 1)
         prefix = self.prefix[kind]
         return prefix[:, np.asarray(ends) - start + table] - prefix[:, [table]]
-
-    def shortest(self, stages: int) -> int:
-        """The fewest stages, at least ``stages``, that can run the schedule (0 if none)."""
-        for count in range(max(stages, 1), self.positions + 1):
-            if self.closes(count):
-                return count
-        return 0
-
-    def placed_block(
-        self, kind: int, start: int, position: int, count: int, stages: int
-    ) -> np.ndarray:
-        """Capacity of ``count`` placed stages of ``kind`` with warm-ups from ``start``,
-        ``position`` stages before the end, in a pipeline of at least ``stages`` stages (memory
-        grows with the pipeline's length under zero-bubble and interleaved): per probe."""
-        shortest = self.shortest(stages)
-        if not shortest:
-            return np.zeros(len(self.grid))
-        key = (kind, start, position, count, shortest)
-        if key not in self._placed:
-            caps = np.array(
-                [
-                    self._placed_stage_caps(kind, start + i, position + i, shortest)
-                    for i in range(count)
-                ]
-            )
-            self._placed[key] = self._timed_sum(kind, caps)
-        return self._placed[key]
-
-    def _timed_sum(self, kind: int, caps: np.ndarray) -> np.ndarray:
-        """Per probe: units of stages with memory caps ``caps`` (stage x mode) under the time
-        caps."""
-        with np.errstate(divide="ignore", invalid="ignore"):
-            timed = np.floor(self.grid[:, None, None] / self.unit[kind][None, None, :])
-        timed = np.where(self.unit[kind][None, None, :] > 0, timed, INF)
-        per_stage = np.minimum(timed, caps[None, :, :]).max(axis=2)  # probe x stage
-        return np.clip(per_stage, 0, self.layers).sum(axis=1)
-
-    def _placed_stage_caps(
-        self, kind: int, warmup: int, position: int, stages: int
-    ) -> tuple[int, int, int]:
-        key = (kind, warmup, position, stages)
-        if key not in self._placed_caps:
-            k, stage = self.kinds[kind], stages - 1 - position
-            states = held_totals(
-                self.schedule,
-                stages,
-                k.micro_batches,
-                self.chunks,
-                stage,
-                None if self.uniform else warmup,
-            )
-            if stage == 0:  # not the first stage: more will be placed in front
-                states = tuple((a, d, ha, hd, 0) for a, d, ha, hd, _ in states)
-            caps = [
-                k.costs.max_units(self.chunks, mode, states, False, position == 0)
-                for mode in range(len(MODES))
-            ]
-            self._placed_caps[key] = (caps[0], caps[1], caps[2])
-        return self._placed_caps[key]
-
-    def closed_block(
-        self, kind: int, stages: int, front: int, warmups: Sequence[int]
-    ) -> np.ndarray:
-        """Capacity of the stages ``front, front + 1, ...`` (counted from the front, with
-        ``warmups``) of ``kind`` in a closed pipeline of ``stages`` stages, with their exact
-        memory caps: per probe."""
-        caps = np.array([self.mode_caps(kind, stages, front + i, q) for i, q in enumerate(warmups)])
-        return self._timed_sum(kind, caps)
 
     def rest(self, mask: int) -> np.ndarray:
         """Most units the chip types in ``mask`` can add, in any order, in front of each grid
@@ -639,9 +507,9 @@ class BatchShape:
         sync = np.asarray(sync, dtype=np.float64)
         if self.schedule == "zero-bubble":  # the slowest stage's fill + tail is its whole work
             tail = np.maximum(sync, self.tail_share * own)
-            terms = low + np.maximum(fill[1:] + tail, own)
+            terms = self.steady * low + np.maximum(fill[1:] + tail, own)
         else:
-            terms = low + np.maximum(fill[1:], own) + sync
+            terms = self.steady * low + np.maximum(fill[1:], own) + sync
         ok = (covered >= remaining - 1e-9) & ~np.asarray(short)
         first = np.where(ok.any(axis=0), ok.argmax(axis=0), len(self.grid))
         rows = np.arange(len(self.grid) - 1)[:, None]
@@ -650,15 +518,8 @@ class BatchShape:
         if not self.grid_is_max:  # work above the top probe: already worse than the K-th best
             top = np.maximum(self.grid[-1], need)
             if self.schedule == "zero-bubble":
-                beyond = top + np.maximum(sync, self._own_work(top))
+                beyond = self.steady * top + np.maximum(sync, self._own_work(top))
             else:
-                beyond = top + self._own_work(top) + sync
+                beyond = self.steady * top + self._own_work(top) + sync
             best = np.minimum(best, beyond)
         return best + links
-
-
-def _most_units(room: float, per: np.ndarray) -> np.ndarray:
-    """Most whole units of ``per`` bytes within ``room`` bytes (exact despite rounding)."""
-    units = np.maximum(np.floor(room / per), 0.0)
-    units = np.where(units * per > room, np.maximum(units - 1, 0.0), units)
-    return np.where((units + 1) * per <= room, units + 1, units)

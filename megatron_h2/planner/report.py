@@ -326,12 +326,17 @@ def search_summary(result: SearchResult) -> str:
         f" {s.nodes:,} pipeline prefixes ({s.nodes_pruned:,} options pruned by bound),"
         f" {s.splits_solved:,} layer splits in {s.elapsed_s:.1f} s"
     )
+    if s.own_dp == "derived":
+        line += f"; own DP per type: re-splits of {s.own_dp_seeds} of the best one-DP plans"
+    elif s.own_dp == "all":
+        line += "; own DP per type: every plan"
     if s.exhaustive:
-        return line + "; the best plan is optimal for the cost model"
+        return line + "; the best plan is optimal for the cost model in this space"
     gap = 100 * (best / s.lower_bound_s - 1) if s.lower_bound_s > 0 else float("inf")
-    return (
-        line + f"; time limit hit: the best plan is within {gap:.1f}% of the optimum (proven bound)"
-    )
+    line += f"; time limit hit: the best plan is within {gap:.1f}% of the optimum (proven bound)"
+    if s.own_dp_status == "not searched":
+        line += " of the one-DP plans (the time limit came before the own-DP search)"
+    return line
 
 
 def comparison_text(comparison: Comparison) -> str:

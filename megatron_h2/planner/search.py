@@ -24,145 +24,31 @@ from __future__ import annotations
 import heapq
 import itertools
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
 from megatron_h2.errors import ConfigError
 from megatron_h2.hetero_plan import (
-    SCHEDULES,
     ChipSpec,
     HeteroPlan,
     StageSpec,
-    closest,
-    positive_int,
 )
 from megatron_h2.planner.bounds import BatchShape, Kind
-from megatron_h2.planner.cost_model import MODES, CostModel, PlanEstimate
+from megatron_h2.planner.cost_model import MODES, CostModel
 from megatron_h2.planner.partition import INF, Split, StageSlot, solve_split
+from megatron_h2.planner.search_options import (
+    OWN_DP_SPACES,
+    Candidate,
+    SearchOptions,
+    SearchResult,
+    SearchStats,
+)
+
+__all__ = ["OWN_DP_SPACES", "Candidate", "SearchOptions", "SearchResult", "SearchStats", "search"]
 
 _SLACK = 1e-9  # relative tolerance when comparing a bound with the K-th best
-OWN_DP_SPACES = ("derived", "all", "none")
-
-
-@dataclass(frozen=True)
-class SearchOptions:
-    """What to search over and for how long."""
-
-    global_batch_size: int
-    top_k: int = 5
-    micro_batch_sizes: tuple[int, ...] | None = None
-    max_micro_batch_size: int = 8
-    time_limit_s: float = 55.0
-    grid_points: int = 64
-    dive_shapes: int = 24
-    dive_nodes: int = 24
-    schedules: tuple[str, ...] = SCHEDULES
-    """Pipeline schedules to consider (``1f1b``, ``interleaved``, ``zero-bubble``)."""
-    max_virtual_stages: int = 4
-    """Most model chunks per stage (``V``) under ``interleaved``."""
-    own_dp: str = "derived"
-    """Plans whose chip types have their own DP degrees: ``derived`` (those with the micro-batch
-    size, chip-type order and TP degrees of one of the ``top_k`` best one-DP plans found, under
-    1f1b and zero-bubble), ``all`` (every such plan: exhaustive, for small clusters) or
-    ``none`` (one DP degree only)."""
-
-    def __post_init__(self) -> None:
-        positive_int(self.global_batch_size, "global_batch_size")
-        positive_int(self.top_k, "top_k")
-        positive_int(self.max_micro_batch_size, "max_micro_batch_size")
-        positive_int(self.grid_points, "grid_points", minimum=8)
-        positive_int(self.dive_shapes, "dive_shapes", minimum=0)
-        positive_int(self.dive_nodes, "dive_nodes")
-        if self.micro_batch_sizes is not None:
-            for size in self.micro_batch_sizes:
-                positive_int(size, "micro_batch_size")
-                if self.global_batch_size % size:
-                    raise ConfigError(
-                        f"global batch size {self.global_batch_size} is not divisible by micro"
-                        f" batch size {size}; pick a micro batch size that divides it"
-                    )
-        object.__setattr__(self, "schedules", tuple(self.schedules))
-        if not self.schedules:
-            raise ConfigError("schedules is empty; give at least one of " + ", ".join(SCHEDULES))
-        for schedule in self.schedules:
-            if schedule not in SCHEDULES:
-                raise ConfigError(
-                    f"unknown pipeline schedule {schedule!r}{closest(str(schedule), SCHEDULES)};"
-                    f" choose from {', '.join(SCHEDULES)}"
-                )
-        positive_int(self.max_virtual_stages, "max_virtual_stages", minimum=2)
-        if self.own_dp not in OWN_DP_SPACES:
-            raise ConfigError(
-                f"unknown own_dp {self.own_dp!r}; choose from {', '.join(OWN_DP_SPACES)}"
-            )
-        if not self.time_limit_s > 0:
-            raise ConfigError(f"time limit must be positive, got {self.time_limit_s}")
-
-    def schedule_variants(self, num_layers: int) -> list[tuple[str, int]]:
-        """(schedule, model chunks) pairs to search; interleaved with every ``V`` from 2 to
-        :attr:`max_virtual_stages` that divides the layers (chunks are equal)."""
-        variants = []
-        for schedule in SCHEDULES:
-            if schedule not in self.schedules:
-                continue
-            if schedule == "interleaved":
-                chunks = range(2, self.max_virtual_stages + 1)
-                variants += [(schedule, v) for v in chunks if num_layers % v == 0]
-            else:
-                variants.append((schedule, 1))
-        return variants
-
-    def micro_batch_candidates(self) -> list[int]:
-        """Micro-batch sizes to try: the given ones, else the powers of two dividing the global
-        batch."""
-        if self.micro_batch_sizes is not None:
-            return sorted(set(self.micro_batch_sizes))
-        sizes, size = [], 1
-        while size <= self.max_micro_batch_size and self.global_batch_size % size == 0:
-            sizes.append(size)
-            size *= 2
-        return sizes
-
-
-@dataclass(frozen=True)
-class Candidate:
-    """A searched plan with its cost-model estimate."""
-
-    plan: HeteroPlan
-    estimate: PlanEstimate
-
-
-@dataclass
-class SearchStats:
-    """Counters of one search, to show how much was pruned."""
-
-    batch_shapes: int = 0
-    batch_shapes_pruned: int = 0
-    nodes: int = 0
-    nodes_pruned: int = 0
-    splits_solved: int = 0
-    elapsed_s: float = 0.0
-    exhaustive: bool = True
-    lower_bound_s: float = INF
-    own_dp_seeds: int = 0
-    """One-DP structures whose own-DP re-splits were searched (``own_dp="derived"``)."""
-    own_dp_complete: bool = True
-    """False when the time limit stopped the search before the own-DP plans it covers."""
-
-
-@dataclass(frozen=True)
-class SearchResult:
-    """Best plans first, with search statistics."""
-
-    candidates: tuple[Candidate, ...]
-    stats: SearchStats
-
-    @property
-    def best(self) -> Candidate:
-        """The fastest plan found."""
-        return self.candidates[0]
 
 
 @dataclass(frozen=True)
@@ -249,7 +135,9 @@ class _Search:
         for mbs in self.options.micro_batch_candidates():
             per_dp = gbs // mbs
             degrees: list[int | None] = (
-                [None] if own else [d for d in range(1, min(per_dp, largest) + 1) if per_dp % d == 0]
+                [None]
+                if own
+                else [d for d in range(1, min(per_dp, largest) + 1) if per_dp % d == 0]
             )
             plain = {  # the 1F1B shapes, one per DP key
                 dp: BatchShape(self.cost, gbs, mbs, "1f1b", 1, dp)
@@ -282,23 +170,26 @@ class _Search:
         shapes = self._shapes(own=False)
         self.stats.batch_shapes = len(shapes)
         self._run_shapes(shapes)
-        if len(self.cost.cluster.chips) > 1 and self.options.own_dp == "all":
-            if time.monotonic() > self.deadline:
-                self.stats.own_dp_complete = self.stats.exhaustive = False
-            else:
-                own = self._shapes(own=True)
-                self.stats.batch_shapes += len(own)
-                self._run_shapes(own)
-                self.stats.own_dp_complete = self.stats.exhaustive
-        elif len(self.cost.cluster.chips) > 1 and self.options.own_dp == "derived":
+        if len(self.cost.cluster.chips) < 2 or self.options.own_dp == "none":
+            return sorted((item[2] for item in self.best), key=lambda f: f.value)
+        self.stats.own_dp = self.options.own_dp
+        if time.monotonic() > self.deadline:
+            self.stats.own_dp_status, self.stats.exhaustive = "not searched", False
+        elif self.options.own_dp == "all":
+            own = self._shapes(own=True)
+            self.stats.batch_shapes += len(own)
+            self._run_shapes(own)
+            self.stats.own_dp_status = "complete" if self.stats.exhaustive else "bounded"
+        else:
             self._derive()
         return sorted((item[2] for item in self.best), key=lambda f: f.value)
 
     def _derive(self) -> None:
-        """Own-DP re-splits of the best one-DP plans: for each of them (its micro-batch size,
-        chip types and their TP degrees), under 1F1B and zero-bubble, every order of those
-        types and every choice of each type's own DP degree (each type then uses all its
-        chips), by a depth-first branch and bound restricted to those types and TP degrees."""
+        """Own-DP re-splits of the K best one-DP plans found, best first over all of them: for
+        each 1F1B or zero-bubble one of two or more chip types, its micro-batch size, schedule,
+        chip types and their TP degrees, every order of those types and each type's own DP
+        degree half, equal to or twice its DP there (each type then uses all its chips; one
+        batch shape of just those kinds, so that unused types bound only what they can add)."""
         seeds: dict[tuple[int, str, tuple[tuple[int, int, int], ...]], None] = {}
         for _, _, found in sorted(self.best, key=lambda item: -item[0]):
             types = tuple(
@@ -310,10 +201,10 @@ class _Search:
         gbs = self.options.global_batch_size
         queue: list[tuple[float, int, BatchShape, int, int, _Node]] = []
         for mbs, schedule, types in seeds:
-            self.stats.own_dp_seeds += 1
             if time.monotonic() > self.deadline:
-                self.stats.own_dp_complete = self.stats.exhaustive = False
+                self.stats.own_dp_status, self.stats.exhaustive = "not searched", False
                 return
+            self.stats.own_dp_seeds += 1
             near = frozenset((chip, tp, d * f) for chip, tp, d in types for f in (0.5, 1, 2))
             shape = BatchShape(self.cost, gbs, mbs, schedule, 1, None, only=near)
             self.stats.batch_shapes += 1
@@ -329,7 +220,7 @@ class _Search:
                 return
             if time.monotonic() > self.deadline:
                 self._abandon(bound)
-                self.stats.own_dp_complete = False
+                self.stats.own_dp_status = "bounded"
                 return
             if kind < 0:
                 self._evaluate(shape, node.suffix)
@@ -404,15 +295,11 @@ class _Search:
             if kind < 0:
                 self._evaluate(shape, node.suffix)
                 continue
-            if count < 0:  # a group: its stage counts
-                choices = self._expand(shape, node, kind)
-            else:
-                if count:  # a child: prepend its block
-                    links = self._block_links(shape, node, kind, count)
-                    node = node.child(shape, kind, count, links)
-                self.stats.nodes += 1
-                choices = self._options(shape, node)
-            for option, child, stages in choices:
+            if count:  # a child: prepend its block
+                links = self._block_links(shape, node, kind, count)
+                node = node.child(shape, kind, count, links)
+            self.stats.nodes += 1
+            for option, child, stages in self._options(shape, node):
                 if option >= self.threshold * (1 - _SLACK):
                     self.stats.nodes_pruned += 1
                     continue
@@ -439,13 +326,6 @@ class _Search:
             if kind < 0:
                 self._evaluate(shape, node.suffix)
                 continue
-            if count < 0:  # a group: its best count
-                counts = self._expand(shape, node, kind)
-                if not counts:
-                    continue
-                bound, kind, count = min(counts)
-                if bound >= self.threshold * (1 - _SLACK):
-                    continue
             links = self._block_links(shape, node, kind, count)
             visited += self._explore(shape, node.child(shape, kind, count, links), budget - visited)
         return visited
@@ -471,8 +351,8 @@ class _Search:
     def _options(
         self, shape: BatchShape, node: _Node, use_all: bool = False
     ) -> list[tuple[float, int, int]]:
-        """The close-here leaf (kind -1) and, per kind, a group of its children (count -1,
-        :meth:`_bounds`), with bounds, best first; with ``use_all`` the leaf only once every
+        """The close-here leaf (kind -1) and every child (kind, stage count), with bounds (one
+        :meth:`_bounds` call per chip type), best first; with ``use_all`` the leaf only once every
         chip type of the shape is used."""
         suffix, groups, position, mask = node.suffix, node.groups, node.position, node.mask
         options: list[tuple[float, int, int]] = []
@@ -497,9 +377,10 @@ class _Search:
         for t_index, chip in enumerate(shape.types):  # one bound call per chip type
             if not mask >> t_index & 1:
                 continue
-            kinds = [k for k in shape.kinds_of[chip] if shape.fits_before(k, room)]
-            if kinds:
-                options += self._bounds(shape, node, fixed, need, kinds, None)
+            columns = [(k, shape.counts(k, room)) for k in shape.kinds_of[chip]]
+            columns = [(k, c) for k, c in columns if len(c)]
+            if columns:
+                options += self._bounds(shape, node, fixed, need, columns)
         options.sort(key=lambda item: (item[0], -item[2]))
         return options
 
@@ -509,62 +390,38 @@ class _Search:
         node: _Node,
         fixed: list[tuple[float, np.ndarray, Any]],
         need: float,
-        kinds: list[int],
-        counts: np.ndarray | None,
+        columns: list[tuple[int, np.ndarray]],
     ) -> list[tuple[float, int, int]]:
-        """Bounds of prepending ``counts`` stages of the one kind in ``kinds``, or, with
-        ``counts`` None, of each kind in ``kinds`` (all of one chip type) as a *group*: one bound
-        below every stage count of the kind (count -1 in the result; :meth:`_expand` lists the
-        counts when the group comes up). The group's column takes the most stages' capacity,
-        one mandatory stage, the least links and lead, and the most stages' sync spread, each of
-        which only lowers the bound."""
-        room = shape.positions - node.position
-        others = node.mask & ~(1 << shape.types.index(shape.kinds[kinds[0]].chip))
-        whole = counts is None and not shape.uniform  # own-DP kinds: one count, no group
-        columns = (
-            [(kind, np.array([min(shape.kinds[kind].max_stages, room)])) for kind in kinds]
-            if counts is None
-            else [(kinds[0], counts)]
-        )
+        """Bounds of prepending each (kind, stage count) of ``columns`` (kinds of one chip
+        type, each with its counts) in front of ``node``, in one bound call."""
+        others = node.mask & ~(1 << shape.types.index(shape.kinds[columns[0][0]].chip))
         width = sum(len(c) for _, c in columns)
         parts, needs, edges, child_links, syncs, leads = list(fixed), [], [], [], [], []
         lo = 0
         for kind, count in columns:
             hi = lo + len(count)
             start = shape.start(kind, node.lead)
-            mandatory = np.ones(len(count)) if counts is None and not whole else count
             caps = np.zeros((len(shape.grid), width))  # this kind's options only
             caps[:, lo:hi] = shape.block(kind, start, start + count)
             stages = np.zeros(width)
-            stages[lo:hi] = mandatory
+            stages[lo:hi] = count
             parts.append((float(shape.fill_unit[kind]), caps, stages))
             needs.append(np.full(len(count), max(need, float(shape.unit[kind, 0]))))
             last = node.suffix[-1][0] if node.suffix else kind
             edges.append(np.full(len(count), shape.head_time[last] + shape.embedding_min))
-            child_links.append(node.links + self._block_links(shape, node, kind, mandatory))
+            child_links.append(node.links + self._block_links(shape, node, kind, count))
             syncs.append(shape.sync_bound(node.suffix + ((kind, count),), others))
-            leads.append(shape.kinds[kind].dp * (start + mandatory.astype(np.int64)))
+            leads.append(shape.kinds[kind].dp * (start + count))
             lo = hi
         bounds = shape.bound(
             parts, others, np.concatenate(leads), np.concatenate(child_links),
             np.concatenate(edges), np.concatenate(needs), np.concatenate(syncs),
         )  # fmt: skip
-        if whole:
-            return [(float(bound), kind, int(n[0])) for bound, (kind, n) in zip(bounds, columns)]
-        if counts is None:
-            return [(float(bound), kind, -1) for bound, (kind, _) in zip(bounds, columns)]
-        return [(float(bound), kinds[0], int(n)) for bound, n in zip(bounds, counts)]
-
-    def _expand(self, shape: BatchShape, node: _Node, kind: int) -> list[tuple[float, int, int]]:
-        """The options of a group: every stage count of ``kind`` in front of ``node``."""
-        fixed, need = self._fixed(shape, node)
-        most = min(shape.kinds[kind].max_stages, shape.positions - node.position)
-        counts = np.arange(1, most + 1)
-        if not shape.uniform:  # a type with its own DP degree fills its chips: max_stages
-            counts = counts[counts == shape.kinds[kind].max_stages]
-        if not len(counts):
-            return []
-        return self._bounds(shape, node, fixed, need, [kind], counts)
+        out, lo = [], 0
+        for kind, count in columns:
+            out.extend((float(bounds[lo + i]), kind, int(n)) for i, n in enumerate(count))
+            lo += len(count)
+        return out
 
     def _block_links(self, shape: BatchShape, node: _Node, kind: int, count: Any) -> Any:
         """Link time in the step formula added by prepending ``count`` stages of ``kind``."""
