@@ -188,8 +188,9 @@ class _Search:
         """Own-DP re-splits of the K best one-DP plans found, best first over all of them: for
         each 1F1B or zero-bubble one of two or more chip types, its micro-batch size, schedule,
         chip types and their TP degrees, every order of those types and each type's own DP
-        degree half, equal to or twice its DP there (each type then uses all its chips; one
-        batch shape of just those kinds, so that unused types bound only what they can add)."""
+        degree half, equal to or twice its DP there (each type then uses all its chips: half
+        the DP is twice the stages of the same width; one batch shape of just those kinds, so
+        that unused types bound only what they can add)."""
         seeds: dict[tuple[int, str, tuple[tuple[int, int, int], ...]], None] = {}
         for _, _, found in sorted(self.best, key=lambda item: -item[0]):
             types = tuple(

@@ -29,10 +29,11 @@ class SearchOptions:
     max_virtual_stages: int = 4
     """Most model chunks per stage (``V``) under ``interleaved``."""
     own_dp: str = "derived"
-    """Plans whose chip types have their own DP degrees: ``derived`` (those with the micro-batch
-    size, chip-type order and TP degrees of one of the ``top_k`` best one-DP plans found, under
-    1f1b and zero-bubble), ``all`` (every such plan: exhaustive, for small clusters) or
-    ``none`` (one DP degree only)."""
+    """Plans whose chip types have their own DP degrees: ``derived`` (re-splits of the ``top_k``
+    best one-DP plans found under 1f1b or zero-bubble: the same micro-batch size, schedule,
+    chip types and TP degrees, any order, each type's DP half, equal to or twice its DP there, all
+    its chips used), ``all`` (every such plan: exhaustive, slow on large clusters) or ``none``
+    (one DP degree only)."""
 
     def __post_init__(self) -> None:
         positive_int(self.global_batch_size, "global_batch_size")
