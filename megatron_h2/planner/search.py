@@ -17,6 +17,10 @@ whose bound is not below the K-th best step time found so far is pruned, and so 
 whose root bound is not. Nothing else is pruned, so unless the time limit stops it the search is
 exhaustive over the plan space (the tests check it against brute-force enumeration); at the time
 limit, the lowest bound left is a proven lower bound on the optimum.
+
+Plans with one DP degree are searched first, with the whole time limit; then, in the time left,
+the plans where chip types have their own DP degrees that :attr:`SearchOptions.own_dp` names
+(by default re-splits of the best one-DP plans, :meth:`_Search._derive`).
 """
 
 from __future__ import annotations
@@ -200,7 +204,7 @@ class _Search:
             if len(types) > 1 and found.schedule != "interleaved":
                 seeds.setdefault((found.micro_batch_size, found.schedule, types), None)
         gbs = self.options.global_batch_size
-        queue: list[tuple[float, int, BatchShape, int, int, _Node]] = []
+        roots: list[tuple[float, BatchShape]] = []
         for mbs, schedule, types in seeds:
             if time.monotonic() > self.deadline:
                 self.stats.own_dp_status, self.stats.exhaustive = "not searched", False
@@ -211,30 +215,9 @@ class _Search:
             self.stats.batch_shapes += 1
             if len(shape.types) < len(types) or shape.root_bound() >= self.threshold:
                 continue  # some type cannot use all its chips with its TP degree, or no win
-            shape.build_grid(self.threshold, self.options.grid_points)
-            queue.append((shape.root_bound(), next(self.counter), shape, 0, 0, _root(shape)))
-        heapq.heapify(queue)
-        while queue:
-            bound, _, shape, kind, count, node = heapq.heappop(queue)
-            if bound >= self.threshold * (1 - _SLACK):
-                self.stats.nodes_pruned += 1 + len(queue)
-                return
-            if time.monotonic() > self.deadline:
-                self._abandon(bound)
-                self.stats.own_dp_status = "bounded"
-                return
-            if kind < 0:
-                self._evaluate(shape, node.suffix)
-                continue
-            if count:
-                links = self._block_links(shape, node, kind, count)
-                node = node.child(shape, kind, count, links)
-            self.stats.nodes += 1
-            for option, child, stages in self._options(shape, node, use_all=True):
-                if option >= self.threshold * (1 - _SLACK):
-                    self.stats.nodes_pruned += 1
-                    continue
-                heapq.heappush(queue, (option, next(self.counter), shape, child, stages, node))
+            roots.append((shape.root_bound(), shape))
+        if self._best_first(roots, use_all=True):
+            self.stats.own_dp_status = "bounded"
 
     def _run_shapes(self, shapes: list[BatchShape]) -> None:
         shapes.sort(key=lambda s: s.root_bound())
@@ -274,11 +257,13 @@ class _Search:
                 refined.append((bound, shape))
         self._best_first(refined)
 
-    def _best_first(self, roots: list[tuple[float, BatchShape]]) -> None:
-        """Expand pipeline suffixes of all batch shapes in order of their bounds.
+    def _best_first(self, roots: list[tuple[float, BatchShape]], use_all: bool = False) -> bool:
+        """Expand pipeline suffixes of all batch shapes in order of their bounds (with
+        ``use_all`` closing a pipeline only once it uses every chip type of its shape).
 
         The search is over when the lowest bound left cannot beat the K-th best plan (then it is
-        exhaustive) or at the time limit (then that lowest bound is the proven lower bound).
+        exhaustive) or at the time limit (then that lowest bound is the proven lower bound, and
+        this returns True).
         """
         queue: list[tuple[float, int, BatchShape, int, int, _Node]] = []
         for bound, shape in roots:
@@ -289,10 +274,10 @@ class _Search:
             bound, _, shape, kind, count, node = heapq.heappop(queue)
             if bound >= self.threshold * (1 - _SLACK):
                 self.stats.nodes_pruned += 1 + len(queue)
-                return
+                return False
             if time.monotonic() > self.deadline:
                 self._abandon(bound)
-                return
+                return True
             if kind < 0:
                 self._evaluate(shape, node.suffix)
                 continue
@@ -300,11 +285,12 @@ class _Search:
                 links = self._block_links(shape, node, kind, count)
                 node = node.child(shape, kind, count, links)
             self.stats.nodes += 1
-            for option, child, stages in self._options(shape, node):
+            for option, child, stages in self._options(shape, node, use_all):
                 if option >= self.threshold * (1 - _SLACK):
                     self.stats.nodes_pruned += 1
                     continue
                 heapq.heappush(queue, (option, next(self.counter), shape, child, stages, node))
+        return False
 
     def _prepare_shape(self, shape: BatchShape) -> None:
         """Build the probe grid up to what could still beat the K-th best (a dive finds one)."""
