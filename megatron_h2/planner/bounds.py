@@ -346,6 +346,7 @@ class BatchShape(ShapeMemory):
         self.coarse_of = np.searchsorted(picks, np.arange(points))  # fine probe -> coarse index
         self.coarse_prefix = self.prefix[:, picks, :]
         self._rest: dict[int, np.ndarray] = {}
+        self._from_leads: dict[int, tuple[np.ndarray, np.ndarray]] = {}
         self._placed: dict[tuple[int, int, int, int, int], np.ndarray] = {}
 
     def lead_index(self, lead: int | np.ndarray) -> np.ndarray:
@@ -417,10 +418,13 @@ class BatchShape(ShapeMemory):
                 continue
             after = self._rest_coarse(mask & ~(1 << t_index))
             for kind in self.kinds_of[chip]:
-                most = min(self.kinds[kind].max_stages, self.positions)
-                counts = np.arange(1, most + 1)
-                caps, leads = self._block_from_leads(self.coarse_prefix, kind, counts)
-                value = caps + after[:, self.lead_index(leads)]
+                if kind not in self._from_leads:  # the same for every mask
+                    most = min(self.kinds[kind].max_stages, self.positions)
+                    counts = np.arange(1, most + 1)
+                    caps, leads = self._block_from_leads(self.coarse_prefix, kind, counts)
+                    self._from_leads[kind] = (caps, self.lead_index(leads))
+                caps, index = self._from_leads[kind]
+                value = caps + after[:, index]
                 np.maximum(result, value.max(axis=2), out=result)
         self._rest[mask] = result
         return result
