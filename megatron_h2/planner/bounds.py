@@ -347,6 +347,7 @@ class BatchShape(ShapeMemory):
         self.coarse_prefix = self.prefix[:, picks, :]
         self._rest: dict[int, np.ndarray] = {}
         self._from_leads: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+        self._segment_tables: dict[int, np.ndarray] = {}
         self._placed: dict[tuple[int, int, int, int, int], np.ndarray] = {}
 
     def lead_index(self, lead: int | np.ndarray) -> np.ndarray:
@@ -368,6 +369,15 @@ class BatchShape(ShapeMemory):
         """The distinct per-layer fills of the kinds of chip type ``chip``, cheapest first (kinds
         that differ only in their DP degree have the same)."""
         return np.unique(self.fill_unit[self.kinds_of[chip]])
+
+    def segment_table(self, chip: int) -> np.ndarray:
+        """:meth:`segments` of ``chip`` at every grid lead: segment x probe x grid lead (a lead
+        between grid leads reads the lower one, which only adds capacity; exact under uniform
+        DP)."""
+        if chip not in self._segment_tables:
+            tables = [self.segments(chip, int(lead)) for lead in self.leads]
+            self._segment_tables[chip] = np.stack(tables, axis=2)
+        return self._segment_tables[chip]
 
     def segments(self, chip: int, lead: int) -> np.ndarray:
         """A convex lower bound on the cost of taking layers from unused chip type ``chip`` in
@@ -481,17 +491,16 @@ class BatchShape(ShapeMemory):
             units.append(unit)
         rest_units, rest_widths = [], []
         leads = np.asarray(leads)
+        lead_index = self.lead_index(leads)
         for t_index, chip in enumerate(self.types):
             if unused >> t_index & 1:
                 rest_units.append(self.segment_units(chip))
-                rest_widths.append(
-                    np.stack([self.segments(chip, lead) for lead in leads], axis=2)
-                )  # kind x probe x option
+                rest_widths.append(self.segment_table(chip)[:, :, lead_index])  # x option
         if rest_units:
             r_units = np.concatenate(rest_units)
             order = np.argsort(r_units, kind="stable")
             r_widths = np.concatenate(rest_widths)[order]
-            rest = self.rest(unused)[:, self.lead_index(leads)]
+            rest = self.rest(unused)[:, lead_index]
             cumulative = np.minimum(r_widths.cumsum(axis=0), rest[None])
             r_widths = np.diff(cumulative, axis=0, prepend=0.0)
             units.extend(r_units[order])
