@@ -340,7 +340,7 @@ class BatchShape(ShapeMemory):
         self.grid = np.geomspace(max(self.w_floor, 1e-30), top, points)
         self.grid_is_max = top >= self.w_max
         self.prefix = self._prefix(self.capacity(self.grid))  # kind x probe x warm-up
-        self._segments: dict[tuple[int, int], np.ndarray] = {}
+        self._segment_units: dict[int, np.ndarray] = {}
         step = max(points // coarse, 1)
         picks = np.unique(np.append(np.arange(step - 1, points, step), points - 1))
         self.coarse_of = np.searchsorted(picks, np.arange(points))  # fine probe -> coarse index
@@ -368,42 +368,35 @@ class BatchShape(ShapeMemory):
     def segment_units(self, chip: int) -> np.ndarray:
         """The distinct per-layer fills of the kinds of chip type ``chip``, cheapest first (kinds
         that differ only in their DP degree have the same)."""
-        return np.unique(self.fill_unit[self.kinds_of[chip]])
+        if chip not in self._segment_units:
+            self._segment_units[chip] = np.unique(self.fill_unit[self.kinds_of[chip]])
+        return self._segment_units[chip]
 
     def segment_table(self, chip: int) -> np.ndarray:
-        """:meth:`segments` of ``chip`` at every grid lead: segment x probe x grid lead (a lead
-        between grid leads reads the lower one, which only adds capacity; exact under uniform
-        DP)."""
-        if chip not in self._segment_tables:
-            tables = [self.segments(chip, int(lead)) for lead in self.leads]
-            self._segment_tables[chip] = np.stack(tables, axis=2)
-        return self._segment_tables[chip]
-
-    def segments(self, chip: int, lead: int) -> np.ndarray:
         """A convex lower bound on the cost of taking layers from unused chip type ``chip`` in
-        front of ``lead``: widths per kind (cheapest first) x probe.
+        front of each grid lead: widths per segment (cheapest first) x probe x grid lead (a lead
+        between grid leads reads the lower one, which only adds capacity; exact under uniform
+        DP).
 
         Its kinds sorted by per-layer fill ``u_1 <= u_2 <= ...``: the first ``C_1`` layers cost
         ``u_1`` each, the next ``C_2 - C_1`` cost ``u_2`` (``C_j``: most layers any of the first
         ``j`` kinds can hold in a block in front of the lead), and so on. Taking ``x`` layers
         from a block of one kind costs at least that much, whichever kind it is.
         """
-        key = (chip, int(lead))
-        if key not in self._segments:
-            running = np.zeros(len(self.grid))
+        if chip not in self._segment_tables:
+            running = np.zeros((len(self.grid), len(self.leads)))
             widths = []
             for unit in self.segment_units(chip):  # kinds of equal fill make one segment
                 group = running
                 for kind in self.kinds_of[chip]:
                     if self.fill_unit[kind] == unit:
-                        most = min(self.kinds[kind].max_stages, self.positions)
-                        start = self.start(kind, int(lead))
-                        caps = self.block(kind, start, np.array([start + most]))[:, 0]
-                        group = np.maximum(group, caps)
+                        most = np.array([min(self.kinds[kind].max_stages, self.positions)])
+                        caps, _ = self._block_from_leads(self.prefix, kind, most)
+                        group = np.maximum(group, caps[:, :, 0])
                 widths.append(group - running)
                 running = group
-            self._segments[key] = np.stack(widths)  # segment x probe
-        return self._segments[key]
+            self._segment_tables[chip] = np.stack(widths)  # segment x probe x grid lead
+        return self._segment_tables[chip]
 
     def block(self, kind: int, start: int, ends: np.ndarray) -> np.ndarray:
         """Capacity bound of stages of ``kind`` with warm-ups ``start .. end - 1``: probe x
