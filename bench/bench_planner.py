@@ -29,7 +29,7 @@ from megatron_h2.planner import (  # noqa: E402
     model_from_yaml,
     search,
 )
-from megatron_h2.planner.report import search_summary, stage_summary  # noqa: E402
+from megatron_h2.planner.report import dp_label, search_summary, stage_summary  # noqa: E402
 from megatron_h2.planner.simulator import schedule_label  # noqa: E402
 
 CASES = (
@@ -51,7 +51,7 @@ def main() -> int:
         f" schedules {', '.join(schedules)}; load average before: {_load()}"
     )
     for name, path, global_batch, target in CASES:
-        started = time.perf_counter()
+        started, cpu = time.perf_counter(), time.process_time()
         cost = CostModel(
             Cluster.from_yaml(ROOT / path), model, CostConfig(use_distributed_optimizer=True)
         )
@@ -59,17 +59,17 @@ def main() -> int:
             global_batch, top_k=args.top, time_limit_s=args.time_limit, schedules=schedules
         )
         result = search(cost, options)
-        elapsed = time.perf_counter() - started
+        elapsed, cpu = time.perf_counter() - started, time.process_time() - cpu
         best = result.best
         verdict = "OK" if elapsed <= target else "SLOW"
         print(
             f"\n{name} (global batch {global_batch}): planned in {elapsed:.1f} s"
-            f" (target {target:.0f} s: {verdict})"
+            f" ({cpu:.1f} s of CPU; target {target:.0f} s: {verdict})"
         )
         print(
             f"  best: step {best.estimate.step_time_s:.3f} s,"
             f" {best.estimate.tokens_per_s:,.0f} tokens/s,"
-            f" MFU {100 * best.estimate.mfu:.1f}%, DP {best.plan.data_parallel_size},"
+            f" MFU {100 * best.estimate.mfu:.1f}%, DP {dp_label(best.plan)},"
             f" micro-batch {best.plan.micro_batch_size}, {schedule_label(best.plan)}"
         )
         print(f"  stages: {stage_summary(best.plan)}")

@@ -351,11 +351,32 @@ def check_replica_micro_batches(schedule: str, data_parallel: Sequence[int], chu
             raise ConfigError(f"stage {stage} (data_parallel_size {dp}): {exc}") from None
 
 
+def routed_leads(data_parallel: Sequence[int]) -> list[int]:
+    """Each stage's lead ``G_s`` in micro-batch ids under 1F1B: a replica of stage ``s`` runs the
+    forward of its micro-batch ``j'`` before the backward of its ``j`` exactly when
+    ``j' <= j + G_s``.
+
+    ``G_{p-1} = 0`` and ``G_s = DP_s ceil((G_{s+1} + DP_{s+1}) / DP_s)``: the smallest multiple of
+    ``DP_s`` that leads the next stage by one micro-batch per replica of the next stage. With
+    the same DP everywhere it is Megatron's ``(p - s - 1) DP``. Since the leads fall along the
+    pipeline, a backward only ever waits for work on smaller micro-batch ids, so the orders
+    cannot hang; and every replica of the next stage gets its next forward while it is still
+    busy, so a stage that feeds a wider one does not stall it. The smaller lead
+    ``sum of the later DP_t`` that the round trip alone suggests starves the wide stage: DP
+    1 / 8 / 1 with balanced stages then takes 2.85 x the step of these leads.
+    """
+    leads = [0] * len(data_parallel)
+    for s in range(len(data_parallel) - 2, -1, -1):
+        dp, after = data_parallel[s], data_parallel[s + 1]
+        leads[s] = dp * -(-(leads[s + 1] + after) // dp)
+    return leads
+
+
 def _base_warmup(schedule: str, data_parallel: Sequence[int], stage: int, chunks: int) -> int:
     """Warm-up forwards of every replica of ``stage`` before any search (see
     :func:`routed_warmups`)."""
     stages, dp = len(data_parallel), data_parallel[stage]
-    own = -(-sum(data_parallel[stage + 1:]) // dp)  # p - s - 1 with the same DP everywhere
+    own = routed_leads(data_parallel)[stage] // dp  # p - s - 1 with the same DP everywhere
     if schedule == "1f1b":
         return own
     if schedule == "zero-bubble":
@@ -363,24 +384,24 @@ def _base_warmup(schedule: str, data_parallel: Sequence[int], stage: int, chunks
     return 2 * own + (chunks - 1) * stages
 
 
-@functools.lru_cache(maxsize=64)
+@functools.lru_cache(maxsize=256)
 def routed_warmups(schedule: str, data_parallel: tuple[int, ...], chunks: int,
                    total: int) -> tuple[int, ...]:
     """Warm-up forwards of each stage's replicas when the stages have different DP degrees.
 
-    A replica of stage ``s`` keeps ``ceil(sum of DP_t over the later stages t / DP_s)`` of its
-    own micro-batches in flight under 1F1B, which is Megatron's ``p - s - 1`` when every stage
-    has the same DP: the micro-batches that enter the pipeline while one travels to the last
-    stage and back are spread over the later stages' replicas. Every warm-up (interleaved:
-    ``2 x`` that plus ``(V - 1) x p``, zero-bubble: plus ``(V - 1) x p``) then grows by one on
-    each stage whose replicas the replay of all orders (:func:`check_orders`) finds stuck
-    waiting for a backward, until the orders provably run; the search is deterministic, so every
-    rank computes the same orders. With the same DP everywhere these are the schedule's own
-    warm-ups.
+    Under 1F1B a replica of stage ``s`` keeps ``G_s / DP_s`` of its own micro-batches in flight
+    (:func:`routed_leads`), which is Megatron's ``p - s - 1`` when every stage has the same DP;
+    zero-bubble adds ``(V - 1) x p``, interleaved takes ``2 x`` that plus ``(V - 1) x p``. With
+    one model chunk these orders provably run (the leads fall along the pipeline;
+    tests/test_pipeline_orders.py replays them for many DP degrees). With virtual stages every
+    warm-up then grows by one on each stage whose replicas the replay of all orders
+    (:func:`check_orders`) finds stuck waiting for a backward, until the orders provably run;
+    the search is deterministic, so every rank computes the same orders. With the same DP
+    everywhere these are the schedule's own warm-ups.
     """
     stages = len(data_parallel)
     warmups = [_base_warmup(schedule, data_parallel, s, chunks) for s in range(stages)]
-    if len(set(data_parallel)) == 1:
+    if len(set(data_parallel)) == 1 or chunks == 1:
         return tuple(warmups)
     stage_of = [s for s, dp in enumerate(data_parallel) for _ in range(dp)]
     limit = [total // dp * chunks for dp in data_parallel]  # every forward of a replica

@@ -19,6 +19,7 @@ from megatron_h2.pipeline_orders import (
     one_f_one_b,
     replica_micro_batches,
     replica_order,
+    routed_leads,
     routed_orders,
     routed_warmups,
     schedule_order,
@@ -194,8 +195,10 @@ def test_routed_warmups_are_megatrons_with_one_dp_and_grow_where_needed():
     # the same DP everywhere: Megatron's p - s - 1 (1F1B), 2 (p - s - 1) + (V - 1) p
     assert routed_warmups("1f1b", (2, 2, 2), 1, 12) == (2, 1, 0)
     assert routed_warmups("interleaved", (2, 2), 2, 8) == (4, 2)
-    # DP 1 / 3 / 1: stage 0 keeps the micro-batches that enter while one reaches the end
-    assert routed_warmups("1f1b", (1, 3, 1), 1, 6) == (4, 1, 0)
+    # DP 1 / 3 / 1: stage 0 leads stage 1 by one micro-batch per replica of stage 1 (G_1 = 3,
+    # G_0 = 6), which leads stage 2 by one (routed_leads)
+    assert routed_leads((1, 3, 1)) == [6, 3, 0]
+    assert routed_warmups("1f1b", (1, 3, 1), 1, 6) == (6, 1, 0)
     orders = [replica_order("1f1b", (1, 3, 1), 1, r, 1, 6) for r in range(3)]
     assert [str(a) for a in orders[0]] == ["F0", "F3", "B0", "B3"]
     # Megatron's own warm-ups on each replica's list would hang there
@@ -205,7 +208,52 @@ def test_routed_warmups_are_megatrons_with_one_dp_and_grow_where_needed():
         check_orders(naive, 1, (1, 3, 1))
     # interleaved with DP 1 / 2 / 1: warm-ups grown by the replay
     grown = routed_warmups("interleaved", (1, 2, 1), 2, 12)
-    assert all(g >= b for g, b in zip(grown, (9, 5, 3))) and grown != (9, 5, 3)
+    assert all(g >= b for g, b in zip(grown, (11, 5, 3))) and grown != (11, 5, 3)
+
+
+def timed_step(dps: tuple[int, ...], total: int, schedule: str = "1f1b") -> float:
+    """Step time of the routed orders when every replica of stage s takes DP_s time units per
+    forward and 2 DP_s per backward (a balanced pipeline: each stage's chips together take 3
+    units per micro-batch), each action starting once its input and its replica are free."""
+    p = len(dps)
+    orders = routed_orders(schedule, dps, 1, total)
+    replicas = [(s, r) for s, dp in enumerate(dps) for r in range(dp)]
+    ends: dict[tuple, float] = {}
+    free = dict.fromkeys(replicas, 0.0)
+    pointer = dict.fromkeys(replicas, 0)
+    moved = True
+    while moved:
+        moved = False
+        for (s, r), order in zip(replicas, orders):
+            while pointer[s, r] < len(order):
+                a = order[pointer[s, r]]
+                if a.kind == "F":
+                    need = None if s == 0 else ("F", s - 1, a.micro_batch)
+                elif a.kind == "W":
+                    need = ("B", s, a.micro_batch)
+                else:
+                    need = ("F", s, a.micro_batch) if s == p - 1 else ("B", s + 1, a.micro_batch)
+                if need is not None and need not in ends:
+                    break
+                start = max(free[s, r], ends[need] if need else 0.0)
+                took = {"F": 1, "B": 2, "W": 0}[a.kind] * dps[s]
+                ends[a.kind, s, a.micro_batch] = free[s, r] = start + took
+                pointer[s, r] += 1
+                moved = True
+    assert all(pointer[k] == len(o) for k, o in zip(replicas, orders))
+    return max(free.values())
+
+
+@pytest.mark.parametrize("dps", [(1, 4, 1), (1, 8, 1), (2, 4, 1), (1, 2, 1), (1, 4, 2, 1)])
+def test_routed_orders_keep_a_wider_stage_busy(dps):
+    """A balanced pipeline runs at its steady state (first micro-batch through every stage,
+    then one micro-batch per 3 units on the DP-1 stages): the stage feeding a wider one sends
+    its forwards early enough. With warm-ups of ceil(later DP sum / DP_s) the wide stage
+    waits for them (DP 1 / 8 / 1: 2.85 x this step)."""
+    total = 4 * math.lcm(*dps) * max(dps)
+    fill = sum(3 * dp for dp in dps)
+    steady = max((total // dp - 1) * 3 * dp for dp in dps)
+    assert timed_step(dps, total) == steady + fill
 
 
 def test_interleaved_routing_needs_shared_groups():

@@ -1,12 +1,13 @@
 """The search against brute force: same plan space, same cost function, independent enumeration.
 
 The enumerator below shares nothing with the search but the cost model: it lists every plan of
-the planner's plan space (micro-batch size, DP degree, per chip type: unused or a TP degree and a
-stage count, every order of the used types, every pipeline schedule the pipeline can run --
-1f1b; zero-bubble from two stages; interleaved with V = 2..4 model chunks from two stages when
-the micro-batches are a multiple of the stages -- every layer split with at least one layer per
-model chunk and equal chunks on each stage, every stage's recompute mode) and asks
-``CostModel.evaluate`` for its step time.
+the planner's plan space (micro-batch size; per chip type: unused or a TP degree, its own DP
+degree and a stage count, all its chips when the used types' DP degrees differ; every order
+of the used types, every pipeline schedule the pipeline
+can run -- 1f1b; zero-bubble from two stages; interleaved with V = 2..4 model chunks from two
+stages when every used type has the same DP degree and the micro-batches are a multiple of the
+stages -- every layer split with at least one layer per model chunk and equal chunks on each
+stage, every stage's recompute mode) and asks ``CostModel.evaluate`` for its step time.
 """
 
 from __future__ import annotations
@@ -14,13 +15,20 @@ from __future__ import annotations
 import itertools
 import math
 import random
+from dataclasses import replace
 
 import pytest
 
 from megatron_h2.config import RECOMPUTE_MODES
 from megatron_h2.hetero_plan import ChipSpec, HeteroPlan, StageSpec
 from megatron_h2.planner.cluster import ChipType, Cluster
-from megatron_h2.planner.cost_model import CostConfig, CostModel, StageEstimate, step_time_terms
+from megatron_h2.planner.cost_model import (
+    CostConfig,
+    CostModel,
+    StageEstimate,
+    replica_warmups,
+    step_time_terms,
+)
 from megatron_h2.planner.orders import held_totals
 from megatron_h2.planner.partition import StageSlot, solve_split
 from megatron_h2.planner.search import SearchOptions, search
@@ -52,8 +60,8 @@ def runnable(schedule: str, v: int, p: int, m: int, layers: int) -> bool:
     return p >= 2 and m % p == 0 and layers % v == 0 and layers >= p * v
 
 
-def stage(name: str, tp: int, layers: int, v: int, mode: str) -> StageSpec:
-    return StageSpec(name, tp, layers, mode, (layers // v,) * v if v > 1 else ())
+def stage(name: str, tp: int, layers: int, v: int, mode: str, dp: int | None = None) -> StageSpec:
+    return StageSpec(name, tp, layers, mode, (layers // v,) * v if v > 1 else (), dp)
 
 
 class Enumerator:
@@ -68,9 +76,9 @@ class Enumerator:
 
     def estimate(self, key: tuple) -> StageEstimate:
         if key not in self.stages:
-            schedule, v, p, m, mbs, dp, index, name, tp, layers, mode = key
+            schedule, v, p, m, mbs, dp, warmup, index, name, tp, layers, mode = key
             self.stages[key] = self.cost.stage_estimate(
-                stage(name, tp, layers, v, mode), index, p, m, mbs, dp, schedule
+                stage(name, tp, layers, v, mode), index, p, m, mbs, dp, schedule, warmup
             )
         return self.stages[key]
 
@@ -84,38 +92,49 @@ class Enumerator:
     def plans(self, all_modes: bool = False):  # type: ignore[no-untyped-def]
         """Yield (step time, structure key, plan factory) for every plan that fits."""
         cost, model = self.cost, self.cost.model
+        sizes = {c.name: c.count for c in cost.cluster.chips}
         for mbs in self.options.micro_batch_candidates():
-            per_dp = self.options.global_batch_size // mbs
-            for dp in (d for d in range(1, per_dp + 1) if per_dp % d == 0):
-                m = per_dp // dp
-                choices = [
-                    [None]
-                    + [
-                        (c.name, t, n)
-                        for t in c.tensor_parallel_options(
-                            model.num_attention_heads, model.num_query_groups
-                        )
-                        for n in range(1, c.count // (t * dp) + 1)
-                    ]
-                    for c in cost.cluster.chips
+            total = self.options.global_batch_size // mbs
+            choices = [
+                [None]
+                + [
+                    (c.name, t, d, n)
+                    for t in c.tensor_parallel_options(
+                        model.num_attention_heads, model.num_query_groups
+                    )
+                    for d in range(1, c.count + 1)
+                    if total % d == 0
+                    for n in range(1, c.count // (t * d) + 1)
                 ]
-                for combo in itertools.product(*choices):
-                    used = [c for c in combo if c]
-                    for order in itertools.permutations(used):
-                        stages = [(name, t) for name, t, n in order for _ in range(n)]
-                        for schedule, v in VARIANTS:
-                            if stages and runnable(schedule, v, len(stages), m, model.num_layers):
-                                yield from self._splits(stages, schedule, v, mbs, dp, m, all_modes)
+                for c in cost.cluster.chips
+            ]
+            for combo in itertools.product(*choices):
+                used = [c for c in combo if c]
+                degrees = {d for _, _, d, _ in used}
+                if len(degrees) > 1 and any(t * d * n != sizes[name] for name, t, d, n in used):
+                    continue  # types with their own DP degree use all their chips
+                for order in itertools.permutations(used):
+                    stages = [(name, t, d) for name, t, d, n in order for _ in range(n)]
+                    for schedule, v in VARIANTS:
+                        if schedule == "interleaved" and len(degrees) > 1:
+                            continue  # interleaved orders need one DP degree
+                        m = total // stages[0][2] if stages else 0
+                        if stages and runnable(schedule, v, len(stages), m, model.num_layers):
+                            yield from self._splits(stages, schedule, v, mbs, total, all_modes)
 
-    def _splits(self, stages, schedule, v, mbs, dp, m, all_modes):  # type: ignore[no-untyped-def]
-        p, names = len(stages), [name for name, _ in stages]
+    def _splits(self, stages, schedule, v, mbs, total, all_modes):  # type: ignore[no-untyped-def]
+        p, names = len(stages), [name for name, _, _ in stages]
         links = tuple(self.cost.link_s(a, b, mbs) for a, b in zip(names, names[1:]))
         wrap = self.cost.link_s(names[-1], names[0], mbs) if v > 1 else 0.0
+        dps = [d for _, _, d in stages]
+        uniform = len(set(dps)) == 1
+        warmups = replica_warmups(schedule, dps, v, total)
+        counts = [total // d for d in dps]
         for units in compositions(self.cost.model.num_layers // v, p):
             split = [u * v for u in units]
             keys = [
-                (schedule, v, p, m, mbs, dp, i, n, t, size)
-                for i, ((n, t), size) in enumerate(zip(stages, split))
+                (schedule, v, p, total // d, mbs, d, warmup, i, n, t, size)
+                for i, ((n, t, d), size, warmup) in enumerate(zip(stages, split, warmups))
             ]
             if all_modes:
                 mode_sets = itertools.product(RECOMPUTE_MODES, repeat=p)
@@ -126,22 +145,65 @@ class Enumerator:
                 estimates = tuple(self.estimate((*k, r)) for k, r in zip(keys, modes))
                 if not all(e.fits for e in estimates):
                     continue
-                pipeline, link = step_time_terms(schedule, m, v, estimates, links, wrap)
+                pipeline, link = step_time_terms(schedule, counts, v, estimates, links, wrap)
                 step = pipeline + link + max(e.dp_sync_s for e in estimates)
-                specs = [stage(n, t, k, v, r) for (n, t), k, r in zip(stages, split, modes)]
-                plan = (dp, mbs, self.options.global_batch_size, self.specs, specs, schedule)
-                yield step, (mbs, dp, schedule, v, tuple(stages)), plan
+                specs = [
+                    stage(n, t, k, v, r, None if uniform else d)
+                    for (n, t, d), k, r in zip(stages, split, modes)
+                ]
+                plan = (dps[0], mbs, self.options.global_batch_size, self.specs, specs, schedule)
+                yield step, (mbs, schedule, v, tuple(stages)), plan
+
+
+def blocks(stages: tuple) -> tuple:
+    """(chip, TP, DP) of each chip type of a structure's stages (each type is one block)."""
+    return tuple(sorted(set(stages)))
+
+
+def derived(best: dict[tuple, tuple[float, tuple]], top_k: int) -> dict[tuple, tuple]:
+    """The structures of the planner's default space: every one-DP structure, and the own-DP
+    structures that re-split one of the ``top_k`` best one-DP structures of two or more chip
+    types under 1f1b or zero-bubble: the same micro-batch size, schedule, chip types and TP
+    degrees, any order, each type's DP half, equal to or twice its DP there."""
+    uniform = {k: v for k, v in best.items() if len({d for _, _, d in k[3]}) == 1}
+    seeds = set()
+    for key in sorted(uniform, key=lambda k: uniform[k][0])[:top_k]:
+        mbs, schedule, _, stages = key
+        if len(blocks(stages)) > 1 and schedule != "interleaved":
+            seeds.add((mbs, schedule, blocks(stages)))
+    kept = dict(uniform)
+    for key, item in best.items():
+        mbs, schedule, _, stages = key
+        if key in uniform:
+            continue
+        for seed_mbs, seed_schedule, types in seeds:
+            near = {(name, t, d * f) for name, t, d in types for f in (0.5, 1, 2)}
+            names = sorted((name, t) for name, t, _ in types)
+            if (
+                (mbs, schedule) == (seed_mbs, seed_schedule)
+                and sorted((name, t) for name, t, _ in blocks(stages)) == names
+                and set(blocks(stages)) <= near
+            ):
+                kept[key] = item
+    return kept
 
 
 def brute_force_best(
-    cost: CostModel, options: SearchOptions, count: int, all_modes: bool = False
+    cost: CostModel,
+    options: SearchOptions,
+    count: int,
+    all_modes: bool = False,
+    own_dp: str = "all",
 ) -> list[float]:
-    """The ``count`` best step times over structures (each structure's best split), checked
-    against ``CostModel.evaluate`` of the plans themselves."""
+    """The ``count`` best step times over structures (each structure's best split) of the
+    space ``own_dp`` names (``all`` or ``derived``), checked against ``CostModel.evaluate`` of
+    the plans themselves."""
     best: dict[tuple, tuple[float, tuple]] = {}
     for value, key, plan in Enumerator(cost, options).plans(all_modes):
         if key not in best or value < best[key][0]:
             best[key] = (value, plan)
+    if own_dp == "derived":
+        best = derived(best, options.top_k)
     ranked = sorted(best.values(), key=lambda item: item[0])[:count]
     for value, args in ranked:
         dp, mbs, gbs, specs, stages, schedule = args
@@ -216,12 +278,15 @@ CASES = {
 }
 
 
+@pytest.mark.parametrize("own_dp", ["all", "derived"])
 @pytest.mark.parametrize("name", list(CASES))
-def test_search_finds_the_brute_force_optimum(name: str) -> None:
+def test_search_finds_the_brute_force_optimum(name: str, own_dp: str) -> None:
     cluster, model, global_batch, distributed = CASES[name]
     cost = CostModel(cluster, model, CostConfig(use_distributed_optimizer=distributed))
-    options = SearchOptions(global_batch_size=global_batch, top_k=3, max_micro_batch_size=4)
-    expected = brute_force_best(cost, options, 3)
+    options = SearchOptions(
+        global_batch_size=global_batch, top_k=3, max_micro_batch_size=4, own_dp=own_dp
+    )
+    expected = brute_force_best(cost, options, 3, own_dp=own_dp)
     result = search(cost, options)
     found = [c.estimate.step_time_s for c in result.candidates]
     assert result.stats.exhaustive
@@ -229,64 +294,73 @@ def test_search_finds_the_brute_force_optimum(name: str) -> None:
     assert len({c.plan for c in result.candidates}) == len(result.candidates)
 
 
-def test_the_cases_exercise_recompute_tp_and_several_types() -> None:
-    seen_modes, seen_tp, mixed = set(), set(), False
+def test_the_cases_exercise_recompute_tp_several_types_and_own_dp() -> None:
+    seen_modes, seen_tp, mixed, own_dp = set(), set(), False, False
     for cluster, model, global_batch, distributed in CASES.values():
         cost = CostModel(cluster, model, CostConfig(use_distributed_optimizer=distributed))
-        result = search(
-            cost, SearchOptions(global_batch_size=global_batch, top_k=3, max_micro_batch_size=4)
-        )
+        options = SearchOptions(global_batch, top_k=3, max_micro_batch_size=4, own_dp="all")
+        result = search(cost, options)
         for cand in result.candidates:
             seen_modes |= {s.recompute for s in cand.plan.stages}
             seen_tp |= {s.tensor_parallel_size for s in cand.plan.stages}
             mixed |= len({s.chip for s in cand.plan.stages}) > 1
-    assert {"none", "selective"} <= seen_modes and len(seen_tp) > 1 and mixed
+            own_dp |= not cand.plan.uniform_dp
+    assert {"none", "selective"} <= seen_modes and len(seen_tp) > 1 and mixed and own_dp
 
 
 def test_fastest_fitting_recompute_is_optimal_against_all_modes() -> None:
     cluster = Cluster((chip("A", 2, 2, 0.4, 2.4), chip("B", 2, 2, 0.2, 4.0)), 0.5)
     model = planner_model(3, 64, 176, 4, 128, 1000, 2)
     cost = CostModel(cluster, model)
-    options = SearchOptions(global_batch_size=4, top_k=1, max_micro_batch_size=2)
+    options = SearchOptions(global_batch_size=4, top_k=1, max_micro_batch_size=2, own_dp="all")
     brute = brute_force_best(cost, options, 1, all_modes=True)[0]
     assert search(cost, options).best.estimate.step_time_s == pytest.approx(brute, rel=1e-9)
 
 
-@pytest.mark.parametrize("schedule,v", [("1f1b", 1), ("zero-bubble", 1), ("interleaved", 3)])
-def test_layer_split_is_exact_for_fixed_stages(schedule: str, v: int) -> None:
+@pytest.mark.parametrize(
+    "schedule,v,dps",
+    [
+        ("1f1b", 1, (2, 2, 2, 2)),
+        ("zero-bubble", 1, (2, 2, 2, 2)),
+        ("interleaved", 3, (2, 2, 2, 2)),
+        ("1f1b", 1, (1, 4, 2, 1)),
+        ("zero-bubble", 1, (4, 1, 1, 2)),
+    ],
+)
+def test_layer_split_is_exact_for_fixed_stages(schedule: str, v: int, dps: tuple[int, ...]) -> None:
     cluster = Cluster((chip("A", 8, 4, 0.4, 3.0), chip("B", 8, 4, 0.15, 8.0)), 0.5)
     model = planner_model(12 if v == 3 else 9, 64, 176, 4, 128, 1000, 2)
     cost = CostModel(cluster, model, CostConfig(use_distributed_optimizer=True))
     layout = [("B", 1), ("B", 2), ("A", 1), ("A", 2)]
-    mbs, dp, m = 1, 2, 8
+    mbs, total = 1, 16
+    uniform = len(set(dps)) == 1
     specs = {c.name: ChipSpec("cpu") for c in cluster.chips}
     p = len(layout)
+    warmups = replica_warmups(schedule, dps, v, total)
     slots, caps = [], []
-    for i, (name, tp) in enumerate(layout):
+    for i, ((name, tp), dp, warmup) in enumerate(zip(layout, dps, warmups)):
         costs = cost.stage_costs(name, tp, mbs, dp)
         slots.append(StageSlot(costs, i == 0, i == p - 1))
-        states = held_totals(schedule, p, m, v, i)
+        states = held_totals(schedule, p, total // dp, v, i, warmup)
         caps.append(tuple(costs.max_units(v, r, states, i == 0, i == p - 1) for r in range(3)))
     links = 2 * v * sum(cost.link_s(a, b, mbs) for (a, _), (b, _) in zip(layout, layout[1:]))
     links += 2 * (v - 1) * cost.link_s(layout[-1][0], layout[0][0], mbs)
-    split = solve_split(slots, model.num_layers, m, links, caps, schedule=schedule, chunks=v)
-    brute, enumerator = math.inf, Enumerator(cost, SearchOptions(m * dp * mbs))
+    counts = [total // dp for dp in dps]
+    split = solve_split(slots, model.num_layers, counts, links, caps, schedule=schedule, chunks=v)
+    brute, enumerator = math.inf, Enumerator(cost, SearchOptions(total * mbs))
     for units in compositions(model.num_layers // v, p):
         layers = [u * v for u in units]
         keys = [
-            (schedule, v, p, m, mbs, dp, i, n, t, size)
-            for i, ((n, t), size) in enumerate(zip(layout, layers))
+            (schedule, v, p, total // dp, mbs, dp, warmup, i, n, t, size)
+            for i, ((n, t), dp, warmup, size) in enumerate(zip(layout, dps, warmups, layers))
         ]
         modes = [enumerator.fastest_fitting(key) for key in keys]
         if None not in modes:
-            plan = HeteroPlan(
-                dp,
-                mbs,
-                m * dp * mbs,
-                specs,
-                [stage(n, t, k, v, r) for (n, t), k, r in zip(layout, layers, modes)],
-                schedule=schedule,
-            )
+            stages = [
+                stage(n, t, k, v, r, None if uniform else dp)
+                for (n, t), k, r, dp in zip(layout, layers, modes, dps)
+            ]
+            plan = HeteroPlan(dps[0], mbs, total * mbs, specs, stages, schedule=schedule)
             brute = min(brute, cost.evaluate(plan).step_time_s)
     assert split is not None and split.step_time_s == pytest.approx(brute, rel=1e-9)
 
@@ -314,7 +388,10 @@ def random_case(seed: int) -> tuple[CostModel, SearchOptions]:
     model = planner_model(rng.choice([4, 5, 6, 7, 8]), 64, 176, 4, 128, 1000, 2)
     config = CostConfig(use_distributed_optimizer=rng.random() < 0.5)
     options = SearchOptions(
-        global_batch_size=rng.choice([4, 6, 8, 12]), top_k=2, max_micro_batch_size=4
+        global_batch_size=rng.choice([4, 6, 8, 12]),
+        top_k=2,
+        max_micro_batch_size=4,
+        own_dp=("all", "derived")[seed % 2],
     )
     return CostModel(Cluster(tuple(chips), rng.uniform(0.1, 1)), model, config), options
 
@@ -322,6 +399,18 @@ def random_case(seed: int) -> tuple[CostModel, SearchOptions]:
 @pytest.mark.parametrize("seed", range(16))
 def test_search_matches_brute_force_on_random_clusters(seed: int) -> None:
     cost, options = random_case(seed)
-    expected = brute_force_best(cost, options, 2)
+    expected = brute_force_best(cost, options, 2, own_dp=options.own_dp)
     found = [c.estimate.step_time_s for c in search(cost, options).candidates]
     assert found == pytest.approx(expected, rel=1e-9)
+
+
+@pytest.mark.parametrize("seed", [9, 31, 35])
+def test_derived_space_reaches_own_dp_plans(seed: int) -> None:
+    """Random clusters where re-splits of the best one-DP plans give own-DP plans among the
+    best: the search finds the brute-force best of that space, own-DP plans included."""
+    cost, options = random_case(seed)
+    options = replace(options, own_dp="derived")
+    expected = brute_force_best(cost, options, 2, own_dp="derived")
+    candidates = search(cost, options).candidates
+    assert [c.estimate.step_time_s for c in candidates] == pytest.approx(expected, rel=1e-9)
+    assert any(not c.plan.uniform_dp for c in candidates)

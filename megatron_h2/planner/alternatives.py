@@ -39,11 +39,13 @@ def schedule_alternatives(
 ) -> list[Alternative]:
     """The stages of ``plan`` under each schedule variant of ``options`` (best split each)."""
     layers = cost.model.num_layers
-    p, m = plan.pipeline_parallel_size, plan.num_micro_batches
+    p, m = plan.pipeline_parallel_size, plan.stage_micro_batches(0)
     out = []
     for schedule, chunks in options.schedule_variants(layers):
         problem = None
-        if schedule_problem(schedule, p, m, chunks) is not None:
+        if schedule == "interleaved" and not plan.uniform_dp:
+            problem = "needs one DP degree for every stage"
+        elif schedule_problem(schedule, p, m, chunks) is not None:
             problem = "needs two or more stages"
             if p > 1 and m % p:
                 problem = f"{m} micro-batches are not a multiple of {p} stages"
@@ -52,14 +54,14 @@ def schedule_alternatives(
         if problem is not None:
             out.append(Alternative(schedule, chunks, None, problem))
             continue
+        dp = plan.data_parallel_size if plan.uniform_dp else None  # the search's shape
         shape = BatchShape(
-            cost, plan.global_batch_size, plan.micro_batch_size, plan.data_parallel_size,
-            schedule, chunks, lazy=True,
-        )  # fmt: skip
-        kinds = [(k.name, k.tp) for k in shape.kinds]
+            cost, plan.global_batch_size, plan.micro_batch_size, schedule, chunks, dp, lazy=True
+        )
+        kinds = [(k.name, k.tp, k.dp) for k in shape.kinds]
         blocks: list[list[int]] = []
-        for stage in plan.stages:
-            kind = kinds.index((stage.chip, stage.tensor_parallel_size))
+        for index, stage in enumerate(plan.stages):
+            kind = kinds.index((stage.chip, stage.tensor_parallel_size, plan.stage_dp(index)))
             if blocks and blocks[-1][0] == kind:
                 blocks[-1][1] += 1
             else:
@@ -69,9 +71,7 @@ def schedule_alternatives(
         if split is None:
             out.append(Alternative(schedule, chunks, None, "no layer split fits in memory"))
             continue
-        found = _Found(
-            split.step_time_s, shape.mbs, shape.dp, schedule, chunks, suffix, split, shape.kinds
-        )
+        found = _Found(split.step_time_s, shape.mbs, schedule, chunks, suffix, split, shape.kinds)
         alternative = to_plan(found, cost, plan.global_batch_size)
         out.append(
             Alternative(schedule, chunks, Candidate(alternative, cost.evaluate(alternative)))

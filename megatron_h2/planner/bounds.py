@@ -1,21 +1,40 @@
 """Per batch shape tables and lower bounds for the branch and bound of :mod:`.search`.
 
-A *batch shape* is a (micro-batch size ``b``, DP degree ``d``) pair; it fixes the number of
-micro-batches ``m`` and every stage kind's costs. Bounds use a grid of probe values ``g_0 <
-g_1 < ...`` for the slowest stage's work ``W`` and, per stage kind and position (counted from
-the end of the pipeline), an upper bound on the layers a stage can hold with work at most
-``g``: ``max over recompute modes of min(g / u_mode, memory cap)``, ignoring embedding and head.
+A *batch shape* is a micro-batch size ``b`` and a pipeline schedule (with ``V`` model chunks); it
+fixes the number of micro-batches ``M = global batch / b``. Its *stage kinds* are (chip type, TP
+degree ``t``, DP degree ``d``). *Uniform* shapes give every stage one DP degree ``d`` (a
+divisor of ``M``), as Megatron does; in the other shapes every chip type picks its own DP
+degree and then uses all of its chips (its ``n`` stages with ``n t d`` = its chip count, so no
+type is forced into extra stages or left partly idle; interleaved shapes are uniform only). A
+kind's replicas run ``m = M / d`` micro-batches each. The step time of every schedule has the form
+``T = max_i F_i w_i + sum_i f_i + max_i z_i + links`` (:mod:`~megatron_h2.planner.partition`);
+bounds work with the *folded* steady term ``g = F_i w_i`` (``F_i = m_i - 1``, or ``m V - 1``
+under interleaving), so that kinds of different DP degrees compare on one scale.
 
+Memory caps depend on how many micro-batches a stage holds, which its warm-up ``q`` sets
+(:func:`~megatron_h2.pipeline_orders.routed_leads`: ``q = 0`` on the last stage; under uniform
+DP ``q`` is the number of stages after it). The warm-up of a stage of kind ``k`` placed in front of
+a pipeline suffix follows from the suffix's *lead* ``L`` (the micro-batch lead its front stage
+needs from the next stage in front: ``G + d`` of the front stage, 0 for an empty suffix):
+``q = ceil(L / d_k)``, and ``n`` stages of kind ``k`` leave the lead ``d_k (q + n)``. Tables per
+kind are indexed by ``q`` up to the number of positions; a larger warm-up reads the last entry,
+which holds at least as much (caps fall with ``q``), so every table entry stays an upper bound.
+
+Bounds use a grid of probe values ``g_0 < g_1 < ...`` for the largest folded steady term and,
+per stage kind and warm-up, an upper bound on the layers a stage can hold with ``F w <= g``:
+``max over recompute modes of min(g / (F u_mode), memory cap)``, ignoring embedding and head.
 Below a node (a pipeline suffix) the *groups* of stages are the suffix's blocks (known kind,
-stages and positions, at least one layer per stage) and the chip types not used yet. An unused
-type contributes convex cost segments (its kinds by per-layer time, each adding the layers it can
-hold beyond the faster ones), and all unused types together add at most what an exact max-plus
-programme over subsets of types, orders, TP degrees and stage counts says. Any plan below the
-node whose slowest stage works ``W`` in ``(g_j, g_j+1]`` needs ``W > g_j`` and, since no stage
-holds more than its capacity at ``g_j+1``, at least ``F(g_j+1)`` of summed work, where ``F`` fills
-the ``L`` layers into the cheapest capacity first. Adding a lower bound on the slowest DP sync
-(the layers spread over every stage that may exist) and the known link times gives
-``T >= (m - 1) g_j + max(F(g_j+1), g_j) + sync + links`` for some admissible ``j``.
+stages and warm-ups, at least one layer per stage) and the chip types not used yet. An unused
+type contributes convex cost segments (its kinds by per-layer time, each adding the layers it
+can hold beyond the faster ones), and all unused types together add at most what a max-plus
+programme over subsets of types, kinds and stage counts on a grid of leads says (leads rounded
+down, which only adds capacity). Any plan below the node whose largest steady term is in
+``(g_j, g_j+1]`` needs that term ``> g_j`` and, since no stage holds more than its capacity at
+``g_j+1``, at least ``Fill(g_j+1)`` of summed work, where ``Fill`` fills the ``L`` layers into
+the cheapest capacity first; the slowest stage's own work is at least ``g_j / max F``. Adding a
+lower bound on the slowest DP sync (the layers spread over every stage that may exist) and the
+known link times gives ``T >= g_j + max(Fill(g_j+1), g_j / max F) + sync + links`` for some
+admissible ``j``.
 """
 
 from __future__ import annotations
@@ -25,8 +44,8 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from megatron_h2.planner.cost_model import MODES, CostModel, zero_bubble_share
-from megatron_h2.planner.orders import Totals, held_totals, schedule_problem
 from megatron_h2.planner.partition import INF
+from megatron_h2.planner.shape_memory import ShapeMemory
 from megatron_h2.planner.stage_costs import StageCosts
 
 if TYPE_CHECKING:
@@ -34,27 +53,35 @@ if TYPE_CHECKING:
 
 
 class Kind:
-    """A stage kind: chip type (index and name), TP degree, most stages, and its costs."""
+    """A stage kind: chip type (index and name), TP and DP degree, most stages, its costs, the
+    micro-batches of each of its DP replicas and the step formula's factor ``F``."""
 
-    __slots__ = ("chip", "name", "tp", "max_stages", "costs")
+    __slots__ = ("chip", "name", "tp", "dp", "max_stages", "costs", "micro_batches", "factor")
 
-    def __init__(self, chip: int, name: str, tp: int, max_stages: int, costs: StageCosts) -> None:
-        self.chip, self.name, self.tp, self.max_stages, self.costs = (
-            chip,
-            name,
-            tp,
-            max_stages,
-            costs,
-        )
+    def __init__(
+        self,
+        chip: int,
+        name: str,
+        tp: int,
+        dp: int,
+        max_stages: int,
+        costs: StageCosts,
+        micro_batches: int,
+        factor: int,
+    ) -> None:
+        self.chip, self.name, self.tp, self.dp = chip, name, tp, dp
+        self.max_stages, self.costs = max_stages, costs
+        self.micro_batches, self.factor = micro_batches, factor
 
 
-class BatchShape:
+class BatchShape(ShapeMemory):
     """Stage kinds, memory caps, link times and bound tables for one batch shape: micro-batch
-    size, DP degree and pipeline schedule (with its number of model chunks ``V``).
+    size and pipeline schedule (with its number of model chunks ``V``), and for ``interleaved``
+    the one DP degree ``dp`` of every stage. ``only`` keeps just the kinds with those (chip
+    index, TP, DP) triples (a restricted space: its bounds hold for the plans of those kinds).
 
     Layers are counted in *units* of one layer per chunk (``V`` layers; one layer unless the
-    schedule is ``interleaved``) and work in the step formula's terms
-    (:mod:`~megatron_h2.planner.partition`): ``T = factor x max w + sum f + max z + links``.
+    schedule is ``interleaved``).
     """
 
     def __init__(
@@ -62,29 +89,41 @@ class BatchShape:
         cost: CostModel,
         global_batch_size: int,
         mbs: int,
-        dp: int,
         schedule: str = "1f1b",
         chunks: int = 1,
+        dp: int | None = None,
         lazy: bool = False,
+        only: frozenset[tuple[int, int, int]] | None = None,
     ) -> None:
         self.cost, self.mbs, self.dp = cost, mbs, dp
         self.schedule, self.chunks = schedule, chunks
         self.layers = cost.model.num_layers // chunks  # units
-        self.micro_batches = global_batch_size // (mbs * dp)
-        m = self.micro_batches
-        self.factor = m * chunks - 1 if schedule == "interleaved" else m - 1
+        self.total = global_batch_size // mbs
         self.link_factor = 2.0 * chunks  # x one-way link time, for the links between stages
         model = cost.model
+        largest = max(c.count for c in cost.cluster.chips)
+        degrees = (
+            [dp]
+            if dp is not None
+            else [d for d in range(1, min(self.total, largest) + 1) if self.total % d == 0]
+        )
         kinds = []
         for index, chip in enumerate(cost.cluster.chips):
             for tp in chip.tensor_parallel_options(
                 model.num_attention_heads, model.num_query_groups
             ):
-                count = chip.count // (tp * dp)
-                if count:
-                    kinds.append(
-                        Kind(index, chip.name, tp, count, cost.stage_costs(chip.name, tp, mbs, dp))
-                    )
+                for d in degrees:
+                    count = chip.count // (tp * d)
+                    if not count or (
+                        dp is None and (count * tp * d != chip.count or count > self.layers)
+                    ):
+                        continue  # own-DP kinds use all of their type's chips
+                    if only is not None and (index, tp, d) not in only:
+                        continue
+                    m = self.total // d
+                    factor = m * chunks - 1 if schedule == "interleaved" else m - 1
+                    costs = cost.stage_costs(chip.name, tp, mbs, d)
+                    kinds.append(Kind(index, chip.name, tp, d, count, costs, m, factor))
         if cost.model.num_layers % chunks:
             kinds = []  # equal chunks cannot hold the layers
         self.kinds = tuple(kinds)
@@ -92,7 +131,10 @@ class BatchShape:
         self.kinds_of = {t: [i for i, k in enumerate(kinds) if k.chip == t] for t in self.types}
         per_type = [max(kinds[i].max_stages for i in self.kinds_of[t]) for t in self.types]
         self.positions = min(self.layers, sum(per_type)) if kinds else 0  # >= 1 unit per stage
-        self._mode_caps: dict[tuple[int, int, int], tuple[int, int, int]] = {}
+        self.depth = self.positions + 1  # warm-ups with their own memory caps
+        self.factor_max = max((k.factor for k in kinds), default=0)
+        self._mode_caps: dict[tuple[int, int, int, int | None], tuple[int, int, int]] = {}
+        self._placed_caps: dict[tuple[int, int, int, int], tuple[int, int, int]] = {}
         self._links: dict[tuple[str, str], float] = {}
         self.grid = np.zeros(1)
         self.grid_is_max = True
@@ -100,24 +142,37 @@ class BatchShape:
         if not lazy:
             self.prepare()
 
+    def counts(self, kind: int, room: int) -> np.ndarray:
+        """Stage counts of a block of ``kind`` that fit in ``room`` free stage positions: 1 to
+        its most, or under own DP degrees only its ``max_stages`` (every chip of its type)."""
+        most = self.kinds[kind].max_stages
+        if not self.uniform:
+            return np.array([most] if most <= room else [], dtype=np.int64)
+        return np.arange(1, min(most, room) + 1)
+
+    @property
+    def uniform(self) -> bool:
+        """Whether every stage of this shape has the same DP degree (interleaved shapes)."""
+        return self.dp is not None
+
     def prepare(self) -> None:
         """Build the bound tables (once); until then :meth:`root_bound` is :attr:`pre_bound`."""
         if self.kinds and not self.prepared:
             self._prepare()
         self.prepared = True
 
-    def cheap_bound(self, floor_1f1b: float) -> float:
-        """A lower bound on :meth:`root_bound` from the 1F1B shape of the same micro-batch size
-        and DP degree, without the tables: the same time caps and no more memory capacity make
-        this shape's work floor at least ``floor_1f1b`` (per chunk: ``floor_1f1b / V``)."""
+    def cheap_bound(self, floor: float) -> float:
+        """A lower bound on :meth:`root_bound` from the 1F1B shape of the same micro-batch size,
+        without the tables: the same time caps and no more memory capacity. ``floor``: that
+        shape's folded floor (:attr:`w_floor` of the 1F1B shape with the same DP degrees)."""
         units = np.array([k.costs.layer_time(0) for k in self.kinds])
+        m = self.kinds[0].micro_batches
         if self.schedule == "zero-bubble":
             weight = np.array([k.costs.layer_weight_grad for k in self.kinds])
-            return self.factor * floor_1f1b + max(
-                self.layers * float((units - 2.0 * weight).min()), 0.0
-            )
-        work = floor_1f1b / self.chunks
-        return self.factor * work + max(work, self.layers * float(units.min()))
+            steady = floor if m > 1 else 0.0  # one micro-batch: no steady term
+            return steady + max(self.layers * float((units - 2.0 * weight).min()), 0.0)
+        work = floor / max(m - 1, 1) / self.chunks  # W of the slowest stage / V
+        return (m * self.chunks - 1) * work + max(work, self.layers * float(units.min()))
 
     # ------------------------------------------------------------------------- exact pieces
     def link(self, sender: str, receiver: str) -> float:
@@ -127,68 +182,24 @@ class BatchShape:
             self._links[key] = self.cost.link_s(sender, receiver, self.mbs)
         return self._links[key]
 
-    def closes(self, stages: int) -> bool:
-        """Whether a pipeline of ``stages`` stages can run this shape's schedule."""
-        return schedule_problem(self.schedule, stages, self.micro_batches, self.chunks) is None
-
-    def mode_caps(self, kind: int, stages: int, stage: int) -> tuple[int, int, int]:
-        """Most units that fit per recompute mode for stage ``stage`` of ``stages`` of ``kind``
-        (exact, from the schedule's held states; cached)."""
-        key = (kind, stages, stage)
-        if key not in self._mode_caps:
-            costs = self.kinds[kind].costs
-            states = held_totals(self.schedule, stages, self.micro_batches, self.chunks, stage)
-            first, last = stage == 0, stage == stages - 1
-            caps = [
-                costs.max_units(self.chunks, mode, states, first, last)
-                for mode in range(len(MODES))
-            ]
-            self._mode_caps[key] = (caps[0], caps[1], caps[2])
-        return self._mode_caps[key]
-
     # ------------------------------------------------------------------------------- bounds
-    def _optimistic_states(self, position: int) -> tuple[Totals, ...]:
-        """Held states of a stage ``position`` stages from the end in the shortest pipeline that
-        can run the schedule (a longer one holds more), or () if none can have that position."""
-        m, v = self.micro_batches, self.chunks
-        for stages in range(max(position + 1, 1), self.positions + 1):
-            if self.closes(stages):
-                return held_totals(self.schedule, stages, m, v, stages - 1 - position)
-        return ()
-
-    def _memory_caps(self) -> np.ndarray:
-        """Upper bound on the units per (kind, mode, position) that fit in memory (a middle
-        stage of the shortest pipeline that can run the schedule: no edges, fewest held)."""
-        positions = self.positions
-        held = []  # per position: (A, D) pairs of the held states
-        for position in range(positions):
-            states = self._optimistic_states(position)
-            held.append([(t[0], t[1]) for t in states] or [(-1, -1)])
-        width = max(len(pairs) for pairs in held)
-        pairs = np.array([pairs + [pairs[0]] * (width - len(pairs)) for pairs in held], float)
-        active, deferred = pairs[:, :, 0], pairs[:, :, 1]  # position x pair
-        costs = [kind.costs for kind in self.kinds]
-        act = np.array([c.layer_activation for c in costs])[:, :, None, None]  # kind x mode
-        keep = np.array([c.layer_weight_inputs for c in costs])[:, None, None, None]
-        static = np.array([c.layer_static for c in costs])[:, None, None]
-        room = np.array([c.capacity - c.working for c in costs])[:, None, None]
-        held_bytes = (active * act + deferred * keep).max(axis=3)  # kind x mode x position
-        caps = _most_units(room, self.chunks * static + held_bytes)
-        return np.where(active[None, None, :, 0] < 0, 0.0, caps)
-
     def _prepare(self) -> None:
-        positions, layers, v = self.positions, self.layers, self.chunks
-        # max-term work per unit (w), and fill per unit (f) for the fastest mode
-        self.unit = np.array(
-            [[k.costs.layer_time(r) for r in range(len(MODES))] for k in self.kinds]
-        )
+        layers, v = self.layers, self.chunks
+        factors = np.array([k.factor for k in self.kinds], dtype=np.float64)
+        times = np.array([[k.costs.layer_time(r) for r in range(len(MODES))] for k in self.kinds])
+        scale = 1.0 / v if self.schedule == "interleaved" else 1.0
+        # With one micro-batch per replica everywhere (F = 0) there is no steady term: probes
+        # then bound the slowest stage's own work w (fold 1) and count once, not twice.
+        self.steady = 1.0 if self.factor_max > 0 else 0.0
+        folds = factors if self.factor_max > 0 else np.ones(len(self.kinds))
+        self.unit = folds[:, None] * times  # folded steady term per unit (w = W / V per unit)
         weight = np.array([k.costs.layer_weight_grad for k in self.kinds])
         share = 2.0 if self.schedule == "zero-bubble" else 0.0  # (1 + b) <= 2: a lower bound
-        self.fill_unit = self.unit[:, 0] - share * weight
+        self.fill_unit = times[:, 0] - share * weight
         # zero-bubble's tail (1 + b) G_k of the slowest stage k is at least this share of W_k
         self.tail_share = 0.0
         if self.schedule == "zero-bubble":
-            ratios = [weight / self.unit[:, -1]]  # per-layer weight share, slowest mode
+            ratios = [weight / times[:, -1]]  # per-layer weight share, slowest mode
             for part in ("head", "embedding"):
                 time = np.array(
                     [
@@ -198,10 +209,11 @@ class BatchShape:
                 )
                 grad = np.array([getattr(k.costs, f"{part}_weight_grad") for k in self.kinds])
                 ratios.append(np.where(time > 0, grad / np.maximum(time, 1e-300), 1.0))
-            beta = zero_bubble_share(max(self.positions, 2), self.micro_batches)
+            beta = min(
+                zero_bubble_share(max(self.positions, 2), k.micro_batches) for k in self.kinds
+            )
             self.tail_share = (1.0 + beta) * float(np.concatenate(ratios).min())
-        self.mem_caps = self._memory_caps()  # kind x mode x position
-        scale = 1.0 / v if self.schedule == "interleaved" else 1.0
+        self.mem_caps = self._memory_caps()  # kind x mode x warm-up
         head_weight = np.array([k.costs.head_weight_grad for k in self.kinds])
         emb_weight = np.array([k.costs.embedding_weight_grad for k in self.kinds])
         head = np.array([k.costs.edge_time(False, True) for k in self.kinds])
@@ -219,41 +231,87 @@ class BatchShape:
             for t in self.types
         }
         full = [
-            k.costs.edge_time(True, True) * scale + layers * k.costs.layer_time(2)
+            max(k.factor, 1 - self.steady)
+            * (k.costs.edge_time(True, True) * scale + layers * k.costs.layer_time(2))
             for k in self.kinds
         ]
-        self.w_max = max(full) * (1 + 1e-9)
-        self.w_floor = self._root_w() if positions else self.w_max
+        self.w_max = max(max(full) * (1 + 1e-9), 1e-30)
+        self.leads = self._lead_grid()
+        self.w_floor = self._root_w(range(len(self.kinds))) if self.positions else self.w_max
+
+    def _lead_grid(self) -> np.ndarray:
+        """Leads at which the programme over unused chip types (:meth:`rest`) is tabled: under
+        uniform DP the multiples of ``d`` (exact), else every integer up to 8 and then about 25%
+        apart, up to the lead from which every kind reads the last warm-up of its table (a lead
+        between two grid points reads the lower one, which only adds capacity)."""
+        if self.uniform:
+            return self.dp * np.arange(self.depth + 1, dtype=np.int64)
+        largest = self.depth * max(k.dp for k in self.kinds)
+        values, value = set(range(min(largest, 8) + 1)), 8.0
+        while value < largest:
+            value *= 1.25
+            values.add(min(int(value), largest))
+        return np.array(sorted(values), dtype=np.int64)
+
+    def sum_floor(self, work: np.ndarray | float) -> np.ndarray | float:
+        """What the sum term is at least when the largest folded steady term is ``work``: the
+        slowest stage's own fill, at least ``work / max F`` (nothing under zero-bubble, whose
+        tail holds it)."""
+        if self.schedule == "zero-bubble":
+            return 0.0 * work
+        return self._own_work(work)
+
+    def _own_work(self, work: np.ndarray | float) -> np.ndarray | float:
+        """The slowest stage's own work when the largest folded steady term is ``work`` (the
+        probe itself when no stage has a steady term)."""
+        return work / max(self.factor_max, 1)
 
     def capacity(self, probes: np.ndarray) -> np.ndarray:
-        """Upper bound on layers per (kind, probe, position) with stage work at most the probe."""
-        timed = np.floor(probes[None, :, None] / self.unit[:, None, :])  # kind x probe x mode
+        """Upper bound on units per (kind, probe, warm-up) with folded work at most the probe."""
+        with np.errstate(divide="ignore", invalid="ignore"):
+            timed = np.floor(probes[None, :, None] / self.unit[:, None, :])  # kind x probe x mode
+        timed = np.where(self.unit[:, None, :] > 0, timed, INF)
         caps = np.minimum(timed[:, :, :, None], self.mem_caps[:, None, :, :]).max(axis=2)
         return np.clip(caps, 0, self.layers)
 
-    def _type_best(self, caps: np.ndarray) -> np.ndarray:
-        """Per type, probe and start position: most layers its best kind can add from there."""
-        positions = self.positions
-        starts = np.arange(positions + 1)
-        result = np.zeros((len(self.types), caps.shape[1], positions + 1))
-        for t_index, chip in enumerate(self.types):
-            for kind in self.kinds_of[chip]:
-                prefix = np.concatenate(
-                    (np.zeros((caps.shape[1], 1)), caps[kind].cumsum(axis=1)), axis=1
-                )
-                ends = np.minimum(starts + self.kinds[kind].max_stages, positions)
-                np.maximum(
-                    result[t_index], prefix[:, ends] - prefix[:, starts], out=result[t_index]
-                )
-        return result
+    def _prefix(self, caps: np.ndarray) -> np.ndarray:
+        """Prefix sums over warm-ups ``0 .. depth + positions`` (warm-ups beyond the table read
+        its last entry): kind x probe x (warm-up + 1)."""
+        tail = np.repeat(caps[:, :, -1:], self.positions, axis=2)
+        extended = np.concatenate((caps, tail), axis=2)
+        zeros = np.zeros((caps.shape[0], caps.shape[1], 1))
+        return np.concatenate((zeros, extended.cumsum(axis=2)), axis=2)
 
-    def _root_w(self) -> float:
-        """Largest work bound at which even the most optimistic pipeline cannot hold all layers
-        (to 0.01%; below the true one, so still a bound), by rounds of 15 probes."""
+    def start(self, kind: int, lead: int) -> int:
+        """Warm-up of the last stage of a block of ``kind`` placed in front of lead ``lead``."""
+        return -(-lead // self.kinds[kind].dp)
+
+    def _table_start(self, kind: int, lead: int | np.ndarray) -> np.ndarray:
+        """:meth:`start` clamped to the table (warm-ups beyond it share the last entry)."""
+        return np.minimum(-(-np.asarray(lead) // self.kinds[kind].dp), self.depth - 1)
+
+    def _most_layers(self, prefix: np.ndarray, kinds: Sequence[int]) -> np.ndarray:
+        """Per probe: most units any one of ``kinds`` holds in a block ending the pipeline."""
+        best = np.zeros(prefix.shape[1])
+        for kind in kinds:
+            most = min(self.kinds[kind].max_stages, self.positions)
+            np.maximum(best, prefix[kind][:, most], out=best)
+        return best
+
+    def _root_w(self, kinds: Sequence[int]) -> float:
+        """Largest folded work bound at which even the most optimistic pipeline of ``kinds``
+        cannot hold all layers (to 0.01%; below the true one, so still a bound), by rounds of
+        15 probes. Every chip type counts as if its block ended the pipeline."""
+        chosen = set(kinds)
+        groups = [[k for k in self.kinds_of[t] if k in chosen] for t in self.types]
+        groups = [g for g in groups if g]
+        if not groups:
+            return INF
         low, high = 0.0, self.w_max
         while high - low > 1e-4 * high:
             probes = np.linspace(low, high, 17)[1:-1]
-            held = self._type_best(self.capacity(probes))[:, :, 0].sum(axis=0)
+            prefix = self._prefix(self.capacity(probes))
+            held = sum(self._most_layers(prefix, group) for group in groups)
             enough = np.flatnonzero(held >= self.layers)
             if len(enough):
                 high = float(probes[enough[0]])
@@ -269,138 +327,107 @@ class BatchShape:
         if not self.prepared:
             return self.pre_bound
         w = self.w_floor
-        return self.factor * w + max(self.sum_floor(w), self.layers * float(self.fill_unit.min()))
-
-    def sum_floor(self, work: np.ndarray | float) -> np.ndarray | float:
-        """What the sum term is at least when the slowest stage works ``work``: that stage's own
-        fill (the sum term's share of its work; nothing under zero-bubble, whose tail holds it)."""
-        return 0.0 * work if self.schedule == "zero-bubble" else work
+        return self.steady * w + max(self.sum_floor(w), self.layers * float(self.fill_unit.min()))
 
     def build_grid(self, w_high: float, points: int, coarse: int = 32) -> None:
         """Probe values from the root bound up to ``w_high`` (geometric) and their prefix sums.
 
-        The exact-order bound on unused chip types (:meth:`rest`) is computed on every
+        The programme bounding unused chip types (:meth:`rest`) is computed on every
         ``points // coarse``-th probe only and read at the next coarse probe above (capacity grows
         with the probe, so this stays an upper bound).
         """
         top = min(max(w_high, self.w_floor * (1 + 1e-9)), self.w_max)
         self.grid = np.geomspace(max(self.w_floor, 1e-30), top, points)
         self.grid_is_max = top >= self.w_max
-        caps = self.capacity(self.grid)
-        zeros = np.zeros((caps.shape[0], caps.shape[1], 1))
-        self.prefix = np.concatenate((zeros, caps.cumsum(axis=2)), axis=2)  # kind x probe x start
-        self._prepare_segments()
+        self.prefix = self._prefix(self.capacity(self.grid))  # kind x probe x warm-up
+        self._segment_units: dict[int, np.ndarray] = {}
         step = max(points // coarse, 1)
         picks = np.unique(np.append(np.arange(step - 1, points, step), points - 1))
         self.coarse_of = np.searchsorted(picks, np.arange(points))  # fine probe -> coarse index
         self.coarse_prefix = self.prefix[:, picks, :]
         self._rest: dict[int, np.ndarray] = {}
-        self._placed: dict[tuple[int, int, int, int], np.ndarray] = {}
+        self._from_leads: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+        self._segment_tables: dict[int, np.ndarray] = {}
+        self._placed: dict[tuple[int, int, int, int, int], np.ndarray] = {}
 
-    def _prepare_segments(self) -> None:
-        """Per unused chip type, a convex lower bound on the cost of taking layers from it.
+    def lead_index(self, lead: int | np.ndarray) -> np.ndarray:
+        """Index of the largest grid lead not above ``lead``."""
+        return np.searchsorted(self.leads, lead, side="right") - 1
 
-        Its kinds sorted by per-layer time ``u_1 <= u_2 <= ...``: the first ``C_1`` layers cost
+    def _block_from_leads(
+        self, prefix: np.ndarray, kind: int, counts: np.ndarray
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """Capacity of ``counts`` stages of ``kind`` in front of each grid lead (probe x lead x
+        count) and the lead they leave (lead x count)."""
+        starts = -(-self.leads // self.kinds[kind].dp)  # exact warm-ups at the grid leads
+        table = np.minimum(starts, self.depth - 1)
+        ends = table[:, None] + counts[None, :]
+        caps = prefix[kind][:, ends] - prefix[kind][:, table][:, :, None]
+        return caps, self.kinds[kind].dp * (starts[:, None] + counts[None, :])
+
+    def segment_units(self, chip: int) -> np.ndarray:
+        """The distinct per-layer fills of the kinds of chip type ``chip``, cheapest first (kinds
+        that differ only in their DP degree have the same)."""
+        if chip not in self._segment_units:
+            self._segment_units[chip] = np.unique(self.fill_unit[self.kinds_of[chip]])
+        return self._segment_units[chip]
+
+    def segment_table(self, chip: int) -> np.ndarray:
+        """A convex lower bound on the cost of taking layers from unused chip type ``chip`` in
+        front of each grid lead: widths per segment (cheapest first) x probe x grid lead (a lead
+        between grid leads reads the lower one, which only adds capacity; exact under uniform
+        DP).
+
+        Its kinds sorted by per-layer fill ``u_1 <= u_2 <= ...``: the first ``C_1`` layers cost
         ``u_1`` each, the next ``C_2 - C_1`` cost ``u_2`` (``C_j``: most layers any of the first
-        ``j`` kinds can hold in a block starting there), and so on. Taking ``x`` layers from a
-        block of one kind costs at least that much, whichever kind it is.
+        ``j`` kinds can hold in a block in front of the lead), and so on. Taking ``x`` layers
+        from a block of one kind costs at least that much, whichever kind it is.
         """
-        starts = np.arange(self.positions + 1)
-        self.segment_units: dict[int, np.ndarray] = {}
-        self.segment_widths: dict[int, np.ndarray] = {}
-        for chip in self.types:
-            kinds = sorted(self.kinds_of[chip], key=lambda k: self.fill_unit[k])
-            running = np.zeros((len(self.grid), self.positions + 1))
+        if chip not in self._segment_tables:
+            running = np.zeros((len(self.grid), len(self.leads)))
             widths = []
-            for kind in kinds:
-                ends = np.minimum(starts + self.kinds[kind].max_stages, self.positions)
-                most = self.prefix[kind][:, ends] - self.prefix[kind][:, starts]
-                grown = np.maximum(running, most)
-                widths.append(grown - running)
-                running = grown
-            self.segment_units[chip] = self.fill_unit[kinds]
-            self.segment_widths[chip] = np.stack(widths)  # kind x probe x start
+            for unit in self.segment_units(chip):  # kinds of equal fill make one segment
+                group = running
+                for kind in self.kinds_of[chip]:
+                    if self.fill_unit[kind] == unit:
+                        most = np.array([min(self.kinds[kind].max_stages, self.positions)])
+                        caps, _ = self._block_from_leads(self.prefix, kind, most)
+                        group = np.maximum(group, caps[:, :, 0])
+                widths.append(group - running)
+                running = group
+            self._segment_tables[chip] = np.stack(widths)  # segment x probe x grid lead
+        return self._segment_tables[chip]
 
     def block(self, kind: int, start: int, ends: np.ndarray) -> np.ndarray:
-        """Capacity bound of stages ``start..end-1`` of ``kind``: probe x len(ends)."""
+        """Capacity bound of stages of ``kind`` with warm-ups ``start .. end - 1``: probe x
+        len(ends) (``start`` from :meth:`start`; warm-ups beyond the table share its last
+        entry)."""
+        table = min(start, self.depth - 1)
         prefix = self.prefix[kind]
-        return prefix[:, ends] - prefix[:, [start]]
-
-    def shortest(self, stages: int) -> int:
-        """The fewest stages, at least ``stages``, that can run the schedule (0 if none)."""
-        for count in range(max(stages, 1), self.positions + 1):
-            if self.closes(count):
-                return count
-        return 0
-
-    def placed_block(self, kind: int, start: int, count: int, stages: int) -> np.ndarray:
-        """Capacity of ``count`` placed stages of ``kind`` from ``start`` stages before the end,
-        in a pipeline of at least ``stages`` stages (memory grows with the pipeline's length
-        under zero-bubble and interleaved): per probe."""
-        shortest = self.shortest(stages)
-        if not shortest:
-            return np.zeros(len(self.grid))
-        key = (kind, start, count, shortest)
-        if key not in self._placed:
-            self._placed[key] = self._placed_block(kind, start, count, shortest)
-        return self._placed[key]
-
-    def _placed_block(self, kind: int, start: int, count: int, shortest: int) -> np.ndarray:
-        caps = np.array(
-            [
-                self._placed_caps(kind, position, shortest)
-                for position in range(start, start + count)
-            ]
-        )
-        timed = np.floor(self.grid[:, None, None] / self.unit[kind][None, None, :])
-        per_stage = np.minimum(timed, caps[None, :, :]).max(axis=2)  # probe x stage
-        return np.clip(per_stage, 0, self.layers).sum(axis=1)
-
-    def _placed_caps(self, kind: int, position: int, stages: int) -> tuple[int, int, int]:
-        key = (kind, -1 - position, stages)  # negative: keyed apart from mode_caps' entries
-        if key not in self._mode_caps:
-            costs, stage = self.kinds[kind].costs, stages - 1 - position
-            states = held_totals(self.schedule, stages, self.micro_batches, self.chunks, stage)
-            if stage == 0:  # not the first stage: more will be placed in front
-                states = tuple((a, d, ha, hd, 0) for a, d, ha, hd, _ in states)
-            caps = [
-                costs.max_units(self.chunks, mode, states, False, position == 0)
-                for mode in range(len(MODES))
-            ]
-            self._mode_caps[key] = (caps[0], caps[1], caps[2])
-        return self._mode_caps[key]
-
-    def closed_block(self, kind: int, stages: int, front: int, count: int) -> np.ndarray:
-        """Capacity of stages ``front..front+count-1`` (counted from the front) of ``kind`` in a
-        closed pipeline of ``stages`` stages, with their exact memory caps: per probe."""
-        caps = np.array([self.mode_caps(kind, stages, i) for i in range(front, front + count)])
-        timed = np.floor(self.grid[:, None, None] / self.unit[kind][None, None, :])
-        per_stage = np.minimum(timed, caps[None, :, :]).max(axis=2)  # probe x stage
-        return np.clip(per_stage, 0, self.layers).sum(axis=1)
+        return prefix[:, np.asarray(ends) - start + table] - prefix[:, [table]]
 
     def rest(self, mask: int) -> np.ndarray:
-        """Most layers the chip types in ``mask`` can add, in any order, from each start position.
-
-        Exact over orders, TP degrees and stage counts (a max-plus programme over subsets of
-        types), per probe: fine probe x start position.
-        """
+        """Most units the chip types in ``mask`` can add, in any order, in front of each grid
+        lead: fine probe x lead (a max-plus programme over subsets of types, kinds and stage
+        counts; the lead each block leaves is rounded down to the grid)."""
         return self._rest_coarse(mask)[self.coarse_of]
 
     def _rest_coarse(self, mask: int) -> np.ndarray:
         if mask in self._rest:
             return self._rest[mask]
-        positions = self.positions
-        starts = np.arange(positions + 1)
-        result = np.zeros((self.coarse_prefix.shape[1], positions + 1))
+        result = np.zeros((self.coarse_prefix.shape[1], len(self.leads)))
         for t_index, chip in enumerate(self.types):
             if not mask >> t_index & 1:
                 continue
             after = self._rest_coarse(mask & ~(1 << t_index))
             for kind in self.kinds_of[chip]:
-                most = min(self.kinds[kind].max_stages, positions)
-                ends = np.minimum(starts[:, None] + np.arange(1, most + 1)[None, :], positions)
-                prefix = self.coarse_prefix[kind]
-                value = prefix[:, ends] - prefix[:, starts][:, :, None] + after[:, ends]
+                if kind not in self._from_leads:  # the same for every mask
+                    most = min(self.kinds[kind].max_stages, self.positions)
+                    counts = np.arange(1, most + 1)
+                    caps, leads = self._block_from_leads(self.coarse_prefix, kind, counts)
+                    self._from_leads[kind] = (caps, self.lead_index(leads))
+                caps, index = self._from_leads[kind]
+                value = caps + after[:, index]
                 np.maximum(result, value.max(axis=2), out=result)
         self._rest[mask] = result
         return result
@@ -430,7 +457,7 @@ class BatchShape:
         self,
         fixed: Sequence[tuple[float, np.ndarray, np.ndarray | int]],
         unused: int,
-        start: np.ndarray,
+        leads: np.ndarray,
         links: np.ndarray | float,
         edges: np.ndarray | float,
         need: np.ndarray | float,
@@ -440,10 +467,10 @@ class BatchShape:
 
         ``fixed``: (fastest per-layer fill, capacity probe x options, stages: one number or
         per option) of known blocks, each stage holding at least one layer; ``unused``: mask of
-        chip types that may still be placed in front, from positions ``start`` (one per option);
-        ``edges``: the embedding's and head's fill; ``need``: the slowest stage works at least
-        this long (one layer on the slowest known block); ``sync``: a lower bound on the largest
-        end-of-step sync (per option or one number, like ``links``).
+        chip types that may still be placed in front, of the pipelines' ``leads`` (one per
+        option); ``edges``: the embedding's and head's fill; ``need``: the largest folded
+        steady term is at least this (one layer on the slowest known block); ``sync``: a lower
+        bound on the largest end-of-step sync (per option or one number, like ``links``).
         """
         widths, units = [], []
         mandatory_layers: np.ndarray | float = 0.0
@@ -456,15 +483,18 @@ class BatchShape:
             widths.append(np.maximum(caps - count, 0.0))
             units.append(unit)
         rest_units, rest_widths = [], []
+        leads = np.asarray(leads)
+        lead_index = self.lead_index(leads)
         for t_index, chip in enumerate(self.types):
             if unused >> t_index & 1:
-                rest_units.append(self.segment_units[chip])
-                rest_widths.append(self.segment_widths[chip][:, :, start])
+                rest_units.append(self.segment_units(chip))
+                rest_widths.append(self.segment_table(chip)[:, :, lead_index])  # x option
         if rest_units:
             r_units = np.concatenate(rest_units)
             order = np.argsort(r_units, kind="stable")
             r_widths = np.concatenate(rest_widths)[order]
-            cumulative = np.minimum(r_widths.cumsum(axis=0), self.rest(unused)[:, start][None])
+            rest = self.rest(unused)[:, lead_index]
+            cumulative = np.minimum(r_widths.cumsum(axis=0), rest[None])
             r_widths = np.diff(cumulative, axis=0, prepend=0.0)
             units.extend(r_units[order])
             widths.extend(r_widths)
@@ -477,31 +507,25 @@ class BatchShape:
         take = np.clip(remaining - before, 0.0, stacked)
         fill = np.tensordot(units_arr[order], take, axes=1) + mandatory_cost + edges
         covered = take.sum(axis=0)
-        grid, factor = self.grid[:, None], self.factor
+        grid = self.grid[:, None]
         low = np.maximum(grid[:-1], need)
+        own = self._own_work(low)
         sync = np.asarray(sync, dtype=np.float64)
         if self.schedule == "zero-bubble":  # the slowest stage's fill + tail is its whole work
-            tail = np.maximum(sync, self.tail_share * low)
-            terms = factor * low + np.maximum(fill[1:] + tail, low)
+            tail = np.maximum(sync, self.tail_share * own)
+            terms = self.steady * low + np.maximum(fill[1:] + tail, own)
         else:
-            terms = factor * low + np.maximum(fill[1:], low) + sync
+            terms = self.steady * low + np.maximum(fill[1:], own) + sync
         ok = (covered >= remaining - 1e-9) & ~np.asarray(short)
         first = np.where(ok.any(axis=0), ok.argmax(axis=0), len(self.grid))
         rows = np.arange(len(self.grid) - 1)[:, None]
         admissible = (rows >= np.maximum(first - 1, 0)[None, :]) & (grid[1:] >= need)
         best = np.where(admissible, terms, INF).min(axis=0)
-        if not self.grid_is_max:  # W above the top probe: already worse than the K-th best
+        if not self.grid_is_max:  # work above the top probe: already worse than the K-th best
             top = np.maximum(self.grid[-1], need)
             if self.schedule == "zero-bubble":
-                beyond = factor * top + np.maximum(sync, top)
+                beyond = self.steady * top + np.maximum(sync, self._own_work(top))
             else:
-                beyond = factor * top + top + sync
+                beyond = self.steady * top + self._own_work(top) + sync
             best = np.minimum(best, beyond)
         return best + links
-
-
-def _most_units(room: float, per: np.ndarray) -> np.ndarray:
-    """Most whole units of ``per`` bytes within ``room`` bytes (exact despite rounding)."""
-    units = np.maximum(np.floor(room / per), 0.0)
-    units = np.where(units * per > room, np.maximum(units - 1, 0.0), units)
-    return np.where((units + 1) * per <= room, units + 1, units)

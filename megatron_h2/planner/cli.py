@@ -34,7 +34,7 @@ from megatron_h2.planner.report import (
     search_summary,
     stage_summary,
 )
-from megatron_h2.planner.search import SearchOptions, SearchResult, search
+from megatron_h2.planner.search import OWN_DP_SPACES, SearchOptions, SearchResult, search
 from megatron_h2.planner.simulator import (
     SimulationResult,
     schedule_label,
@@ -116,6 +116,14 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="V",
         help="most model chunks per stage for the interleaved schedule (default 4)",
     )
+    parser.add_argument(
+        "--own-dp",
+        choices=OWN_DP_SPACES,
+        default="derived",
+        help="plans where chip types have their own DP degrees: re-splits of the best one-DP"
+        " plans (derived, default), every such plan (all: exhaustive, slow on large"
+        " clusters) or none",
+    )
     return parser
 
 
@@ -145,6 +153,7 @@ def _run(args: argparse.Namespace) -> int:
         time_limit_s=args.time_limit,
         schedules=schedules,
         max_virtual_stages=args.max_virtual_stages,
+        own_dp=args.own_dp,
     )
     for target in (args.output, args.launch_script, args.timeline, args.trace):
         if target:
@@ -165,7 +174,7 @@ def _run(args: argparse.Namespace) -> int:
     print(f"  - {search_summary(result)}")
     _write_outputs(args, result, cost, simulation)
     if args.compare_homogeneous:
-        comparison = compare_homogeneous(cost, options, best.estimate.tokens_per_s)
+        comparison = compare_homogeneous(cost, options, best.estimate.tokens_per_s, best)
         print("\neach chip type alone vs together:")
         print(comparison_text(comparison))
     return 0

@@ -36,6 +36,7 @@ link times + max_i DP sync_i``.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
@@ -48,6 +49,7 @@ from megatron_h2.config import (
 )
 from megatron_h2.errors import ConfigError
 from megatron_h2.hetero_plan import HeteroPlan, StageSpec
+from megatron_h2.pipeline_orders import check_replica_micro_batches, routed_warmups
 from megatron_h2.planner.cluster import ChipType, Cluster
 from megatron_h2.planner.orders import check_schedule, held_states
 from megatron_h2.planner.stage_costs import StageCosts
@@ -156,6 +158,17 @@ class PlanEstimate:
     virtual_pipeline_size: int = 1
     wrap_link_s: float = 0.0
     """One-way time of the link from the last stage back to the first (interleaved only)."""
+    stage_micro_batches: tuple[int, ...] = ()
+    """Micro-batches per DP replica of each stage (``num_micro_batches`` on every stage when
+    the DP degree is uniform)."""
+
+    def micro_batches(self, stage: int) -> int:
+        """Micro-batches each DP replica of ``stage`` runs per step."""
+        return (
+            self.stage_micro_batches[stage]
+            if self.stage_micro_batches
+            else (self.num_micro_batches)
+        )
 
     @property
     def fits(self) -> bool:
@@ -163,12 +176,12 @@ class PlanEstimate:
         return all(stage.fits for stage in self.stages)
 
     def period_s(self, stage: int) -> float:
-        """Steady-state time per micro-batch that ``stage`` sets in the step formula: its work,
-        or under ``interleaved`` V x its largest chunk's work."""
+        """Busy time per step of one DP replica of ``stage`` as the steady state counts it:
+        ``m_i W_i``, or under ``interleaved`` ``m V`` x its largest chunk's work."""
         est = self.stages[stage]
         if self.schedule == "interleaved":
-            return self.virtual_pipeline_size * est.chunk_work_s
-        return est.work_s
+            return self.num_micro_batches * self.virtual_pipeline_size * est.chunk_work_s
+        return self.micro_batches(stage) * est.work_s
 
     @property
     def bottleneck(self) -> int:
@@ -179,7 +192,7 @@ class PlanEstimate:
     @property
     def bubble_fraction(self) -> float:
         """Share of stage-time spent idle: 1 - sum of busy time / (stages x step time)."""
-        busy = sum(stage.work_s for stage in self.stages) * self.num_micro_batches
+        busy = sum(s.work_s * self.micro_batches(i) for i, s in enumerate(self.stages))
         return 1.0 - busy / (len(self.stages) * self.step_time_s)
 
 
@@ -190,15 +203,30 @@ def zero_bubble_share(stages: int, micro_batches: int) -> float:
     return 1.0 if stages == 1 else min(micro_batches - 1, stages - 1) / (stages - 1)
 
 
+def replica_warmups(
+    schedule: str, stage_dps: Sequence[int], chunks: int, total: int
+) -> list[int | None]:
+    """Warm-up forwards of each stage's replicas in a step of ``total`` micro-batches: the
+    schedule's own rule (None) when every stage has the same DP degree, else the runtime's
+    :func:`~megatron_h2.pipeline_orders.routed_warmups`."""
+    if len(set(stage_dps)) <= 1:
+        return [None] * len(stage_dps)
+    return list(routed_warmups(schedule, tuple(stage_dps), chunks, total))
+
+
 def step_time_terms(
     schedule: str,
-    num_micro_batches: int,
+    num_micro_batches: int | Sequence[int],
     chunks: int,
     stages: tuple[StageEstimate, ...],
     links: tuple[float, ...],
     wrap_link: float,
 ) -> tuple[float, float]:
     """(pipeline part, link part) of the step time; the step adds ``max_i Z_i``.
+
+    ``num_micro_batches``: micro-batches per DP replica, one number or one per stage (stages
+    with their own DP degree ``d_i`` run ``m_i = M / d_i`` each; ``(m - 1) max W`` then reads
+    ``max_i (m_i - 1) W_i`` and ``b`` is per stage).
 
     With ``W_i`` stage ``i``'s forward + backward per micro-batch (all its chunks), ``G_i`` the
     weight-gradient part of ``W_i``, ``Z_i`` its end-of-step sync, ``l_j`` the one-way link
@@ -211,19 +239,24 @@ def step_time_terms(
     with ``b = min(m - 1, p - 1) / (p - 1)`` (:func:`zero_bubble_share`). Each is exact on a
     uniform pipeline (equal stages, equal chunks) whose transfers hide behind compute.
     """
-    m, p = num_micro_batches, len(stages)
+    p = len(stages)
+    counts = (
+        [num_micro_batches] * p if isinstance(num_micro_batches, int) else list(num_micro_batches)
+    )
     link = 2.0 * sum(links)
     work = [s.work_s for s in stages]
     if schedule == "interleaved":
+        m = counts[0]  # uniform DP only
         ring = sum(links) + wrap_link  # one trip round the ring of stages
         pipeline = ((m * chunks - 1) * max(work) + sum(work)) / chunks
         return pipeline, link + 2.0 * (chunks - 1) * ring
+    steady = max((m - 1) * w for m, w in zip(counts, work))
     if schedule == "zero-bubble":
-        share = 1.0 + zero_bubble_share(p, m)
-        fill = sum(w - share * s.weight_grad_s for w, s in zip(work, stages))
-        tail = max(share * s.weight_grad_s + s.dp_sync_s for s in stages)
-        return (m - 1) * max(work) + fill + tail - max(s.dp_sync_s for s in stages), link
-    return (m - 1) * max(work) + sum(work), link
+        shares = [1.0 + zero_bubble_share(p, m) for m in counts]
+        fill = sum(w - b * s.weight_grad_s for w, b, s in zip(work, shares, stages))
+        tail = max(b * s.weight_grad_s + s.dp_sync_s for b, s in zip(shares, stages))
+        return steady + fill + tail - max(s.dp_sync_s for s in stages), link
+    return steady + sum(work), link
 
 
 class CostModel:
@@ -392,31 +425,43 @@ class CostModel:
         """
         model = self.model
         plan.validate(model.num_layers, model.num_attention_heads, model.num_query_groups)
-        if not plan.uniform_dp:
-            raise ConfigError("the cost model does not evaluate stages with their own "
-                              "data_parallel_size yet")
-        p, m = plan.pipeline_parallel_size, plan.num_micro_batches
-        mbs, dp = plan.micro_batch_size, plan.data_parallel_size
+        p, mbs = plan.pipeline_parallel_size, plan.micro_batch_size
         schedule, chunks = str(plan.schedule), plan.virtual_pipeline_size
-        check_schedule(schedule, p, m, chunks)
+        dps = [plan.stage_dp(s) for s in range(p)]
+        counts = [plan.stage_micro_batches(s) for s in range(p)]
+        for m in sorted(set(counts)):
+            check_schedule(schedule, p, m, chunks)
+        if not plan.uniform_dp:
+            check_replica_micro_batches(schedule, dps, chunks, plan.total_micro_batches)
+        warmups = replica_warmups(schedule, dps, chunks, plan.total_micro_batches)
         stages = tuple(
-            self.stage_estimate(spec, index, p, m, mbs, dp, schedule)
-            for index, spec in enumerate(plan.stages)
+            self.stage_estimate(spec, index, p, m, mbs, dp, schedule, warmup)
+            for index, (spec, m, dp, warmup) in enumerate(zip(plan.stages, counts, dps, warmups))
         )
         links = tuple(
             self.link_s(a.chip, b.chip, mbs) for a, b in zip(plan.stages, plan.stages[1:])
         )
         wrap = self.link_s(plan.stages[-1].chip, plan.stages[0].chip, mbs) if chunks > 1 else 0.0
-        pipeline, link_total = step_time_terms(schedule, m, chunks, stages, links, wrap)
+        pipeline, link_total = step_time_terms(schedule, counts, chunks, stages, links, wrap)
         sync = max(s.dp_sync_s for s in stages)
         step = pipeline + sync + link_total
         estimate = self._finish(plan, stages, links, pipeline, link_total, sync, step)
         return replace(estimate, schedule=schedule, virtual_pipeline_size=chunks, wrap_link_s=wrap)
 
     def stage_estimate(
-        self, spec: StageSpec, index: int, p: int, m: int, mbs: int, dp: int, schedule: str
+        self,
+        spec: StageSpec,
+        index: int,
+        p: int,
+        m: int,
+        mbs: int,
+        dp: int,
+        schedule: str,
+        warmup: int | None = None,
     ) -> StageEstimate:
-        """Times per chunk, peak memory and end-of-step work of stage ``index`` of ``p``."""
+        """Times per chunk, peak memory and end-of-step work of stage ``index`` of ``p``, whose
+        DP replicas run ``m`` micro-batches each (with ``warmup`` warm-up forwards when not the
+        schedule's own rule, :func:`replica_warmups`)."""
         costs = self.stage_costs(spec.chip, spec.tensor_parallel_size, mbs, dp)
         first, last, mode = index == 0, index == p - 1, MODES.index(spec.recompute)
         chunks = spec.chunks
@@ -425,7 +470,7 @@ class CostModel:
             costs.chunk_times(n, mode, first and c == 0, last and c == v - 1)
             for c, n in enumerate(chunks)
         ]
-        states = held_states(schedule, p, m, v, index)
+        states = held_states(schedule, p, m, v, index, warmup)
         optimizer = costs.optimizer_step(spec.num_layers, first, last)
         return StageEstimate(
             chip=spec.chip,
@@ -457,10 +502,9 @@ class CostModel:
         step: float,
     ) -> PlanEstimate:
         used: dict[str, int] = {}
-        for spec in plan.stages:
-            used[spec.chip] = (
-                used.get(spec.chip, 0) + spec.tensor_parallel_size * plan.data_parallel_size
-            )
+        for index, spec in enumerate(plan.stages):
+            chips = spec.tensor_parallel_size * plan.stage_dp(index)
+            used[spec.chip] = used.get(spec.chip, 0) + chips
         tokens = plan.global_batch_size * self.model.seq_length
         peak = sum(
             count
@@ -475,7 +519,8 @@ class CostModel:
             pipeline_s=pipeline,
             link_s=link_total,
             dp_sync_s=sync,
-            num_micro_batches=plan.num_micro_batches,
+            num_micro_batches=plan.stage_micro_batches(0),
+            stage_micro_batches=tuple(plan.stage_micro_batches(s) for s in range(len(stages))),
             stages=stages,
             link_times_s=links,
             tokens_per_s=tokens / step,

@@ -36,6 +36,7 @@ gradients). A stage's peak memory is a maximum over these states of a positive w
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from functools import lru_cache
 
 import numpy as np
@@ -71,27 +72,43 @@ def check_schedule(schedule: str, stages: int, micro_batches: int, chunks: int) 
 
 
 def stage_order(
-    schedule: str, stages: int, micro_batches: int, chunks: int, stage: int
+    schedule: str,
+    stages: int,
+    micro_batches: int | Sequence[int],
+    chunks: int,
+    stage: int,
+    warmup: int | None = None,
 ) -> list[Action]:
-    """The order of actions of ``stage``: the runtime's own
+    """The order of actions of ``stage`` (or of one of its DP replicas, given its micro-batch
+    ids and :func:`~megatron_h2.pipeline_orders.routed_warmups`): the runtime's own
     (:func:`~megatron_h2.pipeline_orders.schedule_order`), as ``(kind, chunk, micro_batch)``."""
-    check_schedule(schedule, stages, micro_batches, chunks)
-    order = schedule_order(schedule, stage, stages, chunks, range(micro_batches))
+    ids = range(micro_batches) if isinstance(micro_batches, int) else micro_batches
+    check_schedule(schedule, stages, len(ids), chunks)
+    order = schedule_order(schedule, stage, stages, chunks, ids, warmup)
     return [(a.kind, a.chunk, a.micro_batch) for a in order]
 
 
 @lru_cache(maxsize=8192)
 def held_states(
-    schedule: str, stages: int, micro_batches: int, chunks: int, stage: int
+    schedule: str,
+    stages: int,
+    micro_batches: int,
+    chunks: int,
+    stage: int,
+    warmup: int | None = None,
 ) -> tuple[State, ...]:
-    """The Pareto-maximal states of what ``stage`` holds over its order (see the module doc).
+    """The Pareto-maximal states of what ``stage`` holds over its order (see the module doc);
+    ``warmup``: the stage's warm-up forwards when they are not the schedule's own rule (a DP
+    replica of a stage with its own DP degree, :func:`~megatron_h2.pipeline_orders.
+    routed_warmups`), ``micro_batches`` then the replica's.
 
     Every state the stage passes through is dominated (component-wise) by one of these, so the
     peak of any memory that grows with the held counts is reached in one of them.
     """
     if schedule == "1f1b":  # one state: the warm-up plus one micro-batch
-        return (((min(stages - stage, micro_batches),), (0,)),)
-    order = stage_order(schedule, stages, micro_batches, chunks, stage)
+        warm = stages - stage - 1 if warmup is None else warmup
+        return (((min(warm + 1, micro_batches),), (0,)),)
+    order = stage_order(schedule, stages, micro_batches, chunks, stage, warmup)
     active, deferred = [0] * chunks, [0] * chunks
     split = schedule == "zero-bubble"
     seen: set[tuple[int, ...]] = set()
@@ -125,32 +142,41 @@ chunk of the first stage); 0 on stages that do not hold them."""
 
 @lru_cache(maxsize=16384)
 def held_totals(
-    schedule: str, stages: int, micro_batches: int, chunks: int, stage: int
+    schedule: str,
+    stages: int,
+    micro_batches: int,
+    chunks: int,
+    stage: int,
+    warmup: int | None = None,
 ) -> tuple[Totals, ...]:
     """:func:`held_states` reduced to what the memory of a stage with equal chunks depends on
     (Pareto-maximal; closed forms where the walk is not needed)."""
     p, m, s = stages, micro_batches, stage
     last, first = s == p - 1, s == 0
+    warm = p - s - 1 if warmup is None else warmup
     if schedule == "1f1b":
-        held = min(p - s, m)
+        held = min(warm + 1, m)
         return ((held, 0, held if last else 0, 0, 0),)
     if schedule == "interleaved" and not last:  # one peak: the warm-up plus one
-        warmup = min(2 * (p - s - 1) + (chunks - 1) * p, m * chunks)
+        if warmup is None:
+            warmup = 2 * (p - s - 1) + (chunks - 1) * p
+        warmup = min(warmup, m * chunks)
         return ((min(warmup + 1, m * chunks), 0, 0, 0, 0),)
     if schedule == "zero-bubble":
-        pairs = _zero_bubble_peaks(p, m, s)
+        pairs = zero_bubble_peaks(warm, m, s)
     else:
-        pairs = [(sum(a), 0, a[-1], 0) for a, _ in held_states(schedule, p, m, chunks, s)]
+        pairs = [(sum(a), 0, a[-1], 0) for a, _ in held_states(schedule, p, m, chunks, s, warmup)]
         return _pareto([(a, d, head, hd, 0) for a, d, head, hd in pairs])
     return _pareto(
         [(a, d, a if last else 0, d if last else 0, d if first else 0) for a, d in pairs]
     )
 
 
-def _zero_bubble_peaks(p: int, m: int, s: int) -> list[tuple[int, int]]:
-    """Candidate peak (active, deferred) states of stage ``s`` under zero-bubble (its order in
-    closed form: warm-up, steady forward / backward / weight, cool-down backward / weight)."""
-    warmup = min(p - s - 1, m)
+def zero_bubble_peaks(warmup: int, m: int, s: int) -> list[tuple[int, int]]:
+    """Candidate peak (active, deferred) states of stage ``s`` under zero-bubble with ``warmup``
+    warm-up forwards (its order in closed form: warm-up, steady forward / backward / weight,
+    cool-down backward / weight)."""
+    warmup = min(warmup, m)
     steady = m - warmup
     if steady == 0:  # all forwards first, then backwards (weight work from step s on)
         return [(m, 0)] + [(m - 1 - c, min(c, s) + 1) for c in range(m)]
@@ -168,8 +194,15 @@ def _pareto(items: list[Totals]) -> tuple[Totals, ...]:
     return tuple(tuple(int(x) for x in row) for row in flat[keep])  # type: ignore[misc]
 
 
-def peak_in_flight(schedule: str, stages: int, micro_batches: int, chunks: int, stage: int) -> int:
-    """Most chunk-micro-batches whose forward has run and backward has not (Megatron's warm-up
-    count plus one, capped by the work there is)."""
-    states = held_states(schedule, stages, micro_batches, chunks, stage)
+def peak_in_flight(
+    schedule: str,
+    stages: int,
+    micro_batches: int,
+    chunks: int,
+    stage: int,
+    warmup: int | None = None,
+) -> int:
+    """Most chunk-micro-batches whose forward has run and backward has not (the warm-up count
+    plus one, capped by the work there is)."""
+    states = held_states(schedule, stages, micro_batches, chunks, stage, warmup)
     return max(sum(active) for active, _ in states)

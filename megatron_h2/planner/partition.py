@@ -4,29 +4,30 @@ Given the stages of a pipeline (chip type, TP, position) and its schedule, the s
 ``l_0 .. l_{p-1}`` (every stage at least one layer per model chunk) minimises the cost model's
 step time, which for every schedule has the form
 
-    T(l) = F * max_i w_i(l_i) + sum_i f_i(l_i) + max_i z_i(l_i) + links
+    T(l) = max_i F_i w_i(l_i) + sum_i f_i(l_i) + max_i z_i(l_i) + links
 
 with each stage's recompute mode the fastest that fits its memory (``inf`` when none fits):
 
-* ``1f1b``: ``F = m - 1``, ``w = f = W`` (forward + backward per micro-batch), ``z = Z`` (DP
-  sync);
+* ``1f1b``: ``F_i = m_i - 1`` (``m_i`` the micro-batches of each of the stage's DP replicas),
+  ``w = f = W`` (forward + backward per micro-batch), ``z = Z`` (DP sync);
 * ``interleaved`` (``V`` equal chunks per stage): ``F = m V - 1``, ``w = f = W / V``,
   ``z = Z``; the split counts *units* of ``V`` layers (one per chunk), so ``l_i = V u_i``;
-* ``zero-bubble``: ``F = m - 1``, ``w = W``, ``f = W - (1 + b) G``, ``z = (1 + b) G + Z`` with
-  ``G`` the weight-gradient part of ``W`` and ``b`` from
+* ``zero-bubble``: ``F_i = m_i - 1``, ``w = W``, ``f = W - (1 + b_i) G``, ``z = (1 + b_i) G + Z``
+  with ``G`` the weight-gradient part of ``W`` and ``b_i`` from
   :func:`~megatron_h2.planner.cost_model.zero_bubble_share`.
 
-All of ``w``, ``f`` and ``z`` are non-decreasing in ``l``. For bounds ``W`` on the slowest stage
-and ``Z`` on the largest ``z`` each stage can take at most ``cap_i(W, Z)`` units, and the best
-split under those bounds is a greedy fill or a small min-plus dynamic programme over the stages,
-``S(W, Z)``. The optimum is ``min F W + Z + S(W, Z)`` over the finitely many values ``W`` and
-``Z`` that some ``w_i(l)`` and ``z_i(l)`` take. Both are scanned upwards from their smallest
-feasible values until ``F W + Z + S(inf, inf)`` cannot beat the best found, so the result is
-exact.
+All of ``F w``, ``f`` and ``z`` are non-decreasing in ``l``. For bounds ``W`` on the largest
+``F_i w_i`` and ``Z`` on the largest ``z`` each stage can take at most ``cap_i(W, Z)`` units, and
+the best split under those bounds is a greedy fill or a small min-plus dynamic programme over
+the stages, ``S(W, Z)``. The optimum is ``min W + Z + S(W, Z)`` over the finitely many values
+``W`` and ``Z`` that some ``F_i w_i(l)`` and ``z_i(l)`` take. Both are scanned upwards from their
+smallest feasible values until ``W + Z + S(inf, inf)`` cannot beat the best found, so the result
+is exact.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -57,11 +58,20 @@ class Split:
     step_time_s: float
 
 
+def step_factors(schedule: str, micro_batches: Sequence[int], chunks: int) -> list[int]:
+    """``F_i`` of the step formula per stage: ``m_i - 1``, or ``m V - 1`` under interleaving."""
+    if schedule == "interleaved":
+        return [m * chunks - 1 for m in micro_batches]
+    return [m - 1 for m in micro_batches]
+
+
 class StageTable:
     """Per stage and unit count: the three terms of the step time and the recompute mode.
 
     A unit is one layer per model chunk (``chunks`` layers). ``mode_caps[i]`` holds, per
-    recompute mode, the most units stage ``i`` fits in memory.
+    recompute mode, the most units stage ``i`` fits in memory; ``micro_batches`` the
+    micro-batches of each of its DP replicas (one number when every stage has the same). The
+    ``work`` term already carries the factor ``F_i``.
     """
 
     def __init__(
@@ -71,16 +81,18 @@ class StageTable:
         mode_caps: list[tuple[int, int, int]],
         schedule: str = "1f1b",
         chunks: int = 1,
-        micro_batches: int = 1,
+        micro_batches: int | Sequence[int] = 1,
     ):
         p, size = len(slots), num_units + 1
+        counts = [micro_batches] * p if isinstance(micro_batches, int) else list(micro_batches)
+        factors = step_factors(schedule, counts, chunks)
         layers = np.arange(size, dtype=np.float64) * chunks
         self.work = np.full((p, size), INF)
         self.fill = np.full((p, size), INF)
         self.tail = np.zeros((p, size))
         self.mode = np.full((p, size), -1, dtype=np.int8)
-        share = 1.0 + zero_bubble_share(p, micro_batches)
         for i, (slot, caps) in enumerate(zip(slots, mode_caps)):
+            share = 1.0 + zero_bubble_share(p, counts[i])
             c, first, last = slot.costs, slot.first, slot.last
             edge_f = (c.embedding_forward if first else 0.0) + (c.head_forward if last else 0.0)
             edge_b = (c.embedding_backward if first else 0.0) + (c.head_backward if last else 0.0)
@@ -103,7 +115,7 @@ class StageTable:
             elif schedule == "zero-bubble":
                 fill, tail = work - share * weight, sync + share * weight
             self.mode[i] = mode
-            self.work[i] = np.where(mode >= 0, work, INF)
+            self.work[i] = np.where(mode >= 0, factors[i] * work, INF)
             self.fill[i] = np.where(mode >= 0, fill, INF)
             self.tail[i] = tail
         self.num_layers = num_units
@@ -176,10 +188,10 @@ class StageTable:
         split.reverse()
         return float(total[self.num_layers]), split
 
-    def step_time(self, split: list[int], factor: int, links_s: float) -> float:
+    def step_time(self, split: list[int], links_s: float) -> float:
         """Step time of a concrete split (in units), as the cost model defines it."""
         rows = np.arange(len(split))
-        terms = factor * self.work[rows, split].max() + self.tail[rows, split].max()
+        terms = self.work[rows, split].max() + self.tail[rows, split].max()
         return float(terms + self.fill[rows, split].sum() + links_s)
 
 
@@ -207,7 +219,7 @@ def _cap_matrix(values: np.ndarray, table: np.ndarray, valid: np.ndarray) -> np.
 def solve_split(
     slots: list[StageSlot],
     num_layers: int,
-    num_micro_batches: int,
+    num_micro_batches: int | Sequence[int],
     links_s: float,
     mode_caps: list[tuple[int, int, int]],
     cutoff: float = INF,
@@ -219,15 +231,14 @@ def solve_split(
     None if nothing fits or nothing beats ``cutoff``.
 
     ``mode_caps[i]`` holds, per recompute mode, the most layers per chunk stage ``i`` fits in
-    memory. ``links_s`` is the constant point-to-point part of the step time. Interleaved
+    memory; ``num_micro_batches`` the micro-batches of each DP replica, one number or one per
+    stage. ``links_s`` is the constant point-to-point part of the step time. Interleaved
     splits give every chunk of a stage the same number of layers (``num_layers`` must then be a
     multiple of ``chunks``, else there is no split).
     """
     if num_layers % chunks:
         return None
-    m = num_micro_batches
-    table = StageTable(slots, num_layers // chunks, mode_caps, schedule, chunks, m)
-    factor = m * chunks - 1 if schedule == "interleaved" else m - 1
+    table = StageTable(slots, num_layers // chunks, mode_caps, schedule, chunks, num_micro_batches)
     valid = table.mode >= 0
     loose = valid.sum(axis=1) - 1
     if not table.feasible(loose):
@@ -240,12 +251,12 @@ def solve_split(
     floor = table.best_sum(loose)
     if floor is None:
         return None
-    if factor * works[w_first] + z_min + floor[0] + links_s >= cutoff:
+    if works[w_first] + z_min + floor[0] + links_s >= cutoff:
         return None
     best, best_value = None, cutoff
     seen: set[bytes] = set()
     for j in range(w_first, len(works)):
-        if factor * works[j] + z_min + floor[0] + links_s >= best_value:
+        if works[j] + z_min + floor[0] + links_s >= best_value:
             break
         by_work = w_caps[j]
         unbounded = table.best_sum(by_work)  # the same W with no bound on the sync
@@ -255,7 +266,7 @@ def solve_split(
             len(syncs), lambda k, w=by_work: table.feasible(np.minimum(w, z_caps[k]))
         )
         for k in range(k_first, len(syncs)):
-            if factor * works[j] + syncs[k] + unbounded[0] + links_s >= best_value:
+            if works[j] + syncs[k] + unbounded[0] + links_s >= best_value:
                 break
             caps = np.minimum(by_work, z_caps[k])
             key = caps.tobytes()
@@ -265,7 +276,7 @@ def solve_split(
             found = unbounded if np.array_equal(caps, by_work) else table.best_sum(caps)
             if found is None:
                 continue
-            value = table.step_time(found[1], factor, links_s)
+            value = table.step_time(found[1], links_s)
             if value < best_value:
                 best_value, best = value, found[1]
     if best is None:

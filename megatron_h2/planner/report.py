@@ -7,7 +7,7 @@ from collections.abc import Sequence
 from megatron_h2.hetero_plan import HeteroPlan
 from megatron_h2.planner.alternatives import Alternative
 from megatron_h2.planner.cluster import Cluster
-from megatron_h2.planner.compare import Comparison
+from megatron_h2.planner.compare import Comparison, type_roles
 from megatron_h2.planner.cost_model import PlanEstimate, zero_bubble_share
 from megatron_h2.planner.search import Candidate, SearchResult
 from megatron_h2.planner.simulator import SimulationResult, schedule_label
@@ -35,23 +35,43 @@ def _runs(values: list[int]) -> str:
     return ",".join(out)
 
 
-def stage_summary(plan: HeteroPlan) -> str:
-    """Blocks of stages, e.g. ``H100 TP2 x8 [6x8] | MI250X TP4 x4 [4x4 sel]``."""
-    blocks: list[tuple[str, int, list[int], list[str]]] = []
-    for stage in plan.stages:
-        if blocks and blocks[-1][0] == stage.chip and blocks[-1][1] == stage.tensor_parallel_size:
-            blocks[-1][2].append(stage.num_layers)
-            blocks[-1][3].append(stage.recompute)
+def _blocks(plan: HeteroPlan) -> list[tuple[str, int, int, list[int], list[str]]]:
+    """Runs of stages of one chip type, TP and DP degree: (chip, TP, DP, layers, recompute)."""
+    blocks: list[tuple[str, int, int, list[int], list[str]]] = []
+    for index, stage in enumerate(plan.stages):
+        key = (stage.chip, stage.tensor_parallel_size, plan.stage_dp(index))
+        if blocks and blocks[-1][:3] == key:
+            blocks[-1][3].append(stage.num_layers)
+            blocks[-1][4].append(stage.recompute)
         else:
-            blocks.append(
-                (stage.chip, stage.tensor_parallel_size, [stage.num_layers], [stage.recompute])
-            )
+            blocks.append((*key, [stage.num_layers], [stage.recompute]))
+    return blocks
+
+
+def stage_summary(plan: HeteroPlan) -> str:
+    """Blocks of stages, e.g. ``H100 TP2 x8 [6x8] | MI250X TP4 x4 [4x4 sel]``; with per-stage
+    DP degrees each block names its own, e.g. ``H100 TP2 DP32 x4 [...]``."""
     parts = []
-    for chip, tp, layers, modes in blocks:
+    for chip, tp, dp, layers, modes in _blocks(plan):
         used = sorted({m for m in modes if m != "none"})
         extra = (" " + "/".join(m[:3] for m in used)) if used else ""
-        parts.append(f"{chip} TP{tp} x{len(layers)} [{_runs(layers)}{extra}]")
+        own = "" if plan.uniform_dp else f" DP{dp}"
+        parts.append(f"{chip} TP{tp}{own} x{len(layers)} [{_runs(layers)}{extra}]")
     return " | ".join(parts)
+
+
+def dp_label(plan: HeteroPlan) -> str:
+    """``16``, or with per-stage DP degrees each block's, front to back: ``32/16/8``."""
+    if plan.uniform_dp:
+        return str(plan.data_parallel_size)
+    return "/".join(str(dp) for _, _, dp, _, _ in _blocks(plan))
+
+
+def micro_batch_label(plan: HeteroPlan) -> str:
+    """Micro-batches per DP replica: ``128``, or each block's: ``64/128/256``."""
+    if plan.uniform_dp:
+        return str(plan.num_micro_batches)
+    return "/".join(str(plan.total_micro_batches // dp) for _, _, dp, _, _ in _blocks(plan))
 
 
 def schedule_short(plan: HeteroPlan) -> str:
@@ -96,9 +116,9 @@ def candidates_table(result: SearchResult) -> str:
                 f"{est.step_time_s:.3f}",
                 f"{est.tokens_per_s:,.0f}",
                 f"{100 * est.mfu:.1f}%",
-                str(plan.data_parallel_size),
+                dp_label(plan),
                 str(plan.micro_batch_size),
-                str(plan.num_micro_batches),
+                micro_batch_label(plan),
                 str(plan.pipeline_parallel_size),
                 schedule_short(plan),
                 str(plan.world_size),
@@ -120,7 +140,7 @@ def plan_detail(candidate: Candidate, simulation: SimulationResult | None) -> st
     small = min(stage.capacity_bytes for stage in est.stages) < 4 * GIB
     unit, scale = ("MiB", 2**20) if small else ("GiB", GIB)
     split = plan.schedule == "zero-bubble"
-    header = ["stage", "chip", "TP", "ranks", "layers", "recompute", "in flight"]
+    header = ["stage", "chip", "TP", "DP", "ranks", "layers", "recompute", "in flight"]
     header += ["W held"] if split else []
     header += ["F+B ms", "sync ms", f"peak {unit}", f"usable {unit}", "busy"]
     rows = []
@@ -131,6 +151,7 @@ def plan_detail(candidate: Candidate, simulation: SimulationResult | None) -> st
             str(index),
             stage.chip,
             str(stage.tensor_parallel_size),
+            str(plan.stage_dp(index)),
             f"{ranks.start}-{ranks.stop - 1}",
             "+".join(str(n) for n in plan.stages[index].chunks),
             stage.recompute,
@@ -157,15 +178,16 @@ def explain(
     """Plain-language reasons: the schedule and what it saves, what bounds the step time, what
     memory forced, what is unused, and the same stages under the other schedules."""
     plan, est = candidate.plan, candidate.estimate
-    m, p, v = plan.num_micro_batches, plan.pipeline_parallel_size, plan.virtual_pipeline_size
+    p, v = plan.pipeline_parallel_size, plan.virtual_pipeline_size
     k = est.bottleneck
-    slow = est.stages[k]
+    slow, m = est.stages[k], est.micro_batches(k)
     work = sum(s.work_s for s in est.stages)
     steady = (m - 1 / v) * slow.work_s if plan.schedule == "interleaved" else (m - 1) * slow.work_s
+    replicas = "" if plan.uniform_dp else f" on each of its {plan.stage_dp(k)} DP replicas"
     lines = [
         f"schedule: {schedule_label(plan)}; slowest stage: {k} ({slow.chip},"
         f" TP{slow.tensor_parallel_size}, {slow.num_layers} layers) at"
-        f" {1e3 * slow.work_s:.1f} ms per micro-batch; with {m} micro-batches it sets"
+        f" {1e3 * slow.work_s:.1f} ms per micro-batch; with {m} micro-batches{replicas} it sets"
         f" {steady:.2f} s of the {est.step_time_s:.2f} s step",
         _fill_line(plan, est, work)
         + f"; DP gradient sync: {est.dp_sync_s:.2f} s; point-to-point: {est.link_s:.3f} s",
@@ -215,25 +237,34 @@ def explain(
 
 def _fill_line(plan: HeteroPlan, est: PlanEstimate, work: float) -> str:
     """What the pipeline's fill and drain cost under the plan's schedule."""
-    v, m, p = plan.virtual_pipeline_size, plan.num_micro_batches, plan.pipeline_parallel_size
+    v, p = plan.virtual_pipeline_size, plan.pipeline_parallel_size
     if plan.schedule == "interleaved":
         return (
             f"pipeline fill and drain (sum of stage work / V): {work / v:.2f} s, 1/{v} of"
             f" 1F1B's {work:.2f} s"
         )
     if plan.schedule == "zero-bubble":
-        share = 1.0 + zero_bubble_share(p, m)
-        weight = sum(s.weight_grad_s for s in est.stages)
+        shares = [1.0 + zero_bubble_share(p, est.micro_batches(s)) for s in range(p)]
+        weight = sum(b * s.weight_grad_s for b, s in zip(shares, est.stages))
+        share = f"{shares[0]:g} x" if len(set(shares)) == 1 else "(1 + b) x"
         return (
-            f"pipeline fill and drain: {work - share * weight:.2f} s (1F1B's {work:.2f} s less"
-            f" {share:g} x the stages' weight-gradient work, which fills the bubble)"
+            f"pipeline fill and drain: {work - weight:.2f} s (1F1B's {work:.2f} s less"
+            f" {share} the stages' weight-gradient work, which fills the bubble)"
         )
     return f"pipeline fill and drain (sum of stage work): {work:.2f} s"
 
 
 def _held(plan: HeteroPlan, est: PlanEstimate) -> str:
     """What early (or all) stages keep in memory under the plan's schedule."""
-    p, m, v = plan.pipeline_parallel_size, plan.num_micro_batches, plan.virtual_pipeline_size
+    p, v = plan.pipeline_parallel_size, plan.virtual_pipeline_size
+    if not plan.uniform_dp:
+        most = max(range(p), key=lambda s: est.stages[s].in_flight)
+        return (
+            f"each DP replica runs ahead of the next stage by one micro-batch per replica of"
+            f" that stage: stage {most} ({plan.stages[most].chip}, DP {plan.stage_dp(most)})"
+            f" holds {est.stages[most].in_flight} micro-batches per replica"
+        )
+    m = plan.num_micro_batches
     if plan.schedule == "interleaved":
         first = est.stages[0].in_flight
         return (
@@ -295,12 +326,17 @@ def search_summary(result: SearchResult) -> str:
         f" {s.nodes:,} pipeline prefixes ({s.nodes_pruned:,} options pruned by bound),"
         f" {s.splits_solved:,} layer splits in {s.elapsed_s:.1f} s"
     )
+    if s.own_dp == "derived":
+        line += f"; own DP per type: re-splits of {s.own_dp_seeds} of the best one-DP plans"
+    elif s.own_dp == "all":
+        line += "; own DP per type: every plan"
     if s.exhaustive:
-        return line + "; the best plan is optimal for the cost model"
+        return line + "; the best plan is optimal for the cost model in this space"
     gap = 100 * (best / s.lower_bound_s - 1) if s.lower_bound_s > 0 else float("inf")
-    return (
-        line + f"; time limit hit: the best plan is within {gap:.1f}% of the optimum (proven bound)"
-    )
+    line += f"; time limit hit: the best plan is within {gap:.1f}% of the optimum (proven bound)"
+    if s.own_dp_status == "not searched":
+        line += " of the one-DP plans (the time limit came before the own-DP search)"
+    return line
 
 
 def comparison_text(comparison: Comparison) -> str:
@@ -316,14 +352,26 @@ def comparison_text(comparison: Comparison) -> str:
                 [
                     result.chip,
                     f"{result.tokens_per_s:,.0f}",
-                    f"DP{cand.plan.data_parallel_size} mbs{cand.plan.micro_batch_size}"
+                    f"DP{dp_label(cand.plan)} mbs{cand.plan.micro_batch_size}"
                     f" {schedule_short(cand.plan)} {stage_summary(cand.plan)}",
                 ]
             )
     rows.append(["sum", f"{comparison.homogeneous_sum:,.0f}", ""])
     rows.append(["heterogeneous", f"{comparison.heterogeneous_tokens_per_s:,.0f}", ""])
     verdict = "superlinear" if comparison.ratio > 1 else "not superlinear"
-    return (
+    text = (
         _table(header, rows)
         + f"\nratio heterogeneous / sum of homogeneous = {comparison.ratio:.3f} ({verdict})"
     )
+    roles = type_roles(comparison)
+    if roles:
+        text += "\nwhy (each type's contribution = its share of the layers x the mixed tokens/s):"
+        for role in roles:
+            mixed = (
+                f"mixed: {role.mixed}: contributes {role.contributed_tokens_per_s:,.0f} tokens/s,"
+                f" {role.gain:.2f} x alone"
+                if role.mixed
+                else "mixed: unused"
+            )
+            text += f"\n  - {role.chip}: {role.bound_alone}-bound alone ({role.alone}); {mixed}"
+    return text

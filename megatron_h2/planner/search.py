@@ -17,6 +17,10 @@ whose bound is not below the K-th best step time found so far is pruned, and so 
 whose root bound is not. Nothing else is pruned, so unless the time limit stops it the search is
 exhaustive over the plan space (the tests check it against brute-force enumeration); at the time
 limit, the lowest bound left is a proven lower bound on the optimum.
+
+Plans with one DP degree are searched first, with the whole time limit; then, in the time left,
+the plans where chip types have their own DP degrees that :attr:`SearchOptions.own_dp` names
+(by default re-splits of the best one-DP plans, :meth:`_Search._derive`).
 """
 
 from __future__ import annotations
@@ -31,131 +35,31 @@ import numpy as np
 
 from megatron_h2.errors import ConfigError
 from megatron_h2.hetero_plan import (
-    SCHEDULES,
     ChipSpec,
     HeteroPlan,
     StageSpec,
 )
 from megatron_h2.planner.bounds import BatchShape, Kind
-from megatron_h2.planner.cost_model import MODES, CostModel, PlanEstimate
+from megatron_h2.planner.cost_model import MODES, CostModel
 from megatron_h2.planner.partition import INF, Split, StageSlot, solve_split
-from megatron_h2.yaml_checks import closest, positive_int
+from megatron_h2.planner.search_options import (
+    OWN_DP_SPACES,
+    Candidate,
+    SearchOptions,
+    SearchResult,
+    SearchStats,
+)
+
+__all__ = ["OWN_DP_SPACES", "Candidate", "SearchOptions", "SearchResult", "SearchStats", "search"]
 
 _SLACK = 1e-9  # relative tolerance when comparing a bound with the K-th best
 
 
 
 @dataclass(frozen=True)
-class SearchOptions:
-    """What to search over and for how long."""
-
-    global_batch_size: int
-    top_k: int = 5
-    micro_batch_sizes: tuple[int, ...] | None = None
-    max_micro_batch_size: int = 8
-    time_limit_s: float = 55.0
-    grid_points: int = 64
-    dive_shapes: int = 24
-    dive_nodes: int = 24
-    schedules: tuple[str, ...] = SCHEDULES
-    """Pipeline schedules to consider (``1f1b``, ``interleaved``, ``zero-bubble``)."""
-    max_virtual_stages: int = 4
-    """Most model chunks per stage (``V``) under ``interleaved``."""
-
-    def __post_init__(self) -> None:
-        positive_int(self.global_batch_size, "global_batch_size")
-        positive_int(self.top_k, "top_k")
-        positive_int(self.max_micro_batch_size, "max_micro_batch_size")
-        positive_int(self.grid_points, "grid_points", minimum=8)
-        positive_int(self.dive_shapes, "dive_shapes", minimum=0)
-        positive_int(self.dive_nodes, "dive_nodes")
-        if self.micro_batch_sizes is not None:
-            for size in self.micro_batch_sizes:
-                positive_int(size, "micro_batch_size")
-                if self.global_batch_size % size:
-                    raise ConfigError(
-                        f"global batch size {self.global_batch_size} is not divisible by micro"
-                        f" batch size {size}; pick a micro batch size that divides it"
-                    )
-        object.__setattr__(self, "schedules", tuple(self.schedules))
-        if not self.schedules:
-            raise ConfigError("schedules is empty; give at least one of " + ", ".join(SCHEDULES))
-        for schedule in self.schedules:
-            if schedule not in SCHEDULES:
-                raise ConfigError(
-                    f"unknown pipeline schedule {schedule!r}{closest(str(schedule), SCHEDULES)};"
-                    f" choose from {', '.join(SCHEDULES)}"
-                )
-        positive_int(self.max_virtual_stages, "max_virtual_stages", minimum=2)
-        if not self.time_limit_s > 0:
-            raise ConfigError(f"time limit must be positive, got {self.time_limit_s}")
-
-    def schedule_variants(self, num_layers: int) -> list[tuple[str, int]]:
-        """(schedule, model chunks) pairs to search; interleaved with every ``V`` from 2 to
-        :attr:`max_virtual_stages` that divides the layers (chunks are equal)."""
-        variants = []
-        for schedule in SCHEDULES:
-            if schedule not in self.schedules:
-                continue
-            if schedule == "interleaved":
-                chunks = range(2, self.max_virtual_stages + 1)
-                variants += [(schedule, v) for v in chunks if num_layers % v == 0]
-            else:
-                variants.append((schedule, 1))
-        return variants
-
-    def micro_batch_candidates(self) -> list[int]:
-        """Micro-batch sizes to try: the given ones, else the powers of two dividing the global
-        batch."""
-        if self.micro_batch_sizes is not None:
-            return sorted(set(self.micro_batch_sizes))
-        sizes, size = [], 1
-        while size <= self.max_micro_batch_size and self.global_batch_size % size == 0:
-            sizes.append(size)
-            size *= 2
-        return sizes
-
-
-@dataclass(frozen=True)
-class Candidate:
-    """A searched plan with its cost-model estimate."""
-
-    plan: HeteroPlan
-    estimate: PlanEstimate
-
-
-@dataclass
-class SearchStats:
-    """Counters of one search, to show how much was pruned."""
-
-    batch_shapes: int = 0
-    batch_shapes_pruned: int = 0
-    nodes: int = 0
-    nodes_pruned: int = 0
-    splits_solved: int = 0
-    elapsed_s: float = 0.0
-    exhaustive: bool = True
-    lower_bound_s: float = INF
-
-
-@dataclass(frozen=True)
-class SearchResult:
-    """Best plans first, with search statistics."""
-
-    candidates: tuple[Candidate, ...]
-    stats: SearchStats
-
-    @property
-    def best(self) -> Candidate:
-        """The fastest plan found."""
-        return self.candidates[0]
-
-
-@dataclass(frozen=True)
 class _Found:
     value: float
     micro_batch_size: int
-    data_parallel_size: int
     schedule: str
     chunks: int
     blocks: tuple[tuple[int, int], ...]  # (kind index, stages), pipeline order
@@ -167,6 +71,38 @@ _Suffix = tuple[tuple[int, int], ...]
 _Groups = tuple[tuple[float, np.ndarray, int], ...]  # (per-layer time, capacity, stages)
 
 
+@dataclass(frozen=True)
+class _Node:
+    """A pipeline suffix: its blocks (kind, stages) from the front, their capacity groups, its
+    stages, the chip types still unused (bit mask), its link time and its lead (the lead the
+    stage in front of it must have, :mod:`.bounds`)."""
+
+    suffix: _Suffix
+    groups: _Groups
+    position: int
+    mask: int
+    links: float
+    lead: int
+
+    def child(self, shape: BatchShape, kind: int, count: int, links: float) -> _Node:
+        """The suffix with ``count`` stages of ``kind`` prepended."""
+        start = shape.start(kind, self.lead)
+        block = shape.block(kind, start, np.array([start + count]))[:, 0]
+        chip_bit = 1 << shape.types.index(shape.kinds[kind].chip)
+        return _Node(
+            ((kind, count),) + self.suffix,
+            self.groups + ((float(shape.fill_unit[kind]), block, count),),
+            self.position + count,
+            self.mask & ~chip_bit,
+            self.links + links,
+            shape.kinds[kind].dp * (start + count),
+        )
+
+
+def _root(shape: BatchShape) -> _Node:
+    return _Node((), (), 0, (1 << len(shape.types)) - 1, 0.0, 0)
+
+
 class _Search:
     """One run of the branch and bound (state lives here, not at module level)."""
 
@@ -176,7 +112,7 @@ class _Search:
         self.best: list[tuple[float, int, _Found]] = []  # max-heap by value via negation
         self.counter = itertools.count()
         self.deadline = time.monotonic() + options.time_limit_s
-        self.evaluated: set[tuple[int, int, str, int, tuple[tuple[int, int], ...]]] = set()
+        self.evaluated: set[tuple[int, str, int, int | None, _Suffix]] = set()
 
     @property
     def threshold(self) -> float:
@@ -189,34 +125,102 @@ class _Search:
         self.stats.exhaustive = False
         self.stats.lower_bound_s = min(self.stats.lower_bound_s, bound)
 
-    def _shapes(self) -> list[BatchShape]:
-        """Every (micro-batch size, DP degree, schedule, V) shape with some stage kind. The
-        zero-bubble and interleaved shapes are lazy: the 1F1B shape of the same micro-batch size
-        and DP degree bounds them (:meth:`BatchShape.cheap_bound`) until they are needed."""
+    def _shapes(self, own: bool) -> list[BatchShape]:
+        """Every (micro-batch size, schedule, V, DP) shape with some stage kind: with ``own``
+        False one per uniform DP degree, else for 1F1B and zero-bubble the one where every chip
+        type has its own (the interleaved search keeps one DP degree). The zero-bubble and
+        interleaved shapes are lazy: the 1F1B shape of the same micro-batch size and DP degrees
+        bounds them (:meth:`BatchShape.cheap_bound`) until they are needed."""
         shapes = []
         largest = max(c.count for c in self.cost.cluster.chips)
         variants = self.options.schedule_variants(self.cost.model.num_layers)
+        if own:
+            variants = [v for v in variants if v[0] != "interleaved"]
         gbs = self.options.global_batch_size
         for mbs in self.options.micro_batch_candidates():
             per_dp = gbs // mbs
-            for dp in (d for d in range(1, min(per_dp, largest) + 1) if per_dp % d == 0):
-                plain = BatchShape(self.cost, gbs, mbs, dp) if ("1f1b", 1) in variants else None
-                for schedule, chunks in variants:
+            degrees: list[int | None] = (
+                [None]
+                if own
+                else [d for d in range(1, min(per_dp, largest) + 1) if per_dp % d == 0]
+            )
+            plain = {  # the 1F1B shapes, one per DP key
+                dp: BatchShape(self.cost, gbs, mbs, "1f1b", 1, dp)
+                for dp in degrees
+                if ("1f1b", 1) in variants
+            }
+            for schedule, chunks in variants:
+                for dp in degrees:
                     if (schedule, chunks) == ("1f1b", 1):
-                        shape = plain
+                        shape, floor = plain[dp], None
                     else:
-                        shape = BatchShape(self.cost, gbs, mbs, dp, schedule, chunks, lazy=True)
-                        if plain is not None and plain.kinds and shape.kinds:
-                            shape.pre_bound = shape.cheap_bound(plain.w_floor)
-                        else:
-                            shape.prepare()
-                    if shape is not None and shape.kinds:
-                        shapes.append(shape)
+                        shape = BatchShape(self.cost, gbs, mbs, schedule, chunks, dp, lazy=True)
+                        floor = plain[dp].w_floor if dp in plain and plain[dp].kinds else None
+                    if not shape.kinds:
+                        continue
+                    if floor is not None and floor < INF:
+                        shape.pre_bound = shape.cheap_bound(floor)
+                    elif floor is not None:
+                        shape.pre_bound = INF  # no plan of the 1F1B shape fits either
+                    else:
+                        shape.prepare()
+                    shapes.append(shape)
         return shapes
 
     def run(self) -> list[_Found]:
-        shapes = self._shapes()
+        """Uniform-DP shapes first, with the whole time limit (their plans set the threshold
+        and their gap is that of a one-DP search), then, in the time left, the plans where chip
+        types have their own DP degrees that :attr:`SearchOptions.own_dp` names (plans with
+        one DP degree there are left to the uniform shapes), pruned against that threshold."""
+        shapes = self._shapes(own=False)
         self.stats.batch_shapes = len(shapes)
+        self._run_shapes(shapes)
+        if len(self.cost.cluster.chips) < 2 or self.options.own_dp == "none":
+            return sorted((item[2] for item in self.best), key=lambda f: f.value)
+        self.stats.own_dp = self.options.own_dp
+        if time.monotonic() > self.deadline:
+            self.stats.own_dp_status, self.stats.exhaustive = "not searched", False
+        elif self.options.own_dp == "all":
+            own = self._shapes(own=True)
+            self.stats.batch_shapes += len(own)
+            self._run_shapes(own)
+            self.stats.own_dp_status = "complete" if self.stats.exhaustive else "bounded"
+        else:
+            self._derive()
+        return sorted((item[2] for item in self.best), key=lambda f: f.value)
+
+    def _derive(self) -> None:
+        """Own-DP re-splits of the K best one-DP plans found, best first over all of them: for
+        each 1F1B or zero-bubble one of two or more chip types, its micro-batch size, schedule,
+        chip types and their TP degrees, every order of those types and each type's own DP
+        degree half, equal to or twice its DP there (each type then uses all its chips: half
+        the DP is twice the stages of the same width; one batch shape of just those kinds, so
+        that unused types bound only what they can add)."""
+        seeds: dict[tuple[int, str, tuple[tuple[int, int, int], ...]], None] = {}
+        for _, _, found in sorted(self.best, key=lambda item: -item[0]):
+            types = tuple(
+                sorted((found.kinds[k].chip, found.kinds[k].tp, found.kinds[k].dp)
+                       for k, _ in found.blocks)
+            )  # fmt: skip
+            if len(types) > 1 and found.schedule != "interleaved":
+                seeds.setdefault((found.micro_batch_size, found.schedule, types), None)
+        gbs = self.options.global_batch_size
+        roots: list[tuple[float, BatchShape]] = []
+        for mbs, schedule, types in seeds:
+            if time.monotonic() > self.deadline:
+                self.stats.own_dp_status, self.stats.exhaustive = "not searched", False
+                return
+            self.stats.own_dp_seeds += 1
+            near = frozenset((chip, tp, d * f) for chip, tp, d in types for f in (0.5, 1, 2))
+            shape = BatchShape(self.cost, gbs, mbs, schedule, 1, None, only=near)
+            self.stats.batch_shapes += 1
+            if len(shape.types) < len(types) or shape.root_bound() >= self.threshold:
+                continue  # some type cannot use all its chips with its TP degree, or no win
+            roots.append((shape.root_bound(), shape))
+        if self._best_first(roots, use_all=True):
+            self.stats.own_dp_status = "bounded"
+
+    def _run_shapes(self, shapes: list[BatchShape]) -> None:
         shapes.sort(key=lambda s: s.root_bound())
         for shape in shapes[: self.options.dive_shapes]:  # short dives: good incumbents early
             if (
@@ -227,239 +231,208 @@ class _Search:
             shape.prepare()
             if shape.root_bound() >= self.threshold * (1 - _SLACK):
                 continue
-            w_high = self.threshold / max(shape.factor, 1) if self.threshold < INF else shape.w_max
-            shape.build_grid(w_high, 64)
-            self._explore(
-                shape, (), (), 0, (1 << len(shape.types)) - 1, 0.0, budget=self.options.dive_nodes
-            )
+            shape.build_grid(self.threshold if self.threshold < INF else shape.w_max, 64)
+            self._explore(shape, _root(shape), budget=self.options.dive_nodes)
         refined = []  # (bound from the root's children, shape), for shapes that may still win
         for shape in shapes:
             if shape.root_bound() >= self.threshold * (1 - _SLACK):
                 self.stats.batch_shapes_pruned += 1
                 continue
             if time.monotonic() > self.deadline:
-                self._abandon(shape.root_bound())
+                shape.prepare()  # its tables' bound, not the cheap one (a small cost)
+                if shape.root_bound() >= self.threshold * (1 - _SLACK):
+                    self.stats.batch_shapes_pruned += 1
+                else:
+                    self._abandon(shape.root_bound())
                 continue
             shape.prepare()
             if shape.root_bound() >= self.threshold * (1 - _SLACK):
                 self.stats.batch_shapes_pruned += 1
                 continue
             self._prepare_shape(shape)
-            options = self._options(shape, (), (), 0, (1 << len(shape.types)) - 1, 0.0)
+            options = self._options(shape, _root(shape))
             bound = options[0][0] if options else INF
             if bound >= self.threshold * (1 - _SLACK):
                 self.stats.batch_shapes_pruned += 1
             else:
                 refined.append((bound, shape))
         self._best_first(refined)
-        return sorted((item[2] for item in self.best), key=lambda f: f.value)
 
-    def _best_first(self, roots: list[tuple[float, BatchShape]]) -> None:
-        """Expand pipeline suffixes of all batch shapes in order of their bounds.
+    def _best_first(self, roots: list[tuple[float, BatchShape]], use_all: bool = False) -> bool:
+        """Expand pipeline suffixes of all batch shapes in order of their bounds (with
+        ``use_all`` closing a pipeline only once it uses every chip type of its shape).
 
         The search is over when the lowest bound left cannot beat the K-th best plan (then it is
-        exhaustive) or at the time limit (then that lowest bound is the proven lower bound).
+        exhaustive) or at the time limit (then that lowest bound is the proven lower bound, and
+        this returns True).
         """
-        queue: list[tuple[float, int, BatchShape, int, int, _Suffix, _Groups, int, int, float]] = []
+        queue: list[tuple[float, int, BatchShape, int, int, _Node]] = []
         for bound, shape in roots:
             self._prepare_shape(shape)
-            queue.append(
-                (
-                    bound,
-                    next(self.counter),
-                    shape,
-                    0,
-                    0,
-                    (),
-                    (),
-                    0,
-                    (1 << len(shape.types)) - 1,
-                    0.0,
-                )
-            )
+            queue.append((bound, next(self.counter), shape, 0, 0, _root(shape)))
         heapq.heapify(queue)
         while queue:
-            bound, _, shape, kind, count, suffix, groups, position, mask, links = heapq.heappop(
-                queue
-            )
+            bound, _, shape, kind, count, node = heapq.heappop(queue)
             if bound >= self.threshold * (1 - _SLACK):
                 self.stats.nodes_pruned += 1 + len(queue)
-                return
+                return False
             if time.monotonic() > self.deadline:
                 self._abandon(bound)
-                return
+                return True
             if kind < 0:
-                self._evaluate(shape, suffix)
+                self._evaluate(shape, node.suffix)
                 continue
             if count:  # a child: prepend its block
-                block = shape.block(kind, position, np.array([position + count]))[:, 0]
-                chip_bit = 1 << shape.types.index(shape.kinds[kind].chip)
-                links += self._block_links(shape, suffix, kind, count)
-                groups += ((float(shape.fill_unit[kind]), block, count),)
-                suffix = ((kind, count),) + suffix
-                position, mask = position + count, mask & ~chip_bit
+                links = self._block_links(shape, node, kind, count)
+                node = node.child(shape, kind, count, links)
             self.stats.nodes += 1
-            for option, child, stages in self._options(
-                shape, suffix, groups, position, mask, links
-            ):
+            for option, child, stages in self._options(shape, node, use_all):
                 if option >= self.threshold * (1 - _SLACK):
                     self.stats.nodes_pruned += 1
                     continue
-                heapq.heappush(
-                    queue,
-                    (
-                        option,
-                        next(self.counter),
-                        shape,
-                        child,
-                        stages,
-                        suffix,
-                        groups,
-                        position,
-                        mask,
-                        links,
-                    ),
-                )
+                heapq.heappush(queue, (option, next(self.counter), shape, child, stages, node))
+        return False
 
     def _prepare_shape(self, shape: BatchShape) -> None:
         """Build the probe grid up to what could still beat the K-th best (a dive finds one)."""
         if self.threshold == INF:  # a short dive first, so that the probe grid can be narrow
             shape.build_grid(shape.w_max, 64)
-            self._explore(
-                shape, (), (), 0, (1 << len(shape.types)) - 1, 0.0, budget=self.options.dive_nodes
-            )
-        factor = max(shape.factor, 1)
-        w_high = self.threshold / factor if self.threshold < INF else shape.w_max
-        shape.build_grid(w_high, self.options.grid_points)
+            self._explore(shape, _root(shape), budget=self.options.dive_nodes)
+        shape.build_grid(
+            self.threshold if self.threshold < INF else shape.w_max, self.options.grid_points
+        )
 
-    def _explore(
-        self,
-        shape: BatchShape,
-        suffix: _Suffix,
-        groups: _Groups,
-        position: int,
-        mask: int,
-        links: float,
-        budget: int,
-    ) -> int:
+    def _explore(self, shape: BatchShape, node: _Node, budget: int) -> int:
         """Depth-first dive below a suffix, best option first, visiting at most ``budget`` nodes."""
         self.stats.nodes += 1
         visited = 1
-        for bound, kind, count in self._options(shape, suffix, groups, position, mask, links):
+        for bound, kind, count in self._options(shape, node):
             if bound >= self.threshold * (1 - _SLACK):
                 continue
             if visited >= budget or time.monotonic() > self.deadline:
                 break
             if kind < 0:
-                self._evaluate(shape, suffix)
+                self._evaluate(shape, node.suffix)
                 continue
-            block = shape.block(kind, position, np.array([position + count]))[:, 0]
-            unit = float(shape.fill_unit[kind])
-            chip_bit = 1 << shape.types.index(shape.kinds[kind].chip)
-            visited += self._explore(
-                shape,
-                ((kind, count),) + suffix,
-                groups + ((unit, block, count),),
-                position + count,
-                mask & ~chip_bit,
-                links + self._block_links(shape, suffix, kind, count),
-                budget - visited,
-            )
+            links = self._block_links(shape, node, kind, count)
+            visited += self._explore(shape, node.child(shape, kind, count, links), budget - visited)
         return visited
 
-    def _options(
-        self,
-        shape: BatchShape,
-        suffix: _Suffix,
-        groups: _Groups,
-        position: int,
-        mask: int,
-        links: float,
-    ) -> list[tuple[float, int, int]]:
-        """Children (kind, stages) and the close-here leaf (kind -1), with bounds, best first."""
-        options: list[tuple[float, int, int]] = []
-        fixed = [(u, caps[:, None], count) for u, caps, count in groups]
-        grows = shape.schedule != "1f1b"  # held memory grows with the pipeline's length
-        if grows and suffix:
-            fixed, start = [], 0
-            for (kind, count), (unit, _, _) in zip(reversed(suffix), groups):
-                caps = shape.placed_block(kind, start, count, position + 1)
+    def _fixed(
+        self, shape: BatchShape, node: _Node
+    ) -> tuple[list[tuple[float, np.ndarray, Any]], float]:
+        """The suffix's blocks for :meth:`BatchShape.bound` (under zero-bubble and interleaved
+        with the caps of a pipeline at least one stage longer), and the least folded steady
+        term (one layer on its slowest kind)."""
+        fixed = [(u, caps[:, None], count) for u, caps, count in node.groups]
+        if shape.schedule != "1f1b" and node.suffix:  # held memory grows with the length
+            warmups = shape.warmups(node.suffix)
+            fixed, start, position = [], 0, node.position
+            for (kind, count), (unit, _, _) in zip(reversed(node.suffix), node.groups):
+                first = warmups[position - start - 1]  # the block's last stage
+                caps = shape.placed_block(kind, first, start, count, position + 1)
                 fixed.append((unit, caps[:, None], count))
                 start += count
-        need = max((float(shape.unit[kind, 0]) for kind, _ in suffix), default=0.0)
-        if suffix and shape.closes(position):
+        need = max((float(shape.unit[kind, 0]) for kind, _ in node.suffix), default=0.0)
+        return fixed, need
+
+    def _options(
+        self, shape: BatchShape, node: _Node, use_all: bool = False
+    ) -> list[tuple[float, int, int]]:
+        """The close-here leaf (kind -1) and every child (kind, stage count), with bounds (one
+        :meth:`_bounds` call per chip type), best first; with ``use_all`` the leaf only once every
+        chip type of the shape is used."""
+        suffix, groups, position, mask = node.suffix, node.groups, node.position, node.mask
+        options: list[tuple[float, int, int]] = []
+        fixed, need = self._fixed(shape, node)
+        warmups = shape.warmups(suffix) if suffix else []
+        if suffix and shape.closes(position) and not (use_all and mask):
             edges = float(shape.head_time[suffix[-1][0]] + shape.embedding_time[suffix[0][0]])
             sync = shape.sync_bound(suffix, 0)
             placed = [(u, caps[:, None], count) for u, caps, count in groups]
-            leaf = shape.bound(placed, 0, np.array([position]), links, edges, need, sync)
+            here = np.array([node.lead])
+            leaf = shape.bound(placed, 0, here, node.links, edges, need, sync)
             if leaf[0] < self.threshold * (1 - _SLACK):  # tighter: the exact memory caps
                 closed, front = [], 0
                 for (kind, count), (unit, _, _) in zip(suffix, reversed(groups)):
-                    caps = shape.closed_block(kind, position, front, count)
+                    qs = warmups[front : front + count]
+                    caps = shape.closed_block(kind, position, front, qs)
                     closed.append((unit, caps[:, None], count))
                     front += count
-                leaf = shape.bound(closed, 0, np.array([position]), links, edges, need, sync)
+                leaf = shape.bound(closed, 0, here, node.links, edges, need, sync)
             options.append((float(leaf[0]), -1, 0))
         room = shape.positions - position
         for t_index, chip in enumerate(shape.types):  # one bound call per chip type
             if not mask >> t_index & 1:
                 continue
-            others = mask & ~(1 << t_index)
-            kinds = [k for k in shape.kinds_of[chip] if min(shape.kinds[k].max_stages, room) >= 1]
-            if not kinds:
-                continue
-            counts = [np.arange(1, min(shape.kinds[k].max_stages, room) + 1) for k in kinds]
-            columns = np.cumsum([0] + [len(c) for c in counts])
-            width = int(columns[-1])
-            parts, needs, edges, child_links, syncs = list(fixed), [], [], [], []
-            for kind, count, lo, hi in zip(kinds, counts, columns[:-1], columns[1:]):
-                caps = np.zeros((len(shape.grid), width))  # this kind's options only
-                caps[:, lo:hi] = shape.block(kind, position, position + count)
-                stages = np.zeros(width)
-                stages[lo:hi] = count
-                parts.append((float(shape.fill_unit[kind]), caps, stages))
-                needs.append(np.full(len(count), max(need, float(shape.unit[kind, 0]))))
-                last = suffix[-1][0] if suffix else kind
-                edges.append(np.full(len(count), shape.head_time[last] + shape.embedding_min))
-                child_links.append(links + self._block_links(shape, suffix, kind, count))
-                syncs.append(shape.sync_bound(suffix + ((kind, count),), others))
-            ends = position + np.concatenate(counts)
-            bounds = shape.bound(
-                parts, others, ends, np.concatenate(child_links), np.concatenate(edges),
-                np.concatenate(needs), np.concatenate(syncs),
-            )  # fmt: skip
-            for kind, count, lo in zip(kinds, counts, columns[:-1]):
-                options.extend((float(bounds[lo + i]), kind, int(n)) for i, n in enumerate(count))
+            columns = [(k, shape.counts(k, room)) for k in shape.kinds_of[chip]]
+            columns = [(k, c) for k, c in columns if len(c)]
+            if columns:
+                options += self._bounds(shape, node, fixed, need, columns)
         options.sort(key=lambda item: (item[0], -item[2]))
         return options
 
-    def _block_links(self, shape: BatchShape, suffix: _Suffix, kind: int, count: Any) -> Any:
+    def _bounds(
+        self,
+        shape: BatchShape,
+        node: _Node,
+        fixed: list[tuple[float, np.ndarray, Any]],
+        need: float,
+        columns: list[tuple[int, np.ndarray]],
+    ) -> list[tuple[float, int, int]]:
+        """Bounds of prepending each (kind, stage count) of ``columns`` (kinds of one chip
+        type, each with its counts) in front of ``node``, in one bound call."""
+        others = node.mask & ~(1 << shape.types.index(shape.kinds[columns[0][0]].chip))
+        width = sum(len(c) for _, c in columns)
+        parts, needs, edges, child_links, syncs, leads = list(fixed), [], [], [], [], []
+        lo = 0
+        for kind, count in columns:
+            hi = lo + len(count)
+            start = shape.start(kind, node.lead)
+            caps = np.zeros((len(shape.grid), width))  # this kind's options only
+            caps[:, lo:hi] = shape.block(kind, start, start + count)
+            stages = np.zeros(width)
+            stages[lo:hi] = count
+            parts.append((float(shape.fill_unit[kind]), caps, stages))
+            needs.append(np.full(len(count), max(need, float(shape.unit[kind, 0]))))
+            last = node.suffix[-1][0] if node.suffix else kind
+            edges.append(np.full(len(count), shape.head_time[last] + shape.embedding_min))
+            child_links.append(node.links + self._block_links(shape, node, kind, count))
+            syncs.append(shape.sync_bound(node.suffix + ((kind, count),), others))
+            leads.append(shape.kinds[kind].dp * (start + count))
+            lo = hi
+        bounds = shape.bound(
+            parts, others, np.concatenate(leads), np.concatenate(child_links),
+            np.concatenate(edges), np.concatenate(needs), np.concatenate(syncs),
+        )  # fmt: skip
+        out, lo = [], 0
+        for kind, count in columns:
+            out.extend((float(bounds[lo + i]), kind, int(n)) for i, n in enumerate(count))
+            lo += len(count)
+        return out
+
+    def _block_links(self, shape: BatchShape, node: _Node, kind: int, count: Any) -> Any:
         """Link time in the step formula added by prepending ``count`` stages of ``kind``."""
         name = shape.kinds[kind].name
         total = (count - 1) * shape.link(name, name)
-        if suffix:
-            total = total + shape.link(name, shape.kinds[suffix[0][0]].name)
+        if node.suffix:
+            total = total + shape.link(name, shape.kinds[node.suffix[0][0]].name)
         return shape.link_factor * total
 
     def _evaluate(self, shape: BatchShape, suffix: _Suffix) -> None:
         """Stage two for a closed pipeline (``suffix`` is in pipeline order from the front)."""
-        key = (shape.mbs, shape.dp, shape.schedule, shape.chunks, suffix)
+        key = (shape.mbs, shape.schedule, shape.chunks, shape.dp, suffix)
         if key in self.evaluated:
             return
+        if not shape.uniform and len({shape.kinds[kind].dp for kind, _ in suffix}) == 1:
+            return  # one DP degree after all: the uniform shape of that degree has it
         self.evaluated.add(key)
         self.stats.splits_solved += 1
         split = solve_structure(shape, suffix, cutoff=self.threshold)
         if split is None:
             return
         found = _Found(
-            split.step_time_s,
-            shape.mbs,
-            shape.dp,
-            shape.schedule,
-            shape.chunks,
-            suffix,
-            split,
-            shape.kinds,
+            split.step_time_s, shape.mbs, shape.schedule, shape.chunks, suffix, split, shape.kinds
         )
         heapq.heappush(self.best, (-found.value, next(self.counter), found))
         if len(self.best) > self.options.top_k:
@@ -470,38 +443,43 @@ def solve_structure(shape: BatchShape, suffix: _Suffix, cutoff: float = INF) -> 
     """Stage two: the exact best split of a closed pipeline of ``shape`` whose blocks ``suffix``
     are (kind index, stages) in pipeline order; None if nothing fits or beats ``cutoff``."""
     stages = [kind for kind, count in suffix for _ in range(count)]
-    p, m = len(stages), shape.micro_batches
+    p = len(stages)
+    warmups = shape.warmups(suffix)
     slots, caps = [], []
-    for i, kind in enumerate(stages):
+    for i, (kind, warmup) in enumerate(zip(stages, warmups)):
         slots.append(StageSlot(shape.kinds[kind].costs, i == 0, i == p - 1))
-        caps.append(shape.mode_caps(kind, p, i))
+        caps.append(shape.mode_caps(kind, p, i, warmup))
     names = [shape.kinds[k].name for k in stages]
     links = shape.link_factor * sum(shape.link(a, b) for a, b in zip(names, names[1:]))
     if shape.chunks > 1:
         links += 2.0 * (shape.chunks - 1) * shape.link(names[-1], names[0])
     layers = shape.cost.model.num_layers
+    counts = [shape.kinds[k].micro_batches for k in stages]
     return solve_split(
-        slots, layers, m, links, caps, cutoff, schedule=shape.schedule, chunks=shape.chunks
+        slots, layers, counts, links, caps, cutoff, schedule=shape.schedule, chunks=shape.chunks
     )
 
 
 def to_plan(found: _Found, cost: CostModel, global_batch_size: int) -> HeteroPlan:
-    """Turn a search result into the plan file object."""
+    """Turn a search result into the plan file object (every stage names its DP degree when
+    they differ)."""
     stages, index = [], 0
     chips: dict[str, ChipSpec] = {}
     v = found.chunks
+    degrees = {found.kinds[kind].dp for kind, _ in found.blocks}
     for kind_index, count in found.blocks:
         kind = found.kinds[kind_index]
         chip = cost.cluster.chip(kind.name)
         chips[kind.name] = ChipSpec(chip.device, chip.emulate_slowdown)
+        own = kind.dp if len(degrees) > 1 else None
         for _ in range(count):
             layers = found.split.layers[index]
             chunk_layers = (layers // v,) * v if v > 1 else ()
             mode = MODES[found.split.modes[index]]
-            stages.append(StageSpec(kind.name, kind.tp, layers, mode, chunk_layers))
+            stages.append(StageSpec(kind.name, kind.tp, layers, mode, chunk_layers, own))
             index += 1
     return HeteroPlan(
-        found.data_parallel_size,
+        found.kinds[found.blocks[0][0]].dp,
         found.micro_batch_size,
         global_batch_size,
         chips,

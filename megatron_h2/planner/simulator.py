@@ -28,7 +28,8 @@ from pathlib import Path
 from megatron_h2.config import RECOMPUTE_MODES
 from megatron_h2.errors import ConfigError
 from megatron_h2.hetero_plan import HeteroPlan
-from megatron_h2.planner.cost_model import CostModel, PlanEstimate
+from megatron_h2.pipeline_orders import replica_micro_batches
+from megatron_h2.planner.cost_model import CostModel, PlanEstimate, replica_warmups
 from megatron_h2.planner.orders import Action, stage_order
 
 KIND_NAMES = {"F": "forward", "B": "backward", "W": "weight gradient", "sync": "DP sync"}
@@ -45,6 +46,8 @@ class Event:
     start_s: float
     end_s: float
     chunk: int = 0
+    replica: int = 0
+    """DP replica of the stage (0 unless the stages have their own DP degrees)."""
 
 
 @dataclass(frozen=True)
@@ -58,6 +61,8 @@ class SimulationResult:
     busy_s: tuple[float, ...]
     peak_in_flight: tuple[int, ...]
     peak_memory_bytes: tuple[float, ...]
+    replica_events: tuple[Event, ...] = ()
+    """Events of the DP replicas other than 0 (stages with their own DP degrees only)."""
 
     @property
     def utilization(self) -> tuple[float, ...]:
@@ -128,44 +133,68 @@ class _Timing:
 
 
 def simulate(plan: HeteroPlan, cost: CostModel) -> SimulationResult:
-    """Simulate one step of ``plan`` with durations from ``cost`` (see the module docstring)."""
+    """Simulate one step of ``plan`` with durations from ``cost`` (see the module docstring).
+
+    Stages with their own DP degree: every DP replica runs its own order over its micro-batches
+    (``j mod DP_s``, :func:`~megatron_h2.pipeline_orders.routed_warmups` warm-up forwards) and
+    micro-batch ``j`` goes through replica ``j mod DP_s`` of every stage; a stage's DP sync
+    starts when its last replica is done. Under uniform DP the replicas are alike and one is
+    simulated. Events, busy time and memory are those of replica 0 of each stage (the events of
+    the others are in :attr:`SimulationResult.replica_events`).
+    """
     estimate = cost.evaluate(plan)
-    p, m, v = plan.pipeline_parallel_size, plan.num_micro_batches, plan.virtual_pipeline_size
+    p, v = plan.pipeline_parallel_size, plan.virtual_pipeline_size
+    if plan.uniform_dp:
+        dps, total, warmups = [1] * p, plan.num_micro_batches, [None] * p
+    else:
+        dps, total = [plan.stage_dp(s) for s in range(p)], plan.total_micro_batches
+        warmups = replica_warmups(str(plan.schedule), dps, v, total)
     timing = _Timing(estimate)
-    orders = [stage_order(str(plan.schedule), p, m, v, s) for s in range(p)]
+    actors = [(s, r) for s in range(p) for r in range(dps[s])]
+    orders = {
+        (s, r): stage_order(
+            str(plan.schedule), p, replica_micro_batches(total, dps, s, r, v), v, s, warmups[s]
+        )
+        for s, r in actors
+    }
     ends: dict[tuple[str, int, int, int], float] = {}
-    pointer, free = [0] * p, [0.0] * p
+    pointer, free = dict.fromkeys(actors, 0), dict.fromkeys(actors, 0.0)
     events: list[Event] = []
-    wake = [(0.0, s) for s in range(p)]
+    wake = [(0.0, actor) for actor in actors]
     heapq.heapify(wake)
     while wake:
-        _, s = heapq.heappop(wake)
-        while pointer[s] < len(orders[s]):
-            action = orders[s][pointer[s]]
+        _, actor = heapq.heappop(wake)
+        s, order = actor[0], orders[actor]
+        while pointer[actor] < len(order):
+            action = order[pointer[actor]]
             ready = timing.ready(action, s, ends)
             if ready is None:
                 break  # woken again when the dependency finishes
             kind, chunk, i = action
-            start = max(free[s], ready)
+            start = max(free[actor], ready)
             end = start + timing.duration(kind, s, chunk)
             ends[(kind, s, chunk, i)] = end
-            events.append(Event(s, kind, i, start, end, chunk))
-            free[s], pointer[s] = end, pointer[s] + 1
+            events.append(Event(s, kind, i, start, end, chunk, actor[1]))
+            free[actor], pointer[actor] = end, pointer[actor] + 1
             if kind != "W" and p > 1:
-                heapq.heappush(wake, (end, (s + 1) % p if kind == "F" else (s - 1) % p))
-    if any(pointer[s] < len(orders[s]) for s in range(p)):
+                other = (s + 1) % p if kind == "F" else (s - 1) % p
+                heapq.heappush(wake, (end, (other, i % dps[other])))
+    if any(pointer[actor] < len(orders[actor]) for actor in actors):
         raise AssertionError("pipeline simulation deadlocked; the schedule is inconsistent")
     step = 0.0
     for s, stage in enumerate(estimate.stages):
-        events.append(Event(s, "sync", -1, free[s], free[s] + stage.dp_sync_s))
-        step = max(step, free[s] + stage.dp_sync_s)
+        done = max(free[(s, r)] for r in range(dps[s]))
+        events.append(Event(s, "sync", -1, done, done + stage.dp_sync_s))
+        step = max(step, done + stage.dp_sync_s)
+    shown = [e for e in events if e.replica == 0]
     busy = tuple(
-        sum(e.end_s - e.start_s for e in events if e.stage == s and e.kind != "sync")
+        sum(e.end_s - e.start_s for e in shown if e.stage == s and e.kind != "sync")
         for s in range(p)
     )
-    events.sort(key=lambda e: (e.stage, e.start_s))
-    peaks, memory = zip(*(_walk_memory(plan, cost, events, s) for s in range(p)))
-    return SimulationResult(plan, estimate, step, tuple(events), busy, peaks, memory)
+    shown.sort(key=lambda e: (e.stage, e.start_s))
+    peaks, memory = zip(*(_walk_memory(plan, cost, shown, s) for s in range(p)))
+    others = tuple(sorted((e for e in events if e.replica), key=lambda e: (e.stage, e.start_s)))
+    return SimulationResult(plan, estimate, step, tuple(shown), busy, peaks, memory, others)
 
 
 def _walk_memory(
@@ -174,7 +203,7 @@ def _walk_memory(
     """Peak chunk-micro-batches in flight and peak memory of stage ``s`` along its events."""
     spec, p = plan.stages[s], plan.pipeline_parallel_size
     costs = cost.stage_costs(
-        spec.chip, spec.tensor_parallel_size, plan.micro_batch_size, plan.data_parallel_size
+        spec.chip, spec.tensor_parallel_size, plan.micro_batch_size, plan.stage_dp(s)
     )
     mode = RECOMPUTE_MODES.index(spec.recompute)
     chunks = spec.chunks
