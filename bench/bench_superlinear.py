@@ -83,7 +83,8 @@ MODEL = {"num_layers": 8, "hidden_size": 128, "ffn_hidden_size": 352, "num_atten
          "group_query_attention": True, "num_query_groups": 2, "seq_length": 256,
          "max_position_embeddings": 256, "vocab_size": 512, "global_batch_size": 16,
          "swiglu": True, "normalization": "RMSNorm", "position_embedding_type": "rope",
-         "disable_bias_linear": True, "untie_embeddings_and_output_weights": True}
+         "disable_bias_linear": True, "untie_embeddings_and_output_weights": True,
+         "hidden_dropout": 0.0, "attention_dropout": 0.0}
 VOCAB = MODEL["vocab_size"]  # NullTokenizer(512): a multiple of 128, nothing padded
 MICRO_BATCH_SIZES = (1,)  # what the profile measures; every plan uses it
 MIXED = "mixed"

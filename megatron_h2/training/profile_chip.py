@@ -6,8 +6,10 @@ the head (each timed on its own), and a layer's extra backward time under select
 once: the optimizer's once-per-step work per parameter (gradient norm, clipping, AdamW, zeroing
 the gradients, as the training step does it). Times are medians over repetitions after warm-up,
 at TP 1 and without recompute, on the device this process runs on; the cost model scales them
-for TP, recompute and emulated slowdown. With
-``bf16`` the parts run as ``--bf16`` trains: bf16 weights and activations, no autocast.
+for TP, recompute and emulated slowdown. The parts run with the model's dropout probabilities
+(``hidden_dropout``, ``attention_dropout``), which the table records: drawing the masks can take
+as long as a small layer's matrix multiplies, so a profile is only valid for runs with the same.
+With ``bf16`` the parts run as ``--bf16`` trains: bf16 weights and activations, no autocast.
 
 A :class:`Pace` makes the measurement look like one chip of a CPU-emulated cluster: padded with
 sleep like a chip with ``emulate_slowdown`` (the runtime pads the same way), started together
@@ -34,7 +36,8 @@ from megatron_h2.models.gpt import GPTModel, cast_parameters, init_parameters
 from megatron_h2.optimizer.distributed_optimizer import build_data_parallel_optimizer
 
 PROFILE_MODEL_KEYS = ("hidden_size", "ffn_hidden_size", "num_attention_heads",
-                      "num_query_groups", "seq_length", "vocab_size")
+                      "num_query_groups", "seq_length", "vocab_size", "hidden_dropout",
+                      "attention_dropout")
 
 Sample = Callable[[], float]
 """Runs once and returns the milliseconds it measured."""
