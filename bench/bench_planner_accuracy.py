@@ -74,7 +74,8 @@ MODEL = {"num_layers": 8, "hidden_size": 256, "ffn_hidden_size": 704, "num_atten
          "group_query_attention": True, "num_query_groups": 4, "seq_length": 256,
          "max_position_embeddings": 256, "vocab_size": 4096, "global_batch_size": 8,
          "swiglu": True, "normalization": "RMSNorm", "position_embedding_type": "rope",
-         "disable_bias_linear": True, "untie_embeddings_and_output_weights": True}  # LLaMA-style
+         "disable_bias_linear": True, "untie_embeddings_and_output_weights": True,
+         "hidden_dropout": 0.0, "attention_dropout": 0.0}  # LLaMA-style
 # NullTokenizer(V) has V tokens (V - 1 is the end-of-document id): 4096 = the planner's
 # vocabulary, already a multiple of 128, so the runtime pads nothing.
 TOKENIZER_VOCAB = MODEL["vocab_size"]

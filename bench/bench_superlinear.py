@@ -76,14 +76,17 @@ from megatron_h2.planner import (
 from megatron_h2.training.host_load import OtherLoad, load_average
 
 CLUSTER = ROOT / "examples" / "clusters" / "cpu_superlinear.yaml"
-# hidden 128 / seq 256 / 8 layers, LLaMA-style: a layer's forward and backward take ~5 ms each on
-# one core, so a step is 1-5 s; 1.6M parameters, whose weights and optimizer state (27.6 MiB)
-# leave `fast` room for one micro-batch's activations only under full recompute.
+# hidden 128 / seq 256 / 8 layers, LLaMA-style, no dropout (profiled, planned and trained alike:
+# dropout's random masks would double a layer's forward on this CPU): a layer's forward takes
+# ~2.6 ms and its backward ~4.5 ms on one core, so a step is 1-5 s; 1.6M parameters, whose
+# weights and optimizer state (27.6 MiB) leave `fast` room for one micro-batch's activations only
+# under full recompute.
 MODEL = {"num_layers": 8, "hidden_size": 128, "ffn_hidden_size": 352, "num_attention_heads": 4,
          "group_query_attention": True, "num_query_groups": 2, "seq_length": 256,
          "max_position_embeddings": 256, "vocab_size": 512, "global_batch_size": 16,
          "swiglu": True, "normalization": "RMSNorm", "position_embedding_type": "rope",
-         "disable_bias_linear": True, "untie_embeddings_and_output_weights": True}
+         "disable_bias_linear": True, "untie_embeddings_and_output_weights": True,
+         "hidden_dropout": 0.0, "attention_dropout": 0.0}
 VOCAB = MODEL["vocab_size"]  # NullTokenizer(512): a multiple of 128, nothing padded
 MICRO_BATCH_SIZES = (1,)  # what the profile measures; every plan uses it
 MIXED = "mixed"

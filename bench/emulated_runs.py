@@ -103,13 +103,13 @@ def write_corpus(work: Path, vocab: int) -> str:
 
 
 def train_flags(model: ModelConfig, vocab: int, data: str, iters: int) -> list[str]:
-    """pretrain_gpt.py flags of a run of ``iters`` iterations, logged every iteration."""
+    """pretrain_gpt.py flags of a run of ``iters`` iterations, logged every iteration (the
+    model's own flags, dropout included, as the profile measured it)."""
     return [*model_flags(model, vocab=False),
             "--tokenizer-type", "NullTokenizer", "--vocab-size", str(vocab),
             "--data-path", data, "--split", "100,0,0", "--train-iters", str(iters),
             "--log-interval", "1", "--eval-interval", "1000000", "--eval-iters", "0",
-            "--lr", "1e-4", "--lr-warmup-iters", "1", "--hidden-dropout", "0",
-            "--attention-dropout", "0"]
+            "--lr", "1e-4", "--lr-warmup-iters", "1"]
 
 
 def measure(plan_path: Path, flags: list[str], skip: int, out: Path,

@@ -93,8 +93,9 @@ TRANSPORTS = ("gloo", "nixl")
 class ChipSpec:
     """How the runtime drives one chip type: its torch device type and an optional slowdown.
 
-    ``emulate_slowdown`` (>= 1.0) makes a chip run that many times slower than it is, so that a
-    CPU-only machine can emulate a heterogeneous cluster; leave it at 1.0 on real accelerators.
+    ``emulate_slowdown`` (>= 1.0) makes a chip run that many times slower than it is (each
+    pass sleeps ``emulate_slowdown - 1`` times its own CPU time after it), so that a CPU-only
+    machine can emulate a heterogeneous cluster; leave it at 1.0 on real accelerators.
     """
 
     device: str

@@ -90,3 +90,32 @@ def test_cache_key_follows_shape_torch_and_machine(tmp_path, monkeypatch):
     monkeypatch.setenv("MEGATRON_H2_CACHE", str(tmp_path))
     monkeypatch.setattr(profile_chip, "describe_machine", lambda: "another machine")
     assert profile_chip.cache_file(args, profile_chip.model_config(args), [1]) != key
+
+
+def test_measures_the_runs_dropout_and_the_planner_holds_it_to_it(tmp_path, monkeypatch):
+    """Dropout costs time (random masks), so the profile measures the model with the run's
+    probabilities, records them, and the planner refuses it for a model with other ones."""
+    from megatron_h2.planner.model import model_from_dict
+    from megatron_h2.training import profile_chip as library
+
+    seen = []
+    measure = library.profile_model
+
+    def recording(cfg, *args, **kwargs):
+        seen.append((cfg.hidden_dropout, cfg.attention_dropout))
+        return measure(cfg, *args, **kwargs)
+
+    monkeypatch.setattr(library, "profile_model", recording)
+    out = tmp_path / "profile.yaml"
+    assert profile_chip.main([*SMALL, "--chip", "fast", "--hidden-dropout", "0",
+                              "--attention-dropout", "0.05", "--output", str(out)]) == 0
+    assert seen == [(0.0, 0.05)]
+    table = ProfileTable.from_yaml(out)
+    assert table.model["hidden_dropout"] == 0.0 and table.model["attention_dropout"] == 0.05
+    shape = {"num_layers": 1, "hidden_size": 64, "num_attention_heads": 4,
+             "group_query_attention": True, "num_query_groups": 2, "ffn_hidden_size": 128,
+             "seq_length": 32, "vocab_size": 256}
+    table.check(model_from_dict({**shape, "hidden_dropout": 0.0, "attention_dropout": 0.05}),
+                ["fast"])
+    with pytest.raises(ValueError, match="measured for hidden_dropout 0.0 but the model has 0.1"):
+        table.check(model_from_dict({**shape, "attention_dropout": 0.05}), ["fast"])

@@ -8,7 +8,9 @@ micro-batch sizes, and the optimizer step per parameter; writes the profile tabl
         --micro-batch-sizes 1,2,4 --output runs/profile.yaml
 
 Model flags are pretrain_gpt.py's, as tools/plan.py reads them (or `--model FILE`, a model YAML
-as in examples/models/, whose keys they override).
+as in examples/models/, whose keys they override), dropout included: give the run's
+`--hidden-dropout` / `--attention-dropout` (Megatron's default is 0.1 each), since the masks take
+time; the table records them and the planner refuses it for a model with other values.
 Measure with the thread count your training processes use (`--threads`).
 
 CPU emulation (every chip of a cluster is a single-threaded process on this machine):

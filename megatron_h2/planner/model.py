@@ -40,14 +40,20 @@ SHAPE_FLAGS: tuple[str, ...] = (
 )
 """The integer size flags of ``pretrain_gpt.py`` (``vocab_size``: the tokenizer's, unpadded)."""
 
+DROPOUT_FIELDS: tuple[str, ...] = ("hidden_dropout", "attention_dropout")
+"""Fields that leave the weights alone but change what a training step computes, so what a
+profile measures (dropout draws a random mask per element, on CPU about as long as a layer's
+matrix multiplies at small hidden sizes): the profile must be taken with the run's values."""
+
 _FIELDS = {f.name: f for f in cli_fields(ModelConfig)}
 ARCHITECTURE_FLAGS: dict[str, str] = {
     flag_name(_FIELDS[name])[2:].replace("-", "_"): name
-    for name in ARCHITECTURE_FIELDS if name not in SHAPE_FLAGS
+    for name in ARCHITECTURE_FIELDS + DROPOUT_FIELDS if name not in SHAPE_FLAGS
 }
 """Architecture keys (``pretrain_gpt.py`` flag names with underscores, e.g. ``swiglu``,
-``normalization``, ``disable_bias_linear``) -> the ModelConfig field each sets. A bool key is
-the flag given (true) or not; unset keys take Megatron's defaults, as on the command line."""
+``normalization``, ``disable_bias_linear``, and the dropout probabilities) -> the ModelConfig
+field each sets. A bool key is the flag given (true) or not; unset keys take Megatron's defaults,
+as on the command line."""
 
 MODEL_FLAGS: tuple[str, ...] = SHAPE_FLAGS + tuple(ARCHITECTURE_FLAGS)
 """Every key of a model file: the flags of ``pretrain_gpt.py`` that describe the model."""

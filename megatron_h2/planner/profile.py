@@ -11,6 +11,8 @@ chip; it can also be written by hand::
       num_query_groups: 4
       seq_length: 128
       vocab_size: 1024
+      hidden_dropout: 0.0        # dropout costs time too (tools/profile_chip.py records both)
+      attention_dropout: 0.0
     chips:                       # chip type names of the cluster file
       fast:
         efficiency: 0.45         # optional: achieved fraction of tflops_bf16 for matmul FLOPs
@@ -70,6 +72,8 @@ _MODEL_KEYS = (
     "vocab_size",
     "num_layers",
     "max_position_embeddings",
+    "hidden_dropout",
+    "attention_dropout",
 )
 
 
@@ -181,7 +185,10 @@ class ProfileTable:
         if top.get("model") is not None:
             model = dict(check_keys(top["model"], (), _MODEL_KEYS, f"'model' of {source}"))
             for key, value in model.items():
-                positive_int(value, key)
+                if key.endswith("_dropout"):  # a probability the step's time depends on
+                    model[key] = positive_float(value, key, 0.0, inclusive=True)
+                else:
+                    positive_int(value, key)
         raw = top["chips"]
         if not isinstance(raw, Mapping):
             raise ConfigError(f"'chips' in {source} must map chip type names to profiles")

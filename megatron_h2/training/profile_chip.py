@@ -6,8 +6,10 @@ the head (each timed on its own), and a layer's extra backward time under select
 once: the optimizer's once-per-step work per parameter (gradient norm, clipping, AdamW, zeroing
 the gradients, as the training step does it). Times are medians over repetitions after warm-up,
 at TP 1 and without recompute, on the device this process runs on; the cost model scales them
-for TP, recompute and emulated slowdown. With
-``bf16`` the parts run as ``--bf16`` trains: bf16 weights and activations, no autocast.
+for TP, recompute and emulated slowdown. The parts run with the model's dropout probabilities
+(``hidden_dropout``, ``attention_dropout``), which the table records: drawing the masks can take
+as long as a small layer's matrix multiplies, so a profile is only valid for runs with the same.
+With ``bf16`` the parts run as ``--bf16`` trains: bf16 weights and activations, no autocast.
 
 A :class:`Pace` makes the measurement look like one chip of a CPU-emulated cluster: padded with
 sleep like a chip with ``emulate_slowdown`` (the runtime pads the same way), started together
@@ -32,9 +34,11 @@ from megatron_h2.config import ModelConfig, OptimizerConfig
 from megatron_h2.devices import Accelerator
 from megatron_h2.models.gpt import GPTModel, cast_parameters, init_parameters
 from megatron_h2.optimizer.distributed_optimizer import build_data_parallel_optimizer
+from megatron_h2.training.stage_clock import emulation_pad_s
 
 PROFILE_MODEL_KEYS = ("hidden_size", "ffn_hidden_size", "num_attention_heads",
-                      "num_query_groups", "seq_length", "vocab_size")
+                      "num_query_groups", "seq_length", "vocab_size", "hidden_dropout",
+                      "attention_dropout")
 
 Sample = Callable[[], float]
 """Runs once and returns the milliseconds it measured."""
@@ -45,7 +49,8 @@ class Pace:
     """How one measuring process runs next to others (defaults: alone, not padded)."""
 
     slowdown: float = 1.0
-    """Sleep ``slowdown - 1`` times each measured interval after it, like an emulated chip."""
+    """Sleep after each measured interval like a CPU-emulated chip (``slowdown - 1`` times its
+    CPU time: :func:`~megatron_h2.training.stage_clock.emulation_pad_s`)."""
     window_s: float = 0.0
     """Keep repeating for at least this long, so that processes measuring at once overlap."""
     sync: Callable[[], None] | None = None
@@ -69,9 +74,10 @@ def repeat(pace: Pace, warmup: int, reps: int, *samples: Sample) -> list[list[fl
 
     def one_round(keep: bool) -> None:
         for sample, out in zip(samples, results):
+            cpu = time.thread_time()
             ms = sample()
-            if pace.slowdown > 1.0:
-                time.sleep((pace.slowdown - 1.0) * ms / 1e3)
+            if pace.slowdown > 1.0:  # padded as the runtime pads a CPU-emulated chip
+                time.sleep(emulation_pad_s(pace.slowdown, ms / 1e3, time.thread_time() - cpu))
             if keep:
                 out.append(ms)
 

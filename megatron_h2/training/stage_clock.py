@@ -22,12 +22,29 @@ class Recorder(Protocol):
                iteration: int | None = None, chunk: int = 0) -> None: ...
 
 
+def emulation_pad_s(slowdown: float, wall_s: float, cpu_s: float | None) -> float:
+    """Sleep that makes a pass of ``wall_s`` seconds look like one on a chip ``slowdown`` times
+    slower: ``(slowdown - 1)`` times the pass's own work. On the CPU that is the thread's CPU
+    time ``cpu_s`` (compute runs on the calling thread), not the wall time, which also counts
+    the time other processes held the core: padding that would multiply every millisecond they
+    take by ``slowdown - 1`` (on a busy host, several times over for a slow chip). Without a CPU
+    time (other devices compute asynchronously), the wall time."""
+    if slowdown <= 1.0:
+        return 0.0
+    return (slowdown - 1.0) * (wall_s if cpu_s is None else min(cpu_s, wall_s))
+
+
+def thread_cpu_s(acc: Accelerator) -> float | None:
+    """This thread's CPU time where it is what a pass computes (the CPU device), else None."""
+    return time.thread_time() if acc.device_type == "cpu" else None
+
+
 class StageClock:
     """A :class:`~megatron_h2.pipeline.schedules.ComputeObserver` for one rank.
 
     ``slowdown`` > 1 makes each forward / backward (and weight-gradient pass) take that many
-    times as long (it sleeps for the difference), so a heterogeneous cluster can be rehearsed on
-    one machine.
+    times as long (it sleeps for :func:`emulation_pad_s`), so a heterogeneous cluster can be
+    rehearsed on one machine.
     """
 
     def __init__(self, acc: Accelerator, slowdown: float = 1.0,
@@ -43,13 +60,14 @@ class StageClock:
     @contextlib.contextmanager
     def compute(self, kind: str, micro_batch: int, chunk: int = 0) -> Iterator[None]:
         wall = time.time()
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), thread_cpu_s(self.acc)
         yield
         if self.slowdown != 1.0 or self.recorder is not None or self.synchronize:
             self.acc.synchronize()
         elapsed = time.perf_counter() - start
         if self.slowdown > 1.0:
-            pad = (self.slowdown - 1.0) * elapsed
+            pad = emulation_pad_s(self.slowdown, elapsed,
+                                  None if cpu is None else thread_cpu_s(self.acc) - cpu)
             time.sleep(pad)
             self.padded_s += pad
             elapsed += pad
