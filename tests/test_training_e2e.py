@@ -3,6 +3,7 @@
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -37,8 +38,11 @@ def test_tiny_model_learns_and_logs_everything(corpus, tmp_path, capsys):
                       str(tmp_path / "ckpt"), "--tensorboard-dir", str(tmp_path / "tb"))) == 0
     rows = [json.loads(x) for x in (tmp_path / "log.jsonl").read_text().splitlines()]
     assert [r["iteration"] for r in rows] == list(range(5, 55, 5))
-    for key in ("iteration", "lm_loss", "lr", "grad_norm", "tokens_per_sec", "iteration_ms"):
+    for key in ("iteration", "lm_loss", "lr", "grad_norm", "tokens_per_sec", "iteration_ms",
+                "time"):
         assert all(key in r for r in rows), key
+    times = [r["time"] for r in rows]  # when each row was written: aligns runs side by side
+    assert times == sorted(times) and abs(times[-1] - time.time()) < 600
     assert rows[0]["lm_loss"] > 4.5 and rows[-1]["lm_loss"] < rows[0]["lm_loss"] - 2.0
     val = records(tmp_path, "val_loss")
     assert set(val) == {25, 50} and val[50] < val[25]

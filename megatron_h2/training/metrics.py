@@ -172,9 +172,11 @@ class MetricsWriter:
         self.scalars(iteration, values, prefix="validation/")
 
     def _write_jsonl(self, record: dict[str, Any]) -> None:
+        """One JSON object per row, with ``time``: Unix seconds when it was written (for an
+        iteration, its end), so runs side by side can be aligned."""
         if self.jsonl_path:
             with open(self.jsonl_path, "a") as fh:
-                fh.write(json.dumps(record) + "\n")
+                fh.write(json.dumps({**record, "time": round(time.time(), 3)}) + "\n")
 
     def close(self) -> None:
         if self.tb:
