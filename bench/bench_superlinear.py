@@ -52,6 +52,7 @@ from emulated_runs import (
     add_quiet_arguments,
     log,
     measure,
+    measure_side_by_side,
     median_profile,
     plan_label,
     profile_chips,
@@ -90,6 +91,7 @@ MODEL = {"num_layers": 8, "hidden_size": 128, "ffn_hidden_size": 352, "num_atten
 VOCAB = MODEL["vocab_size"]  # NullTokenizer(512): a multiple of 128, nothing padded
 MICRO_BATCH_SIZES = (1,)  # what the profile measures; every plan uses it
 MIXED = "mixed"
+STARTUP_S = 15.0  # seconds from launch to the first iteration, several runs starting at once
 
 
 def planner_model():
@@ -123,6 +125,26 @@ def plan_cases(cluster: Cluster, profile: ProfileTable | None,
     return cases
 
 
+def side_by_side_processes(cluster: Cluster, path: Path) -> Path:
+    """A plan file whose ranks are the processes of the side-by-side runs (every chip twice:
+    once in its type's plan alone, once in the mixed plan), for ``profile_chip.py --emulate``:
+    one stage per rank, the layers split evenly (only each rank's chip matters there)."""
+    chips = [c.name for c in cluster.chips for _ in range(2 * c.count)]
+    layers = MODEL["num_layers"]
+    if len(chips) > layers:
+        raise ConfigError(f"{len(chips)} side-by-side processes exceed the {layers} layers; "
+                          "profile with --sequential")
+    split = [layers // len(chips) + (i < layers % len(chips)) for i in range(len(chips))]
+    path.write_text(yaml.safe_dump({
+        "data_parallel_size": 1, "micro_batch_size": 1,
+        "global_batch_size": MODEL["global_batch_size"],
+        "chips": {c.name: {"device": c.device, "emulate_slowdown": c.emulate_slowdown}
+                  for c in cluster.chips},
+        "stages": [{"chip": chip, "tensor_parallel_size": 1, "num_layers": n}
+                   for chip, n in zip(chips, split)]}, sort_keys=False))
+    return path
+
+
 def cores_needed(plan: HeteroPlan) -> float:
     """Cores the plan's processes need while all compute: 1 / emulate_slowdown per rank."""
     return sum(1.0 / plan.chips[plan.stages[plan.rank_coordinates(r)[0]].chip].emulate_slowdown
@@ -143,7 +165,14 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=3,
                         help="rounds of profiling + running every plan (default 3)")
-    parser.add_argument("--iters", type=int, default=5, help="training iterations per run")
+    parser.add_argument("--sequential", action="store_true",
+                        help="run the plans one after the other (default: side by side, all "
+                             "at once, so that every plan meets the same host)")
+    parser.add_argument("--steps", type=int, default=3,
+                        help="side by side: measured steps of the slowest plan; the runs last "
+                             "as long as its warm-up and these steps are predicted to take")
+    parser.add_argument("--iters", type=int, default=5,
+                        help="--sequential: training iterations per run")
     parser.add_argument("--skip", type=int, default=2, help="warm-up iterations not counted")
     parser.add_argument("--global-batch-size", type=int, default=MODEL["global_batch_size"],
                         help="samples per step (default 16; smaller for a quick check)")
@@ -154,6 +183,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.iters <= args.skip:
         parser.error("--iters must exceed --skip")
+    if args.steps < 1:
+        parser.error("--steps must be at least 1")
     return args
 
 
@@ -176,13 +207,18 @@ def main(argv: list[str] | None = None) -> int:
 
     quiet = quiet_waiter(args)
 
+    # side by side, the chips are profiled as they run: one paced process per process of the
+    # three runs, measuring at once (sequential runs: one unpaced process, as each run alone)
+    emulate = (None if args.sequential
+               else side_by_side_processes(cluster, work / "profile_processes.yaml"))
     profiles: list[dict] = []
     profile_load: list[float] = []
 
     def profile(r: int) -> None:
         quiet()
         with OtherLoad() as other:
-            table, _ = profile_chips(work, f"r{r}", model, cluster.names, MICRO_BATCH_SIZES)
+            table, _ = profile_chips(work, f"r{r}", model, cluster.names, MICRO_BATCH_SIZES,
+                                     emulate)
         profiles.append(table)
         profile_load.append(other.cores)
         row = table["chips"][cluster.names[0]]["micro_batch_sizes"][1]
@@ -215,6 +251,32 @@ def main(argv: list[str] | None = None) -> int:
         log(f"{tag} {case.name:<6} used {result['cores']:.2f} cores, others "
             f"{result['load']:.2f}{flag}: {text}")
 
+    # side by side: every plan trains as long as the slowest one is predicted to need for its
+    # warm-up and --steps measured steps (x 1.25), after a start-up of about STARTUP_S
+    slowest_s = max(args.global_batch_size * MODEL["seq_length"] / case.predicted_tokens_per_s
+                    for case in cases)
+    minutes = (STARTUP_S + 1.25 * (args.skip + args.steps) * slowest_s) / 60.0
+    side_flags = train_flags(model, VOCAB, data, 1_000_000)  # --exit-duration-in-mins ends them
+    if not args.sequential:
+        log(f"side by side: the {len(cases)} plans start together and train {minutes:.2f} "
+            f"minutes each, needing {sum(cores_needed(c.plan) for c in cases):.2f} cores in all")
+
+    def run_together(tag: str) -> None:
+        quiet()
+        results = measure_side_by_side(paths, side_flags, args.skip, work, minutes)
+        rounds[-1].update(results)
+        first = next(iter(results.values()))
+        flag = " DISTURBED" if first["load"] >= args.busy else ""
+        log(f"{tag}: side by side, all used {first['cores']:.2f} cores, others "
+            f"{first['load']:.2f}{flag}")
+        for case in cases:
+            result = results[case.name]
+            text = (f"{result['ms']:.0f} ms (steps {result['iterations_ms']}, "
+                    f"{result['in_window']} in the common {result['window_s']} s)"
+                    if "ms" in result
+                    else f"FAILED: {result['error'].strip().splitlines()[-1:]}")
+            log(f"  {case.name:<6} {text}")
+
     def calm(one: dict[str, dict]) -> bool:
         return all("ms" in m and not m["load"] >= args.busy for m in one.values())
 
@@ -226,6 +288,9 @@ def main(argv: list[str] | None = None) -> int:
         if r > 0:
             profile(r)
         rounds.append({})
+        if not args.sequential:
+            run_together(f"round {r + 1}")
+            continue
         for case in cases if r % 2 == 0 else cases[::-1]:
             run_case(case, f"round {r + 1}")
     compared = [one for one in rounds if calm(one)] or rounds
@@ -262,8 +327,10 @@ def main(argv: list[str] | None = None) -> int:
         log(f"{name:<6} {row['plan']:<30} {row['processes']:>4} {row['cores_needed']:>5.2f} "
             f"{row['predicted']:>7.0f} {row['simulated']:>7.0f} {meas:>8} "
             f"{','.join(f'{x:.0f}' for x in row['steps_ms']):<16} {used:>5} {others:>6}")
-    log("(cores: needed by design, sum of 1/emulate_slowdown; used: the most any run of the "
-        "plan used, start-up included; others: the most other processes took during a run; "
+    used_by = ("the most any run of the plan used" if args.sequential
+               else "the most all plans side by side used together")
+    log(f"(cores: needed by design, sum of 1/emulate_slowdown; used: {used_by}, start-up "
+        "included; others: the most other processes took during a run; "
         f"during profiling: {', '.join(f'{x:.2f}' for x in profile_load)})")
     summary = {"predicted": ratio({n: r["predicted"] for n, r in rows.items()}),
                "simulated": ratio({n: r["simulated"] for n, r in rows.items()})}

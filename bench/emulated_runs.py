@@ -140,14 +140,82 @@ def measure(plan_path: Path, flags: list[str], skip: int, out: Path,
             "wall_s": round(wall, 1), "load": load, "cores": cores}
 
 
+def _rows(path: Path) -> list[dict]:
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def common_window(steps: dict[str, list[tuple[float, float]]]) -> tuple[float, float]:
+    """The span in which every run was training a measured step: from the latest first start to
+    the earliest last end (``steps``: each run's (start, end) Unix times after its warm-up)."""
+    return (max(spans[0][0] for spans in steps.values()),
+            min(spans[-1][1] for spans in steps.values()))
+
+
+def measure_side_by_side(plans: dict[str, Path], flags: list[str], skip: int, work: Path,
+                         minutes: float, timeout: float = 600) -> dict[str, dict]:
+    """Run every plan at the same time (one torchrun each), each for ``minutes`` of training
+    (``--exit-duration-in-mins``), so that all meet the same host: what other processes take,
+    and how fast this machine's cores run, drift over minutes. Each run's step time is the
+    median ``iteration_ms`` of its steps after ``skip`` warm-up iterations that lie wholly in
+    the window in which every run was past its warm-up (:func:`common_window`; all of its steps
+    after the warm-up when one run has none there). ``load``: the cores other processes took
+    meanwhile; ``cores``: what all the runs used together (start-up included)."""
+    procs, outs = {}, {}
+    with OtherLoad() as other:
+        for name, path in plans.items():
+            outs[name] = work / f"side_{name}.jsonl"
+            outs[name].unlink(missing_ok=True)
+            cmd = torchrun_cmd(HeteroPlan.from_yaml(path).world_size, ROOT / "pretrain_gpt.py",
+                               [*flags, "--hetero-plan", str(path), "--log-jsonl",
+                                str(outs[name]), "--exit-duration-in-mins", f"{minutes:.3f}"])
+            procs[name] = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                           text=True, env=env1(), cwd=ROOT)
+        started, results = time.perf_counter(), {}
+        for name, proc in procs.items():
+            try:
+                _, err = proc.communicate(timeout=max(1.0, timeout - (time.perf_counter()
+                                                                      - started)))
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                _, err = proc.communicate()
+                err = "timed out\n" + err
+            if proc.returncode != 0:
+                results[name] = {"error": err[-2000:]}
+    steps = {}
+    for name in plans:
+        rows = [r for r in _rows(outs[name]) if "iteration_ms" in r and "val_loss" not in r
+                and r["iteration"] > skip]
+        if name not in results and not rows:
+            results[name] = {"error": "no iteration_ms after the warm-up"}
+        elif name not in results:
+            steps[name] = [(r["time"] - r["iteration_ms"] / 1e3, r["time"]) for r in rows]
+    for result in results.values():
+        result.update(load=other.cores, cores=other.own_cores)
+    if len(steps) < len(plans):
+        return results
+    low, high = common_window(steps)
+    for name, spans in steps.items():
+        inside = [end - start for start, end in spans if start >= low and end <= high]
+        times = [1e3 * t for t in (inside or [end - start for start, end in spans])]
+        results[name] = {"ms": statistics.median(times),
+                         "iterations_ms": [round(t, 1) for t in times],
+                         "in_window": len(inside), "window_s": round(high - low, 1),
+                         "load": other.cores, "cores": other.own_cores}
+    return results
+
+
 def profile_chips(work: Path, tag: str, model: ModelConfig, chips: list[str],
-                  sizes: tuple[int, ...]) -> tuple[dict, str]:
+                  sizes: tuple[int, ...], emulate: Path | None = None) -> tuple[dict, str]:
     """tools/profile_chip.py --threads 1 for ``chips`` (all this same CPU) at the micro-batch
-    ``sizes``; the caller waits for quiet cores. Returns the table and the tool's output."""
+    ``sizes`` (``emulate``: measured by one paced process per rank of that plan at once,
+    ``--emulate``); the caller waits for quiet cores. Returns the table and the tool's output."""
     out = work / f"profile_{tag}.yaml"
     proc = run([sys.executable, str(ROOT / "tools" / "profile_chip.py"),
                 *(x for chip in chips for x in ("--chip", chip)), *model_flags(model),
                 "--micro-batch-sizes", ",".join(map(str, sizes)),
+                *(("--emulate", str(emulate)) if emulate else ()),
                 "--threads", "1", "--max-wait", "0", "--output", str(out)])
     return yaml.safe_load(out.read_text()), proc.stdout
 
