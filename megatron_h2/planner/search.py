@@ -318,12 +318,9 @@ class _Search:
             visited += self._explore(shape, node.child(shape, kind, count, links), budget - visited)
         return visited
 
-    def _fixed(
-        self, shape: BatchShape, node: _Node
-    ) -> tuple[list[tuple[float, np.ndarray, Any]], float]:
+    def _fixed(self, shape: BatchShape, node: _Node) -> list[tuple[float, np.ndarray, Any]]:
         """The suffix's blocks for :meth:`BatchShape.bound` (under zero-bubble and interleaved
-        with the caps of a pipeline at least one stage longer), and the least folded steady
-        term (one layer on its slowest kind)."""
+        with the caps of a pipeline at least one stage longer)."""
         fixed = [(u, caps[:, None], count) for u, caps, count in node.groups]
         if shape.schedule != "1f1b" and node.suffix:  # held memory grows with the length
             warmups = shape.warmups(node.suffix)
@@ -333,8 +330,7 @@ class _Search:
                 caps = shape.placed_block(kind, first, start, count, position + 1)
                 fixed.append((unit, caps[:, None], count))
                 start += count
-        need = max((float(shape.unit[kind, 0]) for kind, _ in node.suffix), default=0.0)
-        return fixed, need
+        return fixed
 
     def _options(
         self, shape: BatchShape, node: _Node, use_all: bool = False
@@ -344,7 +340,7 @@ class _Search:
         chip type of the shape is used."""
         suffix, groups, position, mask = node.suffix, node.groups, node.position, node.mask
         options: list[tuple[float, int, int]] = []
-        fixed, need = self._fixed(shape, node)
+        need = _need(shape, node)
         warmups = shape.warmups(suffix) if suffix else []
         if suffix and shape.closes(position) and not (use_all and mask):
             edges = float(shape.head_time[suffix[-1][0]] + shape.embedding_time[suffix[0][0]])
@@ -361,13 +357,15 @@ class _Search:
                     front += count
                 leaf = shape.bound(closed, 0, here, node.links, edges, need, sync)
             options.append((float(leaf[0]), -1, 0))
-        room = shape.positions - position
+        room, fixed = shape.positions - position, None
         for t_index, chip in enumerate(shape.types):  # one bound call per chip type
             if not mask >> t_index & 1:
                 continue
             columns = [(k, shape.counts(k, room)) for k in shape.kinds_of[chip]]
             columns = [(k, c) for k, c in columns if len(c)]
             if columns:
+                if fixed is None:  # the suffix's blocks, only where a child may follow
+                    fixed = self._fixed(shape, node)
                 options += self._bounds(shape, node, fixed, need, columns)
         options.sort(key=lambda item: (item[0], -item[2]))
         return options
@@ -437,6 +435,11 @@ class _Search:
         heapq.heappush(self.best, (-found.value, next(self.counter), found))
         if len(self.best) > self.options.top_k:
             heapq.heappop(self.best)
+
+
+def _need(shape: BatchShape, node: _Node) -> float:
+    """The least folded steady term below ``node``: one layer on its slowest kind."""
+    return max((float(shape.unit[kind, 0]) for kind, _ in node.suffix), default=0.0)
 
 
 def solve_structure(shape: BatchShape, suffix: _Suffix, cutoff: float = INF) -> Split | None:
