@@ -348,6 +348,7 @@ class BatchShape(ShapeMemory):
         self._rest: dict[int, np.ndarray] = {}
         self._from_leads: dict[int, tuple[np.ndarray, np.ndarray]] = {}
         self._segment_tables: dict[int, np.ndarray] = {}
+        self._unused: dict[int, tuple[np.ndarray, np.ndarray]] = {}
         self._placed: dict[tuple[int, int, int, int, int], np.ndarray] = {}
 
     def lead_index(self, lead: int | np.ndarray) -> np.ndarray:
@@ -479,34 +480,33 @@ class BatchShape(ShapeMemory):
         for unit, caps, count in fixed:
             mandatory_layers = mandatory_layers + count
             mandatory_cost = mandatory_cost + unit * count
-            short = short | (caps < np.asarray(count) - 1e-9)
-            widths.append(np.maximum(caps - count, 0.0))
+            free = caps - count  # whole numbers: caps < count exactly when free < 0
+            short = short | (free < -1e-9)
+            widths.append(np.maximum(free, 0.0))
             units.append(unit)
-        rest_units, rest_widths = [], []
-        leads = np.asarray(leads)
-        lead_index = self.lead_index(leads)
-        for t_index, chip in enumerate(self.types):
-            if unused >> t_index & 1:
-                rest_units.append(self.segment_units(chip))
-                rest_widths.append(self.segment_table(chip)[:, :, lead_index])  # x option
-        if rest_units:
-            r_units = np.concatenate(rest_units)
-            order = np.argsort(r_units, kind="stable")
-            r_widths = np.concatenate(rest_widths)[order]
-            rest = self.rest(unused)[:, lead_index]
-            cumulative = np.minimum(r_widths.cumsum(axis=0), rest[None])
-            r_widths = np.diff(cumulative, axis=0, prepend=0.0)
-            units.extend(r_units[order])
-            widths.extend(r_widths)
         shape = np.broadcast_shapes(*(w.shape for w in widths))
+        r_widths = None
+        if unused:
+            r_units, table = self._unused_segments(unused)
+            r_widths = table[:, :, self.lead_index(np.asarray(leads))]  # segment x probe x option
+            units.extend(r_units)
+            shape = np.broadcast_shapes(shape, r_widths.shape[1:])
         units_arr = np.asarray(units)
         order = np.argsort(units_arr, kind="stable")
-        stacked = np.stack([np.broadcast_to(widths[i], shape) for i in order])
+        place = np.empty(len(units), dtype=np.int64)
+        place[order] = np.arange(len(units))  # where each segment goes, cheapest first
+        stacked = np.empty((len(units),) + shape)
+        for index, width in enumerate(widths):
+            stacked[place[index]] = width
+        if r_widths is not None:
+            stacked[place[len(widths) :]] = r_widths
         remaining = self.layers - np.asarray(mandatory_layers, dtype=np.float64)
-        before = stacked.cumsum(axis=0) - stacked
-        take = np.clip(remaining - before, 0.0, stacked)
-        fill = np.tensordot(units_arr[order], take, axes=1) + mandatory_cost + edges
-        covered = take.sum(axis=0)
+        before = stacked.cumsum(axis=0)
+        before -= stacked
+        take = np.minimum(np.maximum(remaining - before, 0.0), stacked)
+        flat = take.reshape(len(units), -1)
+        fill = (units_arr[order] @ flat).reshape(shape) + mandatory_cost + edges
+        covered = flat.sum(axis=0).reshape(shape)
         grid = self.grid[:, None]
         low = np.maximum(grid[:-1], need)
         own = self._own_work(low)
@@ -529,3 +529,16 @@ class BatchShape(ShapeMemory):
                 beyond = self.steady * top + self._own_work(top) + sync
             best = np.minimum(best, beyond)
         return best + links
+
+    def _unused_segments(self, mask: int) -> tuple[np.ndarray, np.ndarray]:
+        """The cost segments of the unused chip types in ``mask`` (:meth:`segment_table`),
+        cheapest first, with widths capped so that together they add at most :meth:`rest`:
+        (per-layer fills, widths segment x probe x grid lead; cached per grid)."""
+        if mask not in self._unused:
+            chips = [chip for t, chip in enumerate(self.types) if mask >> t & 1]
+            units = np.concatenate([self.segment_units(chip) for chip in chips])
+            order = np.argsort(units, kind="stable")
+            table = np.concatenate([self.segment_table(chip) for chip in chips])[order]
+            cumulative = np.minimum(table.cumsum(axis=0), self.rest(mask)[None])
+            self._unused[mask] = (units[order], np.diff(cumulative, axis=0, prepend=0.0))
+        return self._unused[mask]
