@@ -67,11 +67,7 @@ class ShapeMemory:
         if key not in self._mode_caps:
             k = self.kinds[kind]
             states = held_totals(self.schedule, stages, k.micro_batches, self.chunks, stage, warmup)
-            first, last = stage == 0, stage == stages - 1
-            caps = [
-                k.costs.max_units(self.chunks, mode, states, first, last)
-                for mode in range(len(MODES))
-            ]
+            caps = k.costs.unit_caps(self.chunks, states, stage == 0, stage == stages - 1)
             self._mode_caps[key] = (caps[0], caps[1], caps[2])
         return self._mode_caps[key]
 
@@ -163,10 +159,7 @@ class ShapeMemory:
             )
             if stage == 0:  # not the first stage: more will be placed in front
                 states = tuple((a, d, ha, hd, 0) for a, d, ha, hd, _ in states)
-            caps = [
-                k.costs.max_units(self.chunks, mode, states, False, position == 0)
-                for mode in range(len(MODES))
-            ]
+            caps = k.costs.unit_caps(self.chunks, states, False, position == 0)
             self._placed_caps[key] = (caps[0], caps[1], caps[2])
         return self._placed_caps[key]
 
