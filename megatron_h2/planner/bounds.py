@@ -137,6 +137,7 @@ class BatchShape(ShapeMemory):
         self._placed_caps: dict[tuple[int, int, int, int], tuple[int, int, int]] = {}
         self._links: dict[tuple[str, str], float] = {}
         self.grid = np.zeros(1)
+        self._grid_key: tuple[float, int, int] | None = None
         self.grid_is_max = True
         self.prepared, self.pre_bound = False, 0.0
         if not lazy:
@@ -337,6 +338,9 @@ class BatchShape(ShapeMemory):
         with the probe, so this stays an upper bound).
         """
         top = min(max(w_high, self.w_floor * (1 + 1e-9)), self.w_max)
+        if self._grid_key == (top, points, coarse):
+            return  # the same grid: keep its tables
+        self._grid_key = (top, points, coarse)
         self.grid = np.geomspace(max(self.w_floor, 1e-30), top, points)
         self.grid_is_max = top >= self.w_max
         self.prefix = self._prefix(self.capacity(self.grid))  # kind x probe x warm-up
