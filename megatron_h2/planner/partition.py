@@ -156,6 +156,20 @@ class StageTable:
             return self._greedy(caps)
         return self._programme(caps)
 
+    def lower_sum(self, caps: np.ndarray) -> float | None:
+        """A lower bound on :meth:`best_sum` (None exactly when it is None for lack of room):
+        one unit on every stage and the cheapest marginal units wherever they are, as if every
+        fill were convex (rounded down a little, so that it stays below the exact sum)."""
+        if (caps < 1).any() or caps.sum() < self.num_layers:
+            return None
+        extra = self.num_layers - len(caps)
+        total = float(self.fill[:, 1].sum())
+        if extra:
+            steps = np.arange(1, self.num_layers)[None, :]  # column j adds layer j + 1
+            pool = np.where(steps < caps[:, None], self.marginal[:, 1:], INF).ravel()
+            total += float(np.partition(pool, extra - 1)[:extra].sum())
+        return total - 1e-12 * abs(total)
+
     def _greedy(self, caps: np.ndarray) -> tuple[float, list[int]]:
         p = len(caps)
         extra = self.num_layers - p
@@ -261,6 +275,9 @@ def solve_split(
     w_caps, z_caps = _cap_matrix(works, table.work, valid), _cap_matrix(syncs, table.tail, valid)
     w_first = _smallest(len(works), lambda j: table.feasible(w_caps[j]))
     z_min = syncs[_smallest(len(syncs), lambda k: table.feasible(z_caps[k]))]
+    relaxed = table.lower_sum(loose)  # not None: loose is feasible
+    if relaxed is None or works[w_first] + z_min + relaxed + links_s >= cutoff:
+        return None  # cannot beat the cutoff: no need for the exact floor
     floor = table.best_sum(loose)
     if floor is None:
         return None
@@ -272,12 +289,17 @@ def solve_split(
         if works[j] + z_min + floor[0] + links_s >= best_value:
             break
         by_work = w_caps[j]
-        unbounded = table.best_sum(by_work)  # the same W with no bound on the sync
-        if unbounded is None:
+        relaxed = table.lower_sum(by_work)
+        if relaxed is None:
             continue
         k_first = _smallest(
             len(syncs), lambda k, w=by_work: table.feasible(np.minimum(w, z_caps[k]))
         )
+        if works[j] + syncs[k_first] + relaxed + links_s >= best_value:
+            continue  # the loop below would stop at once
+        unbounded = table.best_sum(by_work)  # the same W with no bound on the sync
+        if unbounded is None:
+            continue
         for k in range(k_first, len(syncs)):
             if works[j] + syncs[k] + unbounded[0] + links_s >= best_value:
                 break
