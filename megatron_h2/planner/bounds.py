@@ -426,6 +426,9 @@ class BatchShape(ShapeMemory):
                 continue
             after = self._rest_coarse(mask & ~(1 << t_index))
             for kind in self.kinds_of[chip]:
+                if self.uniform:
+                    np.maximum(result, self._rest_uniform(kind, after), out=result)
+                    continue
                 if kind not in self._from_leads:  # the same for every mask
                     most = min(self.kinds[kind].max_stages, self.positions)
                     counts = np.arange(1, most + 1)
@@ -436,6 +439,23 @@ class BatchShape(ShapeMemory):
                 np.maximum(result, value.max(axis=2), out=result)
         self._rest[mask] = result
         return result
+
+    def _rest_uniform(self, kind: int, after: np.ndarray) -> np.ndarray:
+        """Under one DP degree (grid lead ``i`` = ``i`` stages behind): the most units a block
+        of ``kind`` plus ``after`` (what the types in front of it add) hold in front of each grid
+        lead, as the general case computes it: ``max over c of P[i + c] - P[i] + after[i + c]``
+        (``P`` the kind's prefix sums; whole numbers, so the sums are exact in any order), with
+        a sliding maximum over ``c = 1 .. most`` instead of every ``c`` of every lead."""
+        most, depth = min(self.kinds[kind].max_stages, self.positions), self.depth
+        prefix = self.coarse_prefix[kind]  # coarse probe x (warm-up + 1)
+        ends = np.arange(depth + most)
+        windows = _window_max(prefix[:, ends] + after[:, np.minimum(ends, depth)], most)
+        out = np.empty((prefix.shape[0], depth + 1))
+        out[:, :depth] = windows[:, 1 : depth + 1] - prefix[:, :depth]
+        # the last grid lead reads the table's last warm-up, and what it leaves is the last lead
+        last = prefix[:, depth : depth + most] - prefix[:, [depth - 1]]
+        out[:, depth] = last.max(axis=1) + after[:, depth]
+        return out
 
     def sync_bound(
         self, blocks: Sequence[tuple[int, np.ndarray | int]], unused: int
@@ -555,3 +575,15 @@ def _running_sum(stack: np.ndarray) -> np.ndarray:
     for row in range(1, len(stack)):
         np.add(out[row - 1], stack[row], out=out[row])
     return out
+
+
+def _window_max(values: np.ndarray, width: int) -> np.ndarray:
+    """``out[:, a] = values[:, a : a + width].max(axis=1)`` for every full window (by doubling
+    spans: a few passes instead of ``width``)."""
+    span = 1
+    while 2 * span <= width:
+        values = np.maximum(values[:, :-span], values[:, span:])  # spans of 2 * span
+        span *= 2
+    if span == width:
+        return values
+    return np.maximum(values[:, : values.shape[1] - (width - span)], values[:, width - span :])
