@@ -227,6 +227,7 @@ class BatchShape(ShapeMemory):
         with np.errstate(divide="ignore"):
             self.sync_inverse = np.where(slope > 0, 1.0 / np.maximum(slope, 1e-300), INF)
         stages = np.array([k.max_stages for k in self.kinds], dtype=np.float64)
+        self._sync_floats = (self.sync_one.tolist(), self.sync_inverse.tolist())
         self.type_sync_inverse = {
             t: float(max(stages[i] * self.sync_inverse[i] for i in self.kinds_of[t]))
             for t in self.types
@@ -465,18 +466,16 @@ class BatchShape(ShapeMemory):
         """
         if not blocks:
             return 0.0
-        floor = max(float(self.sync_one[kind]) for kind, _ in blocks)
+        one, inverse_of = self._sync_floats
+        floor = max(one[kind] for kind, _ in blocks)
         inverse: np.ndarray | float = 0.0
         for kind, count in blocks:
-            inverse = inverse + np.asarray(count) * self.sync_inverse[kind]
+            inverse = inverse + count * inverse_of[kind]
         for t_index, chip in enumerate(self.types):
             if unused >> t_index & 1:
                 inverse = inverse + self.type_sync_inverse[chip]
-        with np.errstate(divide="ignore", invalid="ignore"):
-            spread = np.where(
-                np.isfinite(inverse), self.layers / np.asarray(inverse, dtype=np.float64), 0.0
-            )
-        return np.maximum(spread, floor)
+        # inverse > 0 (every block has a stage); inf (no DP sync anywhere) spreads to 0
+        return np.maximum(self.layers / np.asarray(inverse, dtype=np.float64), floor)
 
     def bound(
         self,

@@ -403,9 +403,9 @@ class _Search:
             parts, others, np.concatenate(leads), np.concatenate(child_links),
             np.concatenate(edges), np.concatenate(needs), np.concatenate(syncs),
         )  # fmt: skip
-        out, lo = [], 0
+        out, lo, values = [], 0, bounds.tolist()
         for kind, count in columns:
-            out.extend((float(bounds[lo + i]), kind, int(n)) for i, n in enumerate(count))
+            out += [(values[lo + i], kind, n) for i, n in enumerate(count.tolist())]
             lo += len(count)
         return out
 
