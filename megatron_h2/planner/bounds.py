@@ -355,6 +355,7 @@ class BatchShape(ShapeMemory):
         self._segment_tables: dict[int, np.ndarray] = {}
         self._unused: dict[int, tuple[np.ndarray, np.ndarray]] = {}
         self._placed: dict[tuple[int, int, int, int, int], np.ndarray] = {}
+        self._timed: dict[int, np.ndarray] = {}
 
     def lead_index(self, lead: int | np.ndarray) -> np.ndarray:
         """Index of the largest grid lead not above ``lead``."""
