@@ -18,9 +18,11 @@ whose root bound is not. Nothing else is pruned, so unless the time limit stops 
 exhaustive over the plan space (the tests check it against brute-force enumeration); at the time
 limit, the lowest bound left is a proven lower bound on the optimum.
 
-Plans with one DP degree are searched first, with the whole time limit; then, in the time left,
-the plans where chip types have their own DP degrees that :attr:`SearchOptions.own_dp` names
-(by default re-splits of the best one-DP plans, :meth:`_Search._derive`).
+Plans with one DP degree are searched first; then the plans where chip types have their own DP
+degrees that :attr:`SearchOptions.own_dp` names (by default re-splits of the best one-DP plans,
+:meth:`_Search._derive`). A one-DP search that has not finished when all but
+:attr:`SearchOptions.own_dp_share` of the time limit is used pauses for the own-DP search and
+then goes on in the time that one left.
 """
 
 from __future__ import annotations
@@ -99,6 +101,21 @@ class _Node:
         )
 
 
+_Entry = tuple[float, int, BatchShape, int, int, _Node]
+"""A queued option: its bound, a tie-breaker, its shape, the kind and stage count of the block
+it prepends (kind -1: close the pipeline) and the suffix it extends."""
+
+
+@dataclass
+class _Left:
+    """What a search stopped at the time limit has left: shapes whose roots are not bounded
+    yet, shapes bounded by their roots' children (bound, shape) and queued suffixes."""
+
+    shapes: list[BatchShape]
+    roots: list[tuple[float, BatchShape]]
+    queue: list[_Entry]
+
+
 def _root(shape: BatchShape) -> _Node:
     return _Node((), (), 0, (1 << len(shape.types)) - 1, 0.0, 0)
 
@@ -168,26 +185,52 @@ class _Search:
         return shapes
 
     def run(self) -> list[_Found]:
-        """Uniform-DP shapes first, with the whole time limit (their plans set the threshold
-        and their gap is that of a one-DP search), then, in the time left, the plans where chip
-        types have their own DP degrees that :attr:`SearchOptions.own_dp` names (plans with
-        one DP degree there are left to the uniform shapes), pruned against that threshold."""
+        """Uniform-DP shapes first, until all but :attr:`SearchOptions.own_dp_share` of the
+        time limit is used (their plans set the threshold and their gap is that of a one-DP
+        search), then, in the time left, the plans where chip types have their own DP degrees
+        that :attr:`SearchOptions.own_dp` names (plans with one DP degree there are left to the
+        uniform shapes), pruned against that threshold."""
         shapes = self._shapes(own=False)
         self.stats.batch_shapes = len(shapes)
-        self._run_shapes(shapes)
         if len(self.cost.cluster.chips) < 2 or self.options.own_dp == "none":
+            self._stop(self._run_shapes(shapes))
             return sorted((item[2] for item in self.best), key=lambda f: f.value)
+        deadline = self.deadline  # pause in time to leave a share of the limit to own DP
+        self.deadline -= self.options.own_dp_share * self.options.time_limit_s
+        paused = self._run_shapes(shapes)
+        self.deadline = deadline
         self.stats.own_dp = self.options.own_dp
         if time.monotonic() > self.deadline:
             self.stats.own_dp_status, self.stats.exhaustive = "not searched", False
         elif self.options.own_dp == "all":
             own = self._shapes(own=True)
             self.stats.batch_shapes += len(own)
-            self._run_shapes(own)
+            self._stop(self._run_shapes(own))
             self.stats.own_dp_status = "complete" if self.stats.exhaustive else "bounded"
         else:
             self._derive()
+        if paused.shapes or paused.roots or paused.queue:  # go on in the time left
+            self.stats.one_dp_resumed = True
+            paused = self._refine(paused.shapes, paused.roots, paused.queue)
+        self._stop(paused)
         return sorted((item[2] for item in self.best), key=lambda f: f.value)
+
+    def _stop(self, left: _Left) -> None:
+        """Give up what the time limit left: each shape's root bound (or its pruning), and the
+        lowest bound of the suffixes not expanded, bound the plans there from below."""
+        for shape in left.shapes:
+            if shape.root_bound() >= self.threshold * (1 - _SLACK):
+                self.stats.batch_shapes_pruned += 1
+                continue
+            shape.prepare()  # its tables' bound, not the cheap one (a small cost)
+            if shape.root_bound() >= self.threshold * (1 - _SLACK):
+                self.stats.batch_shapes_pruned += 1
+            else:
+                self._abandon(shape.root_bound())
+        for bound, _ in left.roots:
+            self._abandon(bound)
+        if left.queue:
+            self._abandon(left.queue[0][0])
 
     def _derive(self) -> None:
         """Own-DP re-splits of the K best one-DP plans found, best first over all of them: for
@@ -217,10 +260,13 @@ class _Search:
             if len(shape.types) < len(types) or shape.root_bound() >= self.threshold:
                 continue  # some type cannot use all its chips with its TP degree, or no win
             roots.append((shape.root_bound(), shape))
-        if self._best_first(roots, use_all=True):
+        left = self._best_first(roots, use_all=True)
+        if left:
+            self._stop(_Left([], [], left))
             self.stats.own_dp_status = "bounded"
 
-    def _run_shapes(self, shapes: list[BatchShape]) -> None:
+    def _run_shapes(self, shapes: list[BatchShape]) -> _Left:
+        """Search ``shapes``: short dives, then :meth:`_refine`; what the time limit left."""
         shapes.sort(key=lambda s: s.root_bound())
         for shape in shapes[: self.options.dive_shapes]:  # short dives: good incumbents early
             if (
@@ -233,18 +279,19 @@ class _Search:
                 continue
             shape.build_grid(self.threshold if self.threshold < INF else shape.w_max, 64)
             self._explore(shape, _root(shape), budget=self.options.dive_nodes)
-        refined = []  # (bound from the root's children, shape), for shapes that may still win
-        for shape in shapes:
+        return self._refine(shapes, [], [])
+
+    def _refine(self, shapes: list[BatchShape], refined: list[tuple[float, BatchShape]],
+                queue: list[_Entry]) -> _Left:
+        """Bound ``shapes`` by their roots' children, then search those that may still win best
+        first (adding ``refined``, shapes bounded so, and ``queue``, suffixes left by an earlier
+        call): at the time limit, what is left (:meth:`_stop` gives it up)."""  # fmt: skip
+        for index, shape in enumerate(shapes):
             if shape.root_bound() >= self.threshold * (1 - _SLACK):
                 self.stats.batch_shapes_pruned += 1
                 continue
             if time.monotonic() > self.deadline:
-                shape.prepare()  # its tables' bound, not the cheap one (a small cost)
-                if shape.root_bound() >= self.threshold * (1 - _SLACK):
-                    self.stats.batch_shapes_pruned += 1
-                else:
-                    self._abandon(shape.root_bound())
-                continue
+                return _Left(shapes[index:], refined, queue)
             shape.prepare()
             if shape.root_bound() >= self.threshold * (1 - _SLACK):
                 self.stats.batch_shapes_pruned += 1
@@ -256,29 +303,34 @@ class _Search:
                 self.stats.batch_shapes_pruned += 1
             else:
                 refined.append((bound, shape))
-        self._best_first(refined)
+        return _Left([], [], self._best_first(refined, queue=queue))
 
-    def _best_first(self, roots: list[tuple[float, BatchShape]], use_all: bool = False) -> bool:
+    def _best_first(
+        self,
+        roots: list[tuple[float, BatchShape]],
+        use_all: bool = False,
+        queue: list[_Entry] | None = None,
+    ) -> list[_Entry]:
         """Expand pipeline suffixes of all batch shapes in order of their bounds (with
-        ``use_all`` closing a pipeline only once it uses every chip type of its shape).
+        ``use_all`` closing a pipeline only once it uses every chip type of its shape), from
+        ``roots`` and the ``queue`` an earlier call left.
 
         The search is over when the lowest bound left cannot beat the K-th best plan (then it is
-        exhaustive) or at the time limit (then that lowest bound is the proven lower bound, and
-        this returns True).
+        exhaustive; this returns []) or at the time limit: this returns the queue left, whose
+        lowest bound (first) is then the proven lower bound unless a later call goes on.
         """
-        queue: list[tuple[float, int, BatchShape, int, int, _Node]] = []
+        queue = list(queue or [])
         for bound, shape in roots:
             self._prepare_shape(shape)
             queue.append((bound, next(self.counter), shape, 0, 0, _root(shape)))
         heapq.heapify(queue)
         while queue:
-            bound, _, shape, kind, count, node = heapq.heappop(queue)
-            if bound >= self.threshold * (1 - _SLACK):
-                self.stats.nodes_pruned += 1 + len(queue)
-                return False
+            if queue[0][0] >= self.threshold * (1 - _SLACK):
+                self.stats.nodes_pruned += len(queue)
+                return []
             if time.monotonic() > self.deadline:
-                self._abandon(bound)
-                return True
+                return queue
+            _, _, shape, kind, count, node = heapq.heappop(queue)
             if kind < 0:
                 self._evaluate(shape, node.suffix)
                 continue
@@ -291,7 +343,7 @@ class _Search:
                     self.stats.nodes_pruned += 1
                     continue
                 heapq.heappush(queue, (option, next(self.counter), shape, child, stages, node))
-        return False
+        return []
 
     def _prepare_shape(self, shape: BatchShape) -> None:
         """Build the probe grid up to what could still beat the K-th best (a dive finds one)."""
