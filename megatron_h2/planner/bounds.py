@@ -292,12 +292,13 @@ class BatchShape(ShapeMemory):
         """:meth:`start` clamped to the table (warm-ups beyond it share the last entry)."""
         return np.minimum(-(-np.asarray(lead) // self.kinds[kind].dp), self.depth - 1)
 
-    def _most_layers(self, prefix: np.ndarray, kinds: Sequence[int]) -> np.ndarray:
-        """Per probe: most units any one of ``kinds`` holds in a block ending the pipeline."""
-        best = np.zeros(prefix.shape[1])
+    def _most_layers(self, caps: np.ndarray, kinds: Sequence[int]) -> np.ndarray:
+        """Per probe: most units any one of ``kinds`` holds in a block ending the pipeline
+        (``caps`` from :meth:`capacity`; such a block's warm-ups are all in the table)."""
+        best = np.zeros(caps.shape[1])
         for kind in kinds:
             most = min(self.kinds[kind].max_stages, self.positions)
-            np.maximum(best, prefix[kind][:, most], out=best)
+            np.maximum(best, caps[kind][:, :most].sum(axis=1), out=best)
         return best
 
     def _root_w(self, kinds: Sequence[int]) -> float:
@@ -312,8 +313,8 @@ class BatchShape(ShapeMemory):
         low, high = 0.0, self.w_max
         while high - low > 1e-4 * high:
             probes = np.linspace(low, high, 17)[1:-1]
-            prefix = self._prefix(self.capacity(probes))
-            held = sum(self._most_layers(prefix, group) for group in groups)
+            caps = self.capacity(probes)
+            held = sum(self._most_layers(caps, group) for group in groups)
             enough = np.flatnonzero(held >= self.layers)
             if len(enough):
                 high = float(probes[enough[0]])
