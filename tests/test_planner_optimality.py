@@ -12,10 +12,12 @@ stage, every stage's recompute mode) and asks ``CostModel.evaluate`` for its ste
 
 from __future__ import annotations
 
+import importlib
 import itertools
 import math
 import random
 from dataclasses import replace
+from types import SimpleNamespace
 
 import pytest
 
@@ -31,6 +33,7 @@ from megatron_h2.planner.cost_model import (
 )
 from megatron_h2.planner.orders import held_totals
 from megatron_h2.planner.partition import StageSlot, solve_split
+from megatron_h2.planner.report import search_summary
 from megatron_h2.planner.search import SearchOptions, search
 from tests.planner_models import planner_model
 
@@ -196,14 +199,16 @@ def brute_force_best(
     own_dp: str = "all",
 ) -> list[float]:
     """The ``count`` best step times over structures (each structure's best split) of the
-    space ``own_dp`` names (``all`` or ``derived``), checked against ``CostModel.evaluate`` of
-    the plans themselves."""
+    space ``own_dp`` names (``all``, ``derived`` or ``none``), checked against
+    ``CostModel.evaluate`` of the plans themselves."""
     best: dict[tuple, tuple[float, tuple]] = {}
     for value, key, plan in Enumerator(cost, options).plans(all_modes):
         if key not in best or value < best[key][0]:
             best[key] = (value, plan)
     if own_dp == "derived":
         best = derived(best, options.top_k)
+    elif own_dp == "none":
+        best = {k: v for k, v in best.items() if len({d for _, _, d in k[3]}) == 1}
     ranked = sorted(best.values(), key=lambda item: item[0])[:count]
     for value, args in ranked:
         dp, mbs, gbs, specs, stages, schedule = args
@@ -416,3 +421,25 @@ def test_derived_space_reaches_own_dp_plans(seed: int) -> None:
     candidates = search(cost, options).candidates
     assert [c.estimate.step_time_s for c in candidates] == pytest.approx(expected, rel=1e-9)
     assert any(not c.plan.uniform_dp for c in candidates)
+
+
+@pytest.mark.parametrize("pause", [0.5, 0.75])  # before its roots are bounded; best first
+def test_one_dp_search_pauses_for_the_re_splits_and_goes_on(monkeypatch, pause: float) -> None:
+    """A one-DP search still running when all but ``own_dp_share`` of the time limit is used
+    pauses, the re-splits run, and the one-DP search then goes on to its end: with a clock that
+    counts its readings, it pauses at ``pause`` of them and still proves the one-DP optimum
+    (brute force)."""
+    cost, options = random_case(31)
+    readings = itertools.count()
+    clock = SimpleNamespace(monotonic=lambda: next(readings))
+    monkeypatch.setattr(importlib.import_module("megatron_h2.planner.search"), "time", clock)
+    search(cost, replace(options, own_dp="none", time_limit_s=1e9))
+    at = int(next(readings) * pause)  # readings of the whole one-DP search, then the pause
+    readings = itertools.count()
+    options = replace(options, own_dp="derived", time_limit_s=10 * at, own_dp_share=0.9)
+    result = search(cost, options)
+    stats = result.stats
+    assert stats.one_dp_resumed and stats.own_dp_status == "complete" and stats.exhaustive
+    assert "paused" in search_summary(result)
+    best_one_dp = brute_force_best(cost, replace(options, own_dp="none"), 1, own_dp="none")[0]
+    assert result.best.estimate.step_time_s <= best_one_dp * (1 + 1e-9)

@@ -137,6 +137,7 @@ class BatchShape(ShapeMemory):
         self._placed_caps: dict[tuple[int, int, int, int], tuple[int, int, int]] = {}
         self._links: dict[tuple[str, str], float] = {}
         self.grid = np.zeros(1)
+        self._grid_key: tuple[float, int, int] | None = None
         self.grid_is_max = True
         self.prepared, self.pre_bound = False, 0.0
         if not lazy:
@@ -226,6 +227,7 @@ class BatchShape(ShapeMemory):
         with np.errstate(divide="ignore"):
             self.sync_inverse = np.where(slope > 0, 1.0 / np.maximum(slope, 1e-300), INF)
         stages = np.array([k.max_stages for k in self.kinds], dtype=np.float64)
+        self._sync_floats = (self.sync_one.tolist(), self.sync_inverse.tolist())
         self.type_sync_inverse = {
             t: float(max(stages[i] * self.sync_inverse[i] for i in self.kinds_of[t]))
             for t in self.types
@@ -290,12 +292,13 @@ class BatchShape(ShapeMemory):
         """:meth:`start` clamped to the table (warm-ups beyond it share the last entry)."""
         return np.minimum(-(-np.asarray(lead) // self.kinds[kind].dp), self.depth - 1)
 
-    def _most_layers(self, prefix: np.ndarray, kinds: Sequence[int]) -> np.ndarray:
-        """Per probe: most units any one of ``kinds`` holds in a block ending the pipeline."""
-        best = np.zeros(prefix.shape[1])
+    def _most_layers(self, caps: np.ndarray, kinds: Sequence[int]) -> np.ndarray:
+        """Per probe: most units any one of ``kinds`` holds in a block ending the pipeline
+        (``caps`` from :meth:`capacity`; such a block's warm-ups are all in the table)."""
+        best = np.zeros(caps.shape[1])
         for kind in kinds:
             most = min(self.kinds[kind].max_stages, self.positions)
-            np.maximum(best, prefix[kind][:, most], out=best)
+            np.maximum(best, caps[kind][:, :most].sum(axis=1), out=best)
         return best
 
     def _root_w(self, kinds: Sequence[int]) -> float:
@@ -310,8 +313,8 @@ class BatchShape(ShapeMemory):
         low, high = 0.0, self.w_max
         while high - low > 1e-4 * high:
             probes = np.linspace(low, high, 17)[1:-1]
-            prefix = self._prefix(self.capacity(probes))
-            held = sum(self._most_layers(prefix, group) for group in groups)
+            caps = self.capacity(probes)
+            held = sum(self._most_layers(caps, group) for group in groups)
             enough = np.flatnonzero(held >= self.layers)
             if len(enough):
                 high = float(probes[enough[0]])
@@ -337,6 +340,9 @@ class BatchShape(ShapeMemory):
         with the probe, so this stays an upper bound).
         """
         top = min(max(w_high, self.w_floor * (1 + 1e-9)), self.w_max)
+        if self._grid_key == (top, points, coarse):
+            return  # the same grid: keep its tables
+        self._grid_key = (top, points, coarse)
         self.grid = np.geomspace(max(self.w_floor, 1e-30), top, points)
         self.grid_is_max = top >= self.w_max
         self.prefix = self._prefix(self.capacity(self.grid))  # kind x probe x warm-up
@@ -348,7 +354,9 @@ class BatchShape(ShapeMemory):
         self._rest: dict[int, np.ndarray] = {}
         self._from_leads: dict[int, tuple[np.ndarray, np.ndarray]] = {}
         self._segment_tables: dict[int, np.ndarray] = {}
+        self._unused: dict[int, tuple[np.ndarray, np.ndarray]] = {}
         self._placed: dict[tuple[int, int, int, int, int], np.ndarray] = {}
+        self._timed: dict[int, np.ndarray] = {}
 
     def lead_index(self, lead: int | np.ndarray) -> np.ndarray:
         """Index of the largest grid lead not above ``lead``."""
@@ -421,6 +429,9 @@ class BatchShape(ShapeMemory):
                 continue
             after = self._rest_coarse(mask & ~(1 << t_index))
             for kind in self.kinds_of[chip]:
+                if self.uniform:
+                    np.maximum(result, self._rest_uniform(kind, after), out=result)
+                    continue
                 if kind not in self._from_leads:  # the same for every mask
                     most = min(self.kinds[kind].max_stages, self.positions)
                     counts = np.arange(1, most + 1)
@@ -432,6 +443,23 @@ class BatchShape(ShapeMemory):
         self._rest[mask] = result
         return result
 
+    def _rest_uniform(self, kind: int, after: np.ndarray) -> np.ndarray:
+        """Under one DP degree (grid lead ``i`` = ``i`` stages behind): the most units a block
+        of ``kind`` plus ``after`` (what the types in front of it add) hold in front of each grid
+        lead, as the general case computes it: ``max over c of P[i + c] - P[i] + after[i + c]``
+        (``P`` the kind's prefix sums; whole numbers, so the sums are exact in any order), with
+        a sliding maximum over ``c = 1 .. most`` instead of every ``c`` of every lead."""
+        most, depth = min(self.kinds[kind].max_stages, self.positions), self.depth
+        prefix = self.coarse_prefix[kind]  # coarse probe x (warm-up + 1)
+        ends = np.arange(depth + most)
+        windows = _window_max(prefix[:, ends] + after[:, np.minimum(ends, depth)], most)
+        out = np.empty((prefix.shape[0], depth + 1))
+        out[:, :depth] = windows[:, 1 : depth + 1] - prefix[:, :depth]
+        # the last grid lead reads the table's last warm-up, and what it leaves is the last lead
+        last = prefix[:, depth : depth + most] - prefix[:, [depth - 1]]
+        out[:, depth] = last.max(axis=1) + after[:, depth]
+        return out
+
     def sync_bound(
         self, blocks: Sequence[tuple[int, np.ndarray | int]], unused: int
     ) -> np.ndarray | float:
@@ -440,18 +468,16 @@ class BatchShape(ShapeMemory):
         """
         if not blocks:
             return 0.0
-        floor = max(float(self.sync_one[kind]) for kind, _ in blocks)
+        one, inverse_of = self._sync_floats
+        floor = max(one[kind] for kind, _ in blocks)
         inverse: np.ndarray | float = 0.0
         for kind, count in blocks:
-            inverse = inverse + np.asarray(count) * self.sync_inverse[kind]
+            inverse = inverse + count * inverse_of[kind]
         for t_index, chip in enumerate(self.types):
             if unused >> t_index & 1:
                 inverse = inverse + self.type_sync_inverse[chip]
-        with np.errstate(divide="ignore", invalid="ignore"):
-            spread = np.where(
-                np.isfinite(inverse), self.layers / np.asarray(inverse, dtype=np.float64), 0.0
-            )
-        return np.maximum(spread, floor)
+        # inverse > 0 (every block has a stage); inf (no DP sync anywhere) spreads to 0
+        return np.maximum(self.layers / np.asarray(inverse, dtype=np.float64), floor)
 
     def bound(
         self,
@@ -479,34 +505,33 @@ class BatchShape(ShapeMemory):
         for unit, caps, count in fixed:
             mandatory_layers = mandatory_layers + count
             mandatory_cost = mandatory_cost + unit * count
-            short = short | (caps < np.asarray(count) - 1e-9)
-            widths.append(np.maximum(caps - count, 0.0))
+            free = caps - count  # whole numbers: caps < count exactly when free < 0
+            short = short | (free < -1e-9)
+            widths.append(np.maximum(free, 0.0))
             units.append(unit)
-        rest_units, rest_widths = [], []
-        leads = np.asarray(leads)
-        lead_index = self.lead_index(leads)
-        for t_index, chip in enumerate(self.types):
-            if unused >> t_index & 1:
-                rest_units.append(self.segment_units(chip))
-                rest_widths.append(self.segment_table(chip)[:, :, lead_index])  # x option
-        if rest_units:
-            r_units = np.concatenate(rest_units)
-            order = np.argsort(r_units, kind="stable")
-            r_widths = np.concatenate(rest_widths)[order]
-            rest = self.rest(unused)[:, lead_index]
-            cumulative = np.minimum(r_widths.cumsum(axis=0), rest[None])
-            r_widths = np.diff(cumulative, axis=0, prepend=0.0)
-            units.extend(r_units[order])
-            widths.extend(r_widths)
         shape = np.broadcast_shapes(*(w.shape for w in widths))
+        r_widths = None
+        if unused:
+            r_units, table = self._unused_segments(unused)
+            r_widths = table[:, :, self.lead_index(np.asarray(leads))]  # segment x probe x option
+            units.extend(r_units)
+            shape = np.broadcast_shapes(shape, r_widths.shape[1:])
         units_arr = np.asarray(units)
         order = np.argsort(units_arr, kind="stable")
-        stacked = np.stack([np.broadcast_to(widths[i], shape) for i in order])
+        place = np.empty(len(units), dtype=np.int64)
+        place[order] = np.arange(len(units))  # where each segment goes, cheapest first
+        stacked = np.empty((len(units),) + shape)
+        for index, width in enumerate(widths):
+            stacked[place[index]] = width
+        if r_widths is not None:
+            stacked[place[len(widths) :]] = r_widths
         remaining = self.layers - np.asarray(mandatory_layers, dtype=np.float64)
-        before = stacked.cumsum(axis=0) - stacked
-        take = np.clip(remaining - before, 0.0, stacked)
-        fill = np.tensordot(units_arr[order], take, axes=1) + mandatory_cost + edges
-        covered = take.sum(axis=0)
+        before = _running_sum(stacked)
+        before -= stacked
+        take = np.minimum(np.maximum(remaining - before, 0.0), stacked)
+        flat = take.reshape(len(units), -1)
+        fill = (units_arr[order] @ flat).reshape(shape) + mandatory_cost + edges
+        covered = flat.sum(axis=0).reshape(shape)
         grid = self.grid[:, None]
         low = np.maximum(grid[:-1], need)
         own = self._own_work(low)
@@ -529,3 +554,37 @@ class BatchShape(ShapeMemory):
                 beyond = self.steady * top + self._own_work(top) + sync
             best = np.minimum(best, beyond)
         return best + links
+
+    def _unused_segments(self, mask: int) -> tuple[np.ndarray, np.ndarray]:
+        """The cost segments of the unused chip types in ``mask`` (:meth:`segment_table`),
+        cheapest first, with widths capped so that together they add at most :meth:`rest`:
+        (per-layer fills, widths segment x probe x grid lead; cached per grid)."""
+        if mask not in self._unused:
+            chips = [chip for t, chip in enumerate(self.types) if mask >> t & 1]
+            units = np.concatenate([self.segment_units(chip) for chip in chips])
+            order = np.argsort(units, kind="stable")
+            table = np.concatenate([self.segment_table(chip) for chip in chips])[order]
+            cumulative = np.minimum(_running_sum(table), self.rest(mask)[None])
+            self._unused[mask] = (units[order], np.diff(cumulative, axis=0, prepend=0.0))
+        return self._unused[mask]
+
+
+def _running_sum(stack: np.ndarray) -> np.ndarray:
+    """``stack.cumsum(axis=0)`` (the same sums in the same order), one row at a time: numpy's
+    cumsum along the first axis of a short, wide stack is several times slower."""
+    out = stack.copy()
+    for row in range(1, len(stack)):
+        np.add(out[row - 1], stack[row], out=out[row])
+    return out
+
+
+def _window_max(values: np.ndarray, width: int) -> np.ndarray:
+    """``out[:, a] = values[:, a : a + width].max(axis=1)`` for every full window (by doubling
+    spans: a few passes instead of ``width``)."""
+    span = 1
+    while 2 * span <= width:
+        values = np.maximum(values[:, :-span], values[:, span:])  # spans of 2 * span
+        span *= 2
+    if span == width:
+        return values
+    return np.maximum(values[:, : values.shape[1] - (width - span)], values[:, width - span :])

@@ -162,14 +162,16 @@ def held_totals(
             warmup = 2 * (p - s - 1) + (chunks - 1) * p
         warmup = min(warmup, m * chunks)
         return ((min(warmup + 1, m * chunks), 0, 0, 0, 0),)
-    if schedule == "zero-bubble":
-        pairs = zero_bubble_peaks(warm, m, s)
-    else:
+    if schedule != "zero-bubble":
         pairs = [(sum(a), 0, a[-1], 0) for a, _ in held_states(schedule, p, m, chunks, s, warmup)]
         return _pareto([(a, d, head, hd, 0) for a, d, head, hd in pairs])
-    return _pareto(
-        [(a, d, a if last else 0, d if last else 0, d if first else 0) for a, d in pairs]
-    )
+    # the totals grow with (active, deferred) alone: their Pareto set is that of the pairs
+    kept, most = [], -1
+    for a, d in sorted(set(zero_bubble_peaks(warm, m, s)), reverse=True):
+        if d > most:  # nothing with as many active holds as many deferred
+            kept.append((a, d, a if last else 0, d if last else 0, d if first else 0))
+            most = d
+    return tuple(sorted(kept))
 
 
 def zero_bubble_peaks(warmup: int, m: int, s: int) -> list[tuple[int, int]]:

@@ -27,11 +27,11 @@ is exact.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
-from numpy.lib.stride_tricks import sliding_window_view
+from numpy.lib.stride_tricks import as_strided
 
 from megatron_h2.planner.cost_model import MODES, zero_bubble_share
 from megatron_h2.planner.stage_costs import StageCosts
@@ -85,39 +85,50 @@ class StageTable:
     ):
         p, size = len(slots), num_units + 1
         counts = [micro_batches] * p if isinstance(micro_batches, int) else list(micro_batches)
-        factors = step_factors(schedule, counts, chunks)
+        factors = np.array(step_factors(schedule, counts, chunks), dtype=np.float64)[:, None]
         layers = np.arange(size, dtype=np.float64) * chunks
-        self.work = np.full((p, size), INF)
-        self.fill = np.full((p, size), INF)
-        self.tail = np.zeros((p, size))
-        self.mode = np.full((p, size), -1, dtype=np.int8)
-        for i, (slot, caps) in enumerate(zip(slots, mode_caps)):
-            share = 1.0 + zero_bubble_share(p, counts[i])
-            c, first, last = slot.costs, slot.first, slot.last
-            edge_f = (c.embedding_forward if first else 0.0) + (c.head_forward if last else 0.0)
-            edge_b = (c.embedding_backward if first else 0.0) + (c.head_backward if last else 0.0)
-            edge_g = (c.embedding_weight_grad if first else 0.0) + (
-                c.head_weight_grad if last else 0.0
+        share = np.array([[1.0 + zero_bubble_share(p, m)] for m in counts])
+
+        def column(value: Callable[[StageCosts], float]) -> np.ndarray:
+            """One number per stage, as a column."""
+            return np.array([[value(slot.costs)] for slot in slots], dtype=np.float64)
+
+        def edge(name: str) -> np.ndarray:
+            """The embedding's ``name`` on the first stage plus the head's on the last."""
+            return np.array(
+                [
+                    [
+                        (getattr(slot.costs, f"embedding_{name}") if slot.first else 0.0)
+                        + (getattr(slot.costs, f"head_{name}") if slot.last else 0.0)
+                    ]
+                    for slot in slots
+                ]
             )
-            mode = np.full(size, -1, dtype=np.int8)
-            for index in range(len(MODES) - 1, -1, -1):  # the fastest fitting mode wins
-                mode[: max(caps[index] + 1, 0)] = index
-            backward = np.asarray(c.layer_backward)[np.maximum(mode, 0)]
-            work = (edge_f + layers * c.layer_forward) + (edge_b + layers * backward)
-            sync = np.zeros(size)
-            if c.data_parallel_size > 1:
-                edge = (c.embedding_params if first else 0.0) + (c.head_params if last else 0.0)
-                sync = c.sync_fixed + (edge + layers * c.layer_params) * c.sync_per_param
-            weight = edge_g + layers * c.layer_weight_grad
-            fill, tail = work, sync
-            if schedule == "interleaved":
-                work = fill = work / chunks
-            elif schedule == "zero-bubble":
-                fill, tail = work - share * weight, sync + share * weight
-            self.mode[i] = mode
-            self.work[i] = np.where(mode >= 0, factors[i] * work, INF)
-            self.fill[i] = np.where(mode >= 0, fill, INF)
-            self.tail[i] = tail
+
+        caps = np.array(mode_caps, dtype=np.int64).reshape(p, len(MODES))
+        steps = np.arange(size)
+        mode = np.full((p, size), -1, dtype=np.int8)
+        for index in range(len(MODES) - 1, -1, -1):  # the fastest fitting mode wins
+            mode[steps[None, :] <= caps[:, index : index + 1]] = index
+        backward = np.take_along_axis(
+            np.array([slot.costs.layer_backward for slot in slots]), np.maximum(mode, 0), axis=1
+        )
+        forward = column(lambda c: c.layer_forward)
+        work = (edge("forward") + layers * forward) + (edge("backward") + layers * backward)
+        params = edge("params") + layers * column(lambda c: c.layer_params)
+        synced = column(lambda c: c.data_parallel_size > 1) > 0  # one replica: no DP sync
+        per_param = column(lambda c: c.sync_per_param)
+        sync = np.where(synced, column(lambda c: c.sync_fixed) + params * per_param, 0.0)
+        weight = edge("weight_grad") + layers * column(lambda c: c.layer_weight_grad)
+        fill, tail = work, sync
+        if schedule == "interleaved":
+            work = fill = work / chunks
+        elif schedule == "zero-bubble":
+            fill, tail = work - share * weight, sync + share * weight
+        self.mode = mode
+        self.work = np.where(mode >= 0, factors * work, INF)
+        self.fill = np.where(mode >= 0, fill, INF)
+        self.tail = tail
         self.num_layers = num_units
         with np.errstate(invalid="ignore"):
             marginal = np.diff(self.fill, axis=1)  # marginal[i, l - 1] = fill(l) - fill(l - 1)
@@ -145,6 +156,20 @@ class StageTable:
             return self._greedy(caps)
         return self._programme(caps)
 
+    def lower_sum(self, caps: np.ndarray) -> float | None:
+        """A lower bound on :meth:`best_sum` (None exactly when it is None for lack of room):
+        one unit on every stage and the cheapest marginal units wherever they are, as if every
+        fill were convex (rounded down a little, so that it stays below the exact sum)."""
+        if (caps < 1).any() or caps.sum() < self.num_layers:
+            return None
+        extra = self.num_layers - len(caps)
+        total = float(self.fill[:, 1].sum())
+        if extra:
+            steps = np.arange(1, self.num_layers)[None, :]  # column j adds layer j + 1
+            pool = np.where(steps < caps[:, None], self.marginal[:, 1:], INF).ravel()
+            total += float(np.partition(pool, extra - 1)[:extra].sum())
+        return total - 1e-12 * abs(total)
+
     def _greedy(self, caps: np.ndarray) -> tuple[float, list[int]]:
         p = len(caps)
         extra = self.num_layers - p
@@ -162,21 +187,23 @@ class StageTable:
 
     def _programme(self, caps: np.ndarray) -> tuple[float, list[int]] | None:
         size = self.num_layers + 1
-        total = np.full(size, INF)
-        total[0] = 0.0
+        padded = np.full(self.num_layers + size, INF)  # padded[L + k] = total[k], INF before
+        padded[self.num_layers] = 0.0
+        total = padded[self.num_layers :]
+        every = np.arange(size)
         choices = []
         for i in range(self.work.shape[0]):
             high = int(min(caps[i], self.num_layers))
             if high < 1:
                 return None
             row = self.fill[i, 1 : high + 1]
-            padded = np.concatenate((np.full(high, INF), total))
-            windows = sliding_window_view(padded, high)[
-                :size
-            ]  # windows[k, x] = total[k - high + x]
+            step = padded.strides[0]
+            windows = as_strided(  # windows[k, x] = total[k - high + x] (read only)
+                padded[self.num_layers - high :], (size, high), (step, step), writeable=False
+            )
             sums = windows + row[::-1]  # column x holds l = high - x
             arg = sums.argmin(axis=1)
-            total = sums[np.arange(size), arg]
+            total[:] = sums[every, arg]
             choices.append(high - arg)
         if not np.isfinite(total[self.num_layers]):
             return None
@@ -248,6 +275,9 @@ def solve_split(
     w_caps, z_caps = _cap_matrix(works, table.work, valid), _cap_matrix(syncs, table.tail, valid)
     w_first = _smallest(len(works), lambda j: table.feasible(w_caps[j]))
     z_min = syncs[_smallest(len(syncs), lambda k: table.feasible(z_caps[k]))]
+    relaxed = table.lower_sum(loose)  # not None: loose is feasible
+    if relaxed is None or works[w_first] + z_min + relaxed + links_s >= cutoff:
+        return None  # cannot beat the cutoff: no need for the exact floor
     floor = table.best_sum(loose)
     if floor is None:
         return None
@@ -259,12 +289,17 @@ def solve_split(
         if works[j] + z_min + floor[0] + links_s >= best_value:
             break
         by_work = w_caps[j]
-        unbounded = table.best_sum(by_work)  # the same W with no bound on the sync
-        if unbounded is None:
+        relaxed = table.lower_sum(by_work)
+        if relaxed is None:
             continue
         k_first = _smallest(
             len(syncs), lambda k, w=by_work: table.feasible(np.minimum(w, z_caps[k]))
         )
+        if works[j] + syncs[k_first] + relaxed + links_s >= best_value:
+            continue  # the loop below would stop at once
+        unbounded = table.best_sum(by_work)  # the same W with no bound on the sync
+        if unbounded is None:
+            continue
         for k in range(k_first, len(syncs)):
             if works[j] + syncs[k] + unbounded[0] + links_s >= best_value:
                 break

@@ -328,6 +328,8 @@ def search_summary(result: SearchResult) -> str:
     )
     if s.own_dp == "derived":
         line += f"; own DP per type: re-splits of {s.own_dp_seeds} of the best one-DP plans"
+        if s.one_dp_resumed:
+            line += " (found before the one-DP search paused for them near the time limit)"
     elif s.own_dp == "all":
         line += "; own DP per type: every plan"
     if s.exhaustive:

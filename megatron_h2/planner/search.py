@@ -18,9 +18,11 @@ whose root bound is not. Nothing else is pruned, so unless the time limit stops 
 exhaustive over the plan space (the tests check it against brute-force enumeration); at the time
 limit, the lowest bound left is a proven lower bound on the optimum.
 
-Plans with one DP degree are searched first, with the whole time limit; then, in the time left,
-the plans where chip types have their own DP degrees that :attr:`SearchOptions.own_dp` names
-(by default re-splits of the best one-DP plans, :meth:`_Search._derive`).
+Plans with one DP degree are searched first; then the plans where chip types have their own DP
+degrees that :attr:`SearchOptions.own_dp` names (by default re-splits of the best one-DP plans,
+:meth:`_Search._derive`). A one-DP search that has not finished when all but
+:attr:`SearchOptions.own_dp_share` of the time limit is used pauses for the own-DP search and
+then goes on in the time that one left.
 """
 
 from __future__ import annotations
@@ -99,6 +101,21 @@ class _Node:
         )
 
 
+_Entry = tuple[float, int, BatchShape, int, int, _Node]
+"""A queued option: its bound, a tie-breaker, its shape, the kind and stage count of the block
+it prepends (kind -1: close the pipeline) and the suffix it extends."""
+
+
+@dataclass
+class _Left:
+    """What a search stopped at the time limit has left: shapes whose roots are not bounded
+    yet, shapes bounded by their roots' children (bound, shape) and queued suffixes."""
+
+    shapes: list[BatchShape]
+    roots: list[tuple[float, BatchShape]]
+    queue: list[_Entry]
+
+
 def _root(shape: BatchShape) -> _Node:
     return _Node((), (), 0, (1 << len(shape.types)) - 1, 0.0, 0)
 
@@ -168,26 +185,52 @@ class _Search:
         return shapes
 
     def run(self) -> list[_Found]:
-        """Uniform-DP shapes first, with the whole time limit (their plans set the threshold
-        and their gap is that of a one-DP search), then, in the time left, the plans where chip
-        types have their own DP degrees that :attr:`SearchOptions.own_dp` names (plans with
-        one DP degree there are left to the uniform shapes), pruned against that threshold."""
+        """Uniform-DP shapes first, until all but :attr:`SearchOptions.own_dp_share` of the
+        time limit is used (their plans set the threshold and their gap is that of a one-DP
+        search), then, in the time left, the plans where chip types have their own DP degrees
+        that :attr:`SearchOptions.own_dp` names (plans with one DP degree there are left to the
+        uniform shapes), pruned against that threshold."""
         shapes = self._shapes(own=False)
         self.stats.batch_shapes = len(shapes)
-        self._run_shapes(shapes)
         if len(self.cost.cluster.chips) < 2 or self.options.own_dp == "none":
+            self._stop(self._run_shapes(shapes))
             return sorted((item[2] for item in self.best), key=lambda f: f.value)
+        deadline = self.deadline  # pause in time to leave a share of the limit to own DP
+        self.deadline -= self.options.own_dp_share * self.options.time_limit_s
+        paused = self._run_shapes(shapes)
+        self.deadline = deadline
         self.stats.own_dp = self.options.own_dp
         if time.monotonic() > self.deadline:
             self.stats.own_dp_status, self.stats.exhaustive = "not searched", False
         elif self.options.own_dp == "all":
             own = self._shapes(own=True)
             self.stats.batch_shapes += len(own)
-            self._run_shapes(own)
+            self._stop(self._run_shapes(own))
             self.stats.own_dp_status = "complete" if self.stats.exhaustive else "bounded"
         else:
             self._derive()
+        if paused.shapes or paused.roots or paused.queue:  # go on in the time left
+            self.stats.one_dp_resumed = True
+            paused = self._refine(paused.shapes, paused.roots, paused.queue)
+        self._stop(paused)
         return sorted((item[2] for item in self.best), key=lambda f: f.value)
+
+    def _stop(self, left: _Left) -> None:
+        """Give up what the time limit left: each shape's root bound (or its pruning), and the
+        lowest bound of the suffixes not expanded, bound the plans there from below."""
+        for shape in left.shapes:
+            if shape.root_bound() >= self.threshold * (1 - _SLACK):
+                self.stats.batch_shapes_pruned += 1
+                continue
+            shape.prepare()  # its tables' bound, not the cheap one (a small cost)
+            if shape.root_bound() >= self.threshold * (1 - _SLACK):
+                self.stats.batch_shapes_pruned += 1
+            else:
+                self._abandon(shape.root_bound())
+        for bound, _ in left.roots:
+            self._abandon(bound)
+        if left.queue:
+            self._abandon(left.queue[0][0])
 
     def _derive(self) -> None:
         """Own-DP re-splits of the K best one-DP plans found, best first over all of them: for
@@ -217,10 +260,13 @@ class _Search:
             if len(shape.types) < len(types) or shape.root_bound() >= self.threshold:
                 continue  # some type cannot use all its chips with its TP degree, or no win
             roots.append((shape.root_bound(), shape))
-        if self._best_first(roots, use_all=True):
+        left = self._best_first(roots, use_all=True)
+        if left:
+            self._stop(_Left([], [], left))
             self.stats.own_dp_status = "bounded"
 
-    def _run_shapes(self, shapes: list[BatchShape]) -> None:
+    def _run_shapes(self, shapes: list[BatchShape]) -> _Left:
+        """Search ``shapes``: short dives, then :meth:`_refine`; what the time limit left."""
         shapes.sort(key=lambda s: s.root_bound())
         for shape in shapes[: self.options.dive_shapes]:  # short dives: good incumbents early
             if (
@@ -233,18 +279,19 @@ class _Search:
                 continue
             shape.build_grid(self.threshold if self.threshold < INF else shape.w_max, 64)
             self._explore(shape, _root(shape), budget=self.options.dive_nodes)
-        refined = []  # (bound from the root's children, shape), for shapes that may still win
-        for shape in shapes:
+        return self._refine(shapes, [], [])
+
+    def _refine(self, shapes: list[BatchShape], refined: list[tuple[float, BatchShape]],
+                queue: list[_Entry]) -> _Left:
+        """Bound ``shapes`` by their roots' children, then search those that may still win best
+        first (adding ``refined``, shapes bounded so, and ``queue``, suffixes left by an earlier
+        call): at the time limit, what is left (:meth:`_stop` gives it up)."""  # fmt: skip
+        for index, shape in enumerate(shapes):
             if shape.root_bound() >= self.threshold * (1 - _SLACK):
                 self.stats.batch_shapes_pruned += 1
                 continue
             if time.monotonic() > self.deadline:
-                shape.prepare()  # its tables' bound, not the cheap one (a small cost)
-                if shape.root_bound() >= self.threshold * (1 - _SLACK):
-                    self.stats.batch_shapes_pruned += 1
-                else:
-                    self._abandon(shape.root_bound())
-                continue
+                return _Left(shapes[index:], refined, queue)
             shape.prepare()
             if shape.root_bound() >= self.threshold * (1 - _SLACK):
                 self.stats.batch_shapes_pruned += 1
@@ -256,29 +303,34 @@ class _Search:
                 self.stats.batch_shapes_pruned += 1
             else:
                 refined.append((bound, shape))
-        self._best_first(refined)
+        return _Left([], [], self._best_first(refined, queue=queue))
 
-    def _best_first(self, roots: list[tuple[float, BatchShape]], use_all: bool = False) -> bool:
+    def _best_first(
+        self,
+        roots: list[tuple[float, BatchShape]],
+        use_all: bool = False,
+        queue: list[_Entry] | None = None,
+    ) -> list[_Entry]:
         """Expand pipeline suffixes of all batch shapes in order of their bounds (with
-        ``use_all`` closing a pipeline only once it uses every chip type of its shape).
+        ``use_all`` closing a pipeline only once it uses every chip type of its shape), from
+        ``roots`` and the ``queue`` an earlier call left.
 
         The search is over when the lowest bound left cannot beat the K-th best plan (then it is
-        exhaustive) or at the time limit (then that lowest bound is the proven lower bound, and
-        this returns True).
+        exhaustive; this returns []) or at the time limit: this returns the queue left, whose
+        lowest bound (first) is then the proven lower bound unless a later call goes on.
         """
-        queue: list[tuple[float, int, BatchShape, int, int, _Node]] = []
+        queue = list(queue or [])
         for bound, shape in roots:
             self._prepare_shape(shape)
             queue.append((bound, next(self.counter), shape, 0, 0, _root(shape)))
         heapq.heapify(queue)
         while queue:
-            bound, _, shape, kind, count, node = heapq.heappop(queue)
-            if bound >= self.threshold * (1 - _SLACK):
-                self.stats.nodes_pruned += 1 + len(queue)
-                return False
+            if queue[0][0] >= self.threshold * (1 - _SLACK):
+                self.stats.nodes_pruned += len(queue)
+                return []
             if time.monotonic() > self.deadline:
-                self._abandon(bound)
-                return True
+                return queue
+            _, _, shape, kind, count, node = heapq.heappop(queue)
             if kind < 0:
                 self._evaluate(shape, node.suffix)
                 continue
@@ -291,7 +343,7 @@ class _Search:
                     self.stats.nodes_pruned += 1
                     continue
                 heapq.heappush(queue, (option, next(self.counter), shape, child, stages, node))
-        return False
+        return []
 
     def _prepare_shape(self, shape: BatchShape) -> None:
         """Build the probe grid up to what could still beat the K-th best (a dive finds one)."""
@@ -318,12 +370,9 @@ class _Search:
             visited += self._explore(shape, node.child(shape, kind, count, links), budget - visited)
         return visited
 
-    def _fixed(
-        self, shape: BatchShape, node: _Node
-    ) -> tuple[list[tuple[float, np.ndarray, Any]], float]:
+    def _fixed(self, shape: BatchShape, node: _Node) -> list[tuple[float, np.ndarray, Any]]:
         """The suffix's blocks for :meth:`BatchShape.bound` (under zero-bubble and interleaved
-        with the caps of a pipeline at least one stage longer), and the least folded steady
-        term (one layer on its slowest kind)."""
+        with the caps of a pipeline at least one stage longer)."""
         fixed = [(u, caps[:, None], count) for u, caps, count in node.groups]
         if shape.schedule != "1f1b" and node.suffix:  # held memory grows with the length
             warmups = shape.warmups(node.suffix)
@@ -333,8 +382,7 @@ class _Search:
                 caps = shape.placed_block(kind, first, start, count, position + 1)
                 fixed.append((unit, caps[:, None], count))
                 start += count
-        need = max((float(shape.unit[kind, 0]) for kind, _ in node.suffix), default=0.0)
-        return fixed, need
+        return fixed
 
     def _options(
         self, shape: BatchShape, node: _Node, use_all: bool = False
@@ -344,7 +392,7 @@ class _Search:
         chip type of the shape is used."""
         suffix, groups, position, mask = node.suffix, node.groups, node.position, node.mask
         options: list[tuple[float, int, int]] = []
-        fixed, need = self._fixed(shape, node)
+        need = _need(shape, node)
         warmups = shape.warmups(suffix) if suffix else []
         if suffix and shape.closes(position) and not (use_all and mask):
             edges = float(shape.head_time[suffix[-1][0]] + shape.embedding_time[suffix[0][0]])
@@ -361,13 +409,15 @@ class _Search:
                     front += count
                 leaf = shape.bound(closed, 0, here, node.links, edges, need, sync)
             options.append((float(leaf[0]), -1, 0))
-        room = shape.positions - position
+        room, fixed = shape.positions - position, None
         for t_index, chip in enumerate(shape.types):  # one bound call per chip type
             if not mask >> t_index & 1:
                 continue
             columns = [(k, shape.counts(k, room)) for k in shape.kinds_of[chip]]
             columns = [(k, c) for k, c in columns if len(c)]
             if columns:
+                if fixed is None:  # the suffix's blocks, only where a child may follow
+                    fixed = self._fixed(shape, node)
                 options += self._bounds(shape, node, fixed, need, columns)
         options.sort(key=lambda item: (item[0], -item[2]))
         return options
@@ -405,9 +455,9 @@ class _Search:
             parts, others, np.concatenate(leads), np.concatenate(child_links),
             np.concatenate(edges), np.concatenate(needs), np.concatenate(syncs),
         )  # fmt: skip
-        out, lo = [], 0
+        out, lo, values = [], 0, bounds.tolist()
         for kind, count in columns:
-            out.extend((float(bounds[lo + i]), kind, int(n)) for i, n in enumerate(count))
+            out += [(values[lo + i], kind, n) for i, n in enumerate(count.tolist())]
             lo += len(count)
         return out
 
@@ -437,6 +487,11 @@ class _Search:
         heapq.heappush(self.best, (-found.value, next(self.counter), found))
         if len(self.best) > self.options.top_k:
             heapq.heappop(self.best)
+
+
+def _need(shape: BatchShape, node: _Node) -> float:
+    """The least folded steady term below ``node``: one layer on its slowest kind."""
+    return max((float(shape.unit[kind, 0]) for kind, _ in node.suffix), default=0.0)
 
 
 def solve_structure(shape: BatchShape, suffix: _Suffix, cutoff: float = INF) -> Split | None:

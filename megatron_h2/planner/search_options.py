@@ -35,6 +35,11 @@ class SearchOptions:
     chip types and TP degrees, any order, each type's DP half, equal to or twice its DP there, all
     its chips used), ``all`` (every such plan: exhaustive, slow on large clusters) or ``none``
     (one DP degree only)."""
+    own_dp_share: float = 0.1
+    """Share of the time limit kept for the own-DP search: the one-DP search stops at the rest
+    of the limit when it has not finished by then (its proven gap then holds at that point);
+    the own-DP search runs until the whole limit. No effect with ``own_dp="none"`` or one chip
+    type, and none on a search that finishes in time."""
 
     def __post_init__(self) -> None:
         positive_int(self.global_batch_size, "global_batch_size")
@@ -65,6 +70,8 @@ class SearchOptions:
             raise ConfigError(
                 f"unknown own_dp {self.own_dp!r}; choose from {', '.join(OWN_DP_SPACES)}"
             )
+        if not 0 <= self.own_dp_share < 1:
+            raise ConfigError(f"own_dp_share must be in [0, 1), got {self.own_dp_share}")
         if not self.time_limit_s > 0:
             raise ConfigError(f"time limit must be positive, got {self.time_limit_s}")
 
@@ -123,6 +130,9 @@ class SearchStats:
     """``complete``; ``bounded`` (the time limit stopped the own-DP search and its lowest bound
     left is in :attr:`lower_bound_s`); ``not searched`` (the time limit came first: the
     proven gap covers the one-DP plans only)."""
+    one_dp_resumed: bool = False
+    """The one-DP search paused (:attr:`SearchOptions.own_dp_share` of the limit before its
+    end) for the own-DP search and went on in the time left after it."""
 
 
 @dataclass(frozen=True)

@@ -37,6 +37,7 @@ class ShapeMemory:
     _mode_caps: dict[tuple[int, int, int, int | None], tuple[int, int, int]]
     _placed_caps: dict[tuple[int, int, int, int], tuple[int, int, int]]
     _placed: dict[tuple[int, int, int, int, int], np.ndarray]
+    _timed: dict[int, np.ndarray]
 
     def closes(self, stages: int) -> bool:
         """Whether a pipeline of ``stages`` stages can run this shape's schedule."""
@@ -67,11 +68,7 @@ class ShapeMemory:
         if key not in self._mode_caps:
             k = self.kinds[kind]
             states = held_totals(self.schedule, stages, k.micro_batches, self.chunks, stage, warmup)
-            first, last = stage == 0, stage == stages - 1
-            caps = [
-                k.costs.max_units(self.chunks, mode, states, first, last)
-                for mode in range(len(MODES))
-            ]
+            caps = k.costs.unit_caps(self.chunks, states, stage == 0, stage == stages - 1)
             self._mode_caps[key] = (caps[0], caps[1], caps[2])
         return self._mode_caps[key]
 
@@ -141,11 +138,13 @@ class ShapeMemory:
     def _timed_sum(self, kind: int, caps: np.ndarray) -> np.ndarray:
         """Per probe: units of stages with memory caps ``caps`` (stage x mode) under the time
         caps."""
-        with np.errstate(divide="ignore", invalid="ignore"):
-            timed = np.floor(self.grid[:, None, None] / self.unit[kind][None, None, :])
-        timed = np.where(self.unit[kind][None, None, :] > 0, timed, INF)
+        timed = self._timed.get(kind)
+        if timed is None:  # probe x 1 x mode, per grid
+            with np.errstate(divide="ignore", invalid="ignore"):
+                timed = np.floor(self.grid[:, None, None] / self.unit[kind][None, None, :])
+            timed = self._timed[kind] = np.where(self.unit[kind][None, None, :] > 0, timed, INF)
         per_stage = np.minimum(timed, caps[None, :, :]).max(axis=2)  # probe x stage
-        return np.clip(per_stage, 0, self.layers).sum(axis=1)
+        return np.minimum(np.maximum(per_stage, 0), self.layers).sum(axis=1)
 
     def _placed_stage_caps(
         self, kind: int, warmup: int, position: int, stages: int
@@ -163,10 +162,7 @@ class ShapeMemory:
             )
             if stage == 0:  # not the first stage: more will be placed in front
                 states = tuple((a, d, ha, hd, 0) for a, d, ha, hd, _ in states)
-            caps = [
-                k.costs.max_units(self.chunks, mode, states, False, position == 0)
-                for mode in range(len(MODES))
-            ]
+            caps = k.costs.unit_caps(self.chunks, states, False, position == 0)
             self._placed_caps[key] = (caps[0], caps[1], caps[2])
         return self._placed_caps[key]
 

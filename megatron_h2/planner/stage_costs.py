@@ -10,7 +10,7 @@ are documented in ``docs/planner.md``.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from megatron_h2.planner.orders import State, Totals
 
@@ -54,6 +54,9 @@ class StageCosts:
     """Bytes per layer and micro-batch kept from input gradient to weight gradient."""
     embedding_weight_inputs: float = 0.0
     head_weight_inputs: float = 0.0
+    _unit_caps: dict[tuple[int, tuple[Totals, ...], bool, bool], tuple[int, ...]] = field(
+        default_factory=dict, init=False, repr=False, compare=False
+    )
 
     def layer_time(self, mode: int) -> float:
         """Forward + backward of one layer for one micro-batch under recompute ``MODES[mode]``.
@@ -169,6 +172,19 @@ class StageCosts:
         ):
             most += 1
         return most
+
+    def unit_caps(
+        self, chunks: int, totals: tuple[Totals, ...], first: bool, last: bool
+    ) -> tuple[int, ...]:
+        """:meth:`max_units` per recompute mode (indexed like ``MODES``; cached: every batch
+        shape with this stage kind asks for the same held totals again and again)."""
+        key = (chunks, totals, first, last)
+        caps = self._unit_caps.get(key)
+        if caps is None:
+            modes = range(len(self.layer_activation))
+            caps = tuple(self.max_units(chunks, mode, totals, first, last) for mode in modes)
+            self._unit_caps[key] = caps
+        return caps
 
     def edge_memory(self, in_flight: int, first: bool, last: bool) -> float:
         """Bytes of the embedding and head (weights, optimizer, head activations) on the stage."""
