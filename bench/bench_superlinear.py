@@ -5,26 +5,34 @@ H2's claim: chips that are weak alone (too little memory, so full recompute) bec
 next to chips that complement them, so a mixed cluster can train faster than the sum of what each
 chip type trains alone. On this machine's CPU, with `examples/clusters/cpu_superlinear.yaml`
 (`fast`: memory for the model only under full recompute; `big`: memory to spare, three times
-slower; one single-threaded process each, padded with sleep to `emulate_slowdown` 2 and 6), the
+slower; one single-threaded process each, padded with sleep to `emulate_slowdown` 4 and 12), the
 script
 
-1. measures the chips with `tools/profile_chip.py --threads 1` (micro-batch 1);
+1. measures the chips with `tools/profile_chip.py --threads 1 --emulate` (micro-batch 1): one
+   paced process per process of the runs below, measuring at once, so that the profile sees the
+   cores as the runs do (`--sequential`: one process alone, unpaced, as each run then is);
 2. plans through the planner's API (`search` and `compare_homogeneous`, what
    `tools/plan.py --compare-homogeneous` runs): each chip type alone on its own chips, and the
    mixed cluster, and writes the three plan files; the planner's memory limits decide recompute,
    so `fast` alone runs full recompute for real;
-3. runs each plan for real (`torchrun pretrain_gpt.py --hetero-plan PLAN`, gloo,
-   OMP_NUM_THREADS=1), the three back to back in each round, in alternating order, re-profiling
-   every round; a run's step time is the median `iteration_ms` after the warm-up iterations;
+3. runs the three plans for real (`torchrun pretrain_gpt.py --hetero-plan PLAN`, gloo,
+   OMP_NUM_THREADS=1) side by side: all three start together and each trains for the same
+   minutes (`--exit-duration-in-mins`, enough for the slowest plan's warm-up and `--steps`
+   steps), so that every plan meets the same host (its speed and what other processes take
+   drift over minutes, and a ratio of runs made at different times divides that drift); a run's
+   step time is the median `iteration_ms` of its steps after `--skip` warm-up iterations that
+   lie wholly in the window in which all three were past their warm-up (the rows' `time`).
+   `--sequential` runs them one after the other instead, in alternating order each round. Every
+   round re-profiles first;
 4. prints the measured and the predicted tokens/s of each (`CostModel.evaluate` and the
    simulator, with the per-entry median of the rounds' profiles), the ratio mixed / (sum of the
-   chip types alone), measured (each round's, from its three back-to-back runs, and their median)
-   and predicted (targets: measured >= 1.05, predicted within 10% of it), and the cores: those
-   the plan's processes need by design (sum of 1 / emulate_slowdown over its ranks: 0.67 for the
-   mixed plan, well under the host's 2, with room for other processes), those each run used (CPU
-   time of torchrun and its workers / wall time, start-up included) and those other processes
-   took meanwhile. A round with a run they disturbed (>= --busy cores) is compared
-   only when no round is calm; while none is and --budget lasts, the bench runs one more.
+   chip types alone), measured (each round's and their median) and predicted (targets: measured
+   >= 1.05, predicted within 10% of it), and the cores: those the processes need by design (sum
+   of 1 / emulate_slowdown over the ranks: 0.33 for the mixed plan, 0.67 for the three side by
+   side, well under the host's 2), those the runs used (CPU time of torchrun and its workers /
+   wall time, start-up included) and those other processes took meanwhile. A round with a run
+   they disturbed (>= --busy cores) is compared only when no round is calm; while none is and
+   --budget lasts, the bench runs one more.
 
 Plans with per-stage data parallelism run as they are (the process count is the plan's world
 size).
@@ -79,9 +87,9 @@ from megatron_h2.training.host_load import OtherLoad, load_average
 CLUSTER = ROOT / "examples" / "clusters" / "cpu_superlinear.yaml"
 # hidden 128 / seq 256 / 8 layers, LLaMA-style, no dropout (profiled, planned and trained alike:
 # dropout's random masks would double a layer's forward on this CPU): a layer's forward takes
-# ~2.6 ms and its backward ~4.5 ms on one core, so a step is 1-5 s; 1.6M parameters, whose
-# weights and optimizer state (27.6 MiB) leave `fast` room for one micro-batch's activations only
-# under full recompute.
+# ~2.6 ms and its backward ~4.5 ms on one core, so a step is 3-13 s at the slowdowns; 1.6M
+# parameters, whose weights and optimizer state (27.6 MiB) leave `fast` room for one
+# micro-batch's activations only under full recompute.
 MODEL = {"num_layers": 8, "hidden_size": 128, "ffn_hidden_size": 352, "num_attention_heads": 4,
          "group_query_attention": True, "num_query_groups": 2, "seq_length": 256,
          "max_position_embeddings": 256, "vocab_size": 512, "global_batch_size": 16,
