@@ -70,7 +70,7 @@ from emulated_runs import (
 )
 
 from megatron_h2.errors import ConfigError
-from megatron_h2.hetero_plan import HeteroPlan
+from megatron_h2.hetero_plan import ChipSpec, HeteroPlan, StageSpec
 from megatron_h2.planner import (
     Cluster,
     CostConfig,
@@ -143,13 +143,11 @@ def side_by_side_processes(cluster: Cluster, path: Path) -> Path:
         raise ConfigError(f"{len(chips)} side-by-side processes exceed the {layers} layers; "
                           "profile with --sequential")
     split = [layers // len(chips) + (i < layers % len(chips)) for i in range(len(chips))]
-    path.write_text(yaml.safe_dump({
-        "data_parallel_size": 1, "micro_batch_size": 1,
-        "global_batch_size": MODEL["global_batch_size"],
-        "chips": {c.name: {"device": c.device, "emulate_slowdown": c.emulate_slowdown}
-                  for c in cluster.chips},
-        "stages": [{"chip": chip, "tensor_parallel_size": 1, "num_layers": n}
-                   for chip, n in zip(chips, split)]}, sort_keys=False))
+    HeteroPlan(
+        data_parallel_size=1, micro_batch_size=1, global_batch_size=MODEL["global_batch_size"],
+        chips={c.name: ChipSpec(c.device, c.emulate_slowdown) for c in cluster.chips},
+        stages=[StageSpec(chip, 1, n) for chip, n in zip(chips, split)],
+    ).to_yaml(path, header="bench_superlinear: the side-by-side runs' processes")
     return path
 
 

@@ -28,7 +28,7 @@ sys.path.insert(0, str(ROOT))
 
 from megatron_h2.config import ModelConfig  # noqa: E402
 from megatron_h2.hetero_plan import HeteroPlan  # noqa: E402
-from megatron_h2.planner.calibration import steady_step_ms  # noqa: E402
+from megatron_h2.planner.calibration import steady_rows, steady_step_ms  # noqa: E402
 from megatron_h2.planner.model import model_flags  # noqa: E402
 from megatron_h2.training.host_load import OtherLoad, wait_for_quiet  # noqa: E402
 
@@ -140,12 +140,6 @@ def measure(plan_path: Path, flags: list[str], skip: int, out: Path,
             "wall_s": round(wall, 1), "load": load, "cores": cores}
 
 
-def _rows(path: Path) -> list[dict]:
-    if not path.exists():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-
-
 def common_window(steps: dict[str, list[tuple[float, float]]]) -> tuple[float, float]:
     """The span in which every run was training a measured step: from the latest first start to
     the earliest last end (``steps``: each run's (start, end) Unix times after its warm-up)."""
@@ -185,8 +179,7 @@ def measure_side_by_side(plans: dict[str, Path], flags: list[str], skip: int, wo
                 results[name] = {"error": err[-2000:]}
     steps = {}
     for name in plans:
-        rows = [r for r in _rows(outs[name]) if "iteration_ms" in r and "val_loss" not in r
-                and r["iteration"] > skip]
+        rows = steady_rows(outs[name], skip) if outs[name].exists() else []
         if name not in results and not rows:
             results[name] = {"error": "no iteration_ms after the warm-up"}
         elif name not in results:

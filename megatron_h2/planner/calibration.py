@@ -78,14 +78,17 @@ def calibrated_cluster(cluster: Mapping[str, Any], links: LinkTimes,
     return data
 
 
-def steady_step_ms(metrics_jsonl: str | Path, skip: int) -> list[float]:
-    """``iteration_ms`` of the iterations after the first ``skip`` (warm-up), from the
-    ``--log-jsonl`` of a run logged every iteration; rows that include a validation pass are
-    left out (their time includes it)."""
-    rows = []
-    for line in Path(metrics_jsonl).read_text().splitlines():
-        if line.strip():
-            rows.append(json.loads(line))
-    return [float(r["iteration_ms"]) for r in rows
+def steady_rows(metrics_jsonl: str | Path, skip: int) -> list[dict]:
+    """The ``--log-jsonl`` rows of the iterations after the first ``skip`` (warm-up) of a run
+    logged every iteration; rows that include a validation pass are left out (their time
+    includes it)."""
+    rows = [json.loads(line) for line in Path(metrics_jsonl).read_text().splitlines()
+            if line.strip()]
+    return [r for r in rows
             if "iteration_ms" in r and r["iteration"] > skip and "val_loss" not in r]
+
+
+def steady_step_ms(metrics_jsonl: str | Path, skip: int) -> list[float]:
+    """``iteration_ms`` of :func:`steady_rows`."""
+    return [float(r["iteration_ms"]) for r in steady_rows(metrics_jsonl, skip)]
 
