@@ -70,8 +70,8 @@ from megatron_h2.optimizer.distributed_optimizer import (
     DataParallelOptimizer,  # noqa: E402
     build_data_parallel_optimizer,  # noqa
 )
-from megatron_h2.pipeline.schedules import run_schedule  # noqa: E402
-from megatron_h2.pipeline_orders import one_f_one_b  # noqa: E402
+from megatron_h2.pipeline.schedule_runner import run_schedule  # noqa: E402
+from megatron_h2.plan.orders import one_f_one_b  # noqa: E402
 from megatron_h2.training.layout import uniform_plan  # noqa: E402
 from megatron_h2.training.step import StepRunner  # noqa: E402
 from tests.dist_utils import run_distributed  # noqa: E402

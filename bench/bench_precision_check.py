@@ -3,12 +3,12 @@
 One process, one thread. A GPT model is built as the trainer builds it with the check on
 (``KernelProbe`` kernels); a training iteration is ``--micro-batches`` forward / backward passes
 of ``--micro-batch-size`` sequences and an AdamW step; a check is
-:meth:`~megatron_h2.training.precision.PrecisionMonitor.check` (the last micro-batch re-run with
-every operator replayed on the CPU in fp64). They alternate for ``--rounds`` rounds after a
-warm-up; printed: median wall and CPU seconds of each and the ratio check / iteration, which is
-how many iterations one check costs (so the overhead of ``--precision-check-interval N`` is
-about ratio / N). CPU time is printed beside wall time because other processes on a shared
-machine inflate wall times unevenly.
+:meth:`~megatron_h2.monitoring.precision_monitor.PrecisionMonitor.check` (the last
+micro-batch re-run with every operator replayed on the CPU in fp64). They alternate for
+``--rounds`` rounds after a warm-up; printed: median wall and CPU seconds of each and the ratio
+check / iteration, which is how many iterations one check costs (so the overhead of
+``--precision-check-interval N`` is about ratio / N). CPU time is printed beside wall time
+because other processes on a shared machine inflate wall times unevenly.
 
     .venv/bin/python bench/bench_precision_check.py
     .venv/bin/python bench/bench_precision_check.py --hidden-size 256 --num-layers 4 --bf16
@@ -28,12 +28,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from megatron_h2.config import ModelConfig, OptimizerConfig, ParallelConfig, TrainingConfig
 from megatron_h2.devices import get_accelerator
-from megatron_h2.devices.precision import KernelProbe
+from megatron_h2.devices.op_replay import KernelProbe
 from megatron_h2.distributed.topology import build_topology
 from megatron_h2.models.gpt import GPTModel, init_parameters
+from megatron_h2.monitoring.precision_monitor import PrecisionMonitor
 from megatron_h2.optimizer.adamw import build_optimizer
 from megatron_h2.training.layout import uniform_plan
-from megatron_h2.training.precision import PrecisionMonitor
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:

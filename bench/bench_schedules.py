@@ -29,9 +29,9 @@ from bench_parallel import LR, SyncProbe, load_dataset, med, ms, now
 from megatron_h2.config import DataConfig, ModelConfig, OptimizerConfig, RunConfig, TrainingConfig
 from megatron_h2.devices import get_accelerator
 from megatron_h2.distributed.topology import build_topology
-from megatron_h2.hetero_plan import ChipSpec, HeteroPlan, StageSpec
 from megatron_h2.models.gpt import GPTModel, init_parameters
 from megatron_h2.optimizer.distributed_optimizer import build_data_parallel_optimizer
+from megatron_h2.plan.schema import ChipSpec, HeteroPlan, StageSpec
 from megatron_h2.training.step import StepRunner
 from tests.dist_utils import run_distributed
 
@@ -144,8 +144,8 @@ def schedules_worker(rank: int, world: int, a: argparse.Namespace, prefix: str) 
 def simulate_schedules(a: argparse.Namespace) -> dict:
     """The simulator's step time and bubble of every (schedule, m) for the nominal times (a
     layer's forward 1 unit, backward 2, nothing else); ``{key: (step_s, bubble) or error}``."""
+    from megatron_h2.measurement.chip_timing import PROFILE_MODEL_KEYS
     from megatron_h2.planner import Cluster, CostModel, ProfileTable, simulate
-    from megatron_h2.training.profile_chip import PROFILE_MODEL_KEYS
 
     model = schedule_model(a)
     times = {"layer_forward_ms": a.unit_ms, "layer_backward_ms": 2 * a.unit_ms}

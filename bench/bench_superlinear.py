@@ -70,7 +70,8 @@ from emulated_runs import (
 )
 
 from megatron_h2.errors import ConfigError
-from megatron_h2.hetero_plan import ChipSpec, HeteroPlan, StageSpec
+from megatron_h2.measurement.host_load import OtherLoad, load_average
+from megatron_h2.plan.schema import ChipSpec, HeteroPlan, StageSpec
 from megatron_h2.planner import (
     Cluster,
     CostConfig,
@@ -82,7 +83,6 @@ from megatron_h2.planner import (
     search,
     simulate,
 )
-from megatron_h2.training.host_load import OtherLoad, load_average
 
 CLUSTER = ROOT / "examples" / "clusters" / "cpu_superlinear.yaml"
 # hidden 128 / seq 256 / 8 layers, LLaMA-style, no dropout (profiled, planned and trained alike:

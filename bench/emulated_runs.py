@@ -3,7 +3,7 @@
 Every emulated chip is a single-threaded process of this machine; a plan file runs for real with
 `torchrun pretrain_gpt.py --hetero-plan PLAN` (OMP_NUM_THREADS=1) over a small synthetic corpus,
 and its step time is the median `iteration_ms` after the warm-up iterations. While a run lasts,
-:class:`~megatron_h2.training.host_load.OtherLoad` records the cores other processes took and the
+:class:`~megatron_h2.measurement.host_load.OtherLoad` records the cores other processes took and the
 cores the run itself used.
 """
 
@@ -27,10 +27,10 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from megatron_h2.config import ModelConfig  # noqa: E402
-from megatron_h2.hetero_plan import HeteroPlan  # noqa: E402
+from megatron_h2.measurement.host_load import OtherLoad, wait_for_quiet  # noqa: E402
+from megatron_h2.plan.schema import HeteroPlan  # noqa: E402
 from megatron_h2.planner.calibration import steady_rows, steady_step_ms  # noqa: E402
-from megatron_h2.planner.model import model_flags  # noqa: E402
-from megatron_h2.training.host_load import OtherLoad, wait_for_quiet  # noqa: E402
+from megatron_h2.planner.model_input import model_flags  # noqa: E402
 
 
 def log(message: str) -> None:

@@ -35,7 +35,7 @@ echo "== 1/4 measuring this machine (cached in ${MEGATRON_H2_CACHE:-~/.cache/meg
   --profile "$OUT/profile_alone.yaml" --output "$OUT/plan_alone.yaml" > "$OUT/plan_alone.txt"
 cp "$OUT/plan_alone.yaml" "$OUT/measured_as.yaml"
 # the processes of a plan: the emulated slowdown of every rank's chip
-MIX='import sys; from megatron_h2.hetero_plan import HeteroPlan as H; p = H.from_yaml(sys.argv[1]);
+MIX='import sys; from megatron_h2.plan.schema import HeteroPlan as H; p = H.from_yaml(sys.argv[1]);
 print(sorted(p.chips[p.stages[p.rank_coordinates(r)[0]].chip].emulate_slowdown
              for r in range(p.world_size)))'
 for round in 1 2 3; do
@@ -54,9 +54,9 @@ done
 echo "== 2/4 planning $CLUSTER for $MODEL with this machine's profile"
 cat "$OUT/plan.txt"
 
-WORLD=$("$PYTHON" -c "from megatron_h2.hetero_plan import HeteroPlan; \
+WORLD=$("$PYTHON" -c "from megatron_h2.plan.schema import HeteroPlan; \
 print(HeteroPlan.from_yaml('$OUT/plan.yaml').world_size)")
-MODEL_FLAGS=$("$PYTHON" -c "from megatron_h2.planner.model import model_flags, model_from_yaml; \
+MODEL_FLAGS=$("$PYTHON" -c "from megatron_h2.planner.model_input import model_flags, model_from_yaml; \
 print(' '.join(model_flags(model_from_yaml('$MODEL'), vocab=False)))")
 
 echo "== 3/4 training the plan on $WORLD processes ($ITERS iterations)"

@@ -23,7 +23,7 @@ cd "${SLURM_SUBMIT_DIR:-$(dirname "$0")/..}"
 PYTHON=${PYTHON:-python3}
 MAX_REQUEUES=${MAX_REQUEUES:-3}
 
-"$PYTHON" -m megatron_h2.training.elastic "$@" &
+"$PYTHON" -m megatron_h2.elastic.launcher "$@" &
 launcher=$!
 # SLURM signals the batch shell: pass it on (the workers save and stop, the launcher exits 75)
 trap 'kill -TERM "$launcher" 2>/dev/null' TERM INT

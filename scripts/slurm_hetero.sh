@@ -114,7 +114,7 @@ read -r -d '' CHECK_PY <<'EOF' || true
 import sys
 try:
     from megatron_h2.errors import ConfigError
-    from megatron_h2.hetero_plan import HeteroPlan
+    from megatron_h2.plan.schema import HeteroPlan
 except ImportError as exc:
     sys.exit(f"cannot import megatron_h2 ({exc})")
 path, chips_arg, counts_arg = sys.argv[1:4]

@@ -3,7 +3,7 @@
 They are LLaMA-style (the architecture keys of examples/models/*.yaml)."""
 
 from megatron_h2.config import ModelConfig
-from megatron_h2.planner.model import model_from_dict
+from megatron_h2.planner.model_input import model_from_dict
 
 LLAMA_KEYS = {"swiglu": True, "normalization": "RMSNorm", "position_embedding_type": "rope",
               "disable_bias_linear": True, "untie_embeddings_and_output_weights": True}

@@ -14,7 +14,7 @@ from megatron_h2.devices import get_accelerator
 from megatron_h2.devices.attention import SDPA_BACKENDS, TE_BACKEND_ENV
 from megatron_h2.errors import ConfigError, RankConfigError
 from megatron_h2.training.arguments import config_from_args, describe_no_effect
-from megatron_h2.training.kernel_checks import check_attention_on_chip, check_implementation
+from megatron_h2.training.launch_checks import check_attention_on_chip, check_implementation
 from megatron_h2.training.main import main
 from tests.test_model import build, tiny
 

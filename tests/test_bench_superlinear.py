@@ -23,7 +23,7 @@ from bench_superlinear import (  # noqa: E402
 )
 from emulated_runs import common_window  # noqa: E402
 
-from megatron_h2.hetero_plan import HeteroPlan  # noqa: E402
+from megatron_h2.plan.schema import HeteroPlan  # noqa: E402
 from megatron_h2.planner import Cluster, ProfileTable  # noqa: E402
 
 

@@ -26,8 +26,8 @@ from megatron_h2.distributed.bridge import Bridge, BridgeConfig
 from megatron_h2.distributed.p2p import PipeComm
 from megatron_h2.distributed.topology import Topology
 from megatron_h2.errors import ConfigError
-from megatron_h2.hetero_plan import ChipSpec, HeteroPlan, StageSpec
-from megatron_h2.pipeline.schedules import forward_backward_1f1b
+from megatron_h2.pipeline.schedule_runner import forward_backward_1f1b
+from megatron_h2.plan.schema import ChipSpec, HeteroPlan, StageSpec
 from tests.dist_utils import run_distributed
 
 WORLD = 6

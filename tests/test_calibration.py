@@ -14,7 +14,7 @@ from megatron_h2.planner.calibration import (
 )
 from megatron_h2.planner.cluster import Cluster
 from megatron_h2.planner.cost_model import CostConfig, CostModel
-from megatron_h2.planner.model import model_from_dict
+from megatron_h2.planner.model_input import model_from_dict
 
 CLUSTER = {"chips": {"fast": {"device": "cpu", "count": 2, "chips_per_node": 2,
                               "tflops_bf16": 1, "memory_gib": 1, "intra_node_gb_per_s": 5,

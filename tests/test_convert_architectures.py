@@ -18,7 +18,7 @@ from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausa
 from megatron_h2.checkpointing import load_checkpoint, save_checkpoint
 from megatron_h2.checkpointing.hf import read_hf_weights
 from megatron_h2.config import ModelConfig, RunConfig
-from megatron_h2.models.gpt.model import GPTModel, init_parameters
+from megatron_h2.models.gpt.gpt_model import GPTModel, init_parameters
 from megatron_h2.training.arguments import config_from_args
 
 SCRIPT = Path(__file__).resolve().parents[1] / "tools" / "convert_checkpoint.py"

@@ -29,7 +29,7 @@ from megatron_h2.checkpointing.hf import (
 )
 from megatron_h2.config import LLAMA_ARCHITECTURE, ModelConfig, RunConfig
 from megatron_h2.errors import ConfigError
-from megatron_h2.models.gpt.model import GPTModel, init_parameters
+from megatron_h2.models.gpt.gpt_model import GPTModel, init_parameters
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "tools" / "convert_checkpoint.py"

@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 from dist_utils import losses, torchrun
 
-from megatron_h2.hetero_plan import HeteroPlan
-from megatron_h2.training.stage_clock import straggler_report
+from megatron_h2.monitoring.stage_clock import straggler_report
+from megatron_h2.plan.schema import HeteroPlan
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -62,7 +62,7 @@ def test_a_lost_chip_is_replanned_and_training_resumes_exactly(corpus, tmp_path)
     train = [*MODEL, "--data-path", corpus, "--data-cache-path", str(tmp_path / "cache"),
              "--save", str(save), "--save-interval", "5", "--log-jsonl", str(log)]
     env = dict(os.environ, OMP_NUM_THREADS="1", MEGATRON_H2_INJECT_FAULT="3:8:kill")
-    proc = subprocess.run([sys.executable, "-m", "megatron_h2.training.elastic", "--cluster",
+    proc = subprocess.run([sys.executable, "-m", "megatron_h2.elastic.launcher", "--cluster",
                            str(cluster), "--max-restarts", "2", "--planner-time-limit", "10",
                            "--", *train], capture_output=True, text=True, env=env, timeout=400,
                           cwd=ROOT)
@@ -134,5 +134,5 @@ def test_run_elastic_requeues_under_slurm(tmp_path, status, restarts, requeued):
                           timeout=60)
     assert proc.returncode == status
     lines = calls.read_text().splitlines()
-    assert lines[0] == "launcher -m megatron_h2.training.elastic --cluster c.yaml -- --save x"
+    assert lines[0] == "launcher -m megatron_h2.elastic.launcher --cluster c.yaml -- --save x"
     assert ("scontrol requeue 4242" in lines) == requeued

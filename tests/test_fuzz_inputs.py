@@ -23,7 +23,7 @@ import torch
 import yaml
 
 from megatron_h2.checkpointing import find_latest_iteration, load_checkpoint, read_metadata
-from megatron_h2.checkpointing.distributed import (
+from megatron_h2.checkpointing.checkpoint_io import (
     capture_rng,
     check_compatible,
     check_rng_metadata,
@@ -35,7 +35,7 @@ from megatron_h2.data import check_token_ids
 from megatron_h2.data.indexed_dataset import IndexedDataset
 from megatron_h2.devices import get_accelerator
 from megatron_h2.errors import ConfigError
-from megatron_h2.hetero_plan import HeteroPlan
+from megatron_h2.plan.schema import HeteroPlan
 from megatron_h2.planner.cluster import Cluster
 
 CASES = 120

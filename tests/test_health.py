@@ -10,7 +10,7 @@ from test_training_e2e import flags
 
 from megatron_h2.checkpointing import load_checkpoint, save_checkpoint, saved_iterations
 from megatron_h2.config import TrainingConfig
-from megatron_h2.training.health import HealthMonitor, JobTrainingError
+from megatron_h2.monitoring.health import HealthMonitor, JobTrainingError
 from megatron_h2.training.main import main
 from megatron_h2.training.step import StepRunner
 

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from megatron_h2.errors import ConfigError
-from megatron_h2.hetero_plan import ChipSpec, HeteroPlan, StageSpec
+from megatron_h2.plan.schema import ChipSpec, HeteroPlan, StageSpec
 
 EXAMPLE = """\
 data_parallel_size: 1

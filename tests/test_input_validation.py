@@ -16,7 +16,7 @@ from megatron_h2.data import check_token_ids
 from megatron_h2.data.gpt_dataset import GPTDataset
 from megatron_h2.data.indexed_dataset import IndexedDataset, IndexedDatasetBuilder
 from megatron_h2.errors import ConfigError
-from megatron_h2.hetero_plan import HeteroPlan
+from megatron_h2.plan.schema import HeteroPlan
 from megatron_h2.planner.cluster import Cluster
 from megatron_h2.training.main import main
 

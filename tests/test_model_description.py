@@ -10,7 +10,7 @@ from megatron_h2.config import ModelConfig, state_bytes_per_param
 from megatron_h2.models.gpt import GPTModel
 from megatron_h2.optimizer import build_data_parallel_optimizer
 from megatron_h2.parallel import get_tp_shard
-from megatron_h2.planner.model import model_from_dict
+from megatron_h2.planner.model_input import model_from_dict
 from megatron_h2.training.arguments import config_from_args
 
 SHAPES = [  # layers, hidden, ffn, heads, seq, tokenizer vocab
@@ -151,7 +151,7 @@ PRECISIONS = {  # flags -> the dtypes they select
 def test_state_bytes_per_param_match_the_runtime_optimizer(distributed, precision):
     """The planner's bytes per parameter are what the runtime really allocates, in every
     precision, with either optimizer (measured after a step, when Adam's moments exist)."""
-    from megatron_h2.devices.precision import DTYPES
+    from megatron_h2.devices.op_replay import DTYPES
     from megatron_h2.models.gpt import cast_parameters
     from megatron_h2.optimizer.main_params import allocated_state_bytes
 

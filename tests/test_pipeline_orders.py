@@ -9,7 +9,7 @@ import math
 import pytest
 
 from megatron_h2.errors import ConfigError
-from megatron_h2.pipeline_orders import (
+from megatron_h2.plan.orders import (
     Action,
     check_micro_batches,
     check_orders,

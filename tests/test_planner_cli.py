@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from megatron_h2.hetero_plan import HeteroPlan
+from megatron_h2.plan.schema import HeteroPlan
 from megatron_h2.planner.cli import main
-from megatron_h2.planner.model import model_from_yaml
+from megatron_h2.planner.model_input import model_from_yaml
 
 ROOT = Path(__file__).resolve().parent.parent
 CPU_CLUSTER = str(ROOT / "examples/clusters/cpu_2types.yaml")

@@ -11,7 +11,7 @@ import yaml
 
 from megatron_h2.errors import ConfigError
 from megatron_h2.planner.cluster import Cluster
-from megatron_h2.planner.model import model_from_dict, model_from_yaml
+from megatron_h2.planner.model_input import model_from_dict, model_from_yaml
 from tests.planner_models import planner_model
 
 ROOT = Path(__file__).resolve().parent.parent

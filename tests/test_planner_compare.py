@@ -10,7 +10,7 @@ import pytest
 from megatron_h2.planner.cluster import Cluster
 from megatron_h2.planner.compare import compare_homogeneous
 from megatron_h2.planner.cost_model import CostConfig, CostModel
-from megatron_h2.planner.model import model_from_yaml
+from megatron_h2.planner.model_input import model_from_yaml
 from megatron_h2.planner.search import SearchOptions, search
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -8,11 +8,11 @@ from pathlib import Path
 import pytest
 
 from megatron_h2.errors import ConfigError
-from megatron_h2.hetero_plan import ChipSpec, HeteroPlan, StageSpec
+from megatron_h2.plan.schema import ChipSpec, HeteroPlan, StageSpec
 from megatron_h2.planner.cluster import ChipType, Cluster
 from megatron_h2.planner.cost_model import CostConfig, CostModel
-from megatron_h2.planner.model import model_from_yaml
-from megatron_h2.planner.orders import held_states, held_totals
+from megatron_h2.planner.held_activations import held_states, held_totals
+from megatron_h2.planner.model_input import model_from_yaml
 from megatron_h2.planner.profile import ProfileTable
 from tests.planner_models import planner_model
 

@@ -22,7 +22,7 @@ from types import SimpleNamespace
 import pytest
 
 from megatron_h2.config import RECOMPUTE_MODES
-from megatron_h2.hetero_plan import ChipSpec, HeteroPlan, StageSpec
+from megatron_h2.plan.schema import ChipSpec, HeteroPlan, StageSpec
 from megatron_h2.planner.cluster import ChipType, Cluster
 from megatron_h2.planner.cost_model import (
     CostConfig,
@@ -31,7 +31,7 @@ from megatron_h2.planner.cost_model import (
     replica_warmups,
     step_time_terms,
 )
-from megatron_h2.planner.orders import held_totals
+from megatron_h2.planner.held_activations import held_totals
 from megatron_h2.planner.partition import StageSlot, solve_split
 from megatron_h2.planner.report import search_summary
 from megatron_h2.planner.search import SearchOptions, search

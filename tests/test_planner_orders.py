@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from megatron_h2.errors import ConfigError
-from megatron_h2.planner.orders import (
+from megatron_h2.planner.held_activations import (
     check_schedule,
     held_states,
     held_totals,

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron_h2.hetero_plan import ChipSpec, HeteroPlan, StageSpec
+from megatron_h2.plan.schema import ChipSpec, HeteroPlan, StageSpec
 from megatron_h2.planner.cluster import ChipType, Cluster
 from megatron_h2.planner.cost_model import CostConfig, CostModel
 from megatron_h2.planner.simulator import (

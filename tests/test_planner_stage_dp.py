@@ -10,11 +10,11 @@ import pytest
 from dist_utils import assert_losses_close, losses, tiny_model_flags, torchrun
 
 from megatron_h2.config import ParallelConfig
-from megatron_h2.hetero_plan import ChipSpec, HeteroPlan, StageSpec
-from megatron_h2.pipeline_orders import check_orders, routed_orders
+from megatron_h2.plan.orders import check_orders, routed_orders
+from megatron_h2.plan.schema import ChipSpec, HeteroPlan, StageSpec
 from megatron_h2.planner import Cluster, CostConfig, CostModel, SearchOptions, search
 from megatron_h2.planner.alternatives import schedule_alternatives
-from megatron_h2.planner.model import model_from_dict
+from megatron_h2.planner.model_input import model_from_dict
 from megatron_h2.planner.simulator import simulate
 from megatron_h2.training.layout import check_plan_for_model, stage_dps
 

@@ -1,4 +1,4 @@
-"""Operator precision alignment (tools/precision_check.py and megatron_h2.devices.precision):
+"""Operator precision alignment (tools/precision_check.py and megatron_h2.devices.op_replay):
 every operator of a training step replayed on a reference, wrong kernels named."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 from megatron_h2.devices import CPUAccelerator, Kernels, register_accelerator
 from megatron_h2.devices.accelerator import unregister_accelerator
-from megatron_h2.devices.precision import (
+from megatron_h2.devices.op_replay import (
     ModuleStack,
     PrecisionCapture,
     Tolerance,

@@ -54,7 +54,7 @@ def test_measures_optimizer_and_selective_recompute_and_names_the_cluster_chips(
 
 
 def test_cache_reuses_a_measurement_of_the_same_inputs(tmp_path, monkeypatch, capsys):
-    from megatron_h2.training import profile_chip as library
+    from megatron_h2.measurement import chip_timing as library
 
     monkeypatch.setenv("MEGATRON_H2_CACHE", str(tmp_path / "cache"))
     first, second = tmp_path / "a.yaml", tmp_path / "b.yaml"
@@ -95,8 +95,8 @@ def test_cache_key_follows_shape_torch_and_machine(tmp_path, monkeypatch):
 def test_measures_the_runs_dropout_and_the_planner_holds_it_to_it(tmp_path, monkeypatch):
     """Dropout costs time (random masks), so the profile measures the model with the run's
     probabilities, records them, and the planner refuses it for a model with other ones."""
-    from megatron_h2.planner.model import model_from_dict
-    from megatron_h2.training import profile_chip as library
+    from megatron_h2.measurement import chip_timing as library
+    from megatron_h2.planner.model_input import model_from_dict
 
     seen = []
     measure = library.profile_model

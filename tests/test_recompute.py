@@ -5,7 +5,7 @@ of every model chunk), and the command-line rules around them."""
 import pytest
 import torch
 
-import megatron_h2.models.gpt.model as gpt_model
+import megatron_h2.models.gpt.gpt_model as gpt_model
 from megatron_h2.errors import ConfigError
 from megatron_h2.training.arguments import config_from_args
 from tests.test_model import build, tiny

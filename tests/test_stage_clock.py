@@ -8,7 +8,7 @@ import time
 import pytest
 
 from megatron_h2.devices import get_accelerator
-from megatron_h2.training.stage_clock import StageClock, emulation_pad_s
+from megatron_h2.monitoring.stage_clock import StageClock, emulation_pad_s
 
 
 def test_pad_is_slowdown_minus_one_times_the_work() -> None:

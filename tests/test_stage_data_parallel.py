@@ -26,7 +26,7 @@ from megatron_h2.distributed.boundary import (
 )
 from megatron_h2.distributed.topology import Topology
 from megatron_h2.errors import ConfigError
-from megatron_h2.hetero_plan import ChipSpec, HeteroPlan, StageSpec
+from megatron_h2.plan.schema import ChipSpec, HeteroPlan, StageSpec
 from megatron_h2.training.main import main
 
 SEQ = 8

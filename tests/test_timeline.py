@@ -8,8 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron_h2.hetero_plan import HeteroPlan
-from megatron_h2.training.timeline import (
+from megatron_h2.monitoring.timeline import (
     Timeline,
     event_name,
     format_summary,
@@ -18,6 +17,7 @@ from megatron_h2.training.timeline import (
     merge_and_write,
     summarize,
 )
+from megatron_h2.plan.schema import HeteroPlan
 from tests.dist_utils import run_distributed
 
 T0 = 1_700_000_000.0  # a wall-clock origin like time.time() gives
@@ -244,7 +244,7 @@ def test_chunks_and_the_split_backward_are_recorded_and_drawn(tmp_path):
     as compute, and the picture colours chunks and hatches the weight-gradient passes."""
     import importlib.util
 
-    from megatron_h2.pipeline_orders import zero_bubble
+    from megatron_h2.plan.orders import zero_bubble
 
     timeline = Timeline(0, 0, enabled=True, chunks=2)
     timeline.set_iteration(1)

@@ -12,7 +12,7 @@ from megatron_h2.distributed import transport as transport_module
 from megatron_h2.distributed.bridge import Bridge, BridgeConfig
 from megatron_h2.distributed.transport import GlooTransport, check_transport, make_transport
 from megatron_h2.errors import ConfigError
-from megatron_h2.hetero_plan import HeteroPlan
+from megatron_h2.plan.schema import HeteroPlan
 from tests.dist_utils import run_distributed, tiny_model_flags
 
 HAS_NIXL = importlib.util.find_spec("nixl") is not None

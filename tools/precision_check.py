@@ -69,7 +69,7 @@ def parse(argv: list[str] | None):
 
 def layer_range(opts, cfg) -> tuple[tuple[int, int] | None, str | None]:
     """(layers of the checked stage, its chip's device) from --hetero-plan / --stage."""
-    from megatron_h2.hetero_plan import HeteroPlan
+    from megatron_h2.plan.schema import HeteroPlan
 
     if opts.stage is None:
         return None, None
@@ -105,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: --reference {opts.reference}: {str(exc).splitlines()[0]}",
               file=sys.stderr)
         return 2
-    from megatron_h2.training.precision import check_training_step
+    from megatron_h2.monitoring.precision_monitor import check_training_step
 
     report = check_training_step(cfg.model, acc, dtype=opts.dtype, reference=opts.reference,
                                  reference_dtype=opts.reference_dtype,

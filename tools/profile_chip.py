@@ -36,7 +36,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from megatron_h2.errors import ConfigError  # noqa: E402
-from megatron_h2.planner.model import add_model_arguments, model_from_arguments  # noqa: E402
+from megatron_h2.planner.model_input import add_model_arguments, model_from_arguments  # noqa: E402
 
 CACHE_FORMAT = 1
 
@@ -107,7 +107,7 @@ def micro_batch_sizes(a) -> list[int]:
 
 def rank_slowdowns(plan_path: str) -> list[float]:
     """The emulate_slowdown of every rank's chip, in rank order."""
-    from megatron_h2.hetero_plan import HeteroPlan
+    from megatron_h2.plan.schema import HeteroPlan
 
     plan = HeteroPlan.from_yaml(plan_path)
     return [plan.chips[plan.stages[plan.rank_coordinates(r)[0]].chip].emulate_slowdown
@@ -126,7 +126,7 @@ def worker(a) -> None:
     import torch.distributed as dist
 
     from megatron_h2.devices import get_accelerator
-    from megatron_h2.training.profile_chip import (
+    from megatron_h2.measurement.chip_timing import (
         Pace,
         link_times,
         optimizer_ns_per_param,
@@ -194,7 +194,7 @@ def measure(a, argv: list[str], cfg, sizes: list[int], work: Path) -> dict:
         import torch
 
         from megatron_h2.devices import get_accelerator
-        from megatron_h2.training.profile_chip import optimizer_ns_per_param, profile_model
+        from megatron_h2.measurement.chip_timing import optimizer_ns_per_param, profile_model
 
         torch.set_num_threads(a.threads)
         acc = get_accelerator(a.device)
@@ -223,7 +223,7 @@ def median_tables(tables: list[dict]) -> dict:
 
 # ------------------------------------------------------------------------------ this machine
 def describe_machine() -> str:
-    from megatron_h2.training.host_load import usable_cores
+    from megatron_h2.measurement.host_load import usable_cores
 
     model = platform.processor() or platform.machine()
     try:
@@ -256,7 +256,7 @@ def cache_file(a, cfg, sizes: list[int]) -> Path:
 def measure_quietly(a, argv: list[str], cfg, sizes: list[int]) -> tuple[dict, bool]:
     """Measure once other processes left the cores; repeat once if they came back meanwhile.
     Returns the result and whether it was disturbed all the same."""
-    from megatron_h2.training.host_load import OtherLoad, wait_for_quiet
+    from megatron_h2.measurement.host_load import OtherLoad, wait_for_quiet
 
     budget = [a.max_wait]
     with tempfile.TemporaryDirectory(prefix="profile_chip_") as tmp:
@@ -279,7 +279,7 @@ def measure_quietly(a, argv: list[str], cfg, sizes: list[int]) -> tuple[dict, bo
 
 
 def write_outputs(a, cfg, result: dict) -> None:
-    from megatron_h2.training.profile_chip import write_profile
+    from megatron_h2.measurement.chip_timing import write_profile
 
     write_profile(a.output, cfg, a.chip, result["table"], result["note"],
                   result["optimizer_ns"])
@@ -288,8 +288,8 @@ def write_outputs(a, cfg, result: dict) -> None:
     if a.calibrated_cluster:
         import yaml
 
+        from megatron_h2.plan.yaml_io import load_yaml_mapping
         from megatron_h2.planner.calibration import LinkTimes, calibrated_cluster
-        from megatron_h2.yaml_checks import load_yaml_mapping
 
         links = LinkTimes.from_dict(result["links"])
         data = calibrated_cluster(load_yaml_mapping(a.cluster, "cluster"), links)

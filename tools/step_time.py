@@ -29,11 +29,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--skip", type=int, default=5, help="warm-up iterations left out (default 5)")
     a = p.parse_args(argv)
     try:
-        from megatron_h2.hetero_plan import HeteroPlan
+        from megatron_h2.plan.schema import HeteroPlan
         from megatron_h2.planner.calibration import steady_step_ms
         from megatron_h2.planner.cluster import Cluster
         from megatron_h2.planner.cost_model import CostConfig, CostModel
-        from megatron_h2.planner.model import model_from_yaml
+        from megatron_h2.planner.model_input import model_from_yaml
         from megatron_h2.planner.profile import ProfileTable
 
         profile = ProfileTable.from_yaml(a.profile) if a.profile else None

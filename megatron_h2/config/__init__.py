@@ -11,9 +11,11 @@ plans for (``megatron_h2.planner``): its parameter counts, FLOPs and activation 
 base :class:`~megatron_h2.config.model_counts.ModelCounts`), the vocabulary padding
 (:func:`pad_vocab_size`) and :func:`state_bytes_per_param` are the only ones in the project.
 
-Modules: :mod:`.flags` (flag fields and shared parsers), :mod:`.model`, :mod:`.data`,
-:mod:`.optimizer`, :mod:`.training`, :mod:`.precision` (:class:`Precision`, the dtypes of the
-model state), :mod:`.parallel`, :mod:`.logging_config`, :mod:`.run` (:class:`RunConfig`).
+Modules: :mod:`.flags` (flag fields and shared parsers), :mod:`.model_config`, :mod:`.data`,
+:mod:`.optimizer`, :mod:`.training`, :mod:`.dtype_rules` (:class:`Precision`, the dtypes of the
+model state and its bytes per parameter), :mod:`.parallel`, :mod:`.logging_config`, :mod:`.run`
+(:class:`RunConfig`), :mod:`.megatron_flags` (the Megatron-LM flags accepted without effect or
+refused, with the reason).
 """
 
 from megatron_h2.config.data import (  # noqa: F401
@@ -21,6 +23,12 @@ from megatron_h2.config.data import (  # noqa: F401
     MOCK_SPLIT,
     TOKENIZER_TYPES,
     DataConfig,
+)
+from megatron_h2.config.dtype_rules import (  # noqa: F401
+    DTYPE_BYTES,
+    MEGATRON_BF16,
+    Precision,
+    state_bytes_per_param,
 )
 from megatron_h2.config.flags import (  # noqa: F401
     _SUFFIXES,
@@ -37,7 +45,7 @@ from megatron_h2.config.logging_config import (  # noqa: F401
     TIMING_LOG_OPTIONS,
     LoggingConfig,
 )
-from megatron_h2.config.model import (  # noqa: F401
+from megatron_h2.config.model_config import (  # noqa: F401
     ARCHITECTURE_FIELDS,
     ATTENTION_BACKENDS,
     LLAMA_ARCHITECTURE,
@@ -63,12 +71,6 @@ from megatron_h2.config.optimizer import (  # noqa: F401
 )
 from megatron_h2.config.parallel import (  # noqa: F401
     ParallelConfig,
-)
-from megatron_h2.config.precision import (  # noqa: F401
-    DTYPE_BYTES,
-    MEGATRON_BF16,
-    Precision,
-    state_bytes_per_param,
 )
 from megatron_h2.config.run import (  # noqa: F401
     RunConfig,

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from megatron_h2.config.flags import _positive, flag
-from megatron_h2.config.model import pad_vocab_size
+from megatron_h2.config.model_config import pad_vocab_size
 from megatron_h2.errors import ConfigError
 
 TOKENIZER_TYPES = ("GPT2BPETokenizer", "GPTSentencePieceTokenizer", "HuggingFaceTokenizer",

@@ -7,7 +7,7 @@ from typing import Any
 
 from megatron_h2.config.data import DataConfig
 from megatron_h2.config.logging_config import LoggingConfig
-from megatron_h2.config.model import ModelConfig
+from megatron_h2.config.model_config import ModelConfig
 from megatron_h2.config.optimizer import OptimizerConfig
 from megatron_h2.config.parallel import ParallelConfig
 from megatron_h2.config.training import TrainingConfig

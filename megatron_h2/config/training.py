@@ -5,8 +5,8 @@ from __future__ import annotations
 import signal
 from dataclasses import dataclass
 
+from megatron_h2.config.dtype_rules import Precision
 from megatron_h2.config.flags import _positive, _required, flag, parse_batch_size_schedule
-from megatron_h2.config.precision import Precision
 from megatron_h2.errors import ConfigError
 
 

@@ -16,7 +16,7 @@ A plan lists, for one rank, :class:`Transfer` s ``(peer, local rows, peer rows)`
 slices of dimension 1 (the sequence) of the local and of the peer's tensor.
 
 Stages with different DP degrees (per-stage data parallelism): micro-batch ``j`` runs on replica
-``j mod DP_s`` of every stage ``s`` (:mod:`megatron_h2.pipeline_orders`), so replica ``a`` of stage
+``j mod DP_s`` of every stage ``s`` (:mod:`megatron_h2.plan.orders`), so replica ``a`` of stage
 ``s`` exchanges with every replica ``b`` of stage ``s + 1`` that shares micro-batches with it:
 ``a = b mod gcd(DP_s, DP_{s+1})`` (:func:`linked_replicas`). Each such pair of TP groups has its own
 plan, built as above (:func:`rank_routes`); a message of micro-batch ``j`` uses the plan of replica
@@ -31,7 +31,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from megatron_h2.errors import ConfigError
-from megatron_h2.hetero_plan import HeteroPlan
+from megatron_h2.plan.schema import HeteroPlan
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,7 @@
 """Which rank does what: built once from the plan, then passed to model, schedule and optimizer.
 
 Rank order (the same for uniform layouts and heterogeneous plans, see
-:mod:`megatron_h2.hetero_plan`): stage ``s`` owns ``TP_s x DP_s`` consecutive ranks, stages in
+:mod:`megatron_h2.plan.schema`): stage ``s`` owns ``TP_s x DP_s`` consecutive ranks, stages in
 pipeline order; inside a stage ``rank = first_rank + dp_rank * TP_s + tp_rank``. So
 
 * a TP group is ``TP_s`` consecutive ranks of one stage and one DP replica;
@@ -32,7 +32,7 @@ import torch.distributed as dist
 from megatron_h2.devices import ACCELERATORS, Accelerator, get_accelerator
 from megatron_h2.distributed.boundary import replica_ranks
 from megatron_h2.errors import ConfigError, RankConfigError
-from megatron_h2.hetero_plan import ChipSpec, HeteroPlan, StageSpec
+from megatron_h2.plan.schema import ChipSpec, HeteroPlan, StageSpec
 
 CHIP_ENV = "MEGATRON_H2_CHIP"
 

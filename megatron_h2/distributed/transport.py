@@ -13,7 +13,7 @@ posted. Implementations:
   transfer library (one-sided writes through UCX: TCP, shared memory, RDMA where present),
   optional (``pip install 'megatron_h2[nixl]'``).
 
-A plan selects one per pair of chip types (``transports:`` in :mod:`megatron_h2.hetero_plan`).
+A plan selects one per pair of chip types (``transports:`` in :mod:`megatron_h2.plan.schema`).
 """
 
 from __future__ import annotations

@@ -17,6 +17,7 @@ The command line is ``tools/plan.py`` (:mod:`megatron_h2.planner.cli`); the clus
 profile formats, the cost model and the search are documented in ``docs/planner.md``.
 """
 
+from megatron_h2.plan.orders import check_schedule, stage_order
 from megatron_h2.planner.cluster import ChipType, Cluster
 from megatron_h2.planner.compare import Comparison, HomogeneousResult, compare_homogeneous
 from megatron_h2.planner.cost_model import (
@@ -26,8 +27,8 @@ from megatron_h2.planner.cost_model import (
     StageCosts,
     StageEstimate,
 )
-from megatron_h2.planner.model import model_from_dict, model_from_yaml
-from megatron_h2.planner.orders import check_schedule, held_states, stage_order
+from megatron_h2.planner.held_activations import held_states
+from megatron_h2.planner.model_input import model_from_dict, model_from_yaml
 from megatron_h2.planner.partition import Split, StageSlot, solve_split
 from megatron_h2.planner.profile import ChipProfile, MeasuredTimes, ProfileTable
 from megatron_h2.planner.search import Candidate, SearchOptions, SearchResult, SearchStats, search

@@ -10,10 +10,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from megatron_h2.hetero_plan import HeteroPlan
+from megatron_h2.plan.orders import schedule_problem
+from megatron_h2.plan.schema import HeteroPlan
 from megatron_h2.planner.bounds import BatchShape
 from megatron_h2.planner.cost_model import CostModel
-from megatron_h2.planner.orders import schedule_problem
 from megatron_h2.planner.search import Candidate, SearchOptions, _Found, solve_structure, to_plan
 
 

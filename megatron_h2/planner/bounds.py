@@ -12,7 +12,7 @@ bounds work with the *folded* steady term ``g = F_i w_i`` (``F_i = m_i - 1``, or
 under interleaving), so that kinds of different DP degrees compare on one scale.
 
 Memory caps depend on how many micro-batches a stage holds, which its warm-up ``q`` sets
-(:func:`~megatron_h2.pipeline_orders.routed_leads`: ``q = 0`` on the last stage; under uniform
+(:func:`~megatron_h2.plan.orders.routed_leads`: ``q = 0`` on the last stage; under uniform
 DP ``q`` is the number of stages after it). The warm-up of a stage of kind ``k`` placed in front of
 a pipeline suffix follows from the suffix's *lead* ``L`` (the micro-batch lead its front stage
 needs from the next stage in front: ``G + d`` of the front stage, 0 for an empty suffix):

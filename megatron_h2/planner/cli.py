@@ -18,13 +18,13 @@ from pathlib import Path
 from typing import NoReturn
 
 from megatron_h2.errors import ConfigError
-from megatron_h2.hetero_plan import SCHEDULES
+from megatron_h2.plan.orders import SCHEDULES
 from megatron_h2.planner.alternatives import schedule_alternatives
 from megatron_h2.planner.cluster import Cluster
 from megatron_h2.planner.compare import compare_homogeneous
 from megatron_h2.planner.cost_model import CostConfig, CostModel
 from megatron_h2.planner.launch import launch_script
-from megatron_h2.planner.model import add_model_arguments, describe, model_from_arguments
+from megatron_h2.planner.model_input import add_model_arguments, describe, model_from_arguments
 from megatron_h2.planner.profile import ProfileTable
 from megatron_h2.planner.report import (
     candidates_table,

@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from megatron_h2.errors import ConfigError
-from megatron_h2.yaml_checks import (
+from megatron_h2.plan.yaml_io import (
     check_keys,
     closest,
     load_yaml_mapping,

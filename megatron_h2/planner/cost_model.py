@@ -48,12 +48,12 @@ from megatron_h2.config import (
     state_bytes_per_param,
 )
 from megatron_h2.errors import ConfigError
-from megatron_h2.hetero_plan import HeteroPlan, StageSpec
-from megatron_h2.pipeline_orders import check_replica_micro_batches, routed_warmups
+from megatron_h2.plan.orders import check_replica_micro_batches, routed_warmups
+from megatron_h2.plan.schema import HeteroPlan, StageSpec
+from megatron_h2.plan.yaml_io import positive_float
 from megatron_h2.planner.cluster import ChipType, Cluster
-from megatron_h2.planner.orders import check_schedule, held_states
+from megatron_h2.planner.held_activations import check_schedule, held_states
 from megatron_h2.planner.stage_costs import StageCosts
-from megatron_h2.yaml_checks import positive_float
 
 if TYPE_CHECKING:
     from megatron_h2.planner.profile import ProfileTable
@@ -208,7 +208,7 @@ def replica_warmups(
 ) -> list[int | None]:
     """Warm-up forwards of each stage's replicas in a step of ``total`` micro-batches: the
     schedule's own rule (None) when every stage has the same DP degree, else the runtime's
-    :func:`~megatron_h2.pipeline_orders.routed_warmups`."""
+    :func:`~megatron_h2.plan.orders.routed_warmups`."""
     if len(set(stage_dps)) <= 1:
         return [None] * len(stage_dps)
     return list(routed_warmups(schedule, tuple(stage_dps), chunks, total))
@@ -421,7 +421,7 @@ class CostModel:
 
         The plan's chip names must be chip types of the cluster. The model's layer count, heads
         and query groups are checked with :meth:`HeteroPlan.validate`, the micro-batch count
-        against the schedule with :func:`~megatron_h2.planner.orders.check_schedule`.
+        against the schedule with :func:`~megatron_h2.planner.held_activations.check_schedule`.
         """
         model = self.model
         plan.validate(model.num_layers, model.num_attention_heads, model.num_query_groups)

@@ -1,7 +1,7 @@
 """Launch scripts for a plan: torchrun on one node, or a SLURM heterogeneous job otherwise.
 
 Both run ``pretrain_gpt.py --hetero-plan PLAN`` with the model flags. Ranks follow the plan's
-layout (stage after stage, see :mod:`megatron_h2.hetero_plan`), so consecutive stages on the same
+layout (stage after stage, see :mod:`megatron_h2.plan.schema`), so consecutive stages on the same
 chip type form one SLURM het-job component, in pipeline order; ``scripts/slurm_hetero.sh`` starts
 one task per chip with ``srun``, which numbers tasks across components in that order and so makes
 ``SLURM_PROCID`` the plan's global rank.
@@ -13,9 +13,9 @@ import shlex
 from dataclasses import dataclass
 
 from megatron_h2.config import ModelConfig
-from megatron_h2.hetero_plan import HeteroPlan
+from megatron_h2.plan.schema import HeteroPlan
 from megatron_h2.planner.cluster import Cluster
-from megatron_h2.planner.model import model_flags
+from megatron_h2.planner.model_input import model_flags
 
 _GRES = {"cuda": "gpu"}
 """SLURM generic-resource name per torch device type where it differs (ROCm also uses cuda)."""

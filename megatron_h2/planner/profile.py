@@ -1,6 +1,6 @@
 """Profile tables: measured per-layer times (or efficiencies) that replace the FLOP-based guess.
 
-A profile table is YAML. ``tools/profile_chip.py`` (:mod:`megatron_h2.training.profile_chip`)
+A profile table is YAML. ``tools/profile_chip.py`` (:mod:`megatron_h2.measurement.chip_timing`)
 writes it by timing one transformer layer, the embedding, the head and the optimizer step on one
 chip; it can also be written by hand::
 
@@ -55,7 +55,7 @@ from typing import Any
 
 from megatron_h2.config import ModelConfig
 from megatron_h2.errors import ConfigError
-from megatron_h2.yaml_checks import (
+from megatron_h2.plan.yaml_io import (
     check_keys,
     closest,
     load_yaml_mapping,

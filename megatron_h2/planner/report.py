@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from megatron_h2.hetero_plan import HeteroPlan
+from megatron_h2.plan.schema import HeteroPlan
 from megatron_h2.planner.alternatives import Alternative
 from megatron_h2.planner.cluster import Cluster
 from megatron_h2.planner.compare import Comparison, type_roles

@@ -36,7 +36,7 @@ from typing import Any
 import numpy as np
 
 from megatron_h2.errors import ConfigError
-from megatron_h2.hetero_plan import (
+from megatron_h2.plan.schema import (
     ChipSpec,
     HeteroPlan,
     StageSpec,

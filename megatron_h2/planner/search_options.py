@@ -5,10 +5,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from megatron_h2.errors import ConfigError
-from megatron_h2.hetero_plan import SCHEDULES, HeteroPlan
+from megatron_h2.plan.orders import SCHEDULES
+from megatron_h2.plan.schema import HeteroPlan
+from megatron_h2.plan.yaml_io import closest, positive_int
 from megatron_h2.planner.cost_model import PlanEstimate
 from megatron_h2.planner.partition import INF
-from megatron_h2.yaml_checks import closest, positive_int
 
 OWN_DP_SPACES = ("derived", "all", "none")
 

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from megatron_h2.planner.cost_model import MODES
-from megatron_h2.planner.orders import held_totals, schedule_problem, zero_bubble_peaks
+from megatron_h2.planner.held_activations import held_totals, schedule_problem, zero_bubble_peaks
 from megatron_h2.planner.partition import INF
 
 if TYPE_CHECKING:
@@ -46,7 +46,7 @@ class ShapeMemory:
 
     def warmups(self, suffix: Sequence[tuple[int, int]]) -> list[int]:
         """Warm-up ``q`` of every stage of a closed pipeline (blocks of (kind, stages), pipeline
-        order): :func:`~megatron_h2.pipeline_orders.routed_leads` of the stages' DP degrees."""
+        order): :func:`~megatron_h2.plan.orders.routed_leads` of the stages' DP degrees."""
         out: list[int] = []
         lead = 0
         for kind, count in reversed(suffix):

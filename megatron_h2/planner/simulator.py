@@ -27,10 +27,9 @@ from pathlib import Path
 
 from megatron_h2.config import RECOMPUTE_MODES
 from megatron_h2.errors import ConfigError
-from megatron_h2.hetero_plan import HeteroPlan
-from megatron_h2.pipeline_orders import replica_micro_batches
+from megatron_h2.plan.orders import Action, replica_micro_batches, stage_order
+from megatron_h2.plan.schema import HeteroPlan
 from megatron_h2.planner.cost_model import CostModel, PlanEstimate, replica_warmups
-from megatron_h2.planner.orders import Action, stage_order
 
 KIND_NAMES = {"F": "forward", "B": "backward", "W": "weight gradient", "sync": "DP sync"}
 
@@ -136,7 +135,7 @@ def simulate(plan: HeteroPlan, cost: CostModel) -> SimulationResult:
     """Simulate one step of ``plan`` with durations from ``cost`` (see the module docstring).
 
     Stages with their own DP degree: every DP replica runs its own order over its micro-batches
-    (``j mod DP_s``, :func:`~megatron_h2.pipeline_orders.routed_warmups` warm-up forwards) and
+    (``j mod DP_s``, :func:`~megatron_h2.plan.orders.routed_warmups` warm-up forwards) and
     micro-batch ``j`` goes through replica ``j mod DP_s`` of every stage; a stage's DP sync
     starts when its last replica is done. Under uniform DP the replicas are alike and one is
     simulated. Events, busy time and memory are those of replica 0 of each stage (the events of

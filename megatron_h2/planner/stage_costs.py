@@ -4,15 +4,15 @@
 :class:`~megatron_h2.planner.cost_model.CostModel` builds, and answers what a stage of ``l``
 layers costs: forward and backward per micro-batch (with the weight-gradient part of the backward
 that a zero-bubble schedule defers), peak memory for the activations its schedule keeps in flight
-(:mod:`~megatron_h2.planner.orders`), and its end-of-step DP sync and optimizer work. The formulas
-are documented in ``docs/planner.md``.
+(:mod:`~megatron_h2.planner.held_activations`), and its end-of-step DP sync and optimizer work.
+The formulas are documented in ``docs/planner.md``.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from megatron_h2.planner.orders import State, Totals
+from megatron_h2.planner.held_activations import State, Totals
 
 
 @dataclass(frozen=True)
@@ -107,7 +107,7 @@ class StageCosts:
         last: bool,
     ) -> float:
         """Peak bytes per chip of a stage whose chunks hold ``chunk_layers`` layers, over the
-        held ``states`` of its schedule (:func:`~megatron_h2.planner.orders.held_states`).
+        held ``states`` of its schedule (:func:`~megatron_h2.planner.held_activations.held_states`).
 
         A micro-batch between a chunk's forward and backward keeps the chunk's activations
         (by recompute mode; the head's on the last stage's last chunk); between a zero-bubble
@@ -136,7 +136,7 @@ class StageCosts:
         last: bool,
     ) -> float:
         """:meth:`held_memory` of a stage with ``units`` layers in each of its ``chunks`` chunks,
-        from the held totals (:func:`~megatron_h2.planner.orders.held_totals`)."""
+        from the held totals (:func:`~megatron_h2.planner.held_activations.held_totals`)."""
         layers = units * chunks
         static = layers * self.layer_static + (self.working if layers > 0 else 0.0)
         static += (self.embedding_static if first else 0.0) + (self.head_static if last else 0.0)

@@ -3,7 +3,7 @@
 Every flag is a field of a config dataclass declared with :func:`megatron_h2.config.flag`
 (name, help, choices, default), so ``--help`` shows each flag's meaning and default and there is
 no second list of flags. Flags that Megatron-LM scripts pass but that change nothing here are
-listed once in :data:`megatron_h2.training.megatron_compat.COMPAT_FLAGS` (with those refused) and
+listed once in :data:`megatron_h2.config.megatron_flags.COMPAT_FLAGS` (with those refused) and
 reported at start-up. Abbreviated flags are not
 accepted (``--num-layer`` is an error, as is any unknown flag, in one line naming the closest
 known flag).
@@ -31,8 +31,8 @@ from megatron_h2.config import (
     flag,
     flag_name,
 )
+from megatron_h2.config.megatron_flags import COMPAT_FLAGS, unsupported_reason
 from megatron_h2.errors import ConfigError
-from megatron_h2.training.megatron_compat import COMPAT_FLAGS, unsupported_reason
 
 
 @dataclass

@@ -16,13 +16,13 @@ from megatron_h2.config import (
 from megatron_h2.devices import ACCELERATORS, PLUGINS_ENV
 from megatron_h2.distributed.transport import check_transport
 from megatron_h2.errors import ConfigError
-from megatron_h2.hetero_plan import ChipSpec, HeteroPlan, StageSpec
-from megatron_h2.pipeline_orders import (
+from megatron_h2.plan.orders import (
     check_micro_batches,
     check_orders,
     check_replica_micro_batches,
     routed_orders,
 )
+from megatron_h2.plan.schema import ChipSpec, HeteroPlan, StageSpec
 
 # Config fields that a heterogeneous plan replaces: giving both is ambiguous, so it is an error.
 PLAN_OWNED: tuple[tuple[type, str], ...] = (

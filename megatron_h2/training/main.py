@@ -24,7 +24,7 @@ import numpy as np
 import torch.distributed as dist
 
 from megatron_h2.checkpointing import find_latest_iteration, iteration_dir, read_metadata
-from megatron_h2.checkpointing.distributed import (
+from megatron_h2.checkpointing.checkpoint_io import (
     TrainProgress,
     check_compatible,
     check_rng_metadata,
@@ -53,8 +53,11 @@ from megatron_h2.distributed.topology import (
     init_process_group,
 )
 from megatron_h2.errors import ConfigError, JobConfigError, RankConfigError, TrainingError
-from megatron_h2.hetero_plan import HeteroPlan
+from megatron_h2.monitoring.health import JobTrainingError
+from megatron_h2.monitoring.metrics import MetricsWriter, check_wandb, configure_logging, log
+from megatron_h2.monitoring.watchdog import start_orphan_watchdog
 from megatron_h2.optimizer.lr_schedule import OptimizerParamScheduler
+from megatron_h2.plan.schema import HeteroPlan
 from megatron_h2.training.arguments import (
     LaunchOptions,
     config_from_args,
@@ -69,8 +72,7 @@ from megatron_h2.training.data_setup import (
     describe_source,
     unused_data_flags,
 )
-from megatron_h2.training.health import JobTrainingError
-from megatron_h2.training.kernel_checks import check_attention_on_chip, check_implementation
+from megatron_h2.training.launch_checks import check_attention_on_chip, check_implementation
 from megatron_h2.training.layout import (
     check_plan_for_model,
     check_routing,
@@ -79,8 +81,6 @@ from megatron_h2.training.layout import (
     stage_dps,
     uniform_plan,
 )
-from megatron_h2.training.metrics import MetricsWriter, check_wandb, configure_logging, log
-from megatron_h2.training.watchdog import start_orphan_watchdog
 
 DEFAULT_RUN_DIR = Path("runs") / "default"
 
@@ -298,14 +298,14 @@ def _train(cfg: RunConfig, launch: LaunchOptions, env: LaunchEnv, failures: JobF
            accelerator, tokenizer, batch, iterations: int, owner: SaveDirOwner | None, say,
            start: float, demo: bool) -> TrainProgress:
     """The part of :func:`train` that starts process groups (all user input is checked)."""
-    from megatron_h2.checkpointing.distributed import CheckpointIO
-    from megatron_h2.devices.precision import DTYPES, KernelProbe
+    from megatron_h2.checkpointing.checkpoint_io import CheckpointIO
+    from megatron_h2.devices.op_replay import DTYPES, KernelProbe
     from megatron_h2.models.gpt import GPTModel, cast_parameters, init_parameters
+    from megatron_h2.monitoring.precision_monitor import PrecisionMonitor
+    from megatron_h2.monitoring.timeline import Timeline, format_summary, gather_and_write
     from megatron_h2.optimizer.distributed_optimizer import build_data_parallel_optimizer
-    from megatron_h2.training.precision import PrecisionMonitor
+    from megatron_h2.training.loop import Trainer
     from megatron_h2.training.step import StepRunner
-    from megatron_h2.training.timeline import Timeline, format_summary, gather_and_write
-    from megatron_h2.training.trainer import Trainer
 
     # ---- everything below may start process groups: all user input has been checked ----
     failures.attach(init_process_group(default_backend(plan), env,

@@ -3,7 +3,7 @@ data-parallel gradient sync, global gradient norm and clipping, optimizer update
 
 The global batch is cut into micro-batches ``0 .. M - 1`` (micro-batch ``j`` = samples
 ``j x mbs .. (j + 1) x mbs - 1`` of the batch); replica ``r`` of a stage with DP degree ``DP_s``
-runs those with ``j mod DP_s == r`` (:func:`~megatron_h2.pipeline_orders.replica_order`), so
+runs those with ``j mod DP_s == r`` (:func:`~megatron_h2.plan.orders.replica_order`), so
 stages may have different DP degrees. Each micro-batch's loss is divided by the token count of
 the whole global batch, so gradients are summed, never averaged, over each stage's replicas.
 
@@ -28,22 +28,22 @@ import torch.distributed as dist
 
 from megatron_h2.config import RunConfig
 from megatron_h2.devices import Accelerator
-from megatron_h2.devices.precision import DTYPES
+from megatron_h2.devices.op_replay import DTYPES
 from megatron_h2.distributed.bridge import BridgeConfig
 from megatron_h2.distributed.p2p import PipeComm
 from megatron_h2.distributed.tied_embedding import tied_embedding_sync
 from megatron_h2.distributed.topology import Topology
 from megatron_h2.errors import TrainingError
 from megatron_h2.models.gpt import GPTModel
-from megatron_h2.models.gpt.model import TIED_COPY_ATTR
+from megatron_h2.models.gpt.gpt_model import TIED_COPY_ATTR
+from megatron_h2.monitoring.stage_clock import StageClock
+from megatron_h2.monitoring.timeline import Timeline
+from megatron_h2.monitoring.timers import Timers
 from megatron_h2.optimizer.distributed_optimizer import DataParallelOptimizer
 from megatron_h2.optimizer.grad_scaler import build_grad_scaler
 from megatron_h2.parallel import TPContext, allreduce_coalesced_, get_tp_shard
-from megatron_h2.pipeline.schedules import StageChunks, forward_only, run_schedule
-from megatron_h2.pipeline_orders import replica_micro_batches, replica_order
-from megatron_h2.training.stage_clock import StageClock
-from megatron_h2.training.timeline import Timeline
-from megatron_h2.training.timers import Timers
+from megatron_h2.pipeline.schedule_runner import StageChunks, forward_only, run_schedule
+from megatron_h2.plan.orders import replica_micro_batches, replica_order
 
 
 def stack_samples(dataset, start: int, count: int) -> torch.Tensor:

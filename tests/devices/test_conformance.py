@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_h2.devices import NATIVE_KERNELS, Kernels, get_accelerator, load_plugins
-from megatron_h2.devices.precision import TOLERANCES, check_kernels
+from megatron_h2.devices.op_replay import TOLERANCES, check_kernels
 from megatron_h2.distributed.bridge import Bridge, BridgeConfig
 from tests.devices.conftest import CPU2_PLUGIN
 from tests.dist_utils import run_distributed

@@ -8,17 +8,17 @@ import signal
 import time
 from types import FrameType
 
-from megatron_h2.checkpointing.distributed import CheckpointIO, TrainProgress
+from megatron_h2.checkpointing.checkpoint_io import CheckpointIO, TrainProgress
 from megatron_h2.config import RunConfig
+from megatron_h2.monitoring.health import HealthMonitor
+from megatron_h2.monitoring.metrics import MetricsWriter, memory_scalars
+from megatron_h2.monitoring.precision_monitor import PrecisionMonitor
+from megatron_h2.monitoring.stage_clock import stage_report
+from megatron_h2.monitoring.timers import report_timers
+from megatron_h2.monitoring.torch_profiler import StepProfiler
 from megatron_h2.optimizer.lr_schedule import OptimizerParamScheduler
 from megatron_h2.training.batch_schedule import BatchSchedule
-from megatron_h2.training.health import HealthMonitor
-from megatron_h2.training.metrics import MetricsWriter, memory_scalars
-from megatron_h2.training.precision import PrecisionMonitor
-from megatron_h2.training.profiler import StepProfiler
-from megatron_h2.training.stage_clock import stage_report
 from megatron_h2.training.step import StepResult, StepRunner, world_sum
-from megatron_h2.training.timers import report_timers
 
 
 class ExitSignal:

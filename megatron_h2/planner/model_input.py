@@ -22,7 +22,7 @@ from megatron_h2.config import (
     pad_vocab_size,
 )
 from megatron_h2.errors import ConfigError
-from megatron_h2.yaml_checks import check_keys, load_yaml_mapping, positive_int
+from megatron_h2.plan.yaml_io import check_keys, load_yaml_mapping, positive_int
 
 VOCAB_PAD_MULTIPLE = 128
 """Megatron's ``--make-vocab-size-divisible-by`` default, which the runtime pads to as well."""

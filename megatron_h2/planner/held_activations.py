@@ -1,91 +1,29 @@
-"""Per-stage action orders of the pipeline schedules, and the activations they keep in flight.
+"""The activations a pipeline stage keeps in flight under its schedule's order.
 
-A stage of a ``p``-stage pipeline runs ``m`` micro-batches through its ``V`` model chunks
-(virtual stages) in a fixed order of actions ``(kind, chunk, micro_batch)``:
-
-* ``"F"``: the forward of one chunk for one micro-batch;
-* ``"B"``: the backward; under ``1f1b`` and ``interleaved`` the whole backward, under
-  ``zero-bubble`` only the input-gradient part (what the previous stage waits for);
-* ``"W"``: ``zero-bubble`` only: the weight-gradient part of a backward, run later to fill
-  the bubble.
-
-The orders are the runtime's own (:mod:`megatron_h2.pipeline_orders`):
-
-* ``1f1b``: Megatron's non-interleaved schedule: ``min(p - s - 1, m)`` warm-up forwards, then
-  one forward one backward, then the remaining backwards.
-* ``interleaved``: Megatron's interleaved schedule (``m % p == 0``, ``p >= 2``). The ``m V``
-  chunk-micro-batches are numbered ``k``; forward ``k`` runs chunk ``(k mod pV) div p`` on
-  micro-batch ``(k div pV) p + k mod p``, backward ``k`` the same micro-batch on chunk
-  ``V - 1 - (k mod pV) div p``. Stage ``s`` runs ``min(2 (p - s - 1) + (V - 1) p, m V)`` warm-up
-  forwards, then forward ``k + warm-up`` and backward ``k`` alternately, then the remaining
-  backwards. It is what ``torch.distributed.pipelining.ScheduleInterleaved1F1B`` computes
-  when ``m`` is a multiple of ``p``.
-* ``zero-bubble``: ZB-H1 (Qi et al., "Zero Bubble Pipeline Parallelism", 2023) in the order of
-  ``torch.distributed.pipelining.ScheduleInterleavedZeroBubble`` with one chunk per stage:
-  ``min(p - s - 1, m)`` warm-up forwards, then forward and input-backward alternately; stage
-  ``s`` runs the weight-gradient work of its oldest micro-batch after each input-backward
-  from its ``s + 1``-th steady step on (so it keeps up to ``s`` weight gradients deferred),
-  and the deferred ones at the end. Its peak activation memory is 1F1B's on stage 0 and at
-  most ``p`` micro-batches on every stage.
-
-:func:`held_states` walks an order and returns the peak states of what the stage holds:
-per chunk, the micro-batches between forward and backward (their activations) and, under
-``zero-bubble``, between backward and weight-gradient work (the inputs of the weight
-gradients). A stage's peak memory is a maximum over these states of a positive weighted sum.
+The orders themselves (which forward ``F``, backward ``B`` and, under zero-bubble, deferred
+weight-gradient ``W`` of which micro-batch and model chunk a stage runs when) are the
+runtime's own, in :mod:`megatron_h2.plan.orders`. :func:`held_states` walks a stage's order and
+returns the peak states of what the stage holds: per chunk, the micro-batches between forward
+and backward (their activations) and, under ``zero-bubble``, between backward and
+weight-gradient work (the inputs of the weight gradients). A stage's peak memory is a maximum
+over these states of a positive weighted sum.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from functools import lru_cache
 
 import numpy as np
 
-from megatron_h2.errors import ConfigError
-from megatron_h2.pipeline_orders import check_micro_batches, schedule_order
-
-Action = tuple[str, int, int]
-"""(kind "F" | "B" | "W", chunk, micro-batch)."""
+from megatron_h2.plan.orders import (  # noqa: F401 - re-exported for the planner's users
+    Action,
+    check_schedule,
+    schedule_problem,
+    stage_order,
+)
 
 State = tuple[tuple[int, ...], tuple[int, ...]]
 """Per chunk: micro-batches between F and B, and between B and W (zero-bubble)."""
-
-
-def schedule_problem(schedule: str, stages: int, micro_batches: int, chunks: int) -> str | None:
-    """Why the planner cannot use ``schedule`` for this pipeline (a sentence saying what to
-    change), or None: the runtime's rules (:func:`~megatron_h2.pipeline_orders.
-    check_micro_batches`), and zero-bubble modelled with one chunk per stage (ZB-H1)."""
-    if schedule == "zero-bubble" and chunks != 1:
-        return "the zero-bubble schedule (ZB-H1) runs one model chunk per stage"
-    try:
-        check_micro_batches(schedule, stages, chunks, micro_batches)
-    except ConfigError as exc:
-        return str(exc)
-    return None
-
-
-def check_schedule(schedule: str, stages: int, micro_batches: int, chunks: int) -> None:
-    """Raise ConfigError when ``schedule`` cannot run this pipeline."""
-    problem = schedule_problem(schedule, stages, micro_batches, chunks)
-    if problem is not None:
-        raise ConfigError(problem)
-
-
-def stage_order(
-    schedule: str,
-    stages: int,
-    micro_batches: int | Sequence[int],
-    chunks: int,
-    stage: int,
-    warmup: int | None = None,
-) -> list[Action]:
-    """The order of actions of ``stage`` (or of one of its DP replicas, given its micro-batch
-    ids and :func:`~megatron_h2.pipeline_orders.routed_warmups`): the runtime's own
-    (:func:`~megatron_h2.pipeline_orders.schedule_order`), as ``(kind, chunk, micro_batch)``."""
-    ids = range(micro_batches) if isinstance(micro_batches, int) else micro_batches
-    check_schedule(schedule, stages, len(ids), chunks)
-    order = schedule_order(schedule, stage, stages, chunks, ids, warmup)
-    return [(a.kind, a.chunk, a.micro_batch) for a in order]
 
 
 @lru_cache(maxsize=8192)
@@ -99,7 +37,7 @@ def held_states(
 ) -> tuple[State, ...]:
     """The Pareto-maximal states of what ``stage`` holds over its order (see the module doc);
     ``warmup``: the stage's warm-up forwards when they are not the schedule's own rule (a DP
-    replica of a stage with its own DP degree, :func:`~megatron_h2.pipeline_orders.
+    replica of a stage with its own DP degree, :func:`~megatron_h2.plan.orders.
     routed_warmups`), ``micro_batches`` then the replica's.
 
     Every state the stage passes through is dominated (component-wise) by one of these, so the

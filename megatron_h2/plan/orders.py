@@ -46,16 +46,16 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from typing import NamedTuple
 
 from megatron_h2.errors import ConfigError
 
 SCHEDULES = ("1f1b", "interleaved", "zero-bubble")
 
 
-@dataclass(frozen=True)
-class Action:
-    """One step of a rank's schedule: ``kind`` (F, B or W) of ``micro_batch`` on ``chunk``."""
+class Action(NamedTuple):
+    """One step of a rank's schedule: ``kind`` (F, B or W) of ``micro_batch`` on ``chunk``; a
+    tuple ``(kind, chunk, micro_batch)``, so the planner's walks unpack it."""
 
     kind: str
     chunk: int
@@ -181,6 +181,35 @@ def forward_order(stage: int, stages: int, chunks: int,
         return [Action("F", 0, j) for j in mbs]
     return [Action("F", *_virtual(k, stages, chunks, mbs, backward=False))
             for k in range(len(mbs) * chunks)]
+
+
+def schedule_problem(schedule: str, stages: int, micro_batches: int, chunks: int) -> str | None:
+    """Why ``schedule`` cannot run this pipeline (a sentence saying what to change), or None:
+    :func:`check_micro_batches`, and zero-bubble planned with one chunk per stage (ZB-H1)."""
+    if schedule == "zero-bubble" and chunks != 1:
+        return "the zero-bubble schedule (ZB-H1) runs one model chunk per stage"
+    try:
+        check_micro_batches(schedule, stages, chunks, micro_batches)
+    except ConfigError as exc:
+        return str(exc)
+    return None
+
+
+def check_schedule(schedule: str, stages: int, micro_batches: int, chunks: int) -> None:
+    """Raise ConfigError when ``schedule`` cannot run this pipeline (:func:`schedule_problem`)."""
+    problem = schedule_problem(schedule, stages, micro_batches, chunks)
+    if problem is not None:
+        raise ConfigError(problem)
+
+
+def stage_order(schedule: str, stages: int, micro_batches: int | Sequence[int], chunks: int,
+                stage: int, warmup: int | None = None) -> list[Action]:
+    """:func:`schedule_order` in the planner's argument order, after :func:`check_schedule`:
+    ``micro_batches`` is a count (ids ``0 .. m - 1``) or a DP replica's ids (with its
+    :func:`routed_warmups` as ``warmup``)."""
+    ids = range(micro_batches) if isinstance(micro_batches, int) else micro_batches
+    check_schedule(schedule, stages, len(ids), chunks)
+    return schedule_order(schedule, stage, stages, chunks, ids, warmup)
 
 
 def schedule_order(schedule: str, stage: int, stages: int, chunks: int,

@@ -1,9 +1,9 @@
 """Operator precision checks of the GPT model: one training step (tools/precision_check.py) and
 the periodic in-training check of each pipeline stage (``--precision-check-interval``).
 
-Both run the model under :class:`~megatron_h2.devices.precision.PrecisionCapture`, which
+Both run the model under :class:`~megatron_h2.devices.op_replay.PrecisionCapture`, which
 replays every operator on a reference device / dtype (default CPU fp64), and build the model
-with :class:`~megatron_h2.devices.precision.KernelProbe` kernels so that the accelerator's
+with :class:`~megatron_h2.devices.op_replay.KernelProbe` kernels so that the accelerator's
 kernel table (vendor RMSNorm, SwiGLU) is compared with the native kernels too.
 """
 
@@ -18,8 +18,8 @@ from torch import nn
 
 from megatron_h2.config import ModelConfig, OptimizerConfig
 from megatron_h2.devices import Accelerator, Kernels, fork_rng
-from megatron_h2.devices.precision import DTYPES, KernelProbe, ModuleStack, PrecisionCapture
-from megatron_h2.devices.precision_report import PrecisionReport, describe
+from megatron_h2.devices.op_replay import DTYPES, KernelProbe, ModuleStack, PrecisionCapture
+from megatron_h2.devices.op_replay_report import PrecisionReport, describe
 from megatron_h2.distributed.topology import Topology
 from megatron_h2.models.gpt import GPTModel, init_parameters
 from megatron_h2.optimizer.adamw import build_optimizer

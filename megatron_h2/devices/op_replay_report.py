@@ -1,6 +1,6 @@
 """What a precision capture found: summary, first divergence, tables, JSON and a plot by layer.
 
-See :mod:`megatron_h2.devices.precision` for how the records are made.
+See :mod:`megatron_h2.devices.op_replay` for how the records are made.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from megatron_h2.devices.precision import TOLERANCES, OpRecord
+from megatron_h2.devices.op_replay import TOLERANCES, OpRecord
 
 
 def _fmt(value: float | None, spec: str = ".2e") -> str:

@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from megatron_h2.hetero_plan import HeteroPlan
+    from megatron_h2.plan.schema import HeteroPlan
 
 TraceEvent = dict[str, Any]
 

@@ -33,8 +33,8 @@ import yaml
 from megatron_h2.config import ModelConfig, OptimizerConfig
 from megatron_h2.devices import Accelerator
 from megatron_h2.models.gpt import GPTModel, cast_parameters, init_parameters
+from megatron_h2.monitoring.stage_clock import emulation_pad_s
 from megatron_h2.optimizer.distributed_optimizer import build_data_parallel_optimizer
-from megatron_h2.training.stage_clock import emulation_pad_s
 
 PROFILE_MODEL_KEYS = ("hidden_size", "ffn_hidden_size", "num_attention_heads",
                       "num_query_groups", "seq_length", "vocab_size", "hidden_dropout",
@@ -50,7 +50,7 @@ class Pace:
 
     slowdown: float = 1.0
     """Sleep after each measured interval like a CPU-emulated chip (``slowdown - 1`` times its
-    CPU time: :func:`~megatron_h2.training.stage_clock.emulation_pad_s`)."""
+    CPU time: :func:`~megatron_h2.monitoring.stage_clock.emulation_pad_s`)."""
     window_s: float = 0.0
     """Keep repeating for at least this long, so that processes measuring at once overlap."""
     sync: Callable[[], None] | None = None

@@ -1,12 +1,12 @@
 """Run a pipeline schedule: one rank's forwards, backwards and weight-gradient passes in the
-order :mod:`megatron_h2.pipeline_orders` computes, with the traffic of
+order :mod:`megatron_h2.plan.orders` computes, with the traffic of
 :class:`~megatron_h2.distributed.p2p.PipeComm`.
 
 One executor runs every schedule (1F1B, interleaved 1F1B, zero-bubble); a schedule is only an
 order. After each action the rank makes one exchange: it posts the receive the next action needs
 (an activation from upstream or a gradient from downstream) and sends what this action produced,
 then waits for that receive alone. Sends never wait, so a rank waits only for data the order
-says must come first; :func:`~megatron_h2.pipeline_orders.check_orders` proves for every order
+says must come first; :func:`~megatron_h2.plan.orders.check_orders` proves for every order
 that this cannot hang and that every boundary's messages arrive in the order they are consumed.
 
 Under zero-bubble a ``B`` computes only the input gradient and a ``W`` the weight gradients
@@ -24,7 +24,7 @@ import torch
 
 from megatron_h2.distributed.p2p import PipeComm
 from megatron_h2.pipeline.split_backward import PendingWeights, backward_input, backward_weight
-from megatron_h2.pipeline_orders import Action, forward_order, one_f_one_b
+from megatron_h2.plan.orders import Action, forward_order, one_f_one_b
 
 # forward_step(chunk, micro_batch, input_activation_or_None) -> output activation, or on the last
 # virtual stage the scalar loss of that micro-batch (already divided by the global batch's token

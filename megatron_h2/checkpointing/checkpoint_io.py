@@ -35,9 +35,9 @@ from megatron_h2.config import ARCHITECTURE_FIELDS, ModelConfig, RunConfig, flag
 from megatron_h2.devices import Accelerator
 from megatron_h2.distributed.topology import Topology
 from megatron_h2.errors import ConfigError, JobConfigError, TrainingError
-from megatron_h2.hetero_plan import HeteroPlan
 from megatron_h2.optimizer.distributed_optimizer import DataParallelOptimizer
 from megatron_h2.parallel import TPContext, gather_tp_tensor, get_tp_shard, shard_tensor
+from megatron_h2.plan.schema import HeteroPlan
 
 # Config fields that must match for a checkpoint's weights to mean the same model.
 MODEL_FIELDS = ("num_layers", "hidden_size", "num_attention_heads", "vocab_size",

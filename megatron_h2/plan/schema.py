@@ -54,7 +54,7 @@ Rank layout (what the runtime must build its process groups from):
   traffic goes from the TP group of replica ``j mod DP_s`` of stage ``s`` to that of replica
   ``j mod DP_{s+1}`` of stage ``s + 1`` (the same replica when both have the same DP degree),
   even where the two stages have different TP degrees
-  (:mod:`megatron_h2.distributed.boundary`, :mod:`megatron_h2.pipeline_orders`).
+  (:mod:`megatron_h2.distributed.boundary`, :mod:`megatron_h2.plan.orders`).
 * Layers are numbered globally; stage ``s`` runs ``layer_ranges()[s]`` (0-based, contiguous)
   when it has one chunk, and ``chunk_layer_ranges()[s]`` in general.
 """
@@ -70,7 +70,8 @@ import yaml
 
 from megatron_h2.config import RECOMPUTE_MODES, Recompute
 from megatron_h2.errors import ConfigError
-from megatron_h2.yaml_checks import (
+from megatron_h2.plan.orders import SCHEDULES
+from megatron_h2.plan.yaml_io import (
     check_keys,
     closest,
     load_yaml_mapping,
@@ -80,7 +81,6 @@ from megatron_h2.yaml_checks import (
 
 _PLAN_KEYS = ("data_parallel_size", "micro_batch_size", "global_batch_size", "chips", "stages",
               "schedule")
-SCHEDULES = ("1f1b", "interleaved", "zero-bubble")
 """Pipeline schedules a plan may name (``schedule``)."""
 _CHIP_KEYS = ("device", "emulate_slowdown")
 _STAGE_KEYS = ("chip", "tensor_parallel_size", "num_layers", "recompute", "data_parallel_size")

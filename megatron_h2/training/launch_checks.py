@@ -6,7 +6,7 @@ from __future__ import annotations
 from megatron_h2.config import ModelConfig
 from megatron_h2.devices import Accelerator
 from megatron_h2.devices.attention import check_attention_backend
-from megatron_h2.devices.precision import DTYPES
+from megatron_h2.devices.op_replay import DTYPES
 from megatron_h2.errors import ConfigError, RankConfigError
 
 

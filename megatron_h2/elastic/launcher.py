@@ -1,7 +1,7 @@
 """Elastic launcher: train a plan, and when a chip is lost, re-plan for the chips that are left
 and resume from the last good checkpoint.
 
-    python -m megatron_h2.training.elastic --cluster cluster.yaml --max-restarts 3 \\
+    python -m megatron_h2.elastic.launcher --cluster cluster.yaml --max-restarts 3 \\
         [--plan plan.yaml] -- <pretrain_gpt.py flags, with --save DIR>
 
 (``scripts/run_elastic.sh`` wraps it, also under SLURM.) Each attempt runs the current plan on
@@ -39,13 +39,7 @@ from pathlib import Path
 
 from megatron_h2.checkpointing import find_latest_iteration, read_checkpoint_files
 from megatron_h2.checkpointing.format import iteration_dir, saved_iterations
-from megatron_h2.errors import ConfigError
-from megatron_h2.hetero_plan import HeteroPlan
-from megatron_h2.planner import Cluster
-from megatron_h2.training.arguments import config_from_args
-from megatron_h2.training.layout import load_hetero_plan
-from megatron_h2.training.metrics import log
-from megatron_h2.training.replan import (
+from megatron_h2.elastic.replan import (
     Planned,
     best_plan,
     change_summary,
@@ -54,7 +48,13 @@ from megatron_h2.training.replan import (
     probe_chips,
     with_counts,
 )
-from megatron_h2.training.trainer import FAULT_ENV
+from megatron_h2.errors import ConfigError
+from megatron_h2.monitoring.metrics import log
+from megatron_h2.plan.schema import HeteroPlan
+from megatron_h2.planner import Cluster
+from megatron_h2.training.arguments import config_from_args
+from megatron_h2.training.layout import load_hetero_plan
+from megatron_h2.training.loop import FAULT_ENV
 
 EXIT_TEMPFAIL = 75
 ELASTIC_DIR_ENV = "MEGATRON_H2_ELASTIC_DIR"
@@ -67,7 +67,7 @@ def say(message: str) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m megatron_h2.training.elastic",
+    p = argparse.ArgumentParser(prog="python -m megatron_h2.elastic.launcher",
                                 description="Train a heterogeneous plan; on a lost chip, re-plan "
                                 "for the chips left and resume. Training flags follow '--'.")
     p.add_argument("--cluster", required=True, help="cluster YAML (the chips this host has)")

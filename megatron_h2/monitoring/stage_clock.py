@@ -40,7 +40,7 @@ def thread_cpu_s(acc: Accelerator) -> float | None:
 
 
 class StageClock:
-    """A :class:`~megatron_h2.pipeline.schedules.ComputeObserver` for one rank.
+    """A :class:`~megatron_h2.pipeline.schedule_runner.ComputeObserver` for one rank.
 
     ``slowdown`` > 1 makes each forward / backward (and weight-gradient pass) take that many
     times as long (it sleeps for :func:`emulation_pad_s`), so a heterogeneous cluster can be

@@ -16,7 +16,7 @@ from dataclasses import dataclass, replace
 
 from megatron_h2.config import RunConfig
 from megatron_h2.errors import ConfigError
-from megatron_h2.hetero_plan import HeteroPlan
+from megatron_h2.plan.schema import HeteroPlan
 from megatron_h2.planner import Cluster, CostConfig, CostModel, SearchOptions, search
 from megatron_h2.planner.report import stage_summary
 from megatron_h2.training.layout import check_plan_for_model, describe_dp

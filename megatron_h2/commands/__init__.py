@@ -1,0 +1,1 @@
+"""The command-line tools behind ``tools/`` and the ``megatron-h2-*`` entry points."""
