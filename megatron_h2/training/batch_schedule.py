@@ -151,18 +151,17 @@ class BatchSchedule:
         return f"constant {self.final}"
 
 
-def check_run_schedule(cfg: RunConfig, micro_batch_size: int,
-                       data_parallel_size: int) -> tuple[BatchSchedule, int]:
-    """The batch schedule and the number of iterations of a run whose layout is known; checks
-    them and the learning-rate schedule (one-line errors, before any process group starts)."""
+def check_run_schedule(cfg: RunConfig, micro_batch_size: int, data_parallel_size: int
+                       ) -> tuple[BatchSchedule, int, OptimizerParamScheduler]:
+    """The batch schedule, the number of iterations and the learning-rate schedule of a run
+    whose layout is known, checked (one-line errors, before any process group starts)."""
     batch = BatchSchedule.from_config(cfg.training, cfg.model.seq_length)
     batch.check(micro_batch_size, data_parallel_size)
     iterations = batch.train_iterations(cfg.training)
     if iterations < 1:
         raise ConfigError(f"--train-samples {cfg.training.train_samples} is less than one global "
                           f"batch ({batch.batch_at(0)}); train for more samples")
-    OptimizerParamScheduler.from_config(cfg.optimizer, cfg.training)
-    return batch, iterations
+    return batch, iterations, OptimizerParamScheduler.from_config(cfg.optimizer, cfg.training)
 
 
 __all__ = ["BatchSchedule", "check_run_schedule"]

@@ -1,10 +1,18 @@
-"""The run's data source (``--data-path``, ``--train/valid/test-data-path`` or
-``--mock-data``): its checks before any process group starts, the datasets, and a start-up line
-for tokenizer and data flags that the chosen tokenizer or source does not use."""
+"""The run's data source (``--data-path``, ``--train/valid/test-data-path``, ``--mock-data``
+or the embedded corpus): its checks and the tokenizer before any process group starts, the
+datasets, and a start-up line for tokenizer and data flags that the chosen tokenizer or source
+does not use."""
 
 from __future__ import annotations
 
+import os
+from collections.abc import Callable
+from pathlib import Path
+
+import torch.distributed as dist
+
 from megatron_h2.config import DataConfig, RunConfig
+from megatron_h2.distributed.topology import Topology
 
 # Tokenizer flags and the tokenizer types they apply to.
 _TOKENIZER_FLAGS: dict[str, tuple[str, tuple[str, ...]]] = {
@@ -80,5 +88,45 @@ def build_split_datasets(cfg: RunConfig, tokenizer, num_samples: tuple[int, int,
                               data.data_cache_path, data.mmap_bin_files)
 
 
-__all__ = ["build_split_datasets", "check_data_files", "data_prefixes", "describe_source",
-           "unused_data_flags"]
+def default_cache_dir() -> Path:
+    """Where the embedded corpus and chip profiles are cached (``$MEGATRON_H2_CACHE`` or
+    ~/.cache/megatron_h2)."""
+    return Path(os.environ.get("MEGATRON_H2_CACHE", Path.home() / ".cache" / "megatron_h2"))
+
+
+def prepare_data(cfg: RunConfig, say: Callable[[str], None]):
+    """Resolve data and tokenizer; fills ``cfg.model.vocab_size``. Returns the tokenizer."""
+    from megatron_h2.data import build_tokenizer, check_token_ids, ensure_default_corpus
+
+    if not cfg.data.has_source:
+        say("no --data-path given: using the embedded corpus (Python standard library sources)")
+        prefix, spm_model = ensure_default_corpus(str(default_cache_dir() / "default_corpus"))
+        cfg.data.data_path = [prefix]
+        cfg.data.tokenizer_type = "SentencePieceTokenizer"
+        cfg.data.tokenizer_model = spm_model
+    else:
+        check_data_files(cfg.data)
+    tokenizer = build_tokenizer(cfg.data.tokenizer_type, cfg.data.tokenizer_model,
+                                cfg.data.vocab_size, **cfg.data.tokenizer_options())
+    for prefix in data_prefixes(cfg.data):  # cached per corpus: a scan, once
+        check_token_ids(prefix, tokenizer.vocab_size, cfg.data.data_cache_path,
+                        f"the tokenizer ({cfg.data.tokenizer_type})")
+    # Padding does not depend on the layout (unlike Megatron's), so checkpoints move between
+    # layouts; every stage's TP degree must divide the padded size (checked with the plan).
+    cfg.model.vocab_size = cfg.data.padded_vocab_size(tokenizer.vocab_size)
+    return tokenizer
+
+
+def build_datasets(cfg: RunConfig, topo: Topology, train_samples: int, tokenizer):
+    """Train / validation datasets; rank 0 builds the index caches before the others read them."""
+    t = cfg.training
+    # The test split is not used during training: ask for none so small corpora still work.
+    num_samples = (train_samples, t.eval_iters * t.global_batch_size, 0)
+    result = build_split_datasets(cfg, tokenizer, num_samples) if topo.rank == 0 else None
+    if topo.distributed:
+        dist.barrier(group=topo.cpu_group)
+    return result if result is not None else build_split_datasets(cfg, tokenizer, num_samples)
+
+
+__all__ = ["build_datasets", "build_split_datasets", "check_data_files", "data_prefixes",
+           "default_cache_dir", "describe_source", "prepare_data", "unused_data_flags"]

@@ -1,4 +1,5 @@
-"""The training loop: schedule, evaluation, logging, checkpoints and clean stops."""
+"""The training loop over a built :class:`~megatron_h2.training.build.Run`: steps, evaluation,
+logging, checkpoints, numerical health and clean stops."""
 
 from __future__ import annotations
 
@@ -8,17 +9,12 @@ import signal
 import time
 from types import FrameType
 
-from megatron_h2.checkpointing.checkpoint_io import CheckpointIO, TrainProgress
-from megatron_h2.config import RunConfig
+from megatron_h2.checkpointing.checkpoint_io import TrainProgress
 from megatron_h2.monitoring.health import HealthMonitor
-from megatron_h2.monitoring.metrics import MetricsWriter, memory_scalars
-from megatron_h2.monitoring.precision_monitor import PrecisionMonitor
-from megatron_h2.monitoring.stage_clock import stage_report
-from megatron_h2.monitoring.timers import report_timers
+from megatron_h2.monitoring.metrics import memory_scalars
 from megatron_h2.monitoring.torch_profiler import StepProfiler
-from megatron_h2.optimizer.lr_schedule import OptimizerParamScheduler
-from megatron_h2.training.batch_schedule import BatchSchedule
-from megatron_h2.training.step import StepResult, StepRunner, world_sum
+from megatron_h2.training.build import Run
+from megatron_h2.training.step import StepResult, world_sum
 
 
 class ExitSignal:
@@ -72,43 +68,28 @@ def injected_fault(rank: int) -> tuple[int, bool] | None:
 
 
 class Trainer:
-    """Runs training of this rank's part of the model until ``train_iters``."""
+    """Trains a built :class:`Run` on this rank until its length (or a stop)."""
 
-    def __init__(self, cfg: RunConfig, runner: StepRunner, train_ds, valid_ds,
-                 metrics: MetricsWriter, progress: TrainProgress, ckpt: CheckpointIO,
-                 log, started: float | None = None,
-                 precision: PrecisionMonitor | None = None,
-                 tokenizer_vocab: int | None = None) -> None:
-        """``started`` (``time.perf_counter()``) is when the program started, for
-        ``--exit-duration-in-mins``; default: now."""
-        self.cfg, self.runner, self.precision = cfg, runner, precision
-        self.started = time.perf_counter() if started is None else started
-        self.batch = BatchSchedule.from_config(cfg.training, cfg.model.seq_length)
-        self.train_iters = self.batch.train_iterations(cfg.training)
-        self.schedule = OptimizerParamScheduler.from_config(cfg.optimizer, cfg.training)
-        if progress.scheduler is not None:  # resumed with the optimizer: continue its schedule
-            self.schedule.load_state_dict(
-                progress.scheduler, override=cfg.optimizer.override_opt_param_scheduler,
-                use_checkpoint=cfg.optimizer.use_checkpoint_opt_param_scheduler)
-        self.train_ds, self.valid_ds = train_ds, valid_ds
-        self.metrics, self.progress, self.ckpt, self.log = metrics, progress, ckpt, log
-        self.fault = injected_fault(runner.topo.rank)
+    def __init__(self, run: Run) -> None:
+        cfg, progress = run.cfg, run.progress
+        self.run, self.cfg, self.progress, self.log = run, cfg, progress, run.say
+        self.runner, self.ckpt, self.metrics = run.runner, run.ckpt, run.metrics
+        self.schedule, self.batch, self.train_iters = run.schedule, run.batch, run.iterations
+        self.fault = injected_fault(run.topo.rank)
         self.started_at = progress.iteration
         # (directory, iteration) of the newest checkpoint known good: loaded or saved by this run
         self.last_good: tuple[str, int] | None = (
             (cfg.training.load, progress.iteration) if progress.iteration else None)
-        self.health = HealthMonitor(cfg.training, (tokenizer_vocab or 0, cfg.model.vocab_size),
-                                    log, self._last_good_text)
-        if progress.grad_scaler is not None and runner.scaler is not None:
-            runner.scaler.load_state_dict(progress.grad_scaler)  # resumed with the optimizer
-        self.profiler = StepProfiler(cfg.logging, runner.topo.rank, runner.acc.device_type,
-                                     cfg.training.tensorboard_dir, log)
+        self.health = HealthMonitor(cfg.training, (run.tokenizer.vocab_size, cfg.model.vocab_size),
+                                    self.log, self._last_good_text)
+        self.profiler = StepProfiler(cfg.logging, run.topo.rank, run.accelerator.device_type,
+                                     cfg.training.tensorboard_dir, self.log)
 
     def _report_first_iteration(self, iteration: int) -> None:
         """Tell an elastic launcher (``$MEGATRON_H2_ELASTIC_DIR``) when this run's first
         iteration finished: the end of a recovery."""
         folder = os.environ.get("MEGATRON_H2_ELASTIC_DIR")
-        if not folder or self.runner.topo.rank != 0:
+        if not folder or self.run.topo.rank != 0:
             return
         note = {"iteration": iteration, "time": time.time(),
                 "attempt": int(os.environ.get("MEGATRON_H2_ATTEMPT", "0") or 0)}
@@ -125,9 +106,9 @@ class Trainer:
 
     def evaluate(self) -> float | None:
         t = self.cfg.training
-        if self.valid_ds is None or t.eval_iters == 0:
+        if self.run.valid_ds is None or t.eval_iters == 0:
             return None
-        return self.runner.eval_loss(self.valid_ds, t.eval_iters)
+        return self.runner.eval_loss(self.run.valid_ds, t.eval_iters)
 
     def save(self) -> None:
         """Save (collective), unless the state is suspect: a bad state is never checkpointed."""
@@ -142,8 +123,7 @@ class Trainer:
             return
         start = time.perf_counter()
         self.progress.scheduler = self.schedule.state_dict()
-        scaler = self.runner.scaler
-        self.progress.grad_scaler = None if scaler is None else scaler.state_dict()
+        self.progress.grad_scaler = self.runner.grad_scaler_state()
         if self.cfg.training.async_save:
             self.ckpt.save(save_dir, self.progress, background=True)
             self.log(f"saving checkpoint at iteration {it} in the background (state gathered "
@@ -174,12 +154,12 @@ class Trainer:
     def _stop_requested(self, stop: ExitSignal, it: int) -> str | None:
         """Why training must stop after iteration ``it`` (None: go on); the same on every rank."""
         t = self.cfg.training
-        minutes = (time.perf_counter() - self.started) / 60.0
+        minutes = (time.perf_counter() - self.run.started) / 60.0
         # every rank must agree, or some would wait in the next step's collectives
         signalled, timed_out = world_sum(
             [1.0 if stop.received is not None else 0.0,
              1.0 if t.exit_duration_in_mins is not None and minutes > t.exit_duration_in_mins
-             else 0.0], self.runner.topo)
+             else 0.0], self.run.topo)
         if signalled:
             return "after receiving a signal"
         if timed_out:
@@ -193,7 +173,7 @@ class Trainer:
         extra = (signal.Signals[t.exit_signal],) if t.exit_signal_handler else ()
         return tuple(dict.fromkeys((signal.SIGINT, *extra)))
 
-    def run(self) -> TrainProgress:
+    def train(self) -> TrainProgress:
         """Train until the run's length (or an exit signal / ``--exit-interval``)."""
         t = self.cfg.training
         last_saved = self.progress.iteration
@@ -207,9 +187,9 @@ class Trainer:
                         os.kill(os.getpid(), signal.SIGKILL)
                     raise RuntimeError(f"injected fault at iteration {it} (${FAULT_ENV})")
                 batch = self.batch.batch_at(self.progress.consumed_samples)
-                lr = self.schedule.apply(self.runner.optimizer)
+                lr = self.schedule.apply(self.run.optimizer)
                 self.profiler.before(it)
-                result = self.runner.train_step(self.train_ds, self.progress.consumed_samples,
+                result = self.runner.train_step(self.run.train_ds, self.progress.consumed_samples,
                                                 it, lr, batch, self.health)
                 self.profiler.after(it)
                 window.append(result)
@@ -224,14 +204,14 @@ class Trainer:
                 self.progress.iteration = it
                 self.progress.consumed_samples += batch
                 self.finish_background_save(blocking=False)
-                if self.precision is not None and it % t.precision_check_interval == 0:
+                if self.run.precision is not None and it % t.precision_check_interval == 0:
                     check_start = time.perf_counter()
-                    self.runner.optimizer.finish_param_sync()  # nothing in flight while replayed
-                    self.log(self.precision.run(it))  # collective: every rank checks its stage
+                    self.run.optimizer.finish_param_sync()  # nothing in flight while replayed
+                    self.log(self.run.precision.run(it))  # collective: every rank checks its stage
                     window_start += time.perf_counter() - check_start  # not iteration time
                 val_loss = self.evaluate() if it % t.eval_interval == 0 else None
                 if it % t.log_interval == 0 or val_loss is not None or it == self.train_iters:
-                    self.runner.acc.synchronize()
+                    self.run.accelerator.synchronize()
                     self._log(window, time.perf_counter() - window_start, val_loss)
                     window, window_start = [], time.perf_counter()
                 exiting = self._stop_requested(stop, it)
@@ -258,16 +238,9 @@ class Trainer:
         self.metrics.scalars(it, values)
 
     def _log(self, window: list[StepResult], elapsed: float, val_loss: float | None) -> None:
-        cfg, lg = self.cfg, self.cfg.logging
+        cfg, lg, run = self.cfg, self.cfg.logging, self.run
         n = len(window)
-        runner = self.runner
-        compute, comm = runner.clock.take(), runner.comm.stats()
-        runner.comm.reset_stats()
-        # collective: every rank logs at the same iterations
-        stages = stage_report(runner.topo, compute, elapsed, comm, n) \
-            if runner.topo.pp_size > 1 else None
-        timer_lines, timer_max = report_timers(self._timers(comm), runner.topo,
-                                               lg.timing_log_option, n)
+        report = self.runner.window_report(elapsed, n, lg.timing_log_option)  # collective
         seconds = elapsed / n
         tokens = sum(r.global_batch_size for r in window) / n * cfg.model.seq_length
         record = {"iteration": self.progress.iteration,
@@ -280,35 +253,24 @@ class Trainer:
                   "tflops": cfg.model.flops_per_token() * tokens / seconds / 1e12,
                   "global_batch_size": window[-1].global_batch_size,
                   "skipped_iterations": self.health.skipped_iterations}
-        if runner.scaler is not None:
-            record["loss_scale"] = runner.scaler.scale
+        if self.runner.loss_scale is not None:
+            record["loss_scale"] = self.runner.loss_scale
         if lg.log_throughput:  # Megatron's throughput per GPU: the job's FLOP/s per device
-            record["throughput_per_gpu_tflops"] = record["tflops"] / runner.topo.world_size
+            record["throughput_per_gpu_tflops"] = record["tflops"] / run.topo.world_size
         if window[-1].num_zeros is not None:
             record["num_zeros"] = window[-1].num_zeros
         if lg.log_params_norm:
-            record["params_norm"] = runner.params_norm()  # collective
+            record["params_norm"] = self.runner.params_norm()  # collective
         if val_loss is not None:
             record["val_loss"] = val_loss
         self.metrics.train_step(record)
-        for line in timer_lines:
+        for line in report.timer_lines:
             self.log(line)
-        self._write_log_scalars(record, timer_max)
-        if stages:
-            self.log(stages)
+        self._write_log_scalars(record, report.timer_max)
+        if report.stages:
+            self.log(report.stages)
         if val_loss is not None:
             self.metrics.validation(self.progress.iteration, val_loss)
-
-    def _timers(self, comm: dict[str, float]) -> dict[str, float]:
-        """This rank's timers of the window, per micro-batch ones (level 2) included."""
-        timers, kinds = self.runner.timers, self.runner.clock.take_kinds()
-        timers.add("forward-compute", 2, kinds.get("forward", 0.0))
-        timers.add("backward-compute", 2, sum(v for k, v in kinds.items()
-                                              if k.startswith("backward")))
-        if self.runner.topo.pp_size > 1:
-            timers.add("pipeline-send-wait", 2, comm.get("send_wait_s", 0.0))
-            timers.add("pipeline-recv-wait", 2, comm.get("recv_wait_s", 0.0))
-        return timers.take()
 
     def _write_log_scalars(self, record: dict, timer_max: dict[str, float]) -> None:
         """The log interval's figures to TensorBoard / Weights & Biases (Megatron's names for
@@ -325,6 +287,11 @@ class Trainer:
             extra["iteration-time"] = record["iteration_ms"]
             extra.update({f"{name}-time": ms for name, ms in timer_max.items()})
         if lg.log_memory_to_tensorboard:
-            extra.update(memory_scalars(self.runner.acc.memory_stats()))
+            extra.update(memory_scalars(self.run.accelerator.memory_stats()))
         if extra:
             self.metrics.scalars(it, extra, prefix="")
+
+
+def train(run: Run) -> TrainProgress:
+    """Train ``run`` until its length (or a stop); returns where it stopped."""
+    return Trainer(run).train()

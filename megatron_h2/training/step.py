@@ -36,9 +36,9 @@ from megatron_h2.distributed.topology import Topology
 from megatron_h2.errors import TrainingError
 from megatron_h2.models.gpt import GPTModel
 from megatron_h2.models.gpt.gpt_model import TIED_COPY_ATTR
-from megatron_h2.monitoring.stage_clock import StageClock
+from megatron_h2.monitoring.stage_clock import StageClock, stage_report
 from megatron_h2.monitoring.timeline import Timeline
-from megatron_h2.monitoring.timers import Timers
+from megatron_h2.monitoring.timers import Timers, report_timers
 from megatron_h2.optimizer.distributed_optimizer import DataParallelOptimizer
 from megatron_h2.optimizer.grad_scaler import build_grad_scaler
 from megatron_h2.parallel import TPContext, allreduce_coalesced_, get_tp_shard
@@ -71,6 +71,17 @@ class StepResult:
     overflow: bool = False  # skipped by loss scaling: the scaled gradients overflowed
     loss_scale: float | None = None  # the loss scale this step ran with (None: no scaling)
     num_zeros: int | None = None  # zeros in the applied gradient (--log-num-zeros-in-grad)
+
+
+@dataclass
+class WindowReport:
+    """A log window's figures beyond the loss: each stage's compute, bubble and bridge traffic
+    (None with one stage), Megatron's timer lines and each timer's maximum over ranks (ms per
+    iteration)."""
+
+    stages: str | None
+    timer_lines: list[str]
+    timer_max: dict[str, float]
 
 
 Judge = Callable[[int, float, float], bool]
@@ -115,6 +126,40 @@ class StepRunner:
                             for p in model.parameters()}
         self.tied = tied_embedding_sync(topo, model.tied_embedding_weight(), m.vocab_size)
         self.needs_data = topo.is_first_stage or topo.is_last_stage
+
+    @property
+    def loss_scale(self) -> float | None:
+        """The loss scale the next step runs with (None: the loss is not scaled)."""
+        return None if self.scaler is None else self.scaler.scale
+
+    def grad_scaler_state(self) -> dict | None:
+        """The loss scaler's state for a checkpoint (None without a scaler)."""
+        return None if self.scaler is None else self.scaler.state_dict()
+
+    def load_grad_scaler_state(self, state: dict | None) -> None:
+        """Continue a checkpoint's loss scaling (nothing without a scaler or a saved state)."""
+        if state is not None and self.scaler is not None:
+            self.scaler.load_state_dict(state)
+
+    def window_report(self, elapsed: float, iterations: int, timing_log_option: str
+                      ) -> WindowReport:
+        """The figures of the ``iterations`` steps since the last report, which took
+        ``elapsed`` seconds; resets the counters. Collective: every rank reports at the same
+        iterations."""
+        compute, comm = self.clock.take(), self.comm.stats()
+        self.comm.reset_stats()
+        stages = (stage_report(self.topo, compute, elapsed, comm, iterations)
+                  if self.topo.pp_size > 1 else None)
+        kinds = self.clock.take_kinds()
+        self.timers.add("forward-compute", 2, kinds.get("forward", 0.0))
+        self.timers.add("backward-compute", 2, sum(v for k, v in kinds.items()
+                                                   if k.startswith("backward")))
+        if self.topo.pp_size > 1:
+            self.timers.add("pipeline-send-wait", 2, comm.get("send_wait_s", 0.0))
+            self.timers.add("pipeline-recv-wait", 2, comm.get("recv_wait_s", 0.0))
+        lines, maxima = report_timers(self.timers.take(), self.topo, timing_log_option,
+                                      iterations)
+        return WindowReport(stages, lines, maxima)
 
     def _micro_batches(self, global_batch_size: int) -> list[int]:
         """This replica's micro-batches of a global batch, in the order its schedule takes
