@@ -84,3 +84,39 @@ def layers() -> list[list[str]]:
 def edges() -> list[tuple[str, str]]:
     """Every allowed dependency ``(importer, imported)``, sorted."""
     return sorted((a, b) for a, deps in DEPENDS_ON.items() for b in deps)
+
+
+def reduced_edges() -> list[tuple[str, str]]:
+    """The allowed dependencies minus those implied by others (``a -> c`` is left out when
+    ``a -> b -> ... -> c``): the graph as ``docs/architecture.md`` draws it."""
+
+    def reachable(start: str) -> set[str]:
+        seen: set[str] = set()
+        todo = list(DEPENDS_ON[start])
+        while todo:
+            name = todo.pop()
+            if name not in seen:
+                seen.add(name)
+                todo.extend(DEPENDS_ON[name])
+        return seen
+
+    return [(a, b) for a, b in edges()
+            if not any(b in reachable(c) for c in DEPENDS_ON[a] if c != b)]
+
+
+def mermaid() -> str:
+    """The graph as a Mermaid flowchart, the one ``docs/architecture.md`` shows: an arrow
+    ``a --> b`` says that ``a`` imports ``b``; torch-free packages are marked."""
+    lines = ["flowchart TD"]
+    shown = {n for edge in reduced_edges() for n in edge}
+    for level in reversed(layers()):
+        for name in level:
+            if name in shown:
+                lines.append(f"    {name}" + (":::torchfree" if name in TORCH_FREE else ""))
+    lines += [f"    {a} --> {b}" for a, b in reduced_edges()]
+    lines.append("    classDef torchfree fill:#e8f4e8,stroke:#2a7a2a")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    print(mermaid())
