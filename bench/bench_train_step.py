@@ -18,7 +18,7 @@ median of the per-round ratios.
 process): ``bf16`` is what ``pretrain_gpt.py --bf16`` runs (the model cast to bf16, the data-
 parallel optimizer with fp32 main weights and fp32 gradient buckets, no autocast; the bf16
 weights' gradients are added to the fp32 buckets by a hook), ``autocast`` is the fp32 model
-under ``torch.autocast(bf16)`` with the fp32 optimizer (what ``--bf16`` ran before). Same
+under ``torch.autocast(bf16)`` with the fp32 optimizer (mixed precision by autocast). Same
 weights, batch, loss and AdamW settings; it reports tokens/s of both, their ratio and the
 model-state bytes each holds.
 

@@ -34,7 +34,7 @@ class TrainingConfig:
         None, "Total number of samples to train over all training runs (instead of "
         "--train-iters; the iterations follow from the batch sizes).")
     seed: int = flag(1234, "Random seed used for python, numpy, torch and the data order.")
-    # Mixed precision (Megatron's flags, defaults and meaning; see config/precision.py)
+    # Mixed precision (Megatron's flags, defaults and meaning; see config/dtype_rules.py)
     bf16: bool = flag(False, "Run the model in bfloat16 mixed precision: bf16 weights, fp32 main "
                       "weights in the optimizer, gradients accumulated and reduced in fp32.")
     fp16: bool = flag(False, "Run the model in fp16 mixed precision: fp16 weights, fp32 main "

@@ -118,10 +118,9 @@ class PrecisionMonitor:
     It computes gradients with ``torch.autograd.grad`` (nothing is accumulated into ``.grad``,
     no data-parallel hook fires) inside :func:`fork_rng`, so training continues exactly as
     without the check. Cost per check: one forward and backward of one micro-batch on the
-    device plus the replay of each of its operators on the CPU in fp64. Measured with
-    bench/bench_precision_check.py on small CPU models (4 micro-batches per iteration): one
-    check costs 3-7 iterations of CPU time, so an interval of N adds about that / N; on an
-    accelerator the CPU fp64 replay of the micro-batch's FLOPs dominates.
+    device plus the replay of each of its operators on the CPU in fp64, so an interval of N
+    adds about a check's cost in iterations / N (bench/bench_precision_check.py measures it);
+    on an accelerator the CPU fp64 replay of the micro-batch's FLOPs dominates.
     """
 
     def __init__(self, model: nn.Module, probe: KernelProbe | None, acc: Accelerator,

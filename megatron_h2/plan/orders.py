@@ -390,9 +390,10 @@ def routed_leads(data_parallel: Sequence[int]) -> list[int]:
     the same DP everywhere it is Megatron's ``(p - s - 1) DP``. Since the leads fall along the
     pipeline, a backward only ever waits for work on smaller micro-batch ids, so the orders
     cannot hang; and every replica of the next stage gets its next forward while it is still
-    busy, so a stage that feeds a wider one does not stall it. The smaller lead
-    ``sum of the later DP_t`` that the round trip alone suggests starves the wide stage: DP
-    1 / 8 / 1 with balanced stages then takes 2.85 x the step of these leads.
+    busy, so a stage that feeds a wider one does not stall it: a balanced pipeline runs at its
+    steady-state step (tests/test_pipeline_orders.py). The smaller lead ``sum of the later
+    DP_t`` that the round trip alone suggests leaves the wide stage's replicas waiting for
+    forwards.
     """
     leads = [0] * len(data_parallel)
     for s in range(len(data_parallel) - 2, -1, -1):

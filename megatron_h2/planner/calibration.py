@@ -62,8 +62,8 @@ def calibrated_cluster(cluster: Mapping[str, Any], links: LinkTimes,
     the point-to-point one, those within a chip type the inter-node (all-reduce) figure, which
     matters little: a step waits for each link only while the pipeline fills and drains. Every
     chip becomes its own node (``chips_per_node: 1``), so plans have no tensor parallelism:
-    TP all-reduces among processes that share the cores (~10 ms each on two cores, as they wait
-    for a core) are neither measured here nor described by the cost model's TP formula.
+    TP all-reduces among processes that share the cores (each waits for a core) are neither
+    measured here nor described by the cost model's TP formula.
     """
     collective, p2p = fitted_gb_per_s(links, config)
     data = copy.deepcopy(dict(cluster))

@@ -36,7 +36,7 @@ efficiency; a chip missing from the table uses the default efficiency.
 selective recompute (backward with ``recompute: selective`` minus backward without). Without it
 the cost model charges the attention core's FLOP share of the layer forward, which fits GPUs,
 where the recomputed norms and activations are cheap; on a CPU they are memory-bound and cost
-several times that (about 35% of a layer forward instead of 8% for the bench model).
+several times that share.
 
 ``optimizer_ns_per_param`` (optional, default 0: not modelled) is the measured once-per-step
 work that follows the last backward on every rank, per parameter the chip holds: the gradient
