@@ -21,14 +21,11 @@ import contextlib
 import io
 import re
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from megatron_h2.training.main import main  # noqa: E402
+from megatron_h2.training.main import main
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:

@@ -33,20 +33,16 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import sys
 import tempfile
 import time
 from datetime import timedelta
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from megatron_h2.distributed.bridge import Bridge, BridgeConfig  # noqa: E402
-from megatron_h2.distributed.transport import Transport, make_transport  # noqa: E402
+from megatron_h2.distributed.bridge import Bridge, BridgeConfig
+from megatron_h2.distributed.transport import Transport, make_transport
 
 MIB = 1 << 20
 

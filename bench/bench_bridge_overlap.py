@@ -60,8 +60,9 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
+# the test helpers (tests/dist_utils.py) are no part of the installed package: the
+# repository root goes on sys.path for them
 sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "bench"))
 
 from bench_parallel import LR, WORLD, Rank, build_rank, make_corpus, run_config  # noqa: E402
 

@@ -31,6 +31,8 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+# the test helpers (tests/dist_utils.py) are no part of the installed package: the
+# repository root goes on sys.path for them
 sys.path.insert(0, str(ROOT))
 
 from megatron_h2.checkpointing import find_latest_iteration, load_checkpoint  # noqa: E402

@@ -45,9 +45,11 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
+# the test helpers (tests/dist_utils.py) are no part of the installed package: the
+# repository root goes on sys.path for them
 sys.path.insert(0, str(ROOT))
 
-from megatron_h2.config import (  # noqa: E402  # noqa: E402
+from megatron_h2.config import (  # noqa: E402
     LLAMA_ARCHITECTURE,
     DataConfig,
     ModelConfig,
@@ -56,7 +58,7 @@ from megatron_h2.config import (  # noqa: E402  # noqa: E402
     RunConfig,
     TrainingConfig,
 )
-from megatron_h2.data import (  # noqa: E402  # noqa: E402
+from megatron_h2.data import (  # noqa: E402
     GPTDataset,
     IndexedDatasetBuilder,
     build_gpt_datasets,
@@ -66,9 +68,9 @@ from megatron_h2.data import (  # noqa: E402  # noqa: E402
 from megatron_h2.devices import Accelerator, get_accelerator  # noqa: E402
 from megatron_h2.distributed.topology import Topology, build_topology  # noqa: E402
 from megatron_h2.models.gpt import GPTModel, init_parameters  # noqa: E402
-from megatron_h2.optimizer.distributed_optimizer import (
-    DataParallelOptimizer,  # noqa: E402
-    build_data_parallel_optimizer,  # noqa
+from megatron_h2.optimizer.distributed_optimizer import (  # noqa: E402
+    DataParallelOptimizer,
+    build_data_parallel_optimizer,
 )
 from megatron_h2.pipeline.schedule_runner import run_schedule  # noqa: E402
 from megatron_h2.plan.orders import one_f_one_b  # noqa: E402

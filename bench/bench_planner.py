@@ -18,10 +18,7 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-from megatron_h2.planner import (  # noqa: E402
+from megatron_h2.planner import (
     Cluster,
     CostConfig,
     CostModel,
@@ -29,9 +26,10 @@ from megatron_h2.planner import (  # noqa: E402
     model_from_yaml,
     search,
 )
-from megatron_h2.planner.report import dp_label, search_summary, stage_summary  # noqa: E402
-from megatron_h2.planner.simulator import schedule_label  # noqa: E402
+from megatron_h2.planner.report import dp_label, search_summary, stage_summary
+from megatron_h2.planner.simulator import schedule_label
 
+ROOT = Path(__file__).resolve().parent.parent
 CASES = (
     ("1,024 chips, 4 types", "examples/clusters/hetero_1024.yaml", 2048, 3.0),
     ("10,000 chips, 6 types", "examples/clusters/hetero_10k_6types.yaml", 4096, 60.0),

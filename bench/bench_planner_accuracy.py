@@ -59,14 +59,14 @@ from emulated_runs import (
 from emulated_runs import measure as measure_plan
 from emulated_runs import plan_label as label
 
-from megatron_h2.measurement.host_load import OtherLoad, load_average  # noqa: E402
+from megatron_h2.measurement.host_load import OtherLoad, load_average
 from megatron_h2.plan.schema import HeteroPlan
-from megatron_h2.planner.calibration import LinkTimes, fitted_gb_per_s  # noqa: E402
-from megatron_h2.planner.cluster import Cluster  # noqa: E402
-from megatron_h2.planner.cost_model import CostConfig, CostModel  # noqa: E402
-from megatron_h2.planner.model_input import model_from_dict  # noqa: E402
-from megatron_h2.planner.profile import ProfileTable  # noqa: E402
-from megatron_h2.planner.simulator import simulate  # noqa: E402
+from megatron_h2.planner.calibration import LinkTimes, fitted_gb_per_s
+from megatron_h2.planner.cluster import Cluster
+from megatron_h2.planner.cost_model import CostConfig, CostModel
+from megatron_h2.planner.model_input import model_from_dict
+from megatron_h2.planner.profile import ProfileTable
+from megatron_h2.planner.simulator import simulate
 
 # hidden 256 / seq 256 / 8 layers: a layer's forward is ~6 ms on one core, so compute dominates
 # the Python and launch overheads while a whole step stays around one second.

@@ -18,13 +18,9 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import time
-from pathlib import Path
 
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from megatron_h2.config import ModelConfig, OptimizerConfig, ParallelConfig, TrainingConfig
 from megatron_h2.devices import get_accelerator

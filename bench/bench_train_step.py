@@ -40,17 +40,14 @@ import platform
 import statistics
 import sys
 import time
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from megatron_h2.config import LLAMA_ARCHITECTURE, ModelConfig, OptimizerConfig  # noqa: E402
-from megatron_h2.devices import get_accelerator  # noqa: E402
-from megatron_h2.errors import ConfigError  # noqa: E402
-from megatron_h2.models.gpt import GPTModel, init_parameters  # noqa: E402
+from megatron_h2.config import LLAMA_ARCHITECTURE, ModelConfig, OptimizerConfig
+from megatron_h2.devices import get_accelerator
+from megatron_h2.errors import ConfigError
+from megatron_h2.models.gpt import GPTModel, init_parameters
 
 PRESETS: dict[str, dict[str, int]] = {
     # Small enough for the whole default run (both models) to take about a minute on 2 CPU

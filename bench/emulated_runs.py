@@ -23,14 +23,13 @@ from pathlib import Path
 
 import yaml
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+from megatron_h2.config import ModelConfig
+from megatron_h2.measurement.host_load import OtherLoad, wait_for_quiet
+from megatron_h2.plan.schema import HeteroPlan
+from megatron_h2.planner.calibration import steady_rows, steady_step_ms
+from megatron_h2.planner.model_input import model_flags
 
-from megatron_h2.config import ModelConfig  # noqa: E402
-from megatron_h2.measurement.host_load import OtherLoad, wait_for_quiet  # noqa: E402
-from megatron_h2.plan.schema import HeteroPlan  # noqa: E402
-from megatron_h2.planner.calibration import steady_rows, steady_step_ms  # noqa: E402
-from megatron_h2.planner.model_input import model_flags  # noqa: E402
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def log(message: str) -> None:

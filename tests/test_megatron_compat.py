@@ -4,7 +4,6 @@ reason); the flags accepted without effect really change nothing."""
 
 from __future__ import annotations
 
-import importlib.util
 import subprocess
 import sys
 from pathlib import Path
@@ -21,10 +20,9 @@ TOOL = ROOT / "tools" / "megatron_compat.py"
 
 @pytest.fixture(scope="module")
 def tool():
-    spec = importlib.util.spec_from_file_location("megatron_compat_tool", TOOL)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    from megatron_h2.commands import megatron_compat
+
+    return megatron_compat
 
 
 @pytest.fixture(scope="module")

@@ -1,15 +1,11 @@
 """tools/profile_chip.py writes a profile table the planner reads."""
 
-import sys
 from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
-
-import profile_chip  # noqa: E402
-
-from megatron_h2.planner.profile import ProfileTable  # noqa: E402
+from megatron_h2.commands import profile_chip
+from megatron_h2.planner.profile import ProfileTable
 
 
 def test_profile_table_round_trip(tmp_path, capsys):

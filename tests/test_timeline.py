@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import tracemalloc
-from pathlib import Path
 
 import pytest
 
@@ -242,8 +241,6 @@ def test_gather_and_write_without_a_process_group(tmp_path):
 def test_chunks_and_the_split_backward_are_recorded_and_drawn(tmp_path):
     """Virtual stages and zero-bubble: events carry the chunk, B and W are told apart, W counts
     as compute, and the picture colours chunks and hatches the weight-gradient passes."""
-    import importlib.util
-
     from megatron_h2.plan.orders import zero_bubble
 
     timeline = Timeline(0, 0, enabled=True, chunks=2)
@@ -261,10 +258,8 @@ def test_chunks_and_the_split_backward_are_recorded_and_drawn(tmp_path):
     summary = summarize([timeline.events()])
     assert summary[0]["compute_s"] == pytest.approx(12.0)  # 4 F + 4 B + 4 W of 1 s
 
-    spec = importlib.util.spec_from_file_location(
-        "show_timeline", Path(__file__).resolve().parents[1] / "tools" / "show_timeline.py")
-    tool = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(tool)
+    from megatron_h2.commands import show_timeline as tool
+
     fig = tool.figure(spans, {0: "stage 0"}, {0: 0}, iterations=1)
     bars = fig.axes[0].collections
     hatched = [b for b in bars if b.get_hatch()]

@@ -1,61 +1,12 @@
 #!/usr/bin/env python3
-"""Predicted vs measured step time of a run: the cost model's step time of the plan (with the
-cluster file and profile table it was planned with) against the median `iteration_ms` of the
-run's steady-state iterations (its `--log-jsonl`, logged every iteration; the first --skip
-iterations and any that include a validation pass are left out).
+"""Predicted vs measured step time of a run.
 
-    python tools/step_time.py --plan runs/demo/plan.yaml --cluster runs/demo/cluster.yaml \\
-        --profile runs/demo/profile.yaml --model examples/models/tiny.yaml \\
-        --metrics runs/demo/metrics.jsonl --skip 5
+The `megatron-h2-step-time` command (code: megatron_h2/commands/step_time.py).
 """
 
-import argparse
-import statistics
 import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from megatron_h2.errors import ConfigError  # noqa: E402
-
-
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--plan", required=True)
-    p.add_argument("--cluster", required=True)
-    p.add_argument("--model", required=True, help="model YAML (as given to tools/plan.py)")
-    p.add_argument("--profile", help="profile table (as given to tools/plan.py)")
-    p.add_argument("--metrics", required=True, help="the run's --log-jsonl")
-    p.add_argument("--skip", type=int, default=5, help="warm-up iterations left out (default 5)")
-    a = p.parse_args(argv)
-    try:
-        from megatron_h2.plan.schema import HeteroPlan
-        from megatron_h2.planner.calibration import steady_step_ms
-        from megatron_h2.planner.cluster import Cluster
-        from megatron_h2.planner.cost_model import CostConfig, CostModel
-        from megatron_h2.planner.model_input import model_from_yaml
-        from megatron_h2.planner.profile import ProfileTable
-
-        profile = ProfileTable.from_yaml(a.profile) if a.profile else None
-        cost = CostModel(Cluster.from_yaml(a.cluster), model_from_yaml(a.model), CostConfig(),
-                         profile)
-        predicted = cost.evaluate(HeteroPlan.from_yaml(a.plan)).step_time_s
-        if not Path(a.metrics).is_file():
-            raise ConfigError(f"--metrics file {a.metrics} does not exist")
-        times = steady_step_ms(a.metrics, a.skip)
-    except ValueError as exc:  # ConfigError is a ValueError
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    print(f"predicted step time: {predicted:.2f} s (cost model, {a.plan})")
-    if not times:
-        print(f"measured step time: none (no logged iteration after the {a.skip} warm-up ones)")
-        return 0
-    measured = statistics.median(times) / 1e3
-    print(f"measured step time:  {measured:.2f} s (median of {len(times)} iterations after the "
-          f"first {a.skip}; {min(times) / 1e3:.2f}-{max(times) / 1e3:.2f} s)")
-    print(f"measured / predicted: {measured / predicted:.2f}")
-    return 0
-
+from megatron_h2.commands.step_time import main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -98,7 +98,7 @@ class Job:
 
 def _prepare(ns: argparse.Namespace):
     """Check everything once, before any process starts; returns (job, cfg, launch)."""
-    from megatron_h2.training.main import prepare_data
+    from megatron_h2.training.data_setup import prepare_data
 
     train_args = ns.train_args[1:] if ns.train_args[:1] == ["--"] else ns.train_args
     if "--hetero-plan" in train_args:
