@@ -35,7 +35,7 @@ sys.path.insert(0, str(ROOT))
 
 from megatron_h2.checkpointing import find_latest_iteration, load_checkpoint  # noqa: E402
 from megatron_h2.errors import ConfigError  # noqa: E402
-from tests.dist_utils import write_counting_corpus  # noqa: E402
+from tests.helpers.dist_utils import write_counting_corpus  # noqa: E402
 
 MODEL = ["--num-layers", "4", "--hidden-size", "384", "--num-attention-heads", "8",
          "--num-query-groups", "8", "--ffn-hidden-size", "1024", "--seq-length", "64",

@@ -2,9 +2,8 @@
 
 import pytest
 
-from tests.dist_utils import write_counting_corpus
-
-VOCAB = 256  # NullTokenizer ids 0..255 (eod = 255); the documents use 0..249
+from tests.helpers.dist_utils import write_counting_corpus
+from tests.helpers.tiny_runs import VOCAB
 
 
 @pytest.fixture(scope="session")
@@ -18,7 +17,7 @@ def tiny_reference(corpus, tmp_path_factory) -> dict[int, float]:
     """``{iteration: loss}`` of one process training ``dist_utils.tiny_model_flags()`` with
     micro-batch 2 and global batch 8: what multi-process runs of that model must reproduce."""
     from megatron_h2.training.main import main
-    from tests.dist_utils import losses, tiny_model_flags
+    from tests.helpers.dist_utils import losses, tiny_model_flags
 
     log = tmp_path_factory.mktemp("tiny_reference") / "log.jsonl"
     assert main([*tiny_model_flags(), "--data-path", corpus, "--micro-batch-size", "2",

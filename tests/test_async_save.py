@@ -7,7 +7,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_training_e2e import flags, records
 
 import megatron_h2.checkpointing.async_save as async_save
 from megatron_h2.checkpointing import load_checkpoint
@@ -15,7 +14,8 @@ from megatron_h2.checkpointing.format import LATEST_FILE, METADATA_FILE
 from megatron_h2.checkpointing.integrity import MANIFEST_FILE
 from megatron_h2.training.main import main
 from megatron_h2.training.step import StepRunner
-from tests.dist_utils import torchrun
+from tests.helpers.dist_utils import torchrun
+from tests.helpers.tiny_runs import flags, records
 
 SAVES = ("--train-iters", "6", "--save-interval", "2", "--eval-iters", "0")
 

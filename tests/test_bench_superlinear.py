@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+from tests.helpers.paths import ROOT
+
 sys.path.insert(0, str(ROOT / "bench"))
 
 from bench_superlinear import (  # noqa: E402

@@ -16,10 +16,10 @@ main weights) drifts to 6.8e-4 by iteration 10, DP without the gradient sum to 3
 """
 
 import pytest
-from dist_utils import torchrun
-from test_parallel_training import MODEL, _reference, figures
 
 from megatron_h2.training.main import main
+from tests.helpers.dist_utils import torchrun
+from tests.test_parallel_training import MODEL, _reference, figures
 
 REL = 2e-4
 

@@ -28,7 +28,7 @@ from megatron_h2.distributed.topology import Topology
 from megatron_h2.errors import ConfigError
 from megatron_h2.pipeline.schedule_runner import forward_backward_1f1b
 from megatron_h2.plan.schema import ChipSpec, HeteroPlan, StageSpec
-from tests.dist_utils import run_distributed
+from tests.helpers.dist_utils import run_distributed
 
 WORLD = 6
 MBS, SEQ, HIDDEN = 2, 8, 16

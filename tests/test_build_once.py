@@ -10,14 +10,14 @@ import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import numpy as np
 import pytest
 
+from tests.helpers.paths import ROOT
+
 pytestmark = pytest.mark.e2e  # every test here starts processes
 
-ROOT = Path(__file__).resolve().parents[1]
 SMALL = dict(vocab_size=400, max_bytes=150_000)
 
 # Waits for a common start time, builds (or reuses) the corpus, prints the paths and the

@@ -5,7 +5,7 @@ from __future__ import annotations
 from megatron_h2.training.arguments import config_from_args
 from megatron_h2.training.build import Run, build_run
 from megatron_h2.training.loop import train
-from tests.dist_utils import losses, tiny_model_flags
+from tests.helpers.dist_utils import losses, tiny_model_flags
 
 
 def test_build_run_then_train_steps_as_main_does(corpus, tiny_reference, tmp_path):

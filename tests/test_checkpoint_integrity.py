@@ -9,7 +9,6 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import save
-from test_training_e2e import flags
 
 from megatron_h2.checkpointing import (
     find_intact_before,
@@ -21,6 +20,7 @@ from megatron_h2.checkpointing.format import LATEST_FILE, METADATA_FILE
 from megatron_h2.checkpointing.integrity import MANIFEST_FILE, write_safetensors
 from megatron_h2.errors import ConfigError
 from megatron_h2.training.main import main
+from tests.helpers.tiny_runs import flags
 
 DAMAGED = "is truncated or corrupt: it does not match the size / checksum"
 

@@ -20,8 +20,9 @@ from megatron_h2.checkpointing.hf import read_hf_weights
 from megatron_h2.config import ModelConfig, RunConfig
 from megatron_h2.models.gpt.gpt_model import GPTModel, init_parameters
 from megatron_h2.training.arguments import config_from_args
+from tests.helpers.paths import ROOT
 
-SCRIPT = Path(__file__).resolve().parents[1] / "tools" / "convert_checkpoint.py"
+SCRIPT = ROOT / "tools" / "convert_checkpoint.py"
 VOCAB = 200  # not a multiple of 128: exercises vocabulary padding
 TOKENS = torch.randint(0, VOCAB, (2, 24), generator=torch.Generator().manual_seed(1))
 

@@ -30,9 +30,9 @@ from megatron_h2.checkpointing.hf import (
 from megatron_h2.config import LLAMA_ARCHITECTURE, ModelConfig, RunConfig
 from megatron_h2.errors import ConfigError
 from megatron_h2.models.gpt.gpt_model import GPTModel, init_parameters
+from tests.helpers.paths import ROOT
 
-REPO = Path(__file__).resolve().parents[1]
-SCRIPT = REPO / "tools" / "convert_checkpoint.py"
+SCRIPT = ROOT / "tools" / "convert_checkpoint.py"
 VOCAB = 200  # not a multiple of 128: exercises vocabulary padding
 TOKENS = torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(1))
 

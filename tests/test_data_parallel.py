@@ -22,7 +22,7 @@ from megatron_h2.optimizer import (
     clip_grad_norm,
 )
 from megatron_h2.optimizer.adamw import build_optimizer, optimizer_state_to_named
-from tests.dist_utils import run_distributed
+from tests.helpers.dist_utils import run_distributed
 
 GLOBAL_BATCH = 12  # divisible by DP * micro-batches for DP 1, 2, 3
 MICRO_BATCHES = 2

@@ -117,7 +117,7 @@ def test_per_split_paths_use_whole_datasets(corpus, tmp_path):
 
 def test_gpt2_tokenizer_is_the_default(corpus, tmp_path, capsys):
     """pretrain_gpt.py's default tokenizer is GPT2BPETokenizer, which needs its files."""
-    from tokenizer_files import gpt2_files
+    from tests.helpers.tokenizer_files import gpt2_files
 
     assert main([*MODEL, "--data-path", corpus]) == 2
     err = capsys.readouterr().err.strip()

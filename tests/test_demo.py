@@ -6,14 +6,14 @@ import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import yaml
 
+from tests.helpers.paths import ROOT
+
 pytestmark = pytest.mark.e2e  # every test here starts processes
 
-ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_demo_runs_the_whole_path(tmp_path):

@@ -15,12 +15,11 @@ import sys
 from pathlib import Path
 
 import pytest
-from dist_utils import losses, torchrun
 
 from megatron_h2.monitoring.stage_clock import straggler_report
 from megatron_h2.plan.schema import HeteroPlan
-
-ROOT = Path(__file__).resolve().parents[1]
+from tests.helpers.dist_utils import losses, torchrun
+from tests.helpers.paths import ROOT
 
 # Small memories force a pipeline over every chip, as in examples/clusters/cpu_2types.yaml.
 CLUSTER = """chips:

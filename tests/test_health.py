@@ -6,13 +6,13 @@ import math
 
 import pytest
 import torch
-from test_training_e2e import flags
 
 from megatron_h2.checkpointing import load_checkpoint, save_checkpoint, saved_iterations
 from megatron_h2.config import TrainingConfig
 from megatron_h2.monitoring.health import HealthMonitor, JobTrainingError
 from megatron_h2.training.main import main
 from megatron_h2.training.step import StepRunner
+from tests.helpers.tiny_runs import flags
 
 
 def _monitor(**kw) -> tuple[HealthMonitor, list[str]]:

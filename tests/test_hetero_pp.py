@@ -6,7 +6,6 @@ embedding on the first chip type and its tied copy on the last are summed across
 every step, also between stages of different TP degrees."""
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
@@ -14,9 +13,7 @@ import torch.distributed as dist
 import yaml
 
 from megatron_h2.training.main import main
-
-sys.path.insert(0, str(Path(__file__).parent))
-from dist_utils import losses, torchrun  # noqa: E402
+from tests.helpers.dist_utils import losses, torchrun  # noqa: E402
 
 MODEL = ["--num-layers", "6", "--hidden-size", "64", "--num-attention-heads", "4",
          "--hidden-dropout", "0", "--attention-dropout", "0", "--seq-length", "32",

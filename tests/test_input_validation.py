@@ -10,7 +10,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from test_training_e2e import flags
 
 from megatron_h2.data import check_token_ids
 from megatron_h2.data.gpt_dataset import GPTDataset
@@ -19,6 +18,7 @@ from megatron_h2.errors import ConfigError
 from megatron_h2.plan.schema import HeteroPlan
 from megatron_h2.planner.cluster import Cluster
 from megatron_h2.training.main import main
+from tests.helpers.tiny_runs import flags
 
 
 def _write(prefix: Path, docs: list[list[int]], dtype=np.int32) -> str:

@@ -12,13 +12,13 @@ import sys
 from pathlib import Path
 
 import pytest
-from test_training_e2e import flags
 
 from megatron_h2.checkpointing import load_checkpoint
 from megatron_h2.training.arguments import config_from_args, describe_no_effect
 from megatron_h2.training.main import main
+from tests.helpers.paths import ROOT
+from tests.helpers.tiny_runs import flags
 
-ROOT = Path(__file__).resolve().parents[1]
 SHORT = ("--train-iters", "4", "--lr-warmup-iters", "1", "--log-interval", "2",
          "--eval-interval", "2", "--eval-iters", "1", "--max-position-embeddings", "64")
 

@@ -9,7 +9,6 @@ import json
 
 import pytest
 import torch
-from test_training_e2e import flags, records
 
 from megatron_h2.checkpointing import load_checkpoint
 from megatron_h2.config import RunConfig
@@ -18,6 +17,7 @@ from megatron_h2.models.gpt import GPTModel, init_parameters
 from megatron_h2.optimizer import ConstantGradScaler, DynamicGradScaler, build_grad_scaler
 from megatron_h2.training.arguments import config_from_args
 from megatron_h2.training.main import main
+from tests.helpers.tiny_runs import flags, records
 
 
 def _scales(scaler: DynamicGradScaler, overflows: str) -> list[float]:

@@ -7,15 +7,14 @@ from __future__ import annotations
 import importlib.util
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
 from megatron_h2.config.megatron_flags import COMPAT_FLAGS, UNSUPPORTED_FLAGS
 from megatron_h2.errors import ConfigError
 from megatron_h2.training.arguments import config_from_args, describe_no_effect
+from tests.helpers.paths import ROOT
 
-ROOT = Path(__file__).resolve().parents[1]
 TOOL = ROOT / "tools" / "megatron_compat.py"
 
 

@@ -14,12 +14,12 @@ import json
 from pathlib import Path
 
 import pytest
-from dist_utils import torchrun
-from tokenizer_files import gpt2_files, texts
 
 from megatron_h2.training.arguments import config_from_args
+from tests.helpers.dist_utils import torchrun
+from tests.helpers.paths import ROOT
+from tests.helpers.tokenizer_files import gpt2_files, texts
 
-ROOT = Path(__file__).resolve().parents[1]
 DATA = "@DATA@"  # placeholders filled per test: the preprocessed corpus and its tokenizer
 VOCAB, MERGES, RUN = "@VOCAB@", "@MERGES@", "@RUN@"
 

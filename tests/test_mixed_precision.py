@@ -13,7 +13,6 @@ bf16 at most 9.1e-4 over 50 iterations, fp16 1.1e-4.
 import pytest
 import torch
 from safetensors import safe_open
-from test_training_e2e import flags, records
 from torch import nn
 
 from megatron_h2.config import OptimizerConfig
@@ -22,6 +21,7 @@ from megatron_h2.models.gpt import GPTModel, cast_parameters, init_parameters
 from megatron_h2.optimizer import build_data_parallel_optimizer
 from megatron_h2.training.arguments import config_from_args
 from megatron_h2.training.main import main
+from tests.helpers.tiny_runs import flags, records
 
 BF16, FP32 = torch.bfloat16, torch.float32
 

@@ -10,12 +10,11 @@ import time
 from pathlib import Path
 
 import pytest
-from dist_utils import free_port
-from test_training_e2e import flags
 
 from megatron_h2.checkpointing import load_checkpoint
-
-ROOT = Path(__file__).resolve().parents[1]
+from tests.helpers.dist_utils import free_port
+from tests.helpers.paths import ROOT
+from tests.helpers.tiny_runs import flags
 
 
 def _children(pid: int) -> list[int]:

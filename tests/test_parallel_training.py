@@ -13,16 +13,15 @@ flags (SwiGLU blocks and grouped-query heads split over TP, rotary positions, un
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch.distributed as dist
-from dist_utils import free_port, losses, torchrun
 from safetensors import safe_open
 
 from megatron_h2.training.main import main
+from tests.helpers.dist_utils import free_port, losses, torchrun
+from tests.helpers.paths import ROOT
 
-ROOT = Path(__file__).resolve().parents[1]
 MODEL = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4",
          "--hidden-dropout", "0", "--attention-dropout", "0", "--seq-length", "32",
          "--micro-batch-size", "2", "--global-batch-size", "8",

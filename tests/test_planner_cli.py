@@ -13,8 +13,8 @@ import yaml
 from megatron_h2.plan.schema import HeteroPlan
 from megatron_h2.planner.cli import main
 from megatron_h2.planner.model_input import model_from_yaml
+from tests.helpers.paths import ROOT
 
-ROOT = Path(__file__).resolve().parent.parent
 CPU_CLUSTER = str(ROOT / "examples/clusters/cpu_2types.yaml")
 TINY = str(ROOT / "examples/models/tiny.yaml")
 GPU_CLUSTER = {

@@ -12,9 +12,9 @@ import yaml
 from megatron_h2.errors import ConfigError
 from megatron_h2.planner.cluster import Cluster
 from megatron_h2.planner.model_input import model_from_dict, model_from_yaml
-from tests.planner_models import planner_model
+from tests.helpers.paths import ROOT
+from tests.helpers.planner_models import planner_model
 
-ROOT = Path(__file__).resolve().parent.parent
 ISSUE_CLUSTER = """\
 chips:
   A: {device: cuda, count: 256, chips_per_node: 8, tflops_bf16: 989, memory_gib: 80,

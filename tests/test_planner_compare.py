@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from dataclasses import replace
-from pathlib import Path
 
 import pytest
 
@@ -12,8 +11,8 @@ from megatron_h2.planner.compare import compare_homogeneous
 from megatron_h2.planner.cost_model import CostConfig, CostModel
 from megatron_h2.planner.model_input import model_from_yaml
 from megatron_h2.planner.search import SearchOptions, search
+from tests.helpers.paths import ROOT
 
-ROOT = Path(__file__).resolve().parent.parent
 CLUSTER = Cluster.from_yaml(ROOT / "examples/clusters/cpu_2types.yaml")
 MODEL = model_from_yaml(ROOT / "examples/models/tiny.yaml")
 

@@ -14,9 +14,9 @@ from megatron_h2.planner.cost_model import CostConfig, CostModel
 from megatron_h2.planner.held_activations import held_states, held_totals
 from megatron_h2.planner.model_input import model_from_yaml
 from megatron_h2.planner.profile import ProfileTable
-from tests.planner_models import planner_model
+from tests.helpers.paths import ROOT
+from tests.helpers.planner_models import planner_model
 
-ROOT = Path(__file__).resolve().parent.parent
 MODEL = planner_model(
     num_layers=4,
     hidden_size=256,

@@ -35,7 +35,7 @@ from megatron_h2.planner.held_activations import held_totals
 from megatron_h2.planner.partition import StageSlot, solve_split
 from megatron_h2.planner.report import search_summary
 from megatron_h2.planner.search import SearchOptions, search
-from tests.planner_models import planner_model
+from tests.helpers.planner_models import planner_model
 
 VARIANTS = [
     ("1f1b", 1),

@@ -16,7 +16,7 @@ from megatron_h2.planner.simulator import (
     write_chrome_trace,
     write_timeline_png,
 )
-from tests.planner_models import planner_model
+from tests.helpers.planner_models import planner_model
 
 MODEL = planner_model(
     num_layers=8,

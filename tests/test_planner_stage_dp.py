@@ -7,7 +7,6 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from dist_utils import assert_losses_close, losses, tiny_model_flags, torchrun
 
 from megatron_h2.config import ParallelConfig
 from megatron_h2.plan.orders import check_orders, routed_orders
@@ -17,6 +16,7 @@ from megatron_h2.planner.alternatives import schedule_alternatives
 from megatron_h2.planner.model_input import model_from_dict
 from megatron_h2.planner.simulator import simulate
 from megatron_h2.training.layout import check_plan_for_model, stage_dps
+from tests.helpers.dist_utils import assert_losses_close, losses, tiny_model_flags, torchrun
 
 # dist_utils.tiny_model_flags() as the planner reads it (micro-batch 2, global batch 8)
 MODEL = model_from_dict(

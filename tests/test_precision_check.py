@@ -21,8 +21,8 @@ from megatron_h2.devices.op_replay import (
     sdpa_reference_backward,
     sdpa_reference_forward,
 )
+from tests.helpers.paths import ROOT
 
-ROOT = Path(__file__).resolve().parents[1]
 TINY = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
         "--num-query-groups", "2", "--ffn-hidden-size", "128", "--seq-length", "32",
         "--vocab-size", "256", "--micro-batch-size", "2"]

@@ -16,8 +16,8 @@ from megatron_h2.data.indexed_dataset import IndexedDataset
 from megatron_h2.data.preprocess import _split_ranges, preprocess_jsonl
 from megatron_h2.data.tokenizer import build_tokenizer, train_sentencepiece
 from megatron_h2.errors import ConfigError
+from tests.helpers.paths import ROOT
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORDS = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda".split()
 
 
@@ -159,7 +159,7 @@ def test_bad_arguments(tmp_path):
 @pytest.mark.e2e
 def test_cli_script(tmp_path, sp_model):
     source = _write_jsonl(tmp_path / "in.jsonl", [{"text": "alpha beta"}, {"text": "gamma"}])
-    script = os.path.join(REPO, "tools", "preprocess_data.py")
+    script = os.path.join(ROOT, "tools", "preprocess_data.py")
     args = [sys.executable, script, "--input", source, "--output-prefix", str(tmp_path / "out"),
             "--tokenizer-type", "GPTSentencePieceTokenizer", "--tokenizer-model", sp_model,
             "--append-eod", "--workers", "2", "--log-interval", "1"]
@@ -176,7 +176,7 @@ def test_cli_script(tmp_path, sp_model):
 
 def _tool():
     spec = importlib.util.spec_from_file_location(
-        "preprocess_tool", os.path.join(REPO, "tools", "preprocess_data.py"))
+        "preprocess_tool", os.path.join(ROOT, "tools", "preprocess_data.py"))
     tool = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(tool)
     return tool
@@ -186,7 +186,7 @@ def test_cli_takes_megatrons_tokenizer_flags(tmp_path, sp_model, capsys):
     """GPT2BPETokenizer from --vocab-file/--merge-file, Llama2Tokenizer (BOS first, EOS as eod),
     TikTokenizer with --tiktoken-pattern / --tiktoken-num-special-tokens, NullTokenizer with
     --null-tokenizer-eod-id: the tool writes what the tokenizer of pretrain_gpt.py reads."""
-    from tokenizer_files import gpt2_files, tiktoken_file
+    from tests.helpers.tokenizer_files import gpt2_files, tiktoken_file
 
     texts = ["the quick brown fox", "over a lazy dog"]
     source = _write_jsonl(tmp_path / "in.jsonl", [{"text": t} for t in texts])

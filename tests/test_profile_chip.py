@@ -1,11 +1,12 @@
 """tools/profile_chip.py writes a profile table the planner reads."""
 
 import sys
-from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
+from tests.helpers.paths import ROOT
+
+sys.path.insert(0, str(ROOT / "tools"))
 
 import profile_chip  # noqa: E402
 
@@ -44,7 +45,7 @@ SMALL = ["--num-layers", "1", "--hidden-size", "64", "--num-attention-heads", "4
 
 def test_measures_optimizer_and_selective_recompute_and_names_the_cluster_chips(tmp_path):
     out = tmp_path / "profile.yaml"
-    cluster = Path(__file__).resolve().parents[1] / "examples" / "clusters" / "cpu_2types.yaml"
+    cluster = ROOT / "examples" / "clusters" / "cpu_2types.yaml"
     assert profile_chip.main([*SMALL, "--cluster", str(cluster), "--output", str(out)]) == 0
     table = ProfileTable.from_yaml(out)
     assert sorted(table.chips) == ["fast", "slow"]

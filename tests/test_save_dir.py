@@ -10,7 +10,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_training_e2e import flags
 
 from megatron_h2.checkpointing import begin_save, save_checkpoint, saved_iterations
 from megatron_h2.checkpointing.housekeeping import (
@@ -25,6 +24,7 @@ from megatron_h2.checkpointing.housekeeping import (
 from megatron_h2.config import TrainingConfig
 from megatron_h2.errors import ConfigError, TrainingError
 from megatron_h2.training.main import main
+from tests.helpers.tiny_runs import flags
 
 
 def _record(pid: int, job: str, host: str | None = None, started: int | None = None,

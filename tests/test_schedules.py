@@ -10,15 +10,15 @@ import time
 from pathlib import Path
 
 import pytest
-from dist_utils import losses, torchrun
 
 from megatron_h2.checkpointing import open_checkpoint
 from megatron_h2.config import TrainingConfig
 from megatron_h2.errors import ConfigError
 from megatron_h2.training.batch_schedule import BatchSchedule
 from megatron_h2.training.main import main
+from tests.helpers.dist_utils import losses, torchrun
+from tests.helpers.paths import ROOT
 
-ROOT = Path(__file__).resolve().parents[1]
 MODEL = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
          "--hidden-dropout", "0", "--attention-dropout", "0", "--num-query-groups", "2",
          "--ffn-hidden-size", "128", "--seq-length", "32", "--max-position-embeddings", "32",

@@ -18,9 +18,10 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers.paths import ROOT
+
 pytestmark = pytest.mark.e2e  # every test here starts processes
 
-ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "scripts" / "slurm_hetero.sh"
 
 SRUN = """#!{python}

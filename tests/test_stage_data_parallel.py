@@ -14,8 +14,6 @@ import pytest
 import torch
 import torch.distributed as dist
 import yaml
-from dist_utils import assert_losses_close as close
-from dist_utils import losses, run_distributed, torchrun
 
 from megatron_h2.distributed.boundary import (
     Transfer,
@@ -28,6 +26,8 @@ from megatron_h2.distributed.topology import Topology
 from megatron_h2.errors import ConfigError
 from megatron_h2.plan.schema import ChipSpec, HeteroPlan, StageSpec
 from megatron_h2.training.main import main
+from tests.helpers.dist_utils import assert_losses_close as close
+from tests.helpers.dist_utils import losses, run_distributed, torchrun
 
 SEQ = 8
 

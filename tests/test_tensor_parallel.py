@@ -38,7 +38,7 @@ from megatron_h2.parallel import (
     unshard_tensors,
     vocab_parallel_cross_entropy,
 )
-from tests.dist_utils import run_distributed
+from tests.helpers.dist_utils import run_distributed
 
 B, S, H, FFN, V = 2, 8, 16, 16, 32  # S, FFN, V divisible by 4; 2 x FFN by 2 blocks x 4 ranks
 EPS = 1e-5

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import tracemalloc
-from pathlib import Path
 
 import pytest
 
@@ -18,7 +17,8 @@ from megatron_h2.monitoring.timeline import (
     summarize,
 )
 from megatron_h2.plan.schema import HeteroPlan
-from tests.dist_utils import run_distributed
+from tests.helpers.dist_utils import run_distributed
+from tests.helpers.paths import ROOT
 
 T0 = 1_700_000_000.0  # a wall-clock origin like time.time() gives
 
@@ -262,7 +262,7 @@ def test_chunks_and_the_split_backward_are_recorded_and_drawn(tmp_path):
     assert summary[0]["compute_s"] == pytest.approx(12.0)  # 4 F + 4 B + 4 W of 1 s
 
     spec = importlib.util.spec_from_file_location(
-        "show_timeline", Path(__file__).resolve().parents[1] / "tools" / "show_timeline.py")
+        "show_timeline", ROOT / "tools" / "show_timeline.py")
     tool = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(tool)
     fig = tool.figure(spans, {0: "stage 0"}, {0: 0}, iterations=1)

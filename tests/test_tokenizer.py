@@ -20,8 +20,8 @@ from megatron_h2.data.tokenizer import (
     train_sentencepiece,
 )
 from megatron_h2.errors import ConfigError
+from tests.helpers.paths import ROOT
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORDS = "the quick brown fox jumps over a lazy dog while seven wizards quietly hex".split()
 
 
@@ -180,7 +180,7 @@ def test_train_errors(tmp_path):
 
 
 def _load_tool(name: str):
-    spec = importlib.util.spec_from_file_location(name, os.path.join(REPO, "tools", f"{name}.py"))
+    spec = importlib.util.spec_from_file_location(name, os.path.join(ROOT, "tools", f"{name}.py"))
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -203,7 +203,7 @@ def test_train_tokenizer_script_runs_standalone(tmp_path):
     data = tmp_path / "corpus.txt"
     data.write_text("\n".join(_texts(100)))
     result = subprocess.run(
-        [sys.executable, os.path.join(REPO, "tools", "train_tokenizer.py"), "--input", str(data),
+        [sys.executable, os.path.join(ROOT, "tools", "train_tokenizer.py"), "--input", str(data),
          "--vocab-size", "300", "--model-prefix", str(tmp_path / "t")],
         capture_output=True, text=True, cwd=str(tmp_path), timeout=60,
     )
@@ -214,7 +214,7 @@ def test_train_tokenizer_script_runs_standalone(tmp_path):
 # ------------------------------------------------- GPT-2 BPE, Llama 2, tiktoken, HF specials
 @pytest.fixture(scope="module")
 def gpt2_files(tmp_path_factory) -> tuple[str, str]:
-    from tokenizer_files import gpt2_files as make
+    from tests.helpers.tokenizer_files import gpt2_files as make
 
     return make(tmp_path_factory.mktemp("gpt2"))
 
@@ -255,7 +255,7 @@ def test_llama2_tokenizer_starts_with_bos(sp_model):
 def test_tiktokenizer_layout_patterns_and_errors(tmp_path):
     """Megatron's TikTokenizer: S special tokens first (</s> = eod = 2), the file's tokens
     shifted by S; v1 and v2 split camel case differently; special strings are special."""
-    from tokenizer_files import tiktoken_file
+    from tests.helpers.tokenizer_files import tiktoken_file
 
     path, count = tiktoken_file(tmp_path / "tok.json")
     kwargs = dict(tiktoken_num_special_tokens=10)

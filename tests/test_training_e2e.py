@@ -9,27 +9,8 @@ from pathlib import Path
 import pytest
 
 from megatron_h2.training.main import main
-
-ROOT = Path(__file__).resolve().parents[1]
-VOCAB = 256  # as in conftest.corpus
-
-
-def flags(corpus: str, tmp: Path, *extra: str) -> list[str]:
-    return ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
-            "--hidden-dropout", "0", "--attention-dropout", "0", "--train-iters", "20",
-            "--lr-decay-iters", "100",
-            "--ffn-hidden-size", "128", "--seq-length", "32",
-            "--max-position-embeddings", "32", "--micro-batch-size", "4",
-            "--global-batch-size", "8", "--lr", "3e-3", "--min-lr", "3e-4",
-            "--lr-warmup-iters", "5", "--data-path", corpus, "--split", "90,10,0",
-            "--tokenizer-type", "NullTokenizer", "--vocab-size", str(VOCAB), "--seed", "11",
-            "--data-cache-path", str(tmp / "idx_cache"), "--log-jsonl", str(tmp / "log.jsonl"),
-            *extra]
-
-
-def records(tmp: Path, key: str = "lm_loss") -> dict[int, float]:
-    lines = [json.loads(x) for x in (tmp / "log.jsonl").read_text().splitlines()]
-    return {r["iteration"]: r[key] for r in lines if key in r}
+from tests.helpers.paths import ROOT
+from tests.helpers.tiny_runs import flags, records
 
 
 def test_tiny_model_learns_and_logs_everything(corpus, tmp_path, capsys):

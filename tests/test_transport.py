@@ -13,7 +13,7 @@ from megatron_h2.distributed.bridge import Bridge, BridgeConfig
 from megatron_h2.distributed.transport import GlooTransport, check_transport, make_transport
 from megatron_h2.errors import ConfigError
 from megatron_h2.plan.schema import HeteroPlan
-from tests.dist_utils import run_distributed, tiny_model_flags
+from tests.helpers.dist_utils import run_distributed, tiny_model_flags
 
 HAS_NIXL = importlib.util.find_spec("nixl") is not None
 needs_nixl = pytest.mark.skipif(not HAS_NIXL, reason="nixl is not installed "
@@ -125,7 +125,7 @@ def test_hetero_run_over_nixl_equals_one_process(corpus, tiny_reference, tmp_pat
     precision check of the last iteration runs too (it must not change the losses)."""
     import yaml
 
-    from tests.dist_utils import losses, torchrun
+    from tests.helpers.dist_utils import losses, torchrun
 
     log = tmp_path / "log.jsonl"
     plan = _plan([{"chips": ["a", "b"], "transport": "nixl"}])

@@ -11,10 +11,10 @@ import pytest
 import torch
 import torch.distributed as dist
 import yaml
-from dist_utils import assert_losses_close as close
-from dist_utils import losses, run_distributed, torchrun
 
 from megatron_h2.training.main import main
+from tests.helpers.dist_utils import assert_losses_close as close
+from tests.helpers.dist_utils import losses, run_distributed, torchrun
 
 # 8 layers: 2 chunks x 2 stages, 2 chunks x 3 stages (uneven) and 4 stages all divide them;
 # 12 samples of micro-batch 2 = 6 micro-batches, a multiple of 2 and 3 (interleaved needs it)

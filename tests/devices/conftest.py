@@ -9,7 +9,7 @@ import pytest
 
 from megatron_h2.devices import ACCELERATORS, PLUGINS_ENV, load_plugins
 
-CPU2_PLUGIN = "tests.devices.cpu2_plugin"
+CPU2_PLUGIN = "tests.helpers.cpu2_plugin"
 load_plugins()  # a vendor's own plug-in (entry point or $MEGATRON_H2_PLUGINS) joins the suite
 load_plugins({PLUGINS_ENV: CPU2_PLUGIN})  # registers "cpu2" for this test session
 AVAILABLE = [name for name, cls in ACCELERATORS.items() if cls.is_available()]

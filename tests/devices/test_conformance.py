@@ -16,7 +16,7 @@ from megatron_h2.devices import NATIVE_KERNELS, Kernels, get_accelerator, load_p
 from megatron_h2.devices.op_replay import TOLERANCES, check_kernels
 from megatron_h2.distributed.bridge import Bridge, BridgeConfig
 from tests.devices.conftest import CPU2_PLUGIN
-from tests.dist_utils import run_distributed
+from tests.helpers.dist_utils import run_distributed
 
 MIB = 1 << 20
 

@@ -23,8 +23,8 @@ from megatron_h2.devices import plugins as plugins_module
 from megatron_h2.errors import ConfigError
 from megatron_h2.training.main import main
 from tests.devices.conftest import CPU2_PLUGIN
-from tests.devices.cpu2_plugin import CPU2Accelerator
-from tests.dist_utils import losses, tiny_model_flags, torchrun
+from tests.helpers.cpu2_plugin import CPU2Accelerator
+from tests.helpers.dist_utils import losses, tiny_model_flags, torchrun
 
 MODEL = tiny_model_flags()
 
@@ -38,7 +38,7 @@ def test_registration_api():
     assert register_accelerator(CPU2Accelerator) is CPU2Accelerator  # again: a no-op
     with pytest.raises(ConfigError, match="needs an Accelerator subclass"):
         register_accelerator(object)
-    with pytest.raises(ConfigError, match="'cpu2' is taken by tests.devices.cpu2_plugin"):
+    with pytest.raises(ConfigError, match="'cpu2' is taken by tests.helpers.cpu2_plugin"):
         register_accelerator(type("Other", (CPUAccelerator,), {"name": "cpu2"}))
     with pytest.raises(ConfigError, match="needs a name"):
         register_accelerator(type("Bad", (CPUAccelerator,), {"name": "no-dash"}))

@@ -12,6 +12,8 @@ from typing import Any
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from tests.helpers.paths import ROOT
+
 
 def _worker(rank: int, world_size: int, init_file: str, fn: Callable, args: tuple,
             queue: Any, backend: str = "gloo") -> None:
@@ -80,13 +82,11 @@ def torchrun(nproc: int, args: list[str], env_extra: dict | None = None,
     process; returns the CompletedProcess (text output captured)."""
     import subprocess
     import sys
-    from pathlib import Path
 
-    root = Path(__file__).resolve().parents[1]
     env = dict(os.environ, OMP_NUM_THREADS="1", **(env_extra or {}))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
            "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
-           str(root / "pretrain_gpt.py"), *args]
+           str(ROOT / "pretrain_gpt.py"), *args]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
 
 
@@ -127,8 +127,7 @@ def write_counting_corpus(folder, num_docs: int, lengths: tuple[int, int], vocab
             start, n = rng.randrange(250), rng.randrange(*lengths)
             fh.write(json.dumps({"text": " ".join(str((start + i) % 250) for i in range(n))})
                      + "\n")
-    root = Path(__file__).resolve().parents[1]
-    subprocess.run([sys.executable, str(root / "tools" / "preprocess_data.py"), "--input",
+    subprocess.run([sys.executable, str(ROOT / "tools" / "preprocess_data.py"), "--input",
                     str(folder / "docs.jsonl"), "--output-prefix", str(folder / "count"),
                     "--tokenizer-type", "NullTokenizer", "--vocab-size", str(vocab),
                     "--append-eod", "--workers", "1"], check=True, capture_output=True)

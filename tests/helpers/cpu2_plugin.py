@@ -7,7 +7,7 @@ kernels (RMSNorm from rsqrt of the mean square, SwiGLU from sigmoid), so the con
 and tools/precision_check.py have a real vendor kernel to hold against the native one; and its
 own (emulated) memory statistics. Collectives use gloo.
 
-Loaded like any plug-in: ``MEGATRON_H2_PLUGINS=tests.devices.cpu2_plugin`` (every process of a
+Loaded like any plug-in: ``MEGATRON_H2_PLUGINS=tests.helpers.cpu2_plugin`` (every process of a
 torchrun job inherits it), or an entry point in the ``megatron_h2.accelerators`` group.
 """
 
