@@ -1,9 +1,28 @@
-"""Shared fixtures: a tiny learnable corpus in Megatron's format, made by the real tool."""
+"""Shared fixtures: a tiny learnable corpus in Megatron's format, made by the real tool, and the
+single-process reference of the tiny model; and the accelerators the conformance suite runs on.
+
+Tests taking ``acc_name`` run once per available accelerator: cpu always, the test-only second
+vendor "cpu2" (tests/helpers/cpu2_plugin.py, loaded as any plug-in is), cuda / npu / mlu / xpu
+where their torch plug-in imports and a device is present, and any vendor plug-in installed as
+an entry point or named by $MEGATRON_H2_PLUGINS."""
+
+from __future__ import annotations
 
 import pytest
 
+from megatron_h2.devices import ACCELERATORS, PLUGINS_ENV, load_plugins
+from tests.helpers.cpu2_plugin import CPU2_PLUGIN
 from tests.helpers.dist_utils import write_counting_corpus
 from tests.helpers.tiny_runs import VOCAB
+
+load_plugins()  # a vendor's own plug-in (entry point or $MEGATRON_H2_PLUGINS) joins the suite
+load_plugins({PLUGINS_ENV: CPU2_PLUGIN})  # registers "cpu2" for this test session
+AVAILABLE = [name for name, cls in ACCELERATORS.items() if cls.is_available()]
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    if "acc_name" in metafunc.fixturenames:
+        metafunc.parametrize("acc_name", AVAILABLE)
 
 
 @pytest.fixture(scope="session")

@@ -17,6 +17,8 @@ import torch
 
 from megatron_h2.devices import Accelerator, Kernels, register_accelerator
 
+CPU2_PLUGIN = __name__  # the module $MEGATRON_H2_PLUGINS names to load this plug-in
+
 
 def cpu2_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm accumulated in fp32, output in the input dtype. x: [..., h], weight: [h]."""

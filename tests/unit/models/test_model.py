@@ -6,22 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from megatron_h2.config import LLAMA_ARCHITECTURE, ModelConfig
-from megatron_h2.models.gpt import GPTModel, init_parameters
-
-
-def tiny(**kw) -> ModelConfig:
-    base = dict(num_layers=4, hidden_size=64, num_attention_heads=4, num_query_groups=2,
-                ffn_hidden_size=96, seq_length=16, vocab_size=128, hidden_dropout=0.0,
-                attention_dropout=0.0, group_query_attention=True, **LLAMA_ARCHITECTURE)
-    base.update(kw)
-    return ModelConfig(**base)
-
-
-def build(cfg, seed=3, **kw):
-    model = GPTModel(cfg, **kw)
-    init_parameters(model, cfg, seed)
-    return model
+from tests.helpers.tiny_models import build, tiny
 
 
 def test_parameter_names_are_global_and_split_independent():

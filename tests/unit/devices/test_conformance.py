@@ -1,6 +1,6 @@
 """Conformance suite for accelerator plug-ins: what megatron_h2 asks of every chip.
 
-Parametrised over every available accelerator (tests/devices/conftest.py): placement,
+Parametrised over every available accelerator (tests/conftest.py): placement,
 synchronize, memory statistics, RNG save / restore, autocast dtype, every kernel of its table
 against the native fallback, and (at two processes, e2e) its backend's collectives and the
 bridge's staging path from its memory. A vendor plug-in passes this file before it trains.
@@ -15,7 +15,7 @@ import torch.distributed as dist
 from megatron_h2.devices import NATIVE_KERNELS, Kernels, get_accelerator, load_plugins
 from megatron_h2.devices.op_replay import TOLERANCES, check_kernels
 from megatron_h2.distributed.bridge import Bridge, BridgeConfig
-from tests.devices.conftest import CPU2_PLUGIN
+from tests.helpers.cpu2_plugin import CPU2_PLUGIN
 from tests.helpers.dist_utils import run_distributed
 
 MIB = 1 << 20

@@ -22,8 +22,7 @@ from megatron_h2.devices import (
 from megatron_h2.devices import plugins as plugins_module
 from megatron_h2.errors import ConfigError
 from megatron_h2.training.main import main
-from tests.devices.conftest import CPU2_PLUGIN
-from tests.helpers.cpu2_plugin import CPU2Accelerator
+from tests.helpers.cpu2_plugin import CPU2_PLUGIN, CPU2Accelerator
 from tests.helpers.dist_utils import losses, tiny_model_flags, torchrun
 
 MODEL = tiny_model_flags()

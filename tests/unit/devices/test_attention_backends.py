@@ -16,7 +16,7 @@ from megatron_h2.errors import ConfigError, RankConfigError
 from megatron_h2.training.arguments import config_from_args, describe_no_effect
 from megatron_h2.training.launch_checks import check_attention_on_chip, check_implementation
 from megatron_h2.training.main import main
-from tests.test_model import build, tiny
+from tests.helpers.tiny_models import build, tiny
 
 CPU = get_accelerator("cpu")
 BASE = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",

@@ -19,7 +19,7 @@ import pytest
 
 from megatron_h2.training.main import main
 from tests.helpers.dist_utils import torchrun
-from tests.test_parallel_training import MODEL, _reference, figures
+from tests.unit.training.test_parallel_training import MODEL, _reference, figures
 
 REL = 2e-4
 

@@ -8,7 +8,7 @@ import torch
 import megatron_h2.models.gpt.gpt_model as gpt_model
 from megatron_h2.errors import ConfigError
 from megatron_h2.training.arguments import config_from_args
-from tests.test_model import build, tiny
+from tests.helpers.tiny_models import build, tiny
 
 FOUR_LAYERS = [0, 1, 2, 3]
 
