@@ -18,8 +18,9 @@ main weights) drifts to 6.8e-4 by iteration 10, DP without the gradient sum to 3
 import pytest
 
 from megatron_h2.training.main import main
+from tests.e2e.test_parallel_training import _reference, figures
 from tests.helpers.dist_utils import torchrun
-from tests.unit.training.test_parallel_training import MODEL, _reference, figures
+from tests.unit.training.test_parallel_training import MODEL
 
 REL = 2e-4
 

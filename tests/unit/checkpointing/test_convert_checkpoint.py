@@ -1,17 +1,15 @@
 """Hugging Face Llama <-> megatron_h2 checkpoint conversion, on tiny random models (CPU, fp32).
 
 Every model here is built and saved by the test itself; nothing is downloaded. (Tied, biased,
-RoPE-scaled Llamas and GPT-2 are in test_convert_architectures.py.)
+RoPE-scaled Llamas and GPT-2 are in test_convert_architectures.py; the tool run as a script:
+tests/e2e/test_convert_checkpoint.py.)
 """
 
 from __future__ import annotations
 
 import importlib.util
 import json
-import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 from types import ModuleType
 
@@ -316,14 +314,3 @@ def test_missing_argument_is_one_line(capsys: pytest.CaptureFixture[str]) -> Non
     assert convert("--from", "hf", "--to", "megatron_h2", "--input", "x") == 2
     err = capsys.readouterr().err
     assert err == "error: the following arguments are required: --output\n"
-
-
-@pytest.mark.e2e
-def test_script_runs_from_any_directory(tmp_path: Path) -> None:
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    result = subprocess.run(
-        [sys.executable, str(SCRIPT), "--from", "hf", "--to", "megatron_h2", "--input",
-         str(tmp_path / "nowhere"), "--output", str(tmp_path / "out")],
-        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
-    assert result.returncode == 2
-    assert result.stderr == f"error: input directory {tmp_path / 'nowhere'} does not exist\n"

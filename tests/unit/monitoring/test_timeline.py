@@ -1,4 +1,5 @@
-"""The pipeline timeline: Chrome / Perfetto trace events, merging, bounds and the summary."""
+"""The pipeline timeline: Chrome / Perfetto trace events, merging, bounds and the summary.
+(Gathered across processes: tests/e2e/test_timeline.py.)"""
 
 from __future__ import annotations
 
@@ -17,7 +18,6 @@ from megatron_h2.monitoring.timeline import (
     summarize,
 )
 from megatron_h2.plan.schema import HeteroPlan
-from tests.helpers.dist_utils import run_distributed
 from tests.helpers.paths import ROOT
 
 T0 = 1_700_000_000.0  # a wall-clock origin like time.time() gives
@@ -210,25 +210,6 @@ def test_for_plan_names_the_stage_row():
     timeline = Timeline.for_plan(plan, rank=2, enabled=True, max_iterations=5)
     assert (timeline.stage, timeline.rank, timeline.max_iterations) == (1, 2, 5)
     assert timeline.label == "stage 1 (chip slow, TP 1)"
-
-
-def _gather_worker(rank: int, world_size: int, path: str):
-    timeline = Timeline(rank, stage=rank, enabled=True, label=f"stage {rank}")
-    timeline.set_iteration(1)
-    timeline.record("forward", 0, T0 + rank, T0 + rank + 1.0)
-    return gather_and_write(timeline, path)
-
-
-@pytest.mark.e2e
-def test_gather_and_write_across_processes(tmp_path):
-    path = tmp_path / "trace.json"
-    results = run_distributed(_gather_worker, 2, str(path))
-    assert results[1] is None
-    assert results[0][0]["compute_s"] == pytest.approx(1.0)
-    assert results[0][1]["bubble"] == pytest.approx(0.5)
-    trace = json.loads(path.read_text())
-    spans = sorted((e["tid"], e["ts"]) for e in trace["traceEvents"] if e["ph"] == "X")
-    assert spans == [(0, 0.0), (1, pytest.approx(1.0e6, abs=1))]
 
 
 def test_gather_and_write_without_a_process_group(tmp_path):
