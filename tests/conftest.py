@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import pytest
 
-from megatron_h2.devices import ACCELERATORS, PLUGINS_ENV, load_plugins
-from tests.helpers.cpu2_plugin import CPU2_PLUGIN
-from tests.helpers.dist_utils import write_counting_corpus
-from tests.helpers.tiny_runs import VOCAB
+pytest.register_assert_rewrite("tests.helpers")  # helpers' asserts explain failures as tests' do
+
+from megatron_h2.devices import ACCELERATORS, PLUGINS_ENV, load_plugins  # noqa: E402
+from tests.helpers.cpu2_plugin import CPU2_PLUGIN  # noqa: E402
+from tests.helpers.dist_utils import write_counting_corpus  # noqa: E402
+from tests.helpers.tiny_runs import VOCAB  # noqa: E402
 
 load_plugins()  # a vendor's own plug-in (entry point or $MEGATRON_H2_PLUGINS) joins the suite
 load_plugins({PLUGINS_ENV: CPU2_PLUGIN})  # registers "cpu2" for this test session
