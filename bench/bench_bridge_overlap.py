@@ -1,10 +1,10 @@
 """How much of the pipeline bridge's time is hidden behind compute: PP=2, bridge forced, CPU.
 
-Two gloo processes (``tests/dist_utils.run_distributed``, one thread each) build their stage as
-``bench_parallel.py`` does (plan, topology, stage ``GPTModel``, optimizer, synthetic corpus) and
+Two gloo processes (``tests/helpers/dist_utils.run_distributed``, one thread each) build their stage
+as ``bench_parallel.py`` does (plan, topology, stage ``GPTModel``, optimizer, synthetic corpus) and
 run real ``StepRunner.train_step`` calls with ``force_bridge`` (every stage boundary crosses
-:class:`~megatron_h2.distributed.bridge.Bridge`), once per wire dtype (fp32, bf16). Each round
-runs, in rotating order, one step per (wire dtype, mode):
+:class:`~megatron_h2.distributed.bridge.Bridge`), once per wire dtype (fp32, bf16). Each round runs,
+in rotating order, one step per (wire dtype, mode):
 
 * ``async`` (a): the library as it is; sends are posted and completed later (reaped at the next
   call or by ``PipeComm.wait_sends`` at the end of the step);
@@ -60,7 +60,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
-# the test helpers (tests/dist_utils.py) are no part of the installed package: the
+# the test helpers (tests/helpers/dist_utils.py) are no part of the installed package: the
 # repository root goes on sys.path for them
 sys.path.insert(0, str(ROOT))
 
@@ -69,7 +69,7 @@ from bench_parallel import LR, WORLD, Rank, build_rank, make_corpus, run_config 
 from megatron_h2.config import ParallelConfig  # noqa: E402
 from megatron_h2.distributed.p2p import PipeComm  # noqa: E402
 from megatron_h2.training.step import StepRunner  # noqa: E402
-from tests.dist_utils import run_distributed  # noqa: E402
+from tests.helpers.dist_utils import run_distributed  # noqa: E402
 
 MODES = ("async", "sync")
 now = time.perf_counter

@@ -31,13 +31,13 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-# the test helpers (tests/dist_utils.py) are no part of the installed package: the
+# the test helpers (tests/helpers/dist_utils.py) are no part of the installed package: the
 # repository root goes on sys.path for them
 sys.path.insert(0, str(ROOT))
 
 from megatron_h2.checkpointing import find_latest_iteration, load_checkpoint  # noqa: E402
 from megatron_h2.errors import ConfigError  # noqa: E402
-from tests.dist_utils import write_counting_corpus  # noqa: E402
+from tests.helpers.dist_utils import write_counting_corpus  # noqa: E402
 
 MODEL = ["--num-layers", "4", "--hidden-size", "384", "--num-attention-heads", "8",
          "--num-query-groups", "8", "--ffn-hidden-size", "1024", "--seq-length", "64",

@@ -1,7 +1,7 @@
 """Pipeline (PP=2, 1F1B) efficiency and data-parallel (DP=2) gradient-communication cost on CPU.
 
-Two gloo processes (``tests/dist_utils.run_distributed``, one thread each) build their rank as
-``training.main.train`` does (plan, topology, stage ``GPTModel``, data-parallel optimizer,
+Two gloo processes (``tests/helpers/dist_utils.run_distributed``, one thread each) build their rank
+as ``training.main.train`` does (plan, topology, stage ``GPTModel``, data-parallel optimizer,
 ``StepRunner``) over a synthetic indexed corpus and time real ``train_step`` calls.
 
 * PP=2: per micro-batch count m, each round runs (order rotating) one real step, the stages'
@@ -45,7 +45,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
-# the test helpers (tests/dist_utils.py) are no part of the installed package: the
+# the test helpers (tests/helpers/dist_utils.py) are no part of the installed package: the
 # repository root goes on sys.path for them
 sys.path.insert(0, str(ROOT))
 
@@ -76,7 +76,7 @@ from megatron_h2.pipeline.schedule_runner import run_schedule  # noqa: E402
 from megatron_h2.plan.orders import one_f_one_b  # noqa: E402
 from megatron_h2.training.layout import uniform_plan  # noqa: E402
 from megatron_h2.training.step import StepRunner  # noqa: E402
-from tests.dist_utils import run_distributed  # noqa: E402
+from tests.helpers.dist_utils import run_distributed  # noqa: E402
 
 WORLD, LR, NUM_SAMPLES = 2, 1e-4, 2048  # processes, learning rate, samples in the dataset
 DISTURBED = "\nwarning: other processes took the cores during this run; the figures are disturbed"

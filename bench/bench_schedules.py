@@ -33,7 +33,7 @@ from megatron_h2.models.gpt import GPTModel, init_parameters
 from megatron_h2.optimizer.distributed_optimizer import build_data_parallel_optimizer
 from megatron_h2.plan.schema import ChipSpec, HeteroPlan, StageSpec
 from megatron_h2.training.step import StepRunner
-from tests.dist_utils import run_distributed
+from tests.helpers.dist_utils import run_distributed
 
 SCHEDULES = (("1F1B", "1f1b", 1), ("interleaved V=2", "interleaved", 2),
              ("zero-bubble", "zero-bubble", 1))

@@ -1,10 +1,30 @@
-"""Shared fixtures: a tiny learnable corpus in Megatron's format, made by the real tool."""
+"""Shared fixtures: a tiny learnable corpus in Megatron's format, made by the real tool, and the
+single-process reference of the tiny model; and the accelerators the conformance suite runs on.
+
+Tests taking ``acc_name`` run once per available accelerator: cpu always, the test-only second
+vendor "cpu2" (tests/helpers/cpu2_plugin.py, loaded as any plug-in is), cuda / npu / mlu / xpu
+where their torch plug-in imports and a device is present, and any vendor plug-in installed as
+an entry point or named by $MEGATRON_H2_PLUGINS."""
+
+from __future__ import annotations
 
 import pytest
 
-from tests.dist_utils import write_counting_corpus
+pytest.register_assert_rewrite("tests.helpers")  # helpers' asserts explain failures as tests' do
 
-VOCAB = 256  # NullTokenizer ids 0..255 (eod = 255); the documents use 0..249
+from megatron_h2.devices import ACCELERATORS, PLUGINS_ENV, load_plugins  # noqa: E402
+from tests.helpers.cpu2_plugin import CPU2_PLUGIN  # noqa: E402
+from tests.helpers.dist_utils import write_counting_corpus  # noqa: E402
+from tests.helpers.tiny_runs import VOCAB  # noqa: E402
+
+load_plugins()  # a vendor's own plug-in (entry point or $MEGATRON_H2_PLUGINS) joins the suite
+load_plugins({PLUGINS_ENV: CPU2_PLUGIN})  # registers "cpu2" for this test session
+AVAILABLE = [name for name, cls in ACCELERATORS.items() if cls.is_available()]
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    if "acc_name" in metafunc.fixturenames:
+        metafunc.parametrize("acc_name", AVAILABLE)
 
 
 @pytest.fixture(scope="session")
@@ -18,7 +38,7 @@ def tiny_reference(corpus, tmp_path_factory) -> dict[int, float]:
     """``{iteration: loss}`` of one process training ``dist_utils.tiny_model_flags()`` with
     micro-batch 2 and global batch 8: what multi-process runs of that model must reproduce."""
     from megatron_h2.training.main import main
-    from tests.dist_utils import losses, tiny_model_flags
+    from tests.helpers.dist_utils import losses, tiny_model_flags
 
     log = tmp_path_factory.mktemp("tiny_reference") / "log.jsonl"
     assert main([*tiny_model_flags(), "--data-path", corpus, "--micro-batch-size", "2",

@@ -37,7 +37,8 @@ def native_swiglu(x: torch.Tensor) -> torch.Tensor:
 NATIVE_KERNELS: dict[str, Callable[..., torch.Tensor]] = {"rms_norm": native_rms_norm,
                                                           "swiglu": native_swiglu}
 """The native torch fallback of every kernel slot of :class:`Kernels` (the reference that
-vendor kernels are checked against: tests/devices/, tools/precision_check.py)."""
+vendor kernels are checked against: tests/unit/devices/test_conformance.py,
+tools/precision_check.py)."""
 
 
 @dataclass(frozen=True)

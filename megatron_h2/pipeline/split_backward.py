@@ -19,10 +19,10 @@ through their ``AccumulateGrad`` nodes, where the data-parallel buckets' hooks w
   another one of the same group is seeded only once (its hook replaces what flows in with the
   kept gradient).
 
-B + W do the work of one backward (``tests/test_split_backward.py`` counts the FLOPs) and give
-the same gradients. No collective runs in W for this model: the tensor-parallel ones lie on the
-input path. Two cases are not split (:class:`PendingWeights` then carries a plain backward, and
-B does nothing but remember its inputs): a chunk without an input gradient (the first virtual
+B + W do the work of one backward (``tests/unit/pipeline/test_split_backward.py`` counts the FLOPs)
+and give the same gradients. No collective runs in W for this model: the tensor-parallel ones lie
+on the input path. Two cases are not split (:class:`PendingWeights` then carries a plain backward,
+and B does nothing but remember its inputs): a chunk without an input gradient (the first virtual
 stage, whose input is token ids), which is what torch does, and layers recomputed in full
 (``torch.utils.checkpoint`` would recompute each layer once per weight group).
 """

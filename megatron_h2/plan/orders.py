@@ -28,9 +28,10 @@ stage ``c * p + s - 1`` (the last stage's chunk ``c - 1`` for ``s = 0``).
 The orders are written here rather than taken from ``torch.distributed.pipelining``, whose
 schedule classes compute them inside objects bound to ``PipelineStage`` s and one job-wide
 micro-batch count, through private helpers. They follow the same rules:
-``tests/test_pipeline_orders.py`` checks the interleaved and zero-bubble orders against torch's
-``ScheduleInterleaved1F1B`` / ``ScheduleInterleavedZeroBubble`` helpers, and every order against
-:func:`check_orders`, which replays the orders of all stages with our point-to-point discipline.
+``tests/unit/plan/test_pipeline_orders.py`` checks the interleaved and zero-bubble orders
+against torch's ``ScheduleInterleaved1F1B`` / ``ScheduleInterleavedZeroBubble`` helpers, and
+every order against :func:`check_orders`, which replays the orders of all stages with our
+point-to-point discipline.
 
 Per-stage data parallelism (stages with different DP degrees ``DP_s``): micro-batch ``j`` of the
 ``M`` of a step runs on replica ``j mod DP_s`` of every stage ``s``, so its activation goes from
@@ -423,8 +424,8 @@ def routed_warmups(schedule: str, data_parallel: tuple[int, ...], chunks: int,
     (:func:`routed_leads`), which is Megatron's ``p - s - 1`` when every stage has the same DP;
     zero-bubble adds ``(V - 1) x p``, interleaved takes ``2 x`` that plus ``(V - 1) x p``. With
     one model chunk these orders provably run (the leads fall along the pipeline;
-    tests/test_pipeline_orders.py replays them for many DP degrees). With virtual stages every
-    warm-up then grows by one on each stage whose replicas the replay of all orders
+    tests/unit/plan/test_pipeline_orders.py replays them for many DP degrees). With virtual
+    stages every warm-up then grows by one on each stage whose replicas the replay of all orders
     (:func:`check_orders`) finds stuck waiting for a backward, until the orders provably run;
     the search is deterministic, so every rank computes the same orders. With the same DP
     everywhere these are the schedule's own warm-ups.
