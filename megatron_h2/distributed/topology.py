@@ -17,6 +17,13 @@ Example: TP=2, PP=2, DP=2 on 8 ranks: stage 0 = ranks 0-3 (TP groups [0,1], [2,3
 (TP 1, ranks 0-1) and DP 1 on stage 1 (TP 2, ranks 2-3), ranks 0 and 1 both send to ranks 2-3:
 rank 0 the even micro-batches, rank 1 the odd ones.
 
+Data-parallel pipelines (a plan of several pipelines, see :mod:`megatron_h2.plan.schema`): each
+rank belongs to one pipeline, whose ranks follow those of the pipelines before it; inside its
+pipeline everything above holds, with :attr:`Topology.plan` that pipeline (a plan of one pipeline
+whose ranks start at its ``first_rank``) and :attr:`Topology.job_plan` the whole plan. The groups
+of every pipeline are created on every rank, in pipeline order, plus one gloo group over the job
+for the gradient sum across pipelines (:attr:`Topology.pipelines_group`).
+
 Nothing here is module-level state: :func:`build_topology` creates the groups and returns one
 :class:`Topology` that the caller passes on.
 """
@@ -57,19 +64,25 @@ class LaunchEnv:
                    local_rank=read("LOCAL_RANK", 0))
 
 
+def rank_place(plan: HeteroPlan, rank: int) -> str:
+    """Where ``rank`` runs, in words: ``stage 1`` (``pipeline 0 stage 1`` with pipelines)."""
+    pipeline = plan.pipeline_of_rank(rank)
+    stage = plan.pipeline_plans[pipeline].rank_coordinates(rank)[0]
+    return f"pipeline {pipeline} stage {stage}" if plan.pipelines else f"stage {stage}"
+
+
 def accelerator_for_rank(plan: HeteroPlan, rank: int, local_rank: int) -> Accelerator:
     """This rank's chip as the plan places it; errors name the rank (only it can see them)."""
-    stage = plan.rank_coordinates(rank)[0]
-    chip_name = plan.stages[stage].chip
+    chip_name, where = plan.rank_chip(rank), rank_place(plan, rank)
     started_as = os.environ.get(CHIP_ENV)
     if started_as and started_as != chip_name:
         raise RankConfigError(f"rank {rank} was started as chip '{started_as}' but the plan puts "
-                              f"stage {stage} (chip '{chip_name}') there; launch the components "
-                              "in the plan's stage order")
+                              f"{where} (chip '{chip_name}') there; launch the components "
+                              "in the plan's rank order")
     try:
         return get_accelerator(plan.chips[chip_name].device, local_rank)
     except ConfigError as exc:
-        raise RankConfigError(f"stage {stage} (chip '{chip_name}'): {exc}") from None
+        raise RankConfigError(f"{where} (chip '{chip_name}'): {exc}") from None
 
 
 def default_backend(plan: HeteroPlan) -> str:
@@ -113,7 +126,11 @@ class TPContext:
 
 @dataclass
 class Topology:
-    """This rank's place in the plan and its process groups (None where a group has one rank)."""
+    """This rank's place in the plan and its process groups (None where a group has one rank).
+
+    ``plan`` is this rank's pipeline (the whole plan where it has one pipeline), ``job_plan``
+    the whole plan (None: ``plan``) and ``pipeline`` the index of this rank's pipeline.
+    """
 
     plan: HeteroPlan
     rank: int
@@ -131,6 +148,19 @@ class Topology:
     # A boundary of its own keeps its messages apart from the 0 -> 1 boundary's when PP = 2.
     wrap_group: dist.ProcessGroup | None = None
     wrap_cpu_group: dist.ProcessGroup | None = None
+    job_plan: HeteroPlan | None = None
+    pipeline: int = 0
+    pipelines_group: dist.ProcessGroup | None = None  # gloo over the job, with pipelines
+
+    def __post_init__(self) -> None:
+        if self.job_plan is None:
+            self.job_plan = self.plan
+
+    @property
+    def num_pipelines(self) -> int:
+        """Data-parallel pipelines of the job (1 without pipelines)."""
+        assert self.job_plan is not None
+        return self.job_plan.num_pipelines
 
     @property
     def stage_spec(self) -> StageSpec:
@@ -193,22 +223,40 @@ class Topology:
 
     def describe(self) -> str:
         layers = ", ".join(f"{a}-{b - 1}" for a, b in self.chunk_ranges)
-        return (f"rank {self.rank}/{self.world_size}: stage {self.stage}/{self.pp_size} "
+        pipeline = (f"pipeline {self.pipeline}/{self.num_pipelines} "
+                    if self.num_pipelines > 1 else "")
+        return (f"rank {self.rank}/{self.world_size}: {pipeline}stage {self.stage}/{self.pp_size} "
                 f"(layers {layers}), tp {self.tp_rank}/{self.tp_size}, dp {self.dp_rank}/"
                 f"{self.dp_size}")
 
 
 def build_topology(plan: HeteroPlan, rank: int, world_size: int) -> Topology:
-    """Create every TP and DP group, each on its stage's chip backend, and a gloo group over
-    all ranks for job-wide reductions (all ranks must call this in the same order)."""
-    stage, dp_rank, tp_rank = plan.rank_coordinates(rank)
-    topo = Topology(plan=plan, rank=rank, world_size=world_size, stage=stage, dp_rank=dp_rank,
-                    tp_rank=tp_rank)
+    """Create every TP and DP group of every pipeline, each on its stage's chip backend, and a
+    gloo group over all ranks for job-wide reductions (all ranks must call this in the same
+    order). ``plan`` is the whole plan; the topology's ``plan`` is this rank's pipeline."""
+    pipeline = plan.pipeline_of_rank(rank)
+    mine = plan.pipeline_plans[pipeline]
+    stage, dp_rank, tp_rank = mine.rank_coordinates(rank)
+    topo = Topology(plan=mine, rank=rank, world_size=world_size, stage=stage, dp_rank=dp_rank,
+                    tp_rank=tp_rank, job_plan=plan, pipeline=pipeline)
     if world_size == 1:
         topo.tp_ranks, topo.dp_ranks = [0], [0]
         return topo
     if dist.get_backend() != "gloo":
         topo.cpu_group = dist.new_group(list(range(world_size)), backend="gloo")
+    for pipe in plan.pipeline_plans:
+        _build_stage_groups(topo, pipe)
+    for pipe in plan.pipeline_plans:
+        if pipe.virtual_pipeline_size > 1:
+            _build_wrap_groups(topo, pipe)
+    if plan.num_pipelines > 1:
+        topo.pipelines_group = dist.new_group(list(range(world_size)), backend="gloo")
+    return topo
+
+
+def _build_stage_groups(topo: Topology, plan: HeteroPlan) -> None:
+    """The TP and DP groups of every stage of one pipeline (every rank creates them all)."""
+    rank = topo.rank
     for s, spec in enumerate(plan.stages):
         start, tp = plan.stage_ranks(s).start, spec.tensor_parallel_size
         backend = ACCELERATORS[plan.chips[spec.chip].device].dist_backend
@@ -223,15 +271,12 @@ def build_topology(plan: HeteroPlan, rank: int, world_size: int) -> Topology:
             group = dist.new_group(ranks, backend=backend) if dp > 1 else None
             if rank in ranks:
                 topo.dp_group, topo.dp_ranks = group, ranks
-    if plan.virtual_pipeline_size > 1:
-        _build_wrap_groups(topo)
-    return topo
 
 
-def _build_wrap_groups(topo: Topology) -> None:
-    """Groups of the wrap-around boundary: every rank of the last and the first stage, whose
-    replicas exchange by micro-batch (collective, like the others)."""
-    plan, last = topo.plan, topo.pp_size - 1
+def _build_wrap_groups(topo: Topology, plan: HeteroPlan) -> None:
+    """Groups of one pipeline's wrap-around boundary: every rank of its last and its first
+    stage, whose replicas exchange by micro-batch (collective, like the others)."""
+    last = plan.pipeline_parallel_size - 1
     ends = (plan.stages[0], plan.stages[last])
     devices = {plan.chips[spec.chip].device for spec in ends}
     backend = ACCELERATORS[devices.pop()].dist_backend if len(devices) == 1 else "gloo"
