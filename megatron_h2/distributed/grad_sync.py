@@ -164,6 +164,11 @@ class GradBuckets:
         grad_dtype: dtype of the buckets: where micro-batch gradients accumulate and what the
             collectives sum (fp32; bf16 for ``--grad-reduce-in-bf16``, fp16 for ``--fp16``).
 
+    :attr:`on_synced` (None: nothing), set by the caller, is called with each bucket before the
+    deferred ones, in bucket order, as soon as its collective has finished (during the last
+    backward where the hooks are armed, else in :meth:`finish_sync`): the cross-pipeline
+    gradient sum sends a bucket from there. With it the hooks are armed even without a DP group.
+
     Every ``param.main_grad`` is a view into a persistent buffer, and so is ``param.grad`` where
     the parameter has the buckets' dtype: zero gradients with :meth:`zero_grad`, never by setting
     ``.grad = None`` (that detaches it from the buffer; :meth:`zero_grad` re-attaches, and the
@@ -214,6 +219,8 @@ class GradBuckets:
         self._armed = False
         self._armed_params: set[nn.Parameter] | None = set()  # None: every parameter
         self._next_launch = 0
+        self.on_synced: Callable[[Bucket], None] | None = None
+        self._next_synced = 0  # the next bucket to hand to on_synced
         self._needs_sync = False
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready)
                        for p in self.params]
@@ -246,7 +253,7 @@ class GradBuckets:
         """
         if params is None:
             self._check_idle("start_sync")
-        if self.overlap and self.dp_size > 1:
+        if self.overlap and (self.dp_size > 1 or self.on_synced is not None):
             self._armed = True
             if params is None:
                 self._armed_params = None
@@ -264,6 +271,7 @@ class GradBuckets:
                     raise RuntimeError(self._detached_message(slot))
         while self._next_launch < len(self.buckets):
             self._launch_next()
+        self._report_synced(block=True)
         for bucket in self.buckets:
             if bucket.work is not None:
                 bucket.work.wait()
@@ -279,8 +287,14 @@ class GradBuckets:
         self._armed = False
         self._armed_params = set()
         self._next_launch = 0
+        self._next_synced = 0
         self._needs_sync = False
         self.version += 1
+
+    @property
+    def first_deferred(self) -> int:
+        """Index of the first deferred bucket (the number of buckets when there is none)."""
+        return self._first_deferred
 
     @property
     def needs_sync(self) -> bool:
@@ -326,6 +340,21 @@ class GradBuckets:
                and len(self.buckets[self._next_launch].ready)
                == len(self.buckets[self._next_launch].slots)):
             self._launch_next()
+        self._report_synced(block=False)
+
+    def _report_synced(self, block: bool) -> None:
+        """Hand every launched bucket whose collective has finished to :attr:`on_synced`, in
+        order (``block``: wait for each)."""
+        if self.on_synced is None:
+            return
+        while self._next_synced < min(self._next_launch, self._first_deferred):
+            bucket = self.buckets[self._next_synced]
+            if bucket.work is not None:
+                if not block and not bucket.work.is_completed():
+                    return
+                bucket.work.wait()
+            self._next_synced += 1
+            self.on_synced(bucket)
 
     def _launch_next(self) -> None:
         bucket = self.buckets[self._next_launch]

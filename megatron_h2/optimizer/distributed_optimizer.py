@@ -64,6 +64,9 @@ class DataParallelOptimizer(Protocol):
     """
 
     grad_buckets: GradBuckets
+    grads: Fp32Grads
+    """The gradients the update reads, one tensor per bucket (its buffer, or this rank's
+    reduced shard of it; fp32 copies where the buckets are not fp32): ``grads.refresh()``."""
 
     @property
     def param_groups(self) -> list[dict]: ...
