@@ -1,9 +1,10 @@
 """Saving and restoring the whole training state: weights, optimizer, progress and RNG.
 
 Every tensor is saved whole under its global name, so a checkpoint written under one layout
-(TP, PP, DP) loads under any other. Each pipeline stage writes its own part in parallel: its
-tensor-parallel shards are gathered inside the stage's TP group, one DP replica writes, and no
-rank ever holds more than its stage. Loading reads only the tensors this rank owns.
+(TP, PP, DP, data-parallel pipelines) loads under any other. Each pipeline stage writes its own
+part in parallel: its tensor-parallel shards are gathered inside the stage's TP group, one DP
+replica writes (of a plan of several pipelines, pipeline 0's: they all hold the same state),
+and no rank ever holds more than its stage. Loading reads only the tensors this rank owns.
 """
 
 from __future__ import annotations
@@ -163,6 +164,11 @@ class CheckpointIO:
         self.removed: list[int] = []  # iterations the last save's retention policy deleted
         self.pending: BackgroundWrite | None = None  # --async-save: the write in progress
 
+    def _layout(self) -> dict[str, Any]:
+        """The job's plan as checkpoints record it (every pipeline of it)."""
+        plan = self.topo.job_plan or self.topo.plan
+        return plan.to_dict()
+
     def _barrier(self) -> None:
         if self.topo.distributed:
             dist.barrier(group=self.topo.cpu_group)
@@ -218,7 +224,7 @@ class CheckpointIO:
         optim = self.optimizer.named_state(self.names)  # collective over DP under ZeRO
         weights = self.optimizer.main_weights()  # fp32; collective under ZeRO with bf16 weights
         parts: list[tuple[str, int, dict[str, torch.Tensor]]] = []
-        if topo.dp_rank == 0:
+        if topo.dp_rank == 0 and topo.pipeline == 0:  # every pipeline holds the same state
             own = {n: p for n, p in self.params.items() if n not in self.copies}
             model = self._gather_full({n: weights[p] for n, p in own.items()})
             optim = self._gather_full({k: v for k, v in optim.items()
@@ -249,7 +255,7 @@ class CheckpointIO:
             rng = [state for state, _ in gathered]
             meta = {"iteration": it, "consumed_samples": context["consumed_samples"],
                     "config": self.cfg.to_dict(), "rng": rng[0], "rng_per_rank": rng,
-                    "layout": self.topo.plan.to_dict()}
+                    "layout": self._layout()}
             if context["scheduler"] is not None:
                 meta["opt_param_scheduler"] = context["scheduler"]
             if context["grad_scaler"] is not None:
@@ -369,7 +375,7 @@ class CheckpointIO:
         per_rank = meta.get("rng_per_rank")
         if not per_rank:  # e.g. converted from Hugging Face: nothing to restore
             return
-        if meta.get("layout") == self.topo.plan.to_dict():
+        if meta.get("layout") == self._layout():
             check_rng_metadata(meta, source)
             restore_rng(per_rank[self.topo.rank], self.acc)
         else:

@@ -113,32 +113,43 @@ def straggler_report(chips: list[str], stages: list[int], compute_s: list[float]
 def stage_report(topo: Topology, compute_s: float, wall_s: float, comm: dict[str, float],
                  iterations: int) -> str:
     """One log line with every stage's compute per iteration, bubble share and bridge traffic,
-    and the stragglers of every chip type.
+    and the stragglers of every chip type (with data-parallel pipelines, every stage of every
+    pipeline, and the gradients they sent each other).
 
     Collective over the job (all ranks call it at the same iterations); each stage is reported
     by the slowest of its ranks.
     """
     mine = torch.tensor([float(topo.stage), compute_s, wall_s, comm.get("bridge_bytes", 0.0),
                          comm.get("direct_bytes", 0.0),
-                         comm.get("send_wait_s", 0.0) + comm.get("recv_wait_s", 0.0)],
+                         comm.get("send_wait_s", 0.0) + comm.get("recv_wait_s", 0.0),
+                         float(topo.pipeline), comm.get("pipelines_bytes", 0.0)],
                         dtype=torch.float64)
     rows = [mine]
     if topo.distributed:
         rows = [torch.zeros_like(mine) for _ in range(topo.world_size)]
         dist.all_gather(rows, mine, group=topo.cpu_group)
+    job = topo.job_plan or topo.plan
+    several = job.num_pipelines > 1
+    places = [(k, s) for k, pipe in enumerate(job.pipeline_plans)
+              for s in range(pipe.pipeline_parallel_size)]
     parts, bridge, direct, wait = [], 0.0, 0.0, 0.0
-    for stage in range(topo.pp_size):
-        mine_rows = [r for r in rows if int(r[0]) == stage]
+    for pipeline, stage in places:
+        mine_rows = [r for r in rows if (int(r[6]), int(r[0])) == (pipeline, stage)]
         compute = max(float(r[1]) for r in mine_rows) / iterations
         wall = max(float(r[2]) for r in mine_rows) / iterations
         bubble = max(0.0, 1.0 - compute / wall) if wall > 0 else 0.0
-        parts.append(f"stage {stage}: compute {compute * 1e3:.1f} ms, bubble {bubble:.0%}")
+        where = f"pipeline {pipeline} stage {stage}" if several else f"stage {stage}"
+        parts.append(f"{where}: compute {compute * 1e3:.1f} ms, bubble {bubble:.0%}")
     for r in rows:
         bridge, direct, wait = bridge + float(r[3]), direct + float(r[4]), max(wait, float(r[5]))
     traffic = (f"bridge {bridge / iterations / 2**20:.2f} MiB/it, direct "
                f"{direct / iterations / 2**20:.2f} MiB/it, max comm wait "
                f"{wait / iterations * 1e3:.1f} ms/it")
-    stages = [int(r[0]) for r in rows]
-    chips = [topo.plan.stages[stage].chip for stage in stages]
-    stragglers = straggler_report(chips, stages, [float(r[1]) / iterations for r in rows])
+    if several:
+        across = sum(float(r[7]) for r in rows) / iterations / 2**20
+        traffic += f", gradients across pipelines {across:.2f} MiB/it"
+    keys = [(int(r[6]), int(r[0])) for r in rows]
+    chips = [job.pipeline_plans[k].stages[s].chip for k, s in keys]
+    stragglers = straggler_report(chips, [places.index(key) for key in keys],
+                                  [float(r[1]) / iterations for r in rows])
     return " | ".join(parts) + " | " + traffic + " | " + stragglers

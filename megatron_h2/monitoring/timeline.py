@@ -48,6 +48,7 @@ COMPUTE_KINDS = frozenset({"forward", "backward", "backward_input", "backward_we
 gradient) and ``backward_weight`` (W: the weight gradients, deferred)."""
 _LETTER = {"forward": "F", "backward": "B", "backward_input": "B", "backward_weight": "W"}
 _COMM_PART = re.compile(r"(send|recv)_(forward|backward)")
+_PIPELINE_ROW = re.compile(r"pipeline (\d+) stage (\d+)")
 
 
 def is_comm_kind(kind: str) -> bool:
@@ -110,13 +111,21 @@ class Timeline:
     def for_plan(cls, plan: HeteroPlan, rank: int, enabled: bool,
                  max_iterations: int = DEFAULT_MAX_ITERATIONS) -> Timeline:
         """A timeline for ``rank`` of ``plan``, its stage row titled with chip and TP degree (and
-        DP degree where the stages have their own)."""
-        stage = plan.rank_coordinates(rank)[0]
-        spec = plan.stages[stage]
-        dp = None if plan.uniform_dp else plan.stage_dp(stage)
-        return cls(rank, stage, enabled,
-                   stage_label(stage, spec.chip, spec.tensor_parallel_size, dp),
-                   max_iterations=max_iterations, chunks=plan.virtual_pipeline_size)
+        DP degree where the stages have their own). With data-parallel pipelines each pipeline's
+        stages get rows of their own, after the rows of the pipelines before it, titled
+        ``pipeline k stage s (...)``."""
+        pipeline = plan.pipeline_of_rank(rank)
+        pipe = plan.pipeline_plans[pipeline]
+        stage = pipe.rank_coordinates(rank)[0]
+        spec = pipe.stages[stage]
+        dp = None if pipe.uniform_dp else pipe.stage_dp(stage)
+        label = stage_label(stage, spec.chip, spec.tensor_parallel_size, dp)
+        row = stage
+        if plan.pipelines:
+            row += sum(len(p.stages) for p in plan.pipelines[:pipeline])
+            label = f"pipeline {pipeline} {label}"
+        return cls(rank, row, enabled, label, max_iterations=max_iterations,
+                   chunks=pipe.virtual_pipeline_size)
 
     @property
     def iteration(self) -> int:
@@ -282,7 +291,8 @@ def merge_and_write(path: str | Path, per_rank_events: Sequence[Sequence[TraceEv
 
 
 def summarize(per_rank_events: Sequence[Sequence[TraceEvent]]) -> dict[int, dict[str, float]]:
-    """Per pipeline stage: compute and communication-wait seconds, and the bubble share.
+    """Per pipeline stage: compute and communication-wait seconds, and the bubble share (with
+    data-parallel pipelines, per stage row, each also naming its ``pipeline`` and ``stage``).
 
     The window is the traced span over all ranks (earliest start to latest end). For each rank,
     compute is its forward + backward time and comm wait its send / receive / wait time; a stage
@@ -297,8 +307,13 @@ def summarize(per_rank_events: Sequence[Sequence[TraceEvent]]) -> dict[int, dict
     window_s = (max(e["ts"] + e["dur"] for e in spans) - start) / 1e6
     compute: dict[tuple[int, int], float] = {}
     comm: dict[tuple[int, int], float] = {}
+    places: dict[int, tuple[float, float]] = {}  # row -> (pipeline, stage) with pipelines
     for events in per_rank_events:
         for e in events:
+            if e.get("ph") == "M" and e.get("name") == "process_name":
+                found = _PIPELINE_ROW.match(str(e.get("args", {}).get("name", "")))
+                if found:
+                    places[e["pid"]] = (float(found[1]), float(found[2]))
             if e.get("ph") == "M" and e.get("name") == "thread_name":
                 compute.setdefault((e["pid"], e["tid"]), 0.0)
                 comm.setdefault((e["pid"], e["tid"]), 0.0)
@@ -322,6 +337,8 @@ def summarize(per_rank_events: Sequence[Sequence[TraceEvent]]) -> dict[int, dict
             "bubble": 1.0 - compute_s / window_s if window_s > 0 else 0.0,
             "window_s": window_s,
         }
+        if stage in places:
+            summary[stage]["pipeline"], summary[stage]["stage"] = places[stage]
     return summary
 
 
@@ -329,7 +346,9 @@ def format_summary(summary: dict[int, dict[str, float]]) -> str:
     """One log line per stage, e.g. ``stage 1: compute 1.20 s, comm wait 0.30 s, bubble 40.0%``."""
     lines = []
     for stage, row in summary.items():
-        lines.append(f"timeline stage {stage}: compute {row['compute_s']:.3f} s, comm wait "
+        where = (f"pipeline {int(row['pipeline'])} stage {int(row['stage'])}"
+                 if "pipeline" in row else f"stage {stage}")
+        lines.append(f"timeline {where}: compute {row['compute_s']:.3f} s, comm wait "
                      f"{row['comm_wait_s']:.3f} s, bubble {100 * row['bubble']:.1f}% of "
                      f"{row['window_s']:.3f} s ({int(row['ranks'])} rank(s))")
     return "\n".join(lines)

@@ -8,7 +8,6 @@ raised by every rank alike, or by the one rank that sees it
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,10 +34,10 @@ from megatron_h2.training.arguments import LaunchOptions
 from megatron_h2.training.batch_schedule import BatchSchedule, check_run_schedule
 from megatron_h2.training.data_setup import prepare_data, unused_data_flags
 from megatron_h2.training.layout import (
+    batch_unit,
     check_plan_for_model,
     check_routing,
     load_hetero_plan,
-    stage_dps,
     uniform_plan,
 )
 
@@ -155,7 +154,7 @@ def check_launch(cfg: RunConfig, launch: LaunchOptions, env: LaunchEnv,
         device = cfg.training.device or detect_device_type()
         plan = uniform_plan(cfg.parallel, cfg.model, cfg.training, env.world_size, device)
     batch, iterations, schedule = check_run_schedule(cfg, plan.micro_batch_size,
-                                                     math.lcm(*stage_dps(plan)))
+                                                     batch_unit(plan))
     tokenizer = prepare_data(cfg, say)
     unused = unused_data_flags(cfg.data, launch.explicit)
     if unused:

@@ -4,6 +4,7 @@ any process group starts."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import fields
 
 from megatron_h2.config import (
@@ -83,9 +84,10 @@ def load_hetero_plan(cfg: RunConfig, explicit: frozenset[str]) -> HeteroPlan:
             raise ConfigError(f"{flag} conflicts with --hetero-plan, which sets the layout per "
                               f"stage; drop {flag} or edit the plan")
     schedule = cfg.parallel.pipeline_schedule
-    if "pipeline_schedule" in explicit and schedule != plan.schedule:
+    planned = sorted({str(pipe.schedule) for pipe in plan.pipeline_plans})
+    if "pipeline_schedule" in explicit and planned != [schedule]:
         raise ConfigError(f"--pipeline-schedule {schedule} differs from the plan's schedule "
-                          f"{plan.schedule}; drop the flag or edit the plan")
+                          f"{' / '.join(planned)}; drop the flag or edit the plan")
     t = cfg.training
     for name in ("micro_batch_size", "global_batch_size"):
         if name in explicit and getattr(t, name) != getattr(plan, name):
@@ -105,10 +107,22 @@ def load_hetero_plan(cfg: RunConfig, explicit: frozenset[str]) -> HeteroPlan:
 
 def check_plan_for_model(plan: HeteroPlan, model: ModelConfig, parallel: ParallelConfig,
                          world_size: int) -> None:
-    """Everything about the layout that must hold before any process group starts."""
+    """Everything about the layout that must hold before any process group starts (of every
+    pipeline of a plan of several, each error naming its pipeline)."""
     plan.validate(model.num_layers, model.num_attention_heads, model.num_query_groups,
                   world_size=world_size)
     check_routing(plan, [plan.global_batch_size])
+    for index, pipe in enumerate(plan.pipelines):
+        try:
+            _check_stages_for_model(pipe, model, parallel)
+        except ConfigError as exc:
+            raise ConfigError(f"pipeline {index}: {exc}") from None
+    if not plan.pipelines:
+        _check_stages_for_model(plan, model, parallel)
+
+
+def _check_stages_for_model(plan: HeteroPlan, model: ModelConfig,
+                            parallel: ParallelConfig) -> None:
     for index, stage in enumerate(plan.stages):
         tp = stage.tensor_parallel_size
         if model.vocab_size % tp:
@@ -126,12 +140,24 @@ def check_plan_for_model(plan: HeteroPlan, model: ModelConfig, parallel: Paralle
 
 
 def stage_dps(plan: HeteroPlan) -> tuple[int, ...]:
-    """Every stage's DP degree, in pipeline order."""
+    """Every stage's DP degree, in pipeline order (of one pipeline)."""
     return tuple(plan.stage_dp(s) for s in range(plan.pipeline_parallel_size))
 
 
+def batch_unit(plan: HeteroPlan) -> int:
+    """The data-parallel size every global batch size must split over (in micro-batches): the
+    least common multiple of the stages' DP degrees; 1 for a plan of several pipelines, whose
+    one global batch their shares split (:func:`check_routing`)."""
+    return 1 if plan.pipelines else math.lcm(*stage_dps(plan))
+
+
 def describe_dp(plan: HeteroPlan) -> str:
-    """``2`` with one DP degree, ``2/1/2 per stage (micro-batch j on replica j mod DP)``."""
+    """``2`` with one DP degree, ``2/1/2 per stage (micro-batch j on replica j mod DP)``; with
+    pipelines each pipeline's, ``1 | 2/1 per stage per pipeline``."""
+    if plan.pipelines:
+        return " | ".join(str(p.data_parallel_size) if p.uniform_dp
+                          else "/".join(map(str, stage_dps(p))) + " per stage"
+                          for p in plan.pipelines) + " per pipeline"
     if plan.uniform_dp:
         return str(plan.data_parallel_size)
     return ("/".join(map(str, stage_dps(plan))) + " per stage (micro-batch j on replica j mod "
@@ -141,7 +167,21 @@ def describe_dp(plan: HeteroPlan) -> str:
 def check_routing(plan: HeteroPlan, batch_sizes: list[int]) -> None:
     """Every global batch size splits into micro-batches that each stage's replicas can run
     under the plan's schedule (Megatron's rules per replica); with per-stage DP degrees, the
-    replay of every replica's order proves that the routed schedule cannot hang."""
+    replay of every replica's order proves that the routed schedule cannot hang. A plan of
+    several pipelines runs one global batch, each pipeline its share."""
+    if plan.pipelines:
+        sizes = sorted(set(batch_sizes))
+        if sizes != [plan.global_batch_size]:
+            raise ConfigError(f"a plan of {len(plan.pipelines)} pipelines splits its global "
+                              f"batch {plan.global_batch_size} into fixed shares; the batch-size "
+                              f"schedule asks for {', '.join(map(str, sizes))}: drop "
+                              "--rampup-batch-size")
+        for index, pipe in enumerate(plan.pipelines):
+            try:
+                check_routing(pipe, [pipe.global_batch_size])
+            except ConfigError as exc:
+                raise ConfigError(f"pipeline {index}: {exc}") from None
+        return
     dps, chunks = stage_dps(plan), plan.virtual_pipeline_size
     for batch in batch_sizes:
         total = batch // plan.micro_batch_size

@@ -52,13 +52,22 @@ def say_bridges(plan: HeteroPlan, parallel: ParallelConfig, say: Say) -> None:
     """Log the transport of every boundary that crosses the bridge, and any plan
     ``transports`` entry that no such boundary uses (it has no effect)."""
     bridged = set()
-    for index in range(len(plan.stages) - 1):
-        a, b = plan.stages[index].chip, plan.stages[index + 1].chip
-        if parallel.force_bridge or plan.chips[a].device != plan.chips[b].device:
-            bridged.add(frozenset((a, b)))
-            say(f"boundary {index}-{index + 1}: bridge over {plan.transport_between(a, b)} "
-                f"(chunks of {parallel.bridge_chunk_mb:g} MiB, {parallel.bridge_dtype} "
-                "on the wire)")
+    for number, pipe in enumerate(plan.pipeline_plans):
+        where = f"pipeline {number} " if plan.pipelines else ""
+        for index in range(len(pipe.stages) - 1):
+            a, b = pipe.stages[index].chip, pipe.stages[index + 1].chip
+            if parallel.force_bridge or plan.chips[a].device != plan.chips[b].device:
+                bridged.add(frozenset((a, b)))
+                say(f"{where}boundary {index}-{index + 1}: bridge over "
+                    f"{plan.transport_between(a, b)} (chunks of {parallel.bridge_chunk_mb:g} "
+                    f"MiB, {parallel.bridge_dtype} on the wire)")
+    if plan.pipelines:
+        devices = {plan.chips[chip].device for chip in plan.chips_in_use()}
+        path = ("the bridge (gloo, host-staged, fp32)" if parallel.force_bridge
+                or len(devices) > 1 else "direct point-to-point messages (fp32)")
+        say(f"gradients summed across the {len(plan.pipelines)} pipelines by parameter ranges "
+            f"over {path}" + (" where device types differ, else directly"
+                              if len(devices) > 1 and not parallel.force_bridge else ""))
     for link in plan.transports:
         if frozenset(link.chips) not in bridged:
             say(f"note: transports entry {'/'.join(link.chips)} ({link.transport}) has no "
@@ -66,8 +75,24 @@ def say_bridges(plan: HeteroPlan, parallel: ParallelConfig, say: Say) -> None:
                 "between different device types, or everywhere with --force-bridge)")
 
 
+def pipeline_lines(plan: HeteroPlan) -> list[str]:
+    """The start-up lines on the pipeline(s) and their stages (each pipeline with its share
+    of the global batch where there are several)."""
+    if not plan.pipelines:
+        return [pipeline_line(plan), *stage_lines(plan)]
+    lines = [f"data-parallel pipelines: {len(plan.pipelines)} | batch shares "
+             f"{' + '.join(str(p.global_batch_size) for p in plan.pipelines)} = "
+             f"{plan.global_batch_size} sequences"]
+    for index, pipe in enumerate(plan.pipelines):
+        lines.append(f"pipeline {index} (ranks {pipe.first_rank}-"
+                     f"{pipe.first_rank + pipe.world_size - 1}, {pipe.global_batch_size} "
+                     f"sequences): {pipeline_line(pipe).removeprefix('pipeline: ')}")
+        lines += [f"  {line}" for line in stage_lines(pipe)]
+    return lines
+
+
 def pipeline_line(plan: HeteroPlan) -> str:
-    """The start-up line on the pipeline schedule."""
+    """The start-up line on the pipeline schedule (of one pipeline)."""
     v = plan.virtual_pipeline_size
     m = (str(plan.num_micro_batches) if plan.uniform_dp else
          "/".join(str(plan.stage_micro_batches(s)) for s in range(plan.pipeline_parallel_size)))
@@ -109,8 +134,7 @@ def say_run(run: Run) -> None:
     say(f"parallel: world {run.topo.world_size} | DP {describe_dp(run.plan)} | distributed "
         f"optimizer {cfg.parallel.use_distributed_optimizer} | sequence parallel "
         f"{cfg.parallel.sequence_parallel}")
-    say(pipeline_line(run.plan))
-    for line in stage_lines(run.plan):
+    for line in pipeline_lines(run.plan):
         say(line)
     say_bridges(run.plan, cfg.parallel, say)
     say(f"data: {describe_source(cfg.data)} | {len(run.train_ds)} training samples | setup took "

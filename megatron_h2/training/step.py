@@ -10,6 +10,13 @@ the whole global batch, so gradients are summed, never averaged, over each stage
 Everything that spans ranks (loss, gradient norm, stop requests) is reduced over the whole job,
 so every rank sees the same numbers; with one process all of it reduces to the plain loop.
 
+Data-parallel pipelines (a plan of several): each pipeline runs its share of the global batch
+(its micro-batches numbered from 0, its samples from its first position in the batch, see
+:meth:`~megatron_h2.plan.schema.HeteroPlan.pipeline_samples`) with its own schedule; after its
+DP sync, :class:`~megatron_h2.distributed.pipeline_sum.PipelineGradSum` sums the gradients
+across the pipelines (its sends start during the last backward), so every pipeline applies the
+same update. The gradient norm counts pipeline 0's gradients.
+
 With ``--bf16`` / ``--fp16`` the model's weights, activations and pipeline traffic are in that
 dtype (no autocast, as Megatron); the optimizer keeps fp32 main weights. With a loss scaler
 (``--fp16``, ``--loss-scale``) the backward starts from the scaled loss, a step whose gradients
@@ -31,11 +38,13 @@ from megatron_h2.devices import Accelerator
 from megatron_h2.devices.op_replay import DTYPES
 from megatron_h2.distributed.bridge import BridgeConfig
 from megatron_h2.distributed.p2p import PipeComm
+from megatron_h2.distributed.pipeline_sum import PipelineGradSum
+from megatron_h2.distributed.shard_boxes import ParamLayout
 from megatron_h2.distributed.tied_embedding import tied_embedding_sync
 from megatron_h2.distributed.topology import Topology
 from megatron_h2.errors import TrainingError
 from megatron_h2.models.gpt import GPTModel
-from megatron_h2.models.gpt.gpt_model import TIED_COPY_ATTR
+from megatron_h2.models.gpt.gpt_model import TIED_COPY_ATTR, full_shape
 from megatron_h2.monitoring.stage_clock import StageClock, stage_report
 from megatron_h2.monitoring.timeline import Timeline
 from megatron_h2.monitoring.timers import Timers, report_timers
@@ -59,6 +68,21 @@ def world_sum(values: list[float], topo: Topology) -> list[float]:
     t = torch.tensor(values, dtype=torch.float64)
     dist.all_reduce(t, group=topo.cpu_group)
     return t.tolist()
+
+
+def param_layouts(model: GPTModel, tp: TPContext) -> dict[torch.nn.Parameter, ParamLayout]:
+    """How each parameter of this stage lies in the model's full tensor, for the gradient sum
+    across data-parallel pipelines (a TP-replicated parameter is primary on TP rank 0 only, the
+    last stage's tied copy never: the first stage holds the same gradient)."""
+    aliases: dict[str, str] = getattr(model, "checkpoint_names", {})
+    out = {}
+    for name, param in model.named_parameters():
+        spec = get_tp_shard(param)
+        copy = getattr(param, TIED_COPY_ATTR, False) or (spec is None and tp.rank != 0)
+        out[param] = ParamLayout(aliases.get(name, name), full_shape(param, tp),
+                                 None if spec is None else spec.dim,
+                                 1 if spec is None else spec.blocks, primary=not copy)
+    return out
 
 
 @dataclass
@@ -126,6 +150,17 @@ class StepRunner:
                             for p in model.parameters()}
         self.tied = tied_embedding_sync(topo, model.tied_embedding_weight(), m.vocab_size)
         self.needs_data = topo.is_first_stage or topo.is_last_stage
+        job = topo.job_plan or topo.plan  # per-stage figures where some pipeline has stages
+        self.report_stages = any(p.pipeline_parallel_size > 1 for p in job.pipeline_plans)
+        # data-parallel pipelines: gradients summed across them, the norm counted on pipeline 0
+        self.pipeline_sum = None
+        self.counts = 1.0 if topo.pipeline == 0 else 0.0
+        if topo.num_pipelines > 1:
+            buckets = optimizer.grad_buckets
+            self.pipeline_sum = PipelineGradSum(topo, buckets, param_layouts(model, tp),
+                                                self.sp_params, optimizer.grads.refresh,
+                                                bridge, acc.device)
+            buckets.on_synced = self.pipeline_sum.bucket_synced
 
     @property
     def loss_scale(self) -> float | None:
@@ -148,8 +183,11 @@ class StepRunner:
         iterations."""
         compute, comm = self.clock.take(), self.comm.stats()
         self.comm.reset_stats()
+        if self.pipeline_sum is not None:  # gradients sent to the other pipelines
+            comm["pipelines_bytes"] = float(self.pipeline_sum.stats.bytes)
+            self.pipeline_sum.stats.reset()
         stages = (stage_report(self.topo, compute, elapsed, comm, iterations)
-                  if self.topo.pp_size > 1 else None)
+                  if self.report_stages else None)
         kinds = self.clock.take_kinds()
         self.timers.add("forward-compute", 2, kinds.get("forward", 0.0))
         self.timers.add("backward-compute", 2, sum(v for k, v in kinds.items()
@@ -161,20 +199,34 @@ class StepRunner:
                                       iterations)
         return WindowReport(stages, lines, maxima)
 
+    def _pipeline_micro_batches(self, global_batch_size: int) -> int:
+        """Micro-batches of a global batch that this rank's pipeline runs (all of them with one
+        pipeline; with several, its share, which the launch checks keep fixed)."""
+        job = self.topo.job_plan
+        if job is not None and job.num_pipelines > 1:
+            if global_batch_size != job.global_batch_size:
+                raise TrainingError(f"global batch {global_batch_size} differs from the plan's "
+                                    f"{job.global_batch_size}, which its pipelines share")
+            global_batch_size = self.topo.plan.global_batch_size
+        return global_batch_size // self.cfg.training.micro_batch_size
+
     def _micro_batches(self, global_batch_size: int) -> list[int]:
-        """This replica's micro-batches of a global batch, in the order its schedule takes
-        them."""
-        total = global_batch_size // self.cfg.training.micro_batch_size
+        """This replica's micro-batches of a global batch (numbered within its pipeline), in
+        the order its schedule takes them."""
+        total = self._pipeline_micro_batches(global_batch_size)
         return replica_micro_batches(total, self.stage_dps, self.topo.stage, self.topo.dp_rank,
                                      self.chunks.chunks)
 
     def _replica_samples(self, dataset, start: int, micro_batches: list[int]
                          ) -> dict[int, torch.Tensor] | None:
         """``{j: samples [mbs, s + 1] of micro-batch j}`` for this replica's micro-batches of
-        the global batch that starts at sample ``start`` (None on stages that read no data)."""
+        the global batch that starts at sample ``start`` (None on stages that read no data);
+        a pipeline's micro-batches start at its first sample of the batch."""
         if not self.needs_data:
             return None
         mbs = self.cfg.training.micro_batch_size
+        assert self.topo.job_plan is not None
+        start += self.topo.job_plan.pipeline_samples(self.topo.pipeline).start
         return {j: stack_samples(dataset, start + j * mbs, mbs) for j in micro_batches}
 
     def _loss_divisor(self, samples: dict[int, torch.Tensor] | None, global_batch_size: int
@@ -251,9 +303,9 @@ class StepRunner:
         local = sum(self.norm_weight[p] * float(g.double().square().sum())
                     for p, g in self.optimizer.owned_grads())
         # replicated optimizers hold the same full gradient on every DP rank of a stage (whose
-        # DP degree is its own): count it once
+        # DP degree is its own): count it once; every pipeline holds it: count pipeline 0's
         replicas = 1 if self.optimizer.sharded else self.topo.dp_size
-        return math.sqrt(world_sum([local / replicas], self.topo)[0])
+        return math.sqrt(world_sum([self.counts * local / replicas], self.topo)[0])
 
     def train_step(self, dataset, start: int, iteration: int, lr: float,
                    global_batch_size: int | None = None,
@@ -276,7 +328,7 @@ class StepRunner:
         divisor = self._loss_divisor(samples, batch)
         order = replica_order(self.topo.plan.schedule, self.stage_dps, self.topo.stage,
                               self.topo.dp_rank, self.chunks.chunks,
-                              batch // self.cfg.training.micro_batch_size)
+                              self._pipeline_micro_batches(batch))
         buckets = self.optimizer.grad_buckets
         scale = None if self.scaler is None else self.scaler.scale
         self.timers.start("forward-backward", 1)
@@ -290,6 +342,8 @@ class StepRunner:
         # the tied weight's bucket is summed over DP last, then across first and last stage
         buckets.finish_sync(combine=None if self.tied is None else self.tied.sum_grads)
         self._reduce_sequence_parallel_grads()
+        if self.pipeline_sum is not None:
+            self.pipeline_sum.finish()
         self.timers.stop("all-grads-sync")
         grad_norm = self._grad_norm()
         loss = self._reported_loss(losses)
@@ -330,7 +384,7 @@ class StepRunner:
         local = sum(float((g == 0).sum()) * self.norm_weight[p]
                     for p, g in self.optimizer.owned_grads())
         replicas = 1 if self.optimizer.sharded else self.topo.dp_size
-        return round(world_sum([local / replicas], self.topo)[0])
+        return round(world_sum([self.counts * local / replicas], self.topo)[0])
 
     def params_norm(self) -> float:
         """L2 norm of all parameters of the model (each counted once over stages, TP shards and
@@ -341,7 +395,7 @@ class StepRunner:
         local = sum(self.norm_weight[p] * float(w.double().square().sum())
                     for p, w in self.optimizer.owned_main_weights())
         replicas = 1 if self.optimizer.sharded else self.topo.dp_size
-        return math.sqrt(world_sum([local / replicas], self.topo)[0])
+        return math.sqrt(world_sum([self.counts * local / replicas], self.topo)[0])
 
     @torch.no_grad()
     def eval_loss(self, dataset, num_batches: int) -> float:
