@@ -6,12 +6,13 @@
 #       [--setup CHIP=FILE]... [--dry-run] [--no-check] -- [pretrain_gpt.py flags]
 #
 # Run it from a batch script whose "#SBATCH hetjob" components are listed in the plan's stage
-# order (component 0 = the chip of stage 0, ...); see examples/hetero/README.md for a complete
-# NVIDIA + Ascend job. Options:
+# order (component 0 = the chip of stage 0, ...; with data-parallel pipelines, pipeline after
+# pipeline: the plan's rank order); see examples/hetero/README.md for a complete NVIDIA + Ascend
+# job. Options:
 #   --plan FILE        the heterogeneous plan (tools/plan.py writes it); passed on as --hetero-plan
 #                      (a --hetero-plan FILE among the pretrain_gpt.py flags does the same)
 #   --chips A,B,...    the plan chip that each hetjob component runs, in component order
-#                      (default: the plan's chips in stage order, consecutive stages merged)
+#                      (default: the plan's chips in rank order, consecutive stages merged)
 #   --setup CHIP=FILE  file sourced by every task of that chip's components before Python starts
 #                      (modules, virtualenv, vendor variables: examples/hetero/env_*.sh)
 #   --dry-run          print the srun command instead of running it
@@ -123,8 +124,13 @@ try:
 except ConfigError as exc:
     print(f"error: {exc}", file=sys.stderr)
     sys.exit(2)
-# stage s owns TP_s x DP_s ranks (DP_s: the stage's own data_parallel_size, else the plan's)
-per_rank = [plan.stages[plan.rank_coordinates(r)[0]].chip for r in range(plan.world_size)]
+# stage s owns TP_s x DP_s ranks (DP_s: the stage's own data_parallel_size, else the plan's);
+# data-parallel pipelines own their ranks one after the other
+per_rank = [plan.rank_chip(r) for r in range(plan.world_size)]
+def place(rank):
+    pipeline = plan.pipeline_of_rank(rank)
+    stage = plan.pipeline_plans[pipeline].rank_coordinates(rank)[0]
+    return f"pipeline {pipeline} stage {stage}" if plan.pipelines else f"stage {stage}"
 merge = lambda xs: [x for i, x in enumerate(xs) if i == 0 or xs[i - 1] != x]
 chips = chips_arg.split(",") if chips_arg else merge(per_rank)
 def fail(msg):
@@ -133,19 +139,19 @@ def fail(msg):
 if merge(chips) != merge(per_rank):
     fail(f"components run chips {','.join(chips)} but the plan's stages run "
          f"{','.join(merge(per_rank))} in that order; list the hetjob components and --chips "
-         "in the plan's stage order")
+         "in the plan's stage order (with pipelines, pipeline after pipeline)")
 if "?" not in counts_arg.split(","):
     counts = [int(n) for n in counts_arg.split(",")]
     if len(counts) == len(chips):
         launched = [c for c, n in zip(chips, counts) for _ in range(n)]
         if len(launched) != len(per_rank):
             fail(f"the components have {'+'.join(map(str, counts))} = {len(launched)} tasks but "
-                 f"the plan needs {len(per_rank)} ranks (sum of TP x DP over stages)")
+                 f"the plan needs {len(per_rank)} ranks (sum of TP x DP over stages"
+                 f"{' and pipelines' if plan.pipelines else ''})")
         for rank, (got, want) in enumerate(zip(launched, per_rank)):
             if got != want:
-                stage = plan.rank_coordinates(rank)[0]
-                fail(f"rank {rank} would run on a '{got}' component but the plan puts stage "
-                     f"{stage} (chip '{want}') there; change the components' task counts")
+                fail(f"rank {rank} would run on a '{got}' component but the plan puts "
+                     f"{place(rank)} (chip '{want}') there; change the components' task counts")
 print(",".join(chips))
 EOF
 if [ "$CHECK" = 1 ]; then

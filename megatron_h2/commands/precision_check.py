@@ -74,6 +74,9 @@ def layer_range(opts, cfg) -> tuple[tuple[int, int] | None, str | None]:
     plan = HeteroPlan.from_yaml(cfg.parallel.hetero_plan)
     plan.validate(cfg.model.num_layers, cfg.model.num_attention_heads,
                   cfg.model.num_query_groups)
+    if plan.pipelines:
+        raise ConfigError(f"--stage names a stage of one pipeline but the plan has "
+                          f"{len(plan.pipelines)}; check a plan file of one of its pipelines")
     if not 0 <= opts.stage < plan.pipeline_parallel_size:
         raise ConfigError(f"--stage {opts.stage} is not a stage of the plan (0.."
                           f"{plan.pipeline_parallel_size - 1})")

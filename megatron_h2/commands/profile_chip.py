@@ -107,8 +107,7 @@ def rank_slowdowns(plan_path: str) -> list[float]:
     from megatron_h2.plan.schema import HeteroPlan
 
     plan = HeteroPlan.from_yaml(plan_path)
-    return [plan.chips[plan.stages[plan.rank_coordinates(r)[0]].chip].emulate_slowdown
-            for r in range(plan.world_size)]
+    return [plan.chips[plan.rank_chip(r)].emulate_slowdown for r in range(plan.world_size)]
 
 
 def link_bytes(cfg) -> tuple[int, int]:

@@ -290,7 +290,7 @@ def _replan(job: Job, cfg, planned: Planned, counts: dict[str, int], outcome: Ou
     """Take out the lost chips and the ones the probe misses, plan again, say what changed."""
     before = dict(counts)
     for rank in outcome.lost_ranks:
-        chip = planned.plan.stages[planned.plan.rank_coordinates(rank)[0]].chip
+        chip = planned.plan.rank_chip(rank)  # of any data-parallel pipeline
         counts[chip] -= 1
         say(f"rank {rank} (chip type '{chip}') is lost: taking its chip out")
     probed = probe_chips(job.cluster, job.options.health_probe)

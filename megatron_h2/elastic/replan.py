@@ -32,11 +32,8 @@ def with_counts(cluster: Cluster, counts: dict[str, int]) -> Cluster:
 
 
 def chips_in_use(plan: HeteroPlan) -> dict[str, int]:
-    """Chips of each type that ``plan`` runs on."""
-    used: dict[str, int] = {}
-    for index, stage in enumerate(plan.stages):
-        used[stage.chip] = used.get(stage.chip, 0) + len(plan.stage_ranks(index))
-    return used
+    """Chips of each type that ``plan`` runs on (over all its data-parallel pipelines)."""
+    return plan.chips_in_use()
 
 
 @dataclass(frozen=True)
@@ -47,7 +44,9 @@ class Planned:
     tokens_per_s: float
 
     def describe(self) -> str:
-        return (f"{stage_summary(self.plan)} (DP {describe_dp(self.plan)}, micro-batch "
+        stages = " + ".join(f"[{stage_summary(p)}]" if self.plan.pipelines else stage_summary(p)
+                            for p in self.plan.pipeline_plans)
+        return (f"{stages} (DP {describe_dp(self.plan)}, micro-batch "
                 f"{self.plan.micro_batch_size}, {self.plan.world_size} chips)")
 
 

@@ -23,27 +23,30 @@ _GRES = {"cuda": "gpu"}
 
 @dataclass(frozen=True)
 class Component:
-    """Consecutive stages on one chip type: one het-job component."""
+    """Consecutive stages on one chip type: one het-job component (of one data-parallel
+    pipeline: ``pipeline``, its stages ``first_stage .. last_stage``)."""
 
     chip: str
     first_stage: int
     last_stage: int
     first_rank: int
     ranks: int
+    pipeline: int = 0
 
 
 def components(plan: HeteroPlan) -> list[Component]:
-    """Group consecutive stages by chip type, in pipeline order."""
+    """Group consecutive stages by chip type, in rank order (pipeline after pipeline)."""
     groups: list[Component] = []
-    for index, stage in enumerate(plan.stages):
-        ranks = plan.stage_ranks(index)
-        if groups and groups[-1].chip == stage.chip:
-            last = groups[-1]
-            groups[-1] = Component(
-                last.chip, last.first_stage, index, last.first_rank, last.ranks + len(ranks)
-            )
-        else:
-            groups.append(Component(stage.chip, index, index, ranks.start, len(ranks)))
+    for number, pipe in enumerate(plan.pipeline_plans):
+        for index, stage in enumerate(pipe.stages):
+            ranks = pipe.stage_ranks(index)
+            last = groups[-1] if groups else None
+            if last is not None and last.chip == stage.chip and last.pipeline == number:
+                groups[-1] = Component(last.chip, last.first_stage, index, last.first_rank,
+                                       last.ranks + len(ranks), number)
+            else:
+                groups.append(Component(stage.chip, index, index, ranks.start, len(ranks),
+                                        number))
     return groups
 
 
@@ -67,7 +70,7 @@ def training_flags(
 
 def single_node(plan: HeteroPlan, cluster: Cluster) -> bool:
     """True when torchrun on one host can run the plan (CPU emulation, or one node of one type)."""
-    chips = {stage.chip for stage in plan.stages}
+    chips = set(plan.chips_in_use())
     if all(cluster.chip(name).device == "cpu" for name in chips):
         return True
     return len(chips) == 1 and plan.world_size <= cluster.chip(next(iter(chips))).chips_per_node
@@ -86,7 +89,7 @@ def launch_script(
     over to ``scripts/slurm_hetero.sh``, which starts one task per chip and checks the components
     against the plan.
     """
-    on_cpu = all(cluster.chip(stage.chip).device == "cpu" for stage in plan.stages)
+    on_cpu = all(cluster.chip(chip).device == "cpu" for chip in plan.chips_in_use())
     flags = " ".join(
         shlex.quote(a) for a in training_flags(model, plan, distributed_optimizer, not on_cpu)
     )
@@ -127,6 +130,7 @@ def _slurm(plan: HeteroPlan, cluster: Cluster, plan_path: str, flags: str) -> st
             lines.append("#SBATCH hetjob")
         lines.append(
             f"# component {index}: {chip.name} ({chip.device}),"
+            f"{f' pipeline {part.pipeline},' if plan.pipelines else ''}"
             f" stages {part.first_stage}-{part.last_stage},"
             f" ranks {part.first_rank}-{part.first_rank + part.ranks - 1}"
         )

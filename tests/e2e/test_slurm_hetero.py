@@ -303,3 +303,33 @@ def test_stage_with_its_own_dp_needs_its_tasks(job):
     env["SLURM_NTASKS_HET_GROUP_1"] = "2"
     proc = launch(tmp_path, env, "--plan", "plan.yaml", "--chips", "gpu,npu", "--dry-run")
     assert proc.returncode == 0, proc.stderr
+
+
+PIPELINES = """micro_batch_size: 1
+global_batch_size: 4
+chips:
+  gpu: {device: cuda}
+  npu: {device: npu}
+pipelines:
+  - batch_share: 2
+    stages:
+      - {chip: gpu, tensor_parallel_size: 2, num_layers: 4}
+  - batch_share: 2
+    stages:
+      - {chip: npu, tensor_parallel_size: 1, num_layers: 4}
+"""
+
+
+def test_data_parallel_pipelines_follow_the_rank_order(job):
+    """Pipeline 0 on the gpu component (2 tasks), pipeline 1 on the npu one; components listed
+    in another order get one line naming the pipeline's stage."""
+    tmp_path, env = job
+    (tmp_path / "plan.yaml").write_text(PIPELINES)
+    proc = launch(tmp_path, env, "--plan", "plan.yaml", "--dry-run")
+    assert proc.returncode == 0, proc.stderr
+    assert "2 component(s) [gpu x 2 + npu x 1]" in proc.stdout
+    env.update(SLURM_NTASKS_HET_GROUP_0="1", SLURM_NTASKS_HET_GROUP_1="2")
+    proc = launch(tmp_path, env, "--plan", "plan.yaml", "--chips", "gpu,npu")
+    assert proc.returncode == 2
+    assert ("rank 1 would run on a 'npu' component but the plan puts pipeline 0 stage 0 "
+            "(chip 'gpu') there") in proc.stderr
