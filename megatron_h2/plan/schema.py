@@ -57,117 +57,59 @@ Rank layout (what the runtime must build its process groups from):
   (:mod:`megatron_h2.distributed.boundary`, :mod:`megatron_h2.plan.orders`).
 * Layers are numbered globally; stage ``s`` runs ``layer_ranges()[s]`` (0-based, contiguous)
   when it has one chunk, and ``chunk_layer_ranges()[s]`` in general.
+
+Data-parallel pipelines: a plan may list several pipelines instead of one stage list. Each is a
+whole pipeline as above (its own chips, stages, TP, DP, layer split, recompute, schedule and
+virtual stages) and computes the whole model on its share of the global batch; the gradients are
+summed over every replica of every pipeline, so a step equals one process's over the global
+batch::
+
+    micro_batch_size: 1          # shared by every pipeline
+    global_batch_size: 8         # the sum of the pipelines' batch shares
+    chips:
+      fast: {device: cpu}
+      slow: {device: cpu, emulate_slowdown: 2.0}
+    pipelines:
+      - batch_share: 6           # sequences per step: whole micro-batches for every replica
+        data_parallel_size: 1    # optional: the plan's data_parallel_size, else 1
+        stages:
+          - {chip: fast, tensor_parallel_size: 2, num_layers: 4}
+      - batch_share: 2
+        schedule: 1f1b           # optional, per pipeline (default as above)
+        stages:
+          - {chip: slow, tensor_parallel_size: 1, num_layers: 2}
+          - {chip: slow, tensor_parallel_size: 1, num_layers: 2}
+    transports: []               # optional, shared by every pipeline
+
+A top-level ``data_parallel_size`` / ``schedule`` is the default of the pipelines that do not
+set their own; ``stages`` and ``pipelines`` exclude each other. In Python the plan keeps each
+pipeline in :attr:`HeteroPlan.pipelines` as a plan of one pipeline whose ``global_batch_size``
+is its share and whose ``first_rank`` says where its ranks start (the top-level ``stages`` is
+then empty, and what only one pipeline has, such as :meth:`HeteroPlan.stage_ranks` or
+:meth:`HeteroPlan.layer_ranges`, is asked of a pipeline). :meth:`HeteroPlan.of_pipelines`
+combines plans of one pipeline the same way.
+
+* Pipeline ``k`` owns the ``world_size`` ranks after those of pipelines ``0 .. k-1``, laid out
+  inside as above (:meth:`HeteroPlan.pipeline_of_rank`, :meth:`HeteroPlan.rank_chip`).
+* Its micro-batches are the sequences ``pipeline_samples(k)`` of the global batch: pipeline 0
+  takes the first ``batch_share`` sequences, pipeline 1 the next ones, and so on.
+* Every pipeline holds every layer of the model exactly once; pipelines may shard a layer
+  differently (other TP degree, other stage boundaries, other chip types).
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, cast
+from typing import Any
 
-import yaml
-
-from megatron_h2.config import RECOMPUTE_MODES, Recompute
 from megatron_h2.errors import ConfigError
 from megatron_h2.plan.orders import SCHEDULES
-from megatron_h2.plan.yaml_io import (
-    check_keys,
-    closest,
-    load_yaml_mapping,
-    positive_float,
-    positive_int,
-)
+from megatron_h2.plan.specs import TRANSPORTS, ChipSpec, LinkSpec, StageSpec
+from megatron_h2.plan.yaml_io import closest, load_yaml_mapping, positive_int
 
-_PLAN_KEYS = ("data_parallel_size", "micro_batch_size", "global_batch_size", "chips", "stages",
-              "schedule")
-"""Pipeline schedules a plan may name (``schedule``)."""
-_CHIP_KEYS = ("device", "emulate_slowdown")
-_STAGE_KEYS = ("chip", "tensor_parallel_size", "num_layers", "recompute", "data_parallel_size")
-_LINK_KEYS = ("chips", "transport")
-TRANSPORTS = ("gloo", "nixl")
-"""Transfer libraries the bridge can run on (megatron_h2.distributed.transport)."""
-
-
-@dataclass(frozen=True)
-class ChipSpec:
-    """How the runtime drives one chip type: its torch device type and an optional slowdown.
-
-    ``emulate_slowdown`` (>= 1.0) makes a chip run that many times slower than it is (each
-    pass sleeps ``emulate_slowdown - 1`` times its own CPU time after it), so that a CPU-only
-    machine can emulate a heterogeneous cluster; leave it at 1.0 on real accelerators.
-    """
-
-    device: str
-    emulate_slowdown: float = 1.0
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.device, str) or not self.device.strip():
-            raise ConfigError(
-                f"chip device must be a non-empty string such as 'cuda', got {self.device!r}"
-            )
-        slowdown = positive_float(self.emulate_slowdown, "emulate_slowdown", 1.0, inclusive=True)
-        object.__setattr__(self, "emulate_slowdown", slowdown)
-
-
-@dataclass(frozen=True)
-class StageSpec:
-    """One pipeline stage: the chip type it runs on, its TP degree, layer count and recompute.
-
-    ``num_layers`` is the stage's total; ``chunk_layers`` splits it over model chunks (virtual
-    pipeline stages, see the module docstring), empty for one chunk.
-    """
-
-    chip: str
-    tensor_parallel_size: int
-    num_layers: int
-    recompute: Recompute = "none"
-    chunk_layers: tuple[int, ...] = ()
-    data_parallel_size: int | None = None  # None: the plan's data_parallel_size
-
-    def __post_init__(self) -> None:
-        if self.data_parallel_size is not None:
-            positive_int(self.data_parallel_size, "data_parallel_size")
-        if not isinstance(self.chip, str) or not self.chip:
-            raise ConfigError(f"stage chip must be a chip name, got {self.chip!r}")
-        positive_int(self.tensor_parallel_size, "tensor_parallel_size")
-        positive_int(self.num_layers, "num_layers", minimum=0)
-        object.__setattr__(self, "chunk_layers", tuple(self.chunk_layers))
-        for count in self.chunk_layers:
-            positive_int(count, "num_layers of a chunk", minimum=0)
-        if self.chunk_layers and sum(self.chunk_layers) != self.num_layers:
-            raise ConfigError(f"chunk layers {list(self.chunk_layers)} add up to "
-                              f"{sum(self.chunk_layers)}, not the stage's {self.num_layers}")
-        if self.recompute not in RECOMPUTE_MODES:
-            raise ConfigError(
-                f"recompute must be one of {', '.join(RECOMPUTE_MODES)}, got {self.recompute!r}"
-                f"{closest(str(self.recompute), RECOMPUTE_MODES)}"
-            )
-
-    @property
-    def chunks(self) -> tuple[int, ...]:
-        """Layer count of each model chunk of the stage (one entry without interleaving)."""
-        return self.chunk_layers or (self.num_layers,)
-
-
-@dataclass(frozen=True)
-class LinkSpec:
-    """The bridge's transport between two chip types (order does not matter)."""
-
-    chips: tuple[str, str]
-    transport: str = "gloo"
-
-    def __post_init__(self) -> None:
-        chips = self.chips
-        if (not isinstance(chips, (list, tuple)) or len(chips) != 2
-                or not all(isinstance(c, str) and c for c in chips)):
-            raise ConfigError(f"transports entry needs chips: [chip_a, chip_b], got {chips!r}")
-        object.__setattr__(self, "chips", tuple(chips))
-        if self.transport not in TRANSPORTS:
-            hint = (" (mooncake was evaluated but is not integrated: see docs/devices.md)"
-                    if self.transport == "mooncake" else closest(str(self.transport), TRANSPORTS))
-            raise ConfigError(f"transport must be one of {', '.join(TRANSPORTS)}, got "
-                              f"{self.transport!r}{hint}")
+__all__ = ["TRANSPORTS", "ChipSpec", "HeteroPlan", "LinkSpec", "StageSpec"]
 
 
 @dataclass(frozen=True)
@@ -176,8 +118,14 @@ class HeteroPlan:
 
     Construction checks everything that does not need the model: positive sizes, the global batch
     being a multiple of ``micro_batch_size * data_parallel_size``, chip names, and that only the
-    first and last stages (which hold the embedding and the head) may have no layer. Call
-    :meth:`validate` with the model flags for the rest.
+    first and last stages (which hold the embedding and the head) may have no layer; with
+    ``pipelines``, that the shares add up to the global batch and that every pipeline holds the
+    same layers. Call :meth:`validate` with the model flags for the rest.
+
+    ``pipelines`` (two or more plans of one pipeline, each with its share as
+    ``global_batch_size``) makes a plan of data-parallel pipelines; ``stages`` is then empty and
+    the pipelines are stored with this plan's chips and transports and their ``first_rank``.
+    ``first_rank`` is where a pipeline's ranks start in the job (0 for a plan of its own).
     """
 
     data_parallel_size: int
@@ -187,11 +135,14 @@ class HeteroPlan:
     stages: Sequence[StageSpec]
     schedule: str | None = None  # None: "interleaved" with virtual stages, else "1f1b"
     transports: Sequence[LinkSpec] = ()
+    pipelines: Sequence[HeteroPlan] = ()  # data-parallel pipelines (two or more), else empty
+    first_rank: int = 0
 
     def __post_init__(self) -> None:
         positive_int(self.data_parallel_size, "data_parallel_size")
         positive_int(self.micro_batch_size, "micro_batch_size")
         positive_int(self.global_batch_size, "global_batch_size")
+        positive_int(self.first_rank, "first_rank", minimum=0)
         if not isinstance(self.chips, Mapping) or not self.chips:
             raise ConfigError("chips must map at least one chip name to {device: ...}")
         for name, chip in self.chips.items():
@@ -199,6 +150,12 @@ class HeteroPlan:
                 raise ConfigError(f"chip '{name}' must be a ChipSpec, got {type(chip).__name__}")
         object.__setattr__(self, "chips", dict(self.chips))
         object.__setattr__(self, "stages", tuple(self.stages))
+        object.__setattr__(self, "transports", tuple(self.transports))
+        object.__setattr__(self, "pipelines", tuple(self.pipelines))
+        if self.pipelines:
+            self._check_transports()
+            self._init_pipelines()
+            return
         if not self.stages:
             raise ConfigError("stages is empty; a plan needs at least one pipeline stage")
         self._check_batch()
@@ -216,8 +173,79 @@ class HeteroPlan:
         if self.schedule == "1f1b" and self.virtual_pipeline_size > 1:
             raise ConfigError("the stages have several model chunks, which the 1f1b schedule "
                               "cannot run; use schedule: interleaved")
-        object.__setattr__(self, "transports", tuple(self.transports))
         self._check_transports()
+
+    def _init_pipelines(self) -> None:
+        """Check the pipelines against each other and store them with this plan's chips and
+        transports, each knowing where its ranks start."""
+        if len(self.pipelines) < 2:
+            raise ConfigError("pipelines lists one pipeline; a plan of one pipeline gives its "
+                              "stages (and data_parallel_size) at the top level")
+        if self.stages or self.first_rank:
+            raise ConfigError("a plan of several pipelines keeps its stages in its pipelines; "
+                              "leave stages empty (and first_rank 0)")
+        stored, start = [], 0
+        for index, pipe in enumerate(self.pipelines):
+            if not isinstance(pipe, HeteroPlan) or pipe.pipelines:
+                raise ConfigError(f"pipeline {index} must be a plan of one pipeline, got "
+                                  f"{type(pipe).__name__}")
+            self._check_pipeline(index, pipe)
+            stored.append(replace(pipe, chips=self.chips, transports=self.transports,
+                                  first_rank=start))
+            start += pipe.world_size
+        shares = [pipe.global_batch_size for pipe in self.pipelines]
+        if sum(shares) != self.global_batch_size:
+            raise ConfigError(f"the pipelines' batch shares {' + '.join(map(str, shares))} = "
+                              f"{sum(shares)} do not add up to global_batch_size "
+                              f"{self.global_batch_size}; change the shares or the global batch")
+        layers = [pipe.num_layers for pipe in self.pipelines]
+        for index, count in enumerate(layers):
+            if count != layers[0]:
+                raise ConfigError(f"pipeline {index} holds {count} layers but pipeline 0 holds "
+                                  f"{layers[0]}; every pipeline holds every layer of the model "
+                                  "exactly once")
+        object.__setattr__(self, "pipelines", tuple(stored))
+
+    def _check_pipeline(self, index: int, pipe: HeteroPlan) -> None:
+        """Pipeline ``index`` shares this plan's micro-batch size, chips and transports."""
+        if pipe.micro_batch_size != self.micro_batch_size:
+            raise ConfigError(f"pipeline {index} has micro_batch_size {pipe.micro_batch_size} "
+                              f"but the plan {self.micro_batch_size}; every pipeline uses the "
+                              "plan's micro-batch size")
+        for stage in pipe.stages:
+            if stage.chip not in self.chips:
+                raise ConfigError(f"pipeline {index} uses unknown chip '{stage.chip}'"
+                                  f"{closest(stage.chip, list(self.chips))}; known chips: "
+                                  f"{', '.join(self.chips)}")
+            if pipe.chips[stage.chip] != self.chips[stage.chip]:
+                raise ConfigError(f"pipeline {index} describes chip '{stage.chip}' otherwise "
+                                  "than the plan; one chip name has one description")
+        for link in pipe.transports:
+            if self.transport_between(*link.chips) != link.transport:
+                raise ConfigError(f"pipeline {index} carries {' / '.join(link.chips)} over "
+                                  f"{link.transport} but the plan over "
+                                  f"{self.transport_between(*link.chips)}; list it once")
+
+    @classmethod
+    def of_pipelines(cls, pipelines: Sequence[HeteroPlan]) -> HeteroPlan:
+        """The plan of data-parallel ``pipelines`` (plans of one pipeline, each with its share
+        of the global batch as ``global_batch_size``), their chips and transports merged; one
+        pipeline is returned as it is."""
+        pipes = list(pipelines)
+        if not pipes:
+            raise ConfigError("of_pipelines needs at least one pipeline")
+        if len(pipes) == 1:
+            return pipes[0]
+        chips: dict[str, ChipSpec] = {}
+        links: dict[frozenset[str], LinkSpec] = {}
+        for pipe in pipes:
+            for stage in pipe.stages:
+                chips.setdefault(stage.chip, pipe.chips[stage.chip])
+            for link in pipe.transports:
+                links.setdefault(frozenset(link.chips), link)
+        return cls(data_parallel_size=1, micro_batch_size=pipes[0].micro_batch_size,
+                   global_batch_size=sum(p.global_batch_size for p in pipes), chips=chips,
+                   stages=(), transports=tuple(links.values()), pipelines=pipes)
 
     def _check_transports(self) -> None:
         seen: set[frozenset[str]] = set()
@@ -294,22 +322,73 @@ class HeteroPlan:
     def __hash__(self) -> int:
         return hash((self.data_parallel_size, self.micro_batch_size, self.global_batch_size,
                      tuple(sorted(self.chips.items())), tuple(self.stages), self.schedule,
-                     tuple(self.transports)))
+                     tuple(self.transports), tuple(self.pipelines), self.first_rank))
+
+    def _one_pipeline(self, what: str) -> None:
+        """Raise where ``what`` belongs to one pipeline and this plan has several."""
+        if self.pipelines:
+            raise ConfigError(f"{what} belongs to one pipeline and this plan has "
+                              f"{len(self.pipelines)}; ask plan.pipelines[k]")
+
+    # ------------------------------------------------------------------------------ pipelines
+    @property
+    def pipeline_plans(self) -> tuple[HeteroPlan, ...]:
+        """Every data-parallel pipeline as a plan of one pipeline (this plan if it is one)."""
+        return self.pipelines or (self,)
+
+    @property
+    def num_pipelines(self) -> int:
+        """Number of data-parallel pipelines (1 for a plain plan)."""
+        return len(self.pipeline_plans)
+
+    def pipeline_of_rank(self, rank: int) -> int:
+        """Index of the pipeline that owns global ``rank``."""
+        if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < self.world_size:
+            raise ConfigError(f"rank {rank!r} is out of range 0..{self.world_size - 1}")
+        for index, pipe in enumerate(self.pipeline_plans):
+            if rank < pipe.first_rank + pipe.world_size:
+                return index
+        raise AssertionError("unreachable: rank inside world size but in no pipeline")
+
+    def rank_chip(self, rank: int) -> str:
+        """Name of the chip type that runs global ``rank``."""
+        pipe = self.pipeline_plans[self.pipeline_of_rank(rank)]
+        return pipe.stages[pipe.rank_coordinates(rank)[0]].chip
+
+    def chips_in_use(self) -> dict[str, int]:
+        """Chips of each type the plan runs on, over every pipeline (chips are never shared)."""
+        used: dict[str, int] = {}
+        for pipe in self.pipeline_plans:
+            for index, stage in enumerate(pipe.stages):
+                used[stage.chip] = used.get(stage.chip, 0) + len(pipe.stage_ranks(index))
+        return used
+
+    def pipeline_samples(self, pipeline: int) -> range:
+        """Positions (sequences) of the global batch that ``pipeline`` runs: its share, after
+        those of the pipelines before it."""
+        plans = self.pipeline_plans
+        if not 0 <= pipeline < len(plans):
+            raise ConfigError(f"pipeline index {pipeline!r} is out of range 0..{len(plans) - 1}")
+        start = sum(p.global_batch_size for p in plans[:pipeline])
+        return range(start, start + plans[pipeline].global_batch_size)
 
     # ----------------------------------------------------------------------------- derived sizes
     @property
     def pipeline_parallel_size(self) -> int:
         """Number of pipeline stages."""
+        self._one_pipeline("pipeline_parallel_size")
         return len(self.stages)
 
     def stage_dp(self, stage: int) -> int:
         """Data-parallel degree of ``stage`` (its own ``data_parallel_size``, else the plan's)."""
+        self._one_pipeline("stage_dp")
         own = self.stages[stage].data_parallel_size
         return self.data_parallel_size if own is None else own
 
     @property
     def uniform_dp(self) -> bool:
         """Whether every stage has the plan's DP degree."""
+        self._one_pipeline("uniform_dp")
         return all(self.stage_dp(s) == self.data_parallel_size for s in range(len(self.stages)))
 
     @property
@@ -333,37 +412,47 @@ class HeteroPlan:
 
     @property
     def num_layers(self) -> int:
-        """Total transformer layers over all stages."""
+        """Total transformer layers over all stages (of each pipeline: they hold the same)."""
+        if self.pipelines:
+            return self.pipelines[0].num_layers
         return sum(stage.num_layers for stage in self.stages)
 
     @property
     def virtual_pipeline_size(self) -> int:
         """Model chunks per stage (V; 1 without interleaving)."""
+        self._one_pipeline("virtual_pipeline_size")
         return len(self.stages[0].chunks)
 
     @property
     def world_size(self) -> int:
-        """Ranks the plan needs: sum over stages of TP x DP (each stage's own DP)."""
+        """Ranks the plan needs: sum over stages of TP x DP (each stage's own DP), over every
+        pipeline."""
+        if self.pipelines:
+            return sum(pipe.world_size for pipe in self.pipelines)
         return sum(stage.tensor_parallel_size * self.stage_dp(index)
                    for index, stage in enumerate(self.stages))
 
     def stage_ranks(self, stage: int) -> range:
-        """Global ranks of ``stage``: ``tensor_parallel_size x data_parallel_size`` in a row."""
+        """Global ranks of ``stage``: ``tensor_parallel_size x data_parallel_size`` in a row,
+        from ``first_rank`` on."""
+        self._one_pipeline("stage_ranks")
         if (
             isinstance(stage, bool)
             or not isinstance(stage, int)
             or not 0 <= stage < len(self.stages)
         ):
             raise ConfigError(f"stage index {stage!r} is out of range 0..{len(self.stages) - 1}")
-        start = sum(s.tensor_parallel_size * self.stage_dp(i)
-                    for i, s in enumerate(self.stages[:stage]))
+        start = self.first_rank + sum(s.tensor_parallel_size * self.stage_dp(i)
+                                      for i, s in enumerate(self.stages[:stage]))
         ranks = self.stages[stage].tensor_parallel_size * self.stage_dp(stage)
         return range(start, start + ranks)
 
     def rank_coordinates(self, rank: int) -> tuple[int, int, int]:
         """Return ``(stage, dp_rank, tp_rank)`` of a global rank (see the rank layout above)."""
-        if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < self.world_size:
-            raise ConfigError(f"rank {rank!r} is out of range 0..{self.world_size - 1}")
+        self._one_pipeline("rank_coordinates")
+        first, last = self.first_rank, self.first_rank + self.world_size - 1
+        if isinstance(rank, bool) or not isinstance(rank, int) or not first <= rank <= last:
+            raise ConfigError(f"rank {rank!r} is out of range {first}..{last}")
         for index in range(len(self.stages)):
             ranks = self.stage_ranks(index)
             if rank in ranks:
@@ -375,6 +464,7 @@ class HeteroPlan:
     def chunk_layer_ranges(self) -> list[list[range]]:
         """``[stage][chunk]``: the global layers of every model chunk, numbered chunk-major
         (chunk 0 of every stage in pipeline order, then chunk 1, ...)."""
+        self._one_pipeline("chunk_layer_ranges")
         out: list[list[range]] = [[] for _ in self.stages]
         start = 0
         for chunk in range(self.virtual_pipeline_size):
@@ -386,6 +476,7 @@ class HeteroPlan:
     def layer_ranges(self) -> list[range]:
         """Global (0-based) layer indices run by each stage, in pipeline order (one chunk per
         stage; see :meth:`chunk_layer_ranges` for interleaved plans)."""
+        self._one_pipeline("layer_ranges")
         if self.virtual_pipeline_size > 1:
             raise ConfigError("an interleaved plan's stages hold several layer ranges; use "
                               "chunk_layer_ranges()")
@@ -412,6 +503,21 @@ class HeteroPlan:
         positive_int(num_attention_heads, "num_attention_heads")
         groups = num_attention_heads if num_query_groups is None else num_query_groups
         positive_int(groups, "num_query_groups")
+        for index, pipe in enumerate(self.pipelines):
+            try:
+                pipe.validate(num_layers, num_attention_heads, groups)
+            except ConfigError as exc:
+                raise ConfigError(f"pipeline {index}: {exc}") from None
+        if not self.pipelines:
+            self._validate_stages(num_layers, num_attention_heads, groups)
+        if world_size is not None and world_size != self.world_size:
+            raise ConfigError(
+                f"the plan needs world size {self.world_size} (sum of TP x DP over stages"
+                f"{' and pipelines' if self.pipelines else ''}) but {world_size} processes were "
+                f"launched; launch {self.world_size}"
+            )
+
+    def _validate_stages(self, num_layers: int, num_attention_heads: int, groups: int) -> None:
         if self.num_layers != num_layers:
             split = "+".join(str(stage.num_layers) for stage in self.stages)
             raise ConfigError(
@@ -427,59 +533,14 @@ class HeteroPlan:
                         f" {count} {name};"
                         " pick a TP degree that divides both heads and query groups"
                     )
-        if world_size is not None and world_size != self.world_size:
-            raise ConfigError(
-                f"the plan needs world size {self.world_size} (sum of TP x DP over stages) but"
-                f" {world_size} processes were launched; launch {self.world_size}"
-            )
 
     # ------------------------------------------------------------------------------- conversion
     @classmethod
     def from_dict(cls, data: Any, source: str = "plan") -> HeteroPlan:
         """Build a plan from the YAML-shaped mapping; ``source`` names it in error messages."""
-        top = check_keys(data, _PLAN_KEYS[:5], _PLAN_KEYS[5:] + ("transports",), source)
-        raw_chips = top["chips"]
-        if not isinstance(raw_chips, Mapping) or not raw_chips:
-            raise ConfigError(f"'chips' in {source} must map chip names to {{device: ...}}")
-        chips = {}
-        for name, chip in raw_chips.items():
-            entry = check_keys(chip, _CHIP_KEYS[:1], _CHIP_KEYS[1:], f"chip '{name}' of {source}")
-            chips[str(name)] = ChipSpec(**dict(entry))
-        raw_stages = top["stages"]
-        if not isinstance(raw_stages, list) or not raw_stages:
-            raise ConfigError(f"'stages' in {source} must be a non-empty list of stages")
-        stages = []
-        for index, stage in enumerate(raw_stages):
-            where = f"stage {index} of {source}"
-            entry = dict(check_keys(stage, _STAGE_KEYS[:3], _STAGE_KEYS[3:], where))
-            layers = entry["num_layers"]
-            if isinstance(layers, list):  # one count per model chunk
-                if not layers:
-                    raise ConfigError(f"{where}: num_layers is an empty list; give one layer "
-                                      "count per model chunk")
-                entry["chunk_layers"] = tuple(layers)
-                entry["num_layers"] = sum(n for n in layers if isinstance(n, int))
-            try:
-                stages.append(StageSpec(**entry))
-            except ConfigError as exc:
-                raise ConfigError(f"stage {index} of {source}: {exc}") from None
-        raw_links = top.get("transports", [])
-        if not isinstance(raw_links, list):
-            raise ConfigError(f"'transports' in {source} must be a list of "
-                              "{chips: [a, b], transport: ...}")
-        links = []
-        for index, link in enumerate(raw_links):
-            entry = check_keys(link, _LINK_KEYS, (), f"transports entry {index} of {source}")
-            links.append(LinkSpec(**dict(entry)))
-        return cls(
-            data_parallel_size=top["data_parallel_size"],
-            micro_batch_size=top["micro_batch_size"],
-            global_batch_size=top["global_batch_size"],
-            chips=chips,
-            stages=stages,
-            schedule=top.get("schedule"),
-            transports=links,
-        )
+        from megatron_h2.plan.plan_file import plan_from_dict
+
+        return plan_from_dict(data, source)
 
     @classmethod
     def from_yaml(cls, path: str | Path) -> HeteroPlan:
@@ -488,61 +549,12 @@ class HeteroPlan:
 
     def to_dict(self) -> dict[str, Any]:
         """Plain YAML-ready mapping; ``emulate_slowdown`` is written only when it is not 1.0."""
-        chips: dict[str, Any] = {}
-        for name, chip in self.chips.items():
-            entry: dict[str, Any] = {"device": chip.device}
-            if chip.emulate_slowdown != 1.0:
-                entry["emulate_slowdown"] = chip.emulate_slowdown
-            chips[name] = entry
-        stages = [
-            {
-                "chip": s.chip,
-                "tensor_parallel_size": s.tensor_parallel_size,
-                "num_layers": list(s.chunk_layers) if s.chunk_layers else s.num_layers,
-                "recompute": s.recompute,
-                **({} if s.data_parallel_size is None
-                   else {"data_parallel_size": s.data_parallel_size}),
-            }
-            for s in self.stages
-        ]
-        out = {
-            "data_parallel_size": self.data_parallel_size,
-            "micro_batch_size": self.micro_batch_size,
-            "global_batch_size": self.global_batch_size,
-            "chips": chips,
-            "stages": stages,
-        }
-        default = "interleaved" if self.virtual_pipeline_size > 1 else "1f1b"
-        if self.schedule != default:
-            out["schedule"] = self.schedule
-        if self.transports:
-            out["transports"] = [{"chips": list(link.chips), "transport": link.transport}
-                                 for link in self.transports]
-        return out
+        from megatron_h2.plan.plan_file import plan_to_dict
+
+        return plan_to_dict(self)
 
     def to_yaml(self, path: str | Path, header: str | None = None) -> None:
         """Write the plan; ``header`` lines (e.g. the planner's prediction) become YAML comments."""
-        data = self.to_dict()
-        lines = [f"# {line}".rstrip() for line in (header or "").splitlines()]
-        for key in ("data_parallel_size", "micro_batch_size", "global_batch_size"):
-            lines.append(f"{key}: {data[key]}")
-        lines.append("chips:")
-        for name, chip in data["chips"].items():
-            key = _flow({name: 0})[1:-4]  # the name as YAML writes a key (quoted if needed)
-            lines.append(f"  {key}: {_flow(chip)}")
-        lines.append("stages:  # pipeline order: stage 0 holds the embedding, the last the head")
-        for stage in data["stages"]:
-            lines.append(f"  - {_flow(stage)}")
-        if "schedule" in data:
-            lines.append(f"schedule: {data['schedule']}")
-        if data.get("transports"):
-            lines.append("transports:  # the bridge's transfer library per pair of chip types")
-            for link in data["transports"]:
-                lines.append(f"  - {_flow(link)}")
-        Path(path).write_text("\n".join(lines) + "\n")
+        from megatron_h2.plan.plan_file import write_plan
 
-
-def _flow(value: Mapping[str, Any]) -> str:
-    """One-line YAML flow mapping, e.g. ``{chip: fast, num_layers: 3}``."""
-    text = yaml.safe_dump(dict(value), default_flow_style=True, sort_keys=False, width=10_000)
-    return cast(str, text).strip()
+        write_plan(self, path, header)
