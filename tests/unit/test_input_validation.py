@@ -32,8 +32,8 @@ def _write(prefix: Path, docs: list[list[int]], dtype=np.int32) -> str:
 
 def test_token_ids_beyond_the_vocabulary_are_one_line_before_training(corpus, tmp_path,
                                                                       capsys):
-    """The corpus holds ids up to 255; a tokenizer of 100 ids cannot have made it (on TP 1
-    that was an IndexError traceback, on TP 2 silent training on wrong inputs)."""
+    """The corpus holds ids up to 255; a tokenizer of 100 ids cannot have made it (unchecked,
+    TP 1 would fail with an IndexError traceback and TP 2 train silently on wrong inputs)."""
     argv = flags(corpus, tmp_path, "--train-iters", "2", "--lr-warmup-iters", "1")
     argv[argv.index("--vocab-size") + 1] = "100"
     assert main(argv) == 2

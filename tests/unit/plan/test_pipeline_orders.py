@@ -248,8 +248,8 @@ def timed_step(dps: tuple[int, ...], total: int, schedule: str = "1f1b") -> floa
 def test_routed_orders_keep_a_wider_stage_busy(dps):
     """A balanced pipeline runs at its steady state (first micro-batch through every stage,
     then one micro-batch per 3 units on the DP-1 stages): the stage feeding a wider one sends
-    its forwards early enough. With warm-ups of ceil(later DP sum / DP_s) the wide stage
-    waits for them (DP 1 / 8 / 1: 2.85 x this step)."""
+    its forwards early enough (with warm-ups of only ceil(later DP sum / DP_s) the wide
+    stage would wait for them)."""
     total = 4 * math.lcm(*dps) * max(dps)
     fill = sum(3 * dp for dp in dps)
     steady = max((total // dp - 1) * 3 * dp for dp in dps)

@@ -236,7 +236,7 @@ def test_held_memory_of_each_schedule() -> None:
     costs = CostModel(CLUSTER, MODEL).stage_costs("fast", 1, 1, 1)
     act, keep, static = costs.layer_activation[0], costs.layer_weight_inputs, costs.layer_static
     base = costs.working + costs.head_static
-    # 1F1B: the old in-flight count
+    # 1F1B: one state, the warm-up plus one micro-batch in flight (memory()'s count)
     states = held_states("1f1b", 4, 8, 1, 0)
     assert costs.held_memory((2,), 1, states, True, False) == costs.memory(2, 1, 4, True, False)
     # zero-bubble, last of 4 stages: after its 4th forward one micro-batch's activations and 3
