@@ -363,6 +363,23 @@ class HeteroPlan:
                 used[stage.chip] = used.get(stage.chip, 0) + len(pipe.stage_ranks(index))
         return used
 
+    def check_fits(self, available: Mapping[str, int], where: str) -> None:
+        """Raise a one-line ConfigError when the plan needs more chips of a type than
+        ``available`` (chip name -> count) holds; ``where`` names the cluster. Pipelines never
+        share chips, so their needs add up."""
+        for chip, used in self.chips_in_use().items():
+            have = available.get(chip, 0)
+            if used <= have:
+                continue
+            split = ""
+            if self.pipelines:
+                each = [sum(len(p.stage_ranks(s)) for s, st in enumerate(p.stages)
+                            if st.chip == chip) for p in self.pipelines]
+                split = (" (" + ", ".join(f"pipeline {k}: {n}" for k, n in enumerate(each) if n)
+                         + "; pipelines never share chips)")
+            raise ConfigError(f"the plan needs {used} '{chip}' chips{split} but {where} has "
+                              f"{have}; use fewer or give the cluster more")
+
     def pipeline_samples(self, pipeline: int) -> range:
         """Positions (sequences) of the global batch that ``pipeline`` runs: its share, after
         those of the pipelines before it."""

@@ -197,3 +197,14 @@ def test_constructor_checks_pipelines() -> None:
     with pytest.raises(ConfigError, match="describes chip 'fast' otherwise"):
         HeteroPlan(1, 1, 8, {**chips, "fast": ChipSpec("cpu", 3.0)}, (),
                    pipelines=[first, second])
+
+
+def test_chips_of_every_pipeline_must_fit_the_cluster() -> None:
+    plan = HeteroPlan.from_dict(two_pipelines())
+    plan.check_fits({"fast": 2, "slow": 4}, "cluster 'c.yaml'")
+    with pytest.raises(ConfigError, match=r"^the plan needs 4 'slow' chips \(pipeline 1: 4; "
+                                          r"pipelines never share chips\) but cluster 'c.yaml' "
+                                          r"has 3; use fewer or give the cluster more$"):
+        plan.check_fits({"fast": 2, "slow": 3}, "cluster 'c.yaml'")
+    with pytest.raises(ConfigError, match="needs 2 'fast' chips but the cluster has 0"):
+        plan.pipelines[0].check_fits({}, "the cluster")
