@@ -43,7 +43,6 @@ from megatron_h2.elastic.replan import (
     Planned,
     best_plan,
     change_summary,
-    chips_in_use,
     evaluate,
     probe_chips,
     with_counts,
@@ -132,10 +131,7 @@ def _first_plan(job: Job, cfg, launch, counts: dict[str, int]) -> Planned:
         plan = HeteroPlan.from_yaml(job.options.plan)
         cfg.parallel.hetero_plan = job.options.plan
         load_hetero_plan(cfg, launch.explicit)  # the same reconciliation the workers make
-        for chip, used in chips_in_use(plan).items():
-            if used > counts.get(chip, 0):
-                raise ConfigError(f"plan {job.options.plan} needs {used} '{chip}' chips but the "
-                                  f"cluster has {counts.get(chip, 0)} healthy ones")
+        plan.check_fits(counts, f"the cluster's healthy chips (plan {job.options.plan})")
         return evaluate(plan, cluster, cfg)
     return best_plan(cluster, cfg, job.global_batch, job.micro_batch,
                      job.options.planner_time_limit)

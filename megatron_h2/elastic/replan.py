@@ -31,11 +31,6 @@ def with_counts(cluster: Cluster, counts: dict[str, int]) -> Cluster:
     return Cluster(chips, cluster.cross_chip_gb_per_s if len(chips) > 1 else None)
 
 
-def chips_in_use(plan: HeteroPlan) -> dict[str, int]:
-    """Chips of each type that ``plan`` runs on (over all its data-parallel pipelines)."""
-    return plan.chips_in_use()
-
-
 @dataclass(frozen=True)
 class Planned:
     """A plan that fits the cluster and the runtime, with its predicted throughput."""
