@@ -208,3 +208,12 @@ def test_chips_of_every_pipeline_must_fit_the_cluster() -> None:
         plan.check_fits({"fast": 2, "slow": 3}, "cluster 'c.yaml'")
     with pytest.raises(ConfigError, match="needs 2 'fast' chips but the cluster has 0"):
         plan.pipelines[0].check_fits({}, "the cluster")
+
+
+def test_the_example_plan_fits_the_default_model() -> None:
+    """examples/hetero/cpu_two_pipelines.yaml: pretrain_gpt.py's default model, 4 ranks."""
+    from tests.helpers.paths import ROOT
+
+    plan = HeteroPlan.from_yaml(ROOT / "examples" / "hetero" / "cpu_two_pipelines.yaml")
+    plan.validate(num_layers=4, num_attention_heads=8, world_size=4)
+    assert [p.global_batch_size for p in plan.pipelines] == [6, 2]
