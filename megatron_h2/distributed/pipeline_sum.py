@@ -227,6 +227,11 @@ class PipelineGradSum:
             return bucket.shard_grad, bucket.shard_range(self.buckets.dp_rank)[0]
         return bucket.buffer, 0
 
+    @property
+    def buckets_sent(self) -> int:
+        """Buckets whose messages have left during this step so far."""
+        return len(self._sent_units - {self.late_unit})
+
     def bucket_synced(self, bucket: Bucket) -> None:
         """The DP reduction of ``bucket`` has finished: send its complete gradients now
         (:class:`GradBuckets`' ``on_synced`` callback, during the last backward)."""

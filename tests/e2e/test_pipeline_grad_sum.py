@@ -93,16 +93,18 @@ def _worker(rank: int, world: int) -> list[dict]:
             if topo.dp_size > 1:  # two replicas: halves that add up exactly
                 part = part / 2
             (param * part).sum().backward()
+        # without a DP group every bucket before the deferred one left during the backward
+        sent_early = summer.buckets_sent == buckets.first_deferred or topo.dp_size > 1
         buckets.finish_sync()
         summer.finish()
         if zero:
             held = [(b.shard_range(buckets.dp_rank), b.shard_grad.numpy().copy(),
                      [(names[s.param], s.offset, s.numel) for s in b.slots])
                     for b in buckets.buckets]
-            out.append({"zero": held, "tp": (topo.tp_rank, topo.tp_size)})
+            out.append({"zero": held, "tp": (topo.tp_rank, topo.tp_size), "early": sent_early})
         else:
             out.append({"grads": {names[p]: p.main_grad.numpy().copy() for p in params},
-                        "tp": (topo.tp_rank, topo.tp_size)})
+                        "tp": (topo.tp_rank, topo.tp_size), "early": sent_early})
         summer.close()
     return out  # numpy arrays: pickled by value
 
@@ -121,6 +123,7 @@ def test_every_holder_gets_the_total_in_pipeline_order():
         for rank, per_rank in enumerate(runs):
             got = per_rank[case]
             tp_rank, tp_size = got["tp"]
+            assert got["early"], (case, rank)
             if not zero:
                 for name, grad in got["grads"].items():
                     grad = torch.from_numpy(grad)

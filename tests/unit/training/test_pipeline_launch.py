@@ -103,3 +103,26 @@ def test_start_up_lines_and_timeline_rows():
     text = format_summary(summarize([t.events() for t in rows]))
     assert "timeline pipeline 1 stage 1: compute 1.000 s" in text
     assert "timeline pipeline 0 stage 0:" in text
+
+
+def test_slurm_script_components_follow_the_pipelines():
+    """The planner's SLURM script: one het-job component per run of stages on one chip type,
+    pipeline after pipeline, naming the pipeline."""
+    from megatron_h2.planner.cluster import Cluster
+    from megatron_h2.planner.launch import _slurm, components
+
+    gpu = {"count": 16, "chips_per_node": 8, "tflops_bf16": 400, "memory_gib": 80,
+           "intra_node_gb_per_s": 300, "inter_node_gb_per_s": 25}
+    cluster = Cluster.from_dict({"chips": {"fast": {"device": "cuda", **gpu},
+                                           "slow": {"device": "npu", **gpu}},
+                                 "cross_chip_gb_per_s": 20})
+    data = two_pipelines()
+    data["pipelines"][0]["stages"].append(
+        {"chip": "slow", "tensor_parallel_size": 1, "num_layers": 0})
+    plan = HeteroPlan.from_dict(data)
+    parts = components(plan)
+    assert [(p.pipeline, p.chip, p.first_rank, p.ranks) for p in parts] == [
+        (0, "fast", 0, 2), (0, "slow", 2, 1), (1, "slow", 3, 4)]
+    script = _slurm(plan, cluster, "plan.yaml", "")
+    assert "# component 2: slow (npu), pipeline 1, stages 0-1, ranks 3-6" in script
+    assert "--chips fast,slow,slow" in script
