@@ -582,6 +582,11 @@ def search(cost: CostModel, options: SearchOptions) -> SearchResult:
     stats = runner.stats
     stats.elapsed_s = time.monotonic() - started
     stats.space = options.space_text(cost.model.num_layers, len(cost.cluster.chips))
+    if not found and not stats.exhaustive:
+        raise ConfigError(
+            f"no plan found within the time limit of {options.time_limit_s:g} s (the search"
+            " stopped before it reached one); raise the time limit (--time-limit)"
+        )
     if not found:
         raise ConfigError(_nothing_fits(cost, options))
     candidates = []

@@ -9,6 +9,7 @@ from dataclasses import replace
 
 import pytest
 
+from megatron_h2.errors import ConfigError
 from megatron_h2.planner.report import search_summary
 from megatron_h2.planner.search import search
 from tests.unit.planner.test_planner_optimality import brute_force_best, random_case
@@ -18,7 +19,7 @@ from tests.unit.planner.test_planner_optimality import brute_force_best, random_
 @pytest.mark.parametrize("seed", [1, 9, 31])
 def test_the_printed_claim_holds_over_the_named_space(seed: int, own_dp: str) -> None:
     cost, options = random_case(seed)
-    options = replace(options, own_dp=own_dp)
+    options = replace(options, own_dp=own_dp, time_limit_s=600)
     space = "none" if own_dp == "none" else "all"
     optimum = brute_force_best(cost, options, 1, own_dp=space)[0]
     result = search(cost, options)
@@ -39,7 +40,7 @@ def test_re_splits_change_tp_degrees() -> None:
     it comes from (the search's ``top_k`` best one-DP plans) gives that type; the search finds
     the brute-force best of the re-split space, and it beats every one-DP plan."""
     cost, options = random_case(0)
-    options = replace(options, own_dp="derived")
+    options = replace(options, own_dp="derived", time_limit_s=600)
     one_dp = search(cost, replace(options, own_dp="none")).candidates
     seed_tp = {(s.chip, s.tensor_parallel_size) for c in one_dp for s in c.plan.stages}
     expected = brute_force_best(cost, options, 2, own_dp="derived")
@@ -49,3 +50,9 @@ def test_re_splits_change_tp_degrees() -> None:
     assert not best.uniform_dp
     assert {(s.chip, s.tensor_parallel_size) for s in best.stages} - seed_tp
     assert result.best.estimate.step_time_s < one_dp[0].estimate.step_time_s
+
+
+def test_no_plan_within_the_time_limit_is_not_called_nothing_fits() -> None:
+    cost, options = random_case(1)
+    with pytest.raises(ConfigError, match="no plan found within the time limit"):
+        search(cost, replace(options, time_limit_s=1e-6))
