@@ -57,8 +57,13 @@ def main() -> int:
     parser.add_argument("--sizes", default="64,1024,10000,100000")
     parser.add_argument("--members", type=int, default=5, help="family members per size")
     parser.add_argument("--seed", type=int, default=0, help="first seed of the family")
+    parser.add_argument(
+        "--scaling", action="store_true", help="how the search grows with types, chips, layers"
+    )
     args = parser.parse_args()
     schedules = tuple(name.strip() for name in args.schedules.split(","))
+    if args.scaling:
+        return scaling(args.members, args.seed, args.top, schedules, args.time_limit)
     if args.family:
         sizes = [int(size) for size in args.sizes.split(",")]
         return family(sizes, args.members, args.seed, args.top, schedules)
@@ -138,6 +143,45 @@ def family(sizes: list[int], members: int, first: int, top: int, schedules: tupl
             f" finished (gap 0) {sum(g == 0 for g in gaps)}/{len(gaps)};"
             f" target {'met' if ok else 'missed'}; load {_load()}"
         )
+    return 0
+
+
+SCALING = (  # (axis, [(size, types, model)]): one axis varies, the others stay
+    ("chip types", [(1024, t, "70B") for t in (2, 4, 6, 8)]),
+    ("chips", [(n, 4, "70B") for n in (256, 1024, 10_000, 100_000)]),
+    ("layers", [(1024, 4, m) for m in ("7B", "70B", "405B")]),
+)
+
+
+def scaling(members: int, first: int, top: int, schedules: tuple, limit: float) -> int:
+    """Per axis of :data:`SCALING`, the same seeds' clusters with one of types, chips or layers
+    varied: CPU seconds, proven gap, prefixes and splits of each search."""
+    print(f"scaling: seeds {first}-{first + members - 1}, limit {limit:g} s; load {_load()}")
+    for axis, points in SCALING:
+        print(f"\n{axis}:")
+        for size, types, model in points:
+            cpus, gaps, nodes = [], [], []
+            for seed in range(first, first + members):
+                item = member(seed, size, types, model)
+                cpu = time.process_time()
+                options = SearchOptions(
+                    item.global_batch_size, top_k=top, time_limit_s=limit, schedules=schedules
+                )
+                try:
+                    result = search(item.cost, options)
+                except ConfigError:
+                    continue
+                cpus.append(time.process_time() - cpu)
+                gaps.append(result.gap)
+                nodes.append(result.stats.nodes)
+            if cpus:
+                print(
+                    f"  {size:>7,} chips, {types} types, {model}: CPU s median"
+                    f" {statistics.median(cpus):.1f} max {max(cpus):.1f}; gap % median"
+                    f" {100 * statistics.median(gaps):.1f} max {100 * max(gaps):.1f}; prefixes"
+                    f" median {statistics.median(nodes):,.0f}; finished"
+                    f" {sum(g == 0 for g in gaps)}/{len(gaps)}; load {_load()}"
+                )
     return 0
 
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from megatron_h2.config import ModelConfig
 from megatron_h2.planner import Cluster, CostConfig, CostModel, model_from_dict
@@ -76,8 +76,11 @@ def random_cluster(rng: random.Random, size: int, types: int) -> Cluster:
     return Cluster(tuple(chips), round(_log_uniform(rng, 10, 50), 1))
 
 
-def random_model(rng: random.Random) -> tuple[str, ModelConfig]:
+def random_model(rng: random.Random, size: str | None = None) -> tuple[str, ModelConfig]:
+    """A random model (of ``size``, e.g. ``"70B"``, when given)."""
     name, layers, hidden, ffn, heads = rng.choice(MODELS)
+    if size is not None:
+        name, layers, hidden, ffn, heads = next(m for m in MODELS if m[0] == size)
     gqa = rng.random() < 0.5
     data = {
         "num_layers": layers,
@@ -94,24 +97,37 @@ def random_model(rng: random.Random) -> tuple[str, ModelConfig]:
     return f"{name} {'GQA' if gqa else 'MHA'}", model_from_dict(data)
 
 
-def member(seed: int, size: int) -> Member:
-    """The family member of ``seed`` at about ``size`` chips (deterministic)."""
-    rng = random.Random(f"{seed}-{size}")
-    types = 8 if size >= 100_000 else rng.randint(2, 8)
-    cluster = random_cluster(rng, size, types)
+def member(seed: int, size: int, types: int | None = None, model: str | None = None) -> Member:
+    """The family member of ``seed`` at about ``size`` chips (deterministic), with ``types``
+    chip types when given (the first ``types`` of one cluster drawn with 8 per seed, whatever
+    the size, so that sizes and type counts compare) and a model of ``model`` parameters (e.g.
+    ``"70B"``) when given."""
+    rng = random.Random(f"{seed}-{size}" if types is None else f"{seed}-scaling")
+    drawn = 8 if size >= 100_000 or types is not None else rng.randint(2, 8)
+    cluster = random_cluster(rng, size, drawn)
+    if types is not None:  # fewer types of the same cluster, scaled to the same size
+        kept = cluster.chips[:types]
+        scale = size / sum(c.count for c in kept)
+        chips = tuple(
+            replace(c, count=max(1, round(c.count * scale / c.chips_per_node)) * c.chips_per_node)
+            for c in kept
+        )
+        cluster = Cluster(chips, cluster.cross_chip_gb_per_s)
+    types = len(cluster.chips)
     distributed = rng.random() < 0.5
     memory = sum(c.count * c.memory_gib * 2**30 for c in cluster.chips)
     for _ in range(100):
-        name, model = random_model(rng)
+        name, config_model = random_model(rng, model)
         config = CostConfig(use_distributed_optimizer=distributed)
-        weights = model.num_layers * model.layer_params_per_chip(1) * config.bytes_per_param(1)
-        if weights <= memory / 2:
+        layers = config_model.num_layers
+        weights = layers * config_model.layer_params_per_chip(1) * config.bytes_per_param(1)
+        if weights <= memory / 2 or model is not None:
             break
     global_batch = 2 ** rng.randint(8, 14)
-    cost = CostModel(cluster, model, config)
+    cost = CostModel(cluster, config_model, config)
     chips = sum(c.count for c in cluster.chips)
     label = (
-        f"seed {seed}: {chips:,} chips, {types} types, {name} vocab {model.vocab_size:,}"
-        f" seq {model.seq_length}, batch {global_batch}{', ZeRO' if distributed else ''}"
+        f"seed {seed}: {chips:,} chips, {types} types, {name} vocab {config_model.vocab_size:,}"
+        f" seq {config_model.seq_length}, batch {global_batch}{', ZeRO' if distributed else ''}"
     )
     return Member(label, cost, global_batch, chips)

@@ -250,8 +250,9 @@ class _Search:
         and chip types, every order of those types, each type with any TP degree and its own DP
         degree such that it has half, equal to or twice its number of stages there, using all
         its chips (:meth:`_near`; one batch shape of just those kinds, so that unused types bound
-        only what they can add). A heuristic: good own-DP plans early, which set the threshold
-        that the own-DP shapes are then searched or bounded against."""
+        only what they can add). The re-splits that keep each type's TP degree are searched
+        first (fewer kinds: good plans sooner), then all. A heuristic: good own-DP plans early,
+        which set the threshold that the own-DP shapes are then searched or bounded against."""
         seeds: dict[tuple[int, str, tuple[tuple[int, int, int], ...]], None] = {}
         for _, _, found in sorted(self.best, key=lambda item: -item[0]):
             types = tuple(
@@ -261,29 +262,35 @@ class _Search:
             if len(types) > 1 and found.schedule != "interleaved":
                 seeds.setdefault((found.micro_batch_size, found.schedule, types), None)
         gbs = self.options.global_batch_size
-        roots: list[tuple[float, BatchShape]] = []
-        for mbs, schedule, types in seeds:
-            if time.monotonic() > self.deadline:
-                break  # the own-DP shapes bound what is left
-            self.stats.own_dp_seeds += 1
-            near = self._near(types)
-            shape = BatchShape(self.cost, gbs, mbs, schedule, 1, None, only=near)
-            self.stats.batch_shapes += 1
-            if len(shape.types) < len(types) or shape.root_bound() >= self.threshold:
-                continue  # some type cannot use all its chips so, or no win
-            roots.append((shape.root_bound(), shape))
-        if self._best_first(roots, use_all=True):  # the own-DP shapes bound what is left
-            self.stats.exhaustive = False
+        self.stats.own_dp_seeds = len(seeds)
+        for change_tp in (False, True):  # each type's TP kept first: fewer kinds, sooner found
+            roots: list[tuple[float, BatchShape]] = []
+            for mbs, schedule, types in seeds:
+                if time.monotonic() > self.deadline:
+                    break  # the own-DP shapes bound what is left
+                near = self._near(types, change_tp)
+                shape = BatchShape(self.cost, gbs, mbs, schedule, 1, None, only=near)
+                self.stats.batch_shapes += 1
+                if len(shape.types) < len(types) or shape.root_bound() >= self.threshold:
+                    continue  # some type cannot use all its chips so, or no win
+                roots.append((shape.root_bound(), shape))
+            if self._best_first(roots, use_all=True):  # the own-DP shapes bound what is left
+                self.stats.exhaustive = False
+                return
 
-    def _near(self, types: tuple[tuple[int, int, int], ...]) -> frozenset[tuple[int, int, int]]:
+    def _near(
+        self, types: tuple[tuple[int, int, int], ...], change_tp: bool = True
+    ) -> frozenset[tuple[int, int, int]]:
         """The (chip, TP, DP) kinds of a re-split of the one-DP plan whose types are ``types``
-        (chip, TP, DP): each type any TP degree it can run and the DP degree that gives it half,
-        equal to or twice its number of stages there (``stages = chips / (TP x DP)``)."""
+        (chip, TP, DP): each type any TP degree it can run (with ``change_tp``, else its TP
+        there) and the DP degree that gives it half, equal to or twice its number of stages
+        there (``stages = chips / (TP x DP)``)."""
         model, near = self.cost.model, set()
         for chip, tp, d in types:
             options = self.cost.cluster.chips[chip].tensor_parallel_options(
                 model.num_attention_heads, model.num_query_groups
             )
+            options = options if change_tp else [tp]
             for other in options:
                 for factor in (0.5, 1, 2):
                     degree = d * tp * factor / other
