@@ -18,6 +18,7 @@ from megatron_h2.config import RunConfig
 from megatron_h2.errors import ConfigError
 from megatron_h2.plan.schema import HeteroPlan
 from megatron_h2.planner import Cluster, CostConfig, CostModel, SearchOptions, search
+from megatron_h2.planner.pipelines_cost import evaluate_plan
 from megatron_h2.planner.report import stage_summary
 from megatron_h2.training.layout import check_plan_for_model, describe_dp
 
@@ -53,8 +54,8 @@ def _cost(cluster: Cluster, cfg: RunConfig) -> CostModel:
 
 
 def evaluate(plan: HeteroPlan, cluster: Cluster, cfg: RunConfig) -> Planned:
-    """Predicted throughput of a given plan on ``cluster``."""
-    return Planned(plan, _cost(cluster, cfg).evaluate(plan).tokens_per_s)
+    """Predicted throughput of a given plan (of one pipeline or several) on ``cluster``."""
+    return Planned(plan, evaluate_plan(_cost(cluster, cfg), plan).tokens_per_s)
 
 
 def best_plan(cluster: Cluster, cfg: RunConfig, global_batch: int, micro_batch: int | None,
