@@ -15,10 +15,12 @@ micro-batches):
   is the one-pipeline search (:func:`~megatron_h2.planner.search.search`), which the caller
   compares with;
 * batch splits: each pipeline gets ``n_k >= 1`` micro-batches, ``sum n_k = M``. When a
-  grouping has at most :data:`EXHAUSTIVE_SPLITS` splits, every one is tried; otherwise the
-  split proportional to each group's peak speed, then proportional to the throughput each
-  pipeline reached, then single micro-batches moved from the slowest pipeline to the one whose
-  step grows least while the step improves (a local search);
+  grouping has at most :data:`EXHAUSTIVE_SPLITS` splits, every one is tried; otherwise, in
+  units of ``u`` micro-batches (:func:`split_units`: powers of two, coarse to fine, so that the
+  pipelines' DP degrees can divide their shares), the split proportional to each group's peak
+  speed, then proportional to the throughput each pipeline reached, then one unit at a time
+  moved from the slowest pipeline to the one that gives the best step while the step improves
+  (a local search);
 * each pipeline's own plan for its share: the one-pipeline search on its chip types alone
   (cached per group and share), so whatever that search covers (schedules, own DP per type,
   recompute) each pipeline gets.
@@ -80,8 +82,8 @@ def groupings(names: Sequence[str]) -> list[Grouping]:
     names = list(names)
     if len(names) < 2:
         return []
-    if len(names) <= ALL_GROUPINGS_UP_TO:
-        return [g for g in _partitions(names) if len(g) > 1]
+    if len(names) <= ALL_GROUPINGS_UP_TO:  # one pipeline per type first, then fewer
+        return sorted((g for g in _partitions(names) if len(g) > 1), key=len, reverse=True)
     out: list[Grouping] = [tuple((n,) for n in names)]
     for name in names:
         out.append(((name,), tuple(n for n in names if n != name)))
@@ -175,38 +177,52 @@ class _Runner:
                 self.offer(self.evaluate(grouping, mbs, split))
             return
         self.result.exhaustive = False
-        peaks = [sum(self.cost.cluster.chip(n).count * self.cost.cluster.chip(n).tflops_bf16
-                     / self.cost.cluster.chip(n).emulate_slowdown for n in g) for g in grouping]
-        split = proportional(total, peaks)
-        current = self.evaluate(grouping, mbs, split)
-        if current is not None:  # re-split by the throughput each pipeline reached
-            speeds = [p.global_batch_size / e.step_time_s
-                      for p, e in zip(current.plan.pipelines, current.estimate.pipelines)]
-            again = self.evaluate(grouping, mbs, proportional(total, speeds))
-            if again is not None and again.estimate.step_time_s < current.estimate.step_time_s:
-                current = again
-        while current is not None and not self.out_of_time():
-            self.offer(current)
-            current = self._move_one(grouping, mbs, current)
+        speeds = [sum(self.cost.cluster.chip(n).count * self.cost.cluster.chip(n).tflops_bf16
+                      / self.cost.cluster.chip(n).emulate_slowdown for n in g) for g in grouping]
+        for unit in split_units(total, parts):
+            current = None
+            for _ in range(2):  # proportional to peak speed, then to the speed reached
+                found = self.evaluate(grouping, mbs, [unit * n for n in
+                                                      proportional(total // unit, speeds)])
+                if found is None:
+                    break
+                speeds = [p.global_batch_size / e.step_time_s
+                          for p, e in zip(found.plan.pipelines, found.estimate.pipelines)]
+                if current is None or found.estimate.step_time_s < current.estimate.step_time_s:
+                    current = found
+            while current is not None and not self.out_of_time():
+                self.offer(current)
+                current = self._move_one(grouping, mbs, current, unit)
 
-    def _move_one(self, grouping: Grouping, mbs: int, current: PipelinesCandidate
+    def _move_one(self, grouping: Grouping, mbs: int, current: PipelinesCandidate, unit: int
                   ) -> PipelinesCandidate | None:
-        """The best split with one micro-batch moved away from the slowest pipeline, if it
-        beats ``current``."""
+        """The best split with ``unit`` micro-batches moved away from the slowest pipeline to
+        another, if it beats ``current``."""
         split = [p.global_batch_size // mbs for p in current.plan.pipelines]
         slow = current.estimate.slowest
         best = None
         for k in range(len(split)):
-            if k == slow or split[slow] <= 1:
+            if k == slow or split[slow] <= unit:
                 continue
             moved = list(split)
-            moved[slow] -= 1
-            moved[k] += 1
+            moved[slow] -= unit
+            moved[k] += unit
             found = self.evaluate(grouping, mbs, moved)
             if found is not None and found.estimate.step_time_s < (
                     (best or current).estimate.step_time_s):
                 best = found
         return best
+
+
+def split_units(total: int, parts: int) -> list[int]:
+    """Micro-batches per unit of a split that is not tried exhaustively, coarse to fine: the
+    largest power of two dividing ``total`` that leaves at least 8 units per pipeline, then a
+    quarter and a sixteenth of it (a share of many units of a power of two leaves room for the
+    pipelines' DP degrees, which must divide their micro-batches)."""
+    unit = 1
+    while total % (2 * unit) == 0 and total // (2 * unit) >= 8 * parts:
+        unit *= 2
+    return list(dict.fromkeys(max(1, unit // f) for f in (1, 4, 16)))
 
 
 def proportional(total: int, weights: Sequence[float]) -> tuple[int, ...]:
