@@ -19,6 +19,7 @@ from typing import NoReturn
 
 from megatron_h2.errors import ConfigError
 from megatron_h2.plan.orders import SCHEDULES
+from megatron_h2.plan.schema import HeteroPlan
 from megatron_h2.planner.alternatives import schedule_alternatives
 from megatron_h2.planner.cluster import Cluster
 from megatron_h2.planner.compare import compare_homogeneous
@@ -233,18 +234,26 @@ def _write_outputs(
         ]
     )
     best.plan.to_yaml(args.output, header=header)
+    _write_script_and_pictures(args, best.plan, cost, script_path, simulation,
+                               " (open in ui.perfetto.dev or chrome://tracing)", "")
+
+
+def _write_script_and_pictures(args: argparse.Namespace, plan: HeteroPlan, cost: CostModel,
+                               script_path: str, simulation: SimulationResult, trace_note: str,
+                               timeline_note: str) -> None:
+    """The launch script of ``plan``, and the trace and timeline of ``simulation`` if asked."""
     kind, text = launch_script(
-        best.plan, cost.cluster, cost.model, args.output, args.use_distributed_optimizer
+        plan, cost.cluster, cost.model, args.output, args.use_distributed_optimizer
     )
     Path(script_path).write_text(text)
     Path(script_path).chmod(0o755)
     print(f"\nwrote {args.output} and {script_path} ({kind})")
     if args.trace:
         write_chrome_trace(simulation, args.trace)
-        print(f"wrote {args.trace} (open in ui.perfetto.dev or chrome://tracing)")
+        print(f"wrote {args.trace}{trace_note}")
     if args.timeline:
         write_timeline_png(simulation, args.timeline)
-        print(f"wrote {args.timeline}")
+        print(f"wrote {args.timeline}{timeline_note}")
 
 
 def _write_pipelines(args: argparse.Namespace, chosen: PipelinesCandidate, cost: CostModel,
@@ -265,15 +274,6 @@ def _write_pipelines(args: argparse.Namespace, chosen: PipelinesCandidate, cost:
         f"run with: {script_path}",
     ])
     plan.to_yaml(args.output, header=header)
-    kind, text = launch_script(plan, cost.cluster, cost.model, args.output,
-                               args.use_distributed_optimizer)
-    Path(script_path).write_text(text)
-    Path(script_path).chmod(0o755)
-    print(f"\nwrote {args.output} and {script_path} ({kind})")
-    slowest = simulation.pipelines[est.slowest]
-    if args.trace:
-        write_chrome_trace(slowest, args.trace)
-        print(f"wrote {args.trace}: the simulated step of pipeline {est.slowest} (the slowest)")
-    if args.timeline:
-        write_timeline_png(slowest, args.timeline)
-        print(f"wrote {args.timeline}: the simulated step of pipeline {est.slowest} (the slowest)")
+    note = f": the simulated step of pipeline {est.slowest} (the slowest)"
+    _write_script_and_pictures(args, plan, cost, script_path,
+                               simulation.pipelines[est.slowest], note, note)
