@@ -208,7 +208,8 @@ def profile_chips(work: Path, tag: str, model: ModelConfig, chips: list[str],
                 *(x for chip in chips for x in ("--chip", chip)), *model_flags(model),
                 "--micro-batch-sizes", ",".join(map(str, sizes)),
                 *(("--emulate", str(emulate)) if emulate else ()),
-                "--threads", "1", "--max-wait", "0", "--output", str(out)])
+                "--threads", "1", "--max-wait", "0", "--output", str(out)],
+               timeout=900)  # a loaded host stretches the paced measurement
     return yaml.safe_load(out.read_text()), proc.stdout
 
 
