@@ -175,6 +175,11 @@ def cores_needed(plan: HeteroPlan) -> float:
                for r in range(plan.world_size))
 
 
+def schedules(plan: HeteroPlan) -> str:
+    """The plan's schedule, or each pipeline's (``1f1b + zero-bubble``)."""
+    return " + ".join(str(pipe.schedule) for pipe in plan.pipeline_plans)
+
+
 def tokens_per_s(step_ms: float, global_batch: int) -> float:
     return global_batch * MODEL["seq_length"] / (step_ms / 1e3)
 
@@ -261,7 +266,7 @@ def main(argv: list[str] | None = None) -> int:
     for case in cases:
         paths[case.name] = work / f"plan_{case.name}.yaml"
         case.plan.to_yaml(paths[case.name], header=f"bench_superlinear: {case.name}")
-        log(f"plan {case.name:<6}: {plan_label(case.plan)} ({case.plan.schedule}), "
+        log(f"plan {case.name:<6}: {plan_label(case.plan)} ({schedules(case.plan)}), "
             f"{case.plan.world_size} processes needing {cores_needed(case.plan):.2f} cores")
 
     # ---- rounds: every plan once, back to back, alternating the order
@@ -332,7 +337,7 @@ def main(argv: list[str] | None = None) -> int:
         runs = [m for m in measured[case.name] if "ms" in m]
         step = statistics.median(m["ms"] for m in runs) if runs else None
         rows[case.name] = {
-            "plan": plan_label(case.plan), "schedule": case.plan.schedule,
+            "plan": plan_label(case.plan), "schedule": schedules(case.plan),
             "processes": case.plan.world_size, "cores_needed": cores_needed(case.plan),
             "predicted": evaluate_plan(cost, case.plan).tokens_per_s,
             "simulated": tokens_per_s(1e3 * simulate_plan(cost, case.plan).step_time_s,
