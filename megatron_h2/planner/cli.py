@@ -138,7 +138,8 @@ def build_parser() -> argparse.ArgumentParser:
         choices=("search", "none"),
         default="search",
         help="also search plans of several data-parallel pipelines (groupings of the chip types,"
-        " batch splits) and write them when faster than one pipeline (default search)",
+        " batch splits; within --time-limit of its own) and write them when faster than one"
+        " pipeline (default search)",
     )
     return parser
 

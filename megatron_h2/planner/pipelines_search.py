@@ -132,6 +132,9 @@ class _Runner:
         """The best one-pipeline plan of ``group`` for ``micro_batches`` micro-batches."""
         key = (group, mbs, micro_batches)
         if key not in self.plans:
+            if self.out_of_time():  # not searched: the split is left out, nothing proven
+                self.result.exhaustive = False
+                return None
             left = max(self.deadline - time.monotonic(), 0.05)
             options = replace(self.options, global_batch_size=mbs * micro_batches, top_k=1,
                               micro_batch_sizes=(mbs,),

@@ -65,6 +65,7 @@ def brute_force(cost: CostModel, options: SearchOptions) -> float:
     enumerator's fastest for its chip types and share."""
     best = float("inf")
     names = cost.cluster.names
+    fastest: dict[tuple, HeteroPlan | None] = {}
     for mbs in options.micro_batch_candidates():
         total = options.global_batch_size // mbs
         for partition in label_groupings(names):
@@ -72,7 +73,11 @@ def brute_force(cost: CostModel, options: SearchOptions) -> float:
             for split in itertools.product(range(1, total), repeat=len(groups)):
                 if sum(split) != total:
                     continue
-                plans = [fastest(cost, group, mbs, n) for group, n in zip(groups, split)]
+                keys = [(group, mbs, n) for group, n in zip(groups, split)]
+                for key in keys:
+                    if key not in fastest:
+                        fastest[key] = fastest_plan(cost, *key)
+                plans = [fastest[key] for key in keys]
                 if None in plans:
                     continue
                 plan = HeteroPlan.of_pipelines(plans)
@@ -80,19 +85,13 @@ def brute_force(cost: CostModel, options: SearchOptions) -> float:
     return best
 
 
-_FASTEST: dict[tuple, HeteroPlan | None] = {}
-
-
-def fastest(cost: CostModel, group: tuple[str, ...], mbs: int, micro_batches: int
-            ) -> HeteroPlan | None:
-    key = (id(cost), group, mbs, micro_batches)
-    if key not in _FASTEST:
-        sub = CostModel(cost.cluster.subset(group), cost.model, cost.config)
-        options = SearchOptions(mbs * micro_batches, 1, (mbs,), own_dp="all")
-        found = min(Enumerator(sub, options).plans(), key=lambda item: item[0], default=None)
-        _FASTEST[key] = None if found is None else HeteroPlan(
-            *found[2][:5], schedule=found[2][5])
-    return _FASTEST[key]
+def fastest_plan(cost: CostModel, group: tuple[str, ...], mbs: int, micro_batches: int
+                 ) -> HeteroPlan | None:
+    """The enumerator's fastest plan of one pipeline on ``group`` for ``micro_batches``."""
+    sub = CostModel(cost.cluster.subset(group), cost.model, cost.config)
+    options = SearchOptions(mbs * micro_batches, 1, (mbs,), own_dp="all")
+    found = min(Enumerator(sub, options).plans(), key=lambda item: item[0], default=None)
+    return None if found is None else HeteroPlan(*found[2][:5], schedule=found[2][5])
 
 
 def chip(name: str, count: int, per_node: int, tflops: float, memory_mib: float,
