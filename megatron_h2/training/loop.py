@@ -51,10 +51,10 @@ class ExitSignal:
 FAULT_ENV = "MEGATRON_H2_INJECT_FAULT"
 
 
-def injected_fault(rank: int) -> tuple[int, bool] | None:
-    """(iteration, kill) at which this rank must fail, from
-    ``$MEGATRON_H2_INJECT_FAULT=RANK:ITER`` (raise an error) or ``RANK:ITER:kill`` (die at once
-    from SIGKILL, as a lost chip would).
+def injected_fault(rank: int) -> tuple[int, str] | None:
+    """(iteration, mode) at which this rank must fail, from ``$MEGATRON_H2_INJECT_FAULT``:
+    ``RANK:ITER`` (raise an error), ``RANK:ITER:kill`` (die at once from SIGKILL, as a lost chip
+    would) or ``RANK:ITER:stop`` (SIGSTOP: the process stops responding, as a hung host).
 
     For rehearsing failure handling (tests, drills); unset in normal runs.
     """
@@ -65,7 +65,7 @@ def injected_fault(rank: int) -> tuple[int, bool] | None:
     iteration, _, mode = rest.partition(":")
     if not (fault_rank.isdigit() and iteration.isdigit()) or int(fault_rank) != rank:
         return None
-    return int(iteration), mode == "kill"
+    return int(iteration), mode if mode in ("kill", "stop") else "raise"
 
 
 class Trainer:
@@ -187,6 +187,14 @@ class Trainer:
             self.good.on_stop(self.cfg.training.save)
             raise
 
+    def _inject_fault(self, it: int) -> None:
+        if self.fault[1] == "kill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        elif self.fault[1] == "stop":
+            os.kill(os.getpid(), signal.SIGSTOP)  # on SIGCONT, goes on where it stopped
+        else:
+            raise RuntimeError(f"injected fault at iteration {it} (${FAULT_ENV})")
+
     def _train(self) -> TrainProgress:
         t = self.cfg.training
         last_saved = self.progress.iteration
@@ -196,9 +204,7 @@ class Trainer:
             while self.progress.iteration < self.train_iters:
                 it = self.progress.iteration + 1
                 if self.fault is not None and it == self.fault[0]:
-                    if self.fault[1]:
-                        os.kill(os.getpid(), signal.SIGKILL)
-                    raise RuntimeError(f"injected fault at iteration {it} (${FAULT_ENV})")
+                    self._inject_fault(it)
                 batch = self.batch.batch_at(self.progress.consumed_samples)
                 lr = self.schedule.apply(self.run.optimizer)
                 self.profiler.before(it)
