@@ -29,7 +29,7 @@ from megatron_h2.errors import ConfigError, JobConfigError, RankConfigError, Tra
 from megatron_h2.monitoring.health import JobTrainingError
 from megatron_h2.monitoring.metrics import configure_logging, log
 from megatron_h2.monitoring.timeline import format_summary, gather_and_write
-from megatron_h2.monitoring.watchdog import start_orphan_watchdog
+from megatron_h2.monitoring.watchdog import mark_stopped, start_orphan_watchdog
 from megatron_h2.training.arguments import LaunchOptions, config_from_args
 from megatron_h2.training.build import Run, build_run, quiet  # noqa: F401 - quiet: old path
 from megatron_h2.training.data_setup import (  # noqa: F401 - importable from here as before
@@ -159,6 +159,7 @@ def main(argv: list[str] | None = None) -> int:
         failures.record_own_failure()
         return _fail(env, f"error: {prefix}{type(exc).__name__}: {exc}\n"
                      f"{traceback.format_exc()}", 1)
+    mark_stopped(env.local_rank)  # for our launchers: this worker saved and ended normally
     if env.world_size > 1 and dist.is_initialized():
         failures.stop_heartbeat(env.rank)
         dist.barrier()  # nobody tears down while a peer is still talking to it
