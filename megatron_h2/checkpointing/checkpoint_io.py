@@ -51,6 +51,7 @@ class TrainProgress:
     consumed_samples: int = 0
     scheduler: dict[str, Any] | None = None  # optimizer-parameter schedule state, if resumed
     grad_scaler: dict[str, Any] | None = None  # fp16 loss-scaler state, if resumed
+    health: dict[str, Any] | None = None  # the numerical health monitor's history, if resumed
 
 
 def _b64(t: torch.Tensor) -> str:
@@ -236,7 +237,8 @@ class CheckpointIO:
         context = {"save_dir": save_dir, "iteration": it, "rng": capture_rng(self.acc),
                    "consumed_samples": progress.consumed_samples,
                    "scheduler": copy.deepcopy(progress.scheduler),
-                   "grad_scaler": copy.deepcopy(progress.grad_scaler)}
+                   "grad_scaler": copy.deepcopy(progress.grad_scaler),
+                   "health": copy.deepcopy(progress.health)}
         tmp = incomplete_dir(save_dir, it)
         if background:
             self.pending = BackgroundWrite(tmp, [(kind, index, host_copy(tensors))
@@ -260,6 +262,8 @@ class CheckpointIO:
                 meta["opt_param_scheduler"] = context["scheduler"]
             if context["grad_scaler"] is not None:
                 meta["grad_scaler"] = context["grad_scaler"]
+            if context.get("health") is not None:
+                meta["health"] = context["health"]
             written = {name: e for _, part in gathered for name, e in part.items()}
             path = commit_save(save_dir, incomplete_dir(save_dir, it), it, meta, written)
             t = self.cfg.training
@@ -369,7 +373,8 @@ class CheckpointIO:
         return TrainProgress(iteration=reader.iteration,
                              consumed_samples=int(meta.get("consumed_samples", 0)),
                              scheduler=meta.get("opt_param_scheduler") if load_optim else None,
-                             grad_scaler=meta.get("grad_scaler") if load_optim else None)
+                             grad_scaler=meta.get("grad_scaler") if load_optim else None,
+                             health=meta.get("health"))
 
     def _restore_rng(self, meta: dict[str, Any], source: Path, log) -> None:
         per_rank = meta.get("rng_per_rank")

@@ -31,6 +31,7 @@ from megatron_h2.config import (
     flag,
     flag_name,
 )
+from megatron_h2.config.flags import bounded_int, finite_float
 from megatron_h2.config.megatron_flags import COMPAT_FLAGS, unsupported_reason
 from megatron_h2.errors import ConfigError
 
@@ -93,7 +94,7 @@ def _add_field(group: argparse._ArgumentGroup, cls: type, f, hint: Any) -> None:
             kind = item
         if typing.get_origin(kind) is typing.Literal:
             kind = str
-        parse = meta["parse"] or kind
+        parse = meta["parse"] or _NUMBER_PARSERS.get(kind, kind)
         group.add_argument(flag_name(f), *meta["aliases"], type=_converter(parse),
                            choices=meta["choices"],
                            metavar=None if meta["choices"] else (meta["metavar"] or f.name.upper()),
@@ -101,6 +102,9 @@ def _add_field(group: argparse._ArgumentGroup, cls: type, f, hint: Any) -> None:
     for name, value, help_text in meta["shortcuts"]:
         group.add_argument(name, action="store_const", const=value, dest=dest,
                            default=argparse.SUPPRESS, help=help_text)
+
+
+_NUMBER_PARSERS = {float: finite_float, int: bounded_int}
 
 
 def _converter(parse):
