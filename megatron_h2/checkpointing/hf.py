@@ -1,11 +1,13 @@
 """Conversion between Hugging Face checkpoints and megatron_h2 checkpoints.
 
-Two Hugging Face families cover the architectures Megatron's flags describe:
+Hugging Face families cover the architectures Megatron's flags describe:
 ``LlamaForCausalLM`` (:mod:`~megatron_h2.checkpointing.hf_llama`: RMSNorm, SwiGLU, rotary, tied or
 not, with or without biases, RoPE scaling) and ``GPT2LMHeadModel``
 (:mod:`~megatron_h2.checkpointing.hf_gpt2`: Megatron's default GPT, LayerNorm, GeLU, learned
-positions). A checkpoint is written as the family its model fits (RMSNorm: Llama, LayerNorm:
-GPT-2); a model neither can hold is refused in one line naming what does not fit.
+positions); mixture-of-experts models convert as ``MixtralForCausalLM``
+(:mod:`~megatron_h2.checkpointing.hf_mixtral`). A checkpoint is written as the family its model
+fits (MoE: Mixtral, RMSNorm: Llama, LayerNorm: GPT-2); a model none can hold is refused in one
+line naming what does not fit.
 
 The Hugging Face side is the directory ``save_pretrained`` writes: ``config.json`` plus either
 ``model.safetensors`` or shards listed in ``model.safetensors.index.json``. Our side is the format
@@ -28,7 +30,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
-from megatron_h2.checkpointing import hf_gpt2, hf_llama
+from megatron_h2.checkpointing import hf_gpt2, hf_llama, hf_mixtral
 from megatron_h2.checkpointing.format import (
     LATEST_FILE,
     load_checkpoint,
@@ -44,7 +46,8 @@ HF_INDEX_FILE = "model.safetensors.index.json"
 HF_GENERATION_FILE = "generation_config.json"
 DEFAULT_MAX_SHARD_SIZE = 5 * 2**30  # bytes per safetensors shard when writing HF checkpoints
 
-FAMILIES: dict[str, ModuleType] = {hf_llama.MODEL_TYPE: hf_llama, hf_gpt2.MODEL_TYPE: hf_gpt2}
+FAMILIES: dict[str, ModuleType] = {hf_llama.MODEL_TYPE: hf_llama, hf_gpt2.MODEL_TYPE: hf_gpt2,
+                                   hf_mixtral.MODEL_TYPE: hf_mixtral}
 """HF ``model_type`` -> the module that maps it."""
 
 
@@ -55,8 +58,8 @@ FAMILIES: dict[str, ModuleType] = {hf_llama.MODEL_TYPE: hf_llama, hf_gpt2.MODEL_
 def _family_of_hf(hf_config: dict[str, Any]) -> ModuleType:
     model_type = hf_config.get("model_type", "llama")
     if model_type not in FAMILIES:
-        raise ConfigError(f"config.json has model_type {model_type!r}; only Llama ('llama') and "
-                          "GPT-2 ('gpt2') checkpoints can be converted")
+        raise ConfigError(f"config.json has model_type {model_type!r}; only Llama ('llama'), "
+                          "GPT-2 ('gpt2') and Mixtral ('mixtral') checkpoints can be converted")
     return FAMILIES[model_type]
 
 
@@ -64,6 +67,8 @@ def family_of(config: ModelConfig) -> ModuleType:
     """The HF family that holds ``config``'s model: Llama for RMSNorm, GPT-2 for LayerNorm;
     a model the family cannot hold is a one-line refusal."""
     family = hf_llama if config.normalization == "RMSNorm" else hf_gpt2
+    if config.is_moe:
+        family = hf_mixtral
     reason = family.unsupported(config)
     if reason:
         raise ConfigError(f"transformers' {family.ARCHITECTURE} cannot hold this model "
