@@ -137,6 +137,9 @@ COMPAT_FLAGS: dict[str, NoEffect] = {
     "--use-persistent-ckpt-worker": NoEffect(_ASYNC),
     "--async-strategy": NoEffect(_ASYNC, True, ("nvrx", "mcore")),
     "--async-ckpt-use-cpu-shm": NoEffect(_ASYNC),
+    "--no-position-embedding": NoEffect(
+        "deprecated in Megatron, which accepts it only with --position-embedding-type rope, "
+        "where it changes nothing"),
     "--moe-shared-expert-overlap": NoEffect(
         "the shared experts run before the routed experts; overlapping them with the token "
         "dispatch only reorders the sums of the input gradient"),

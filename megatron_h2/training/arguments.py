@@ -318,6 +318,10 @@ def config_from_args(argv: list[str] | None = None) -> tuple[RunConfig, LaunchOp
     explicit = frozenset(name for mine in given.values() for name in mine)
     launch = parts["LaunchOptions"]
     _check_recompute_flags(parts["ModelConfig"], given["ModelConfig"])
+    if "--no-position-embedding" in compat and \
+            parts["ModelConfig"].position_embedding_type != "rope":
+        raise ConfigError("--no-position-embedding is deprecated, use --position-embedding-type "
+                          "(Megatron accepts it only with rotary embeddings)")
     inert = tuple(_inert_model_flags(parts["ModelConfig"], given["ModelConfig"])
                   + _inert_logging_flags(parts, given))
     launch.explicit, launch.no_effect, launch.demo_flags = explicit, compat + inert, demo

@@ -86,7 +86,7 @@ def test_layout_matches_single_process(arch, layout, corpus, references, tmp_pat
     nproc, flags = LAYOUTS[layout]
     out = tmp_path / "log.jsonl"
     proc = torchrun(nproc, [*MODEL, *ARCHS[arch], "--data-path", corpus, "--log-jsonl",
-                            str(out), *flags])
+                            str(out), *flags], timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert_same_run(records(out), references[arch])
     assert " load_balancing_loss: " in proc.stdout or arch != "mixtral"
@@ -97,7 +97,8 @@ def test_checkpoint_saved_under_dp2_resumes_in_one_process(corpus, references, t
     arch = DEEPSEEK_LIKE
     ckpt = tmp_path / "ckpt"
     first = torchrun(2, [*MODEL, *arch, "--data-path", corpus, "--save", str(ckpt),
-                         "--exit-interval", "5", "--log-jsonl", str(tmp_path / "a.jsonl")])
+                         "--exit-interval", "5", "--log-jsonl", str(tmp_path / "a.jsonl")],
+                     timeout=600)
     assert first.returncode == 0, first.stderr[-3000:]
     with safe_open(str(ckpt / "iter_0000005" / "model_00000.safetensors"), "pt") as f:
         keys = set(f.keys())
