@@ -51,7 +51,7 @@ ARCHITECTURE_FIELDS: tuple[str, ...] = (
     "num_experts", "moe_ffn_hidden_size", "moe_layer_freq", "moe_router_topk",
     "moe_router_score_function", "moe_router_pre_softmax", "moe_router_topk_scaling_factor",
     "moe_router_enable_expert_bias", "moe_router_num_groups", "moe_router_group_topk",
-    "moe_shared_expert_intermediate_size")
+    "moe_shared_expert_intermediate_size", "moe_shared_expert_gate")
 """Fields beyond the shape (layers, hidden size, heads, vocabulary) that change the weights or
 what they compute: a checkpoint's must equal the run's, and the planner's model files and
 launch scripts carry them (``max_position_embeddings``, the size of a learned position table, is

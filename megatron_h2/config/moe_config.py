@@ -96,6 +96,9 @@ class MoEFields:
     moe_shared_expert_intermediate_size: int | None = flag(
         None, "Hidden size of the shared experts (all of them together), which every token "
         "goes through; default: none.")
+    moe_shared_expert_gate: bool = flag(
+        False, "Scale the shared experts' output by a learned sigmoid gate per token "
+        "(needs --moe-shared-expert-intermediate-size).")
     moe_expert_capacity_factor: float | None = flag(
         None, "Capacity of each expert as a factor of its even share of tokens; tokens beyond "
         "it are dropped (default: none dropped; negative: none, as Megatron).")
@@ -149,6 +152,7 @@ class MoEFields:
         shared_matrix = shared_bias = 0
         if self.moe_shared_expert_intermediate_size:
             shared_matrix, shared_bias = self._mlp_params(self.moe_shared_expert_intermediate_size)
+            shared_bias += h if self.moe_shared_expert_gate else 0  # the gate's weight [1, h]
         total = router + e * (matrix + bias) + shared_matrix + shared_bias
         return total, e * h + self.moe_router_topk * matrix + shared_matrix
 
@@ -200,6 +204,9 @@ class MoEFields:
         if factor == 0:
             raise ConfigError("--moe-expert-capacity-factor 0 would drop every token; give a "
                               "positive factor (or omit it to drop none)")
+        if self.moe_shared_expert_gate and not self.moe_shared_expert_intermediate_size:
+            raise ConfigError("--moe-shared-expert-gate needs "
+                              "--moe-shared-expert-intermediate-size")
         if self.moe_pad_expert_input_to_capacity and factor is None:
             raise ConfigError("--moe-pad-expert-input-to-capacity needs "
                               "--moe-expert-capacity-factor")

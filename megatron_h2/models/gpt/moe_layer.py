@@ -4,7 +4,8 @@
 Parameter names are Megatron-Core's: ``mlp.router.weight``, ``mlp.experts.local_experts.{e}
 .linear_fc1.weight`` / ``linear_fc2.weight`` (``e`` the *global* expert index, so checkpoints do
 not depend on the layout) and, with ``--moe-shared-expert-intermediate-size``,
-``mlp.shared_experts.linear_fc1.weight`` / ``linear_fc2.weight``.
+``mlp.shared_experts.linear_fc1.weight`` / ``linear_fc2.weight`` (and ``gate_weight`` with
+``--moe-shared-expert-gate``).
 
 The forward: the shared experts (if any) on the input, the router on the tokens in [s, b]
 order, the tokens permuted so that each expert's are contiguous (in token order), each expert's
@@ -18,6 +19,7 @@ E = experts, n_e = tokens routed to expert e.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from megatron_h2.config import ModelConfig
@@ -66,6 +68,23 @@ class SequentialMLP(nn.Module):
         return torch.cat(outputs, dim=0)
 
 
+class SharedExpertMLP(MLP):
+    """The shared experts: an MLP every token goes through; with ``--moe-shared-expert-gate``
+    its output is scaled by sigmoid(x . ``gate_weight``) per token (``gate_weight`` [1, h])."""
+
+    def __init__(self, config: ModelConfig, kernels: Kernels, tp: TPContext) -> None:
+        super().__init__(config, kernels, tp,
+                         ffn_hidden_size=config.moe_shared_expert_intermediate_size)
+        self.gate_weight = (nn.Parameter(torch.empty(1, config.hidden_size))
+                            if config.moe_shared_expert_gate else None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = super().forward(x)  # [T, h]
+        if self.gate_weight is None:
+            return out
+        return out * torch.sigmoid(F.linear(x, self.gate_weight))  # [T, h] x [T, 1]
+
+
 class MoELayer(nn.Module):
     """Router, experts and optional shared experts of one layer. [b, s, h] -> [b, s, h]."""
 
@@ -77,9 +96,8 @@ class MoELayer(nn.Module):
         self.config, self.layer, self.state = config, layer, state
         self.router = TopKRouter(config, layer, state)
         self.experts = SequentialMLP(config, kernels, tp, range(config.num_experts))
-        shared = config.moe_shared_expert_intermediate_size
-        self.shared_experts = (MLP(config, kernels, tp, ffn_hidden_size=shared)
-                               if shared else None)
+        self.shared_experts = (SharedExpertMLP(config, kernels, tp)
+                               if config.moe_shared_expert_intermediate_size else None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, s, h = x.shape

@@ -108,3 +108,33 @@ def test_mixtral_sliding_window_is_refused(tmp_path):
 
     with pytest.raises(ConfigError, match="sliding_window 16"):
         model_config_from_hf(tiny_mixtral(sliding_window=16).config.to_dict())
+
+
+@pytest.mark.parametrize("kw", [
+    dict(mlp_only_layers=[0], norm_topk_prob=False),  # dense first layer, pre-softmax top-k
+    dict(decoder_sparse_step=2, norm_topk_prob=True, num_experts_per_tok=3),
+])
+def test_qwen2_moe_to_ours_logits(kw, tmp_path):
+    """Qwen2-MoE (QKV bias, dense and MoE layers, shared expert with its sigmoid gate) converts
+    to ours with transformers' logits; writing it back is refused in one line."""
+    from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM
+
+    from megatron_h2.checkpointing import load_checkpoint
+    from tests.unit.checkpointing.test_convert_architectures import our_logits
+
+    args = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48,
+                moe_intermediate_size=24, shared_expert_intermediate_size=40,
+                num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+                num_experts=4, num_experts_per_tok=2, max_position_embeddings=64)
+    model = randomize(Qwen2MoeForCausalLM(Qwen2MoeConfig(**{**args, **kw})), seed=4)
+    model.save_pretrained(tmp_path / "hf")
+    assert convert("--from", "hf", "--to", "megatron_h2", "--input", tmp_path / "hf",
+                   "--output", tmp_path / "ours") == 0
+    with torch.no_grad():
+        want = model(TOKENS).logits
+    assert (our_logits(tmp_path / "ours")[..., :VOCAB] - want).abs().max().item() < 1e-5
+    config = ModelConfig(**load_checkpoint(tmp_path / "ours").metadata["config"]["model"])
+    assert config.moe_shared_expert_gate and config.add_qkv_bias and not config.add_bias_linear
+    assert config.moe_layers == ([1, 2] if "mlp_only_layers" in kw else [1])
+    assert convert("--from", "megatron_h2", "--to", "hf", "--input", tmp_path / "ours",
+                   "--output", tmp_path / "back") == 2

@@ -64,7 +64,7 @@ def test_status_of_each_kind(tool):
     assert c.status("--num-virtual-stages-per-pipeline-rank")[0] == tool.SUPPORTED
     assert c.status("--manual-gc") == (tool.NO_EFFECT, COMPAT_FLAGS["--manual-gc"].reason)
     assert c.status("--moe-router-topk")[0] == tool.SUPPORTED
-    assert c.status("--moe-shared-expert-gate")[0] == tool.ERROR
+    assert c.status("--moe-use-upcycling")[0] == tool.ERROR
     assert c.status("--nproc_per_node")[0] == tool.TORCHRUN
     assert c.status("--no-such-flag") == (tool.UNKNOWN, "")
 

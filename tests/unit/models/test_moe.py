@@ -45,7 +45,8 @@ def make_layer(config: ModelConfig, seed: int = 0) -> MoELayer:
 
 def test_parameter_names_are_megatron_cores_local_spec():
     cfg = moe_config(num_layers=3, moe_layer_freq=[0, 1, 1], swiglu=True,
-                     add_bias_linear=False, moe_shared_expert_intermediate_size=32)
+                     add_bias_linear=False, moe_shared_expert_intermediate_size=32,
+                     moe_shared_expert_gate=True)
     names = {n for n, _ in GPTModel(cfg).named_parameters()}
     assert "decoder.layers.0.mlp.linear_fc1.weight" in names  # dense layer
     for i in (1, 2):
@@ -55,6 +56,7 @@ def test_parameter_names_are_megatron_cores_local_spec():
             assert f"decoder.layers.{i}.mlp.experts.local_experts.{e}.linear_fc2.weight" in names
         assert f"decoder.layers.{i}.mlp.shared_experts.linear_fc1.weight" in names
         assert f"decoder.layers.{i}.mlp.shared_experts.linear_fc2.weight" in names
+        assert f"decoder.layers.{i}.mlp.shared_experts.gate_weight" in names
         assert f"decoder.layers.{i}.mlp.linear_fc1.weight" not in names
     model = GPTModel(cfg)
     assert sum(p.numel() for p in model.parameters()) == cfg.num_parameters()
@@ -142,7 +144,7 @@ def naive_moe(layer: MoELayer, x: torch.Tensor) -> torch.Tensor:
 
 @pytest.mark.parametrize("kw", [dict(), dict(swiglu=True, add_bias_linear=False),
                                 dict(moe_shared_expert_intermediate_size=20, moe_router_topk=3,
-                                     moe_ffn_hidden_size=12)])
+                                     moe_ffn_hidden_size=12, moe_shared_expert_gate=True)])
 def test_moe_block_is_the_sum_over_routed_experts(kw):
     layer = make_layer(moe_config(**kw))
     layer.eval()

@@ -31,8 +31,8 @@ REQUIRED = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads",
     (["--totally-unknown"], "unknown flag --totally-unknown; see pretrain_gpt.py --help"),
     (["--num-layers", "x"], "argument --num-layers: expected int, got 'x'"),
     (["--lr-decay-style", "cosin"], "invalid choice: 'cosin'"),
-    (["--moe-shared-expert-gate"], "--moe-shared-expert-gate is not supported: this "
-                                   "mixture-of-experts option is not implemented"),
+    (["--moe-use-upcycling"], "--moe-use-upcycling is not supported: this "
+                              "mixture-of-experts option is not implemented"),
     (["--num-experts", "4", "--moe-router-topk", "5"], "--moe-router-topk 5 must be between 1 "
                                                        "and --num-experts 4"),
     (["--expert-model-parallel-size", "2"], "--expert-model-parallel-size 2: expert "
