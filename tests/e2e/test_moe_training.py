@@ -112,3 +112,21 @@ def test_checkpoint_saved_under_dp2_resumes_in_one_process(corpus, references, t
     assert sorted(got) == [k for k in sorted(want) if k > 5]
     for it, value in got.items():
         assert abs(value - want[it]) <= 1e-5 * abs(want[it]), (it, value, want[it])
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("arch", list(ARCHS))
+def test_two_chip_types_through_the_bridge(arch, corpus, references, tmp_path):
+    """A heterogeneous plan: the dense-or-MoE first layer on one chip type with DP 2, three MoE
+    layers on the other with DP 1, every boundary through the bridge."""
+    from tests.unit.pipeline.test_hetero_pp import write_plan
+
+    plan = write_plan(tmp_path / "plan.yaml",
+                      [{"chip": "fast", "tensor_parallel_size": 1, "num_layers": 1,
+                        "data_parallel_size": 2},
+                       {"chip": "slow", "tensor_parallel_size": 1, "num_layers": 3}])
+    out = tmp_path / "log.jsonl"
+    proc = torchrun(3, [*MODEL, *ARCHS[arch], "--data-path", corpus, "--hetero-plan", plan,
+                        "--force-bridge", "--log-jsonl", str(out)], timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert_same_run(records(out), references[arch])
