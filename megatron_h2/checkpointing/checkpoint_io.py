@@ -161,6 +161,10 @@ class CheckpointIO:
         self.names = {p: aliases.get(n, n) for n, p in model.named_parameters()}
         self.params = {aliases.get(n, n): p for n, p in model.named_parameters()}
         self.copies = set(aliases.values())  # names this rank holds a copy of, saved elsewhere
+        saved = model.state_dict(keep_vars=True)
+        self.buffers = {n: b for n, b in model.named_buffers() if n in saved}
+        """Persistent buffers (a MoE router's expert bias): whole on every TP rank, saved with
+        the weights; absent from older checkpoints, where they keep their initial value."""
         self.owner: SaveDirOwner | None = None  # rank 0's claim on --save (checked per save)
         self.removed: list[int] = []  # iterations the last save's retention policy deleted
         self.pending: BackgroundWrite | None = None  # --async-save: the write in progress
@@ -228,6 +232,7 @@ class CheckpointIO:
         if topo.dp_rank == 0 and topo.pipeline == 0:  # every pipeline holds the same state
             own = {n: p for n, p in self.params.items() if n not in self.copies}
             model = self._gather_full({n: weights[p] for n, p in own.items()})
+            model.update({n: b.detach().float() for n, b in self.buffers.items()})
             optim = self._gather_full({k: v for k, v in optim.items()
                                        if _param_of_state(k) in own})
             if topo.tp_rank == 0:
@@ -313,6 +318,9 @@ class CheckpointIO:
                     raise ConfigError(f"checkpoint tensor {name} has shape {tuple(full.shape)}, "
                                       "which does not fit this model; use matching model flags")
                 values[param] = part.to(param.device, torch.float32)
+            for name, buffer in self.buffers.items():
+                if reader.has(name):
+                    buffer.copy_(reader.get(name).to(buffer.device, buffer.dtype))
         self.optimizer.load_main_weights(values)
         bad = self._agree(not_finite)
         if bad and self.cfg.training.check_for_nan_in_loss_and_grad:
@@ -337,7 +345,7 @@ class CheckpointIO:
     def _verify(self, reader: CheckpointReader, load_optim: bool) -> None:
         """Check the checksums of the parts this job reads, each part by one of the ranks that
         read it; every rank raises the same one-line error if any part is damaged."""
-        names = list(self.params)
+        names = list(self.params) + list(self.buffers)
         if load_optim:
             names += [f"{n}.{key}" for n in self.params for key in ("exp_avg", "exp_avg_sq",
                                                                    "step")]

@@ -33,6 +33,7 @@ from megatron_h2.config import (
 )
 from megatron_h2.config.flags import bounded_int, finite_float
 from megatron_h2.config.megatron_flags import COMPAT_FLAGS, unsupported_reason
+from megatron_h2.config.moe_config import MoEFields
 from megatron_h2.errors import ConfigError
 
 
@@ -126,11 +127,13 @@ def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="pretrain_gpt.py", allow_abbrev=False,
                 description="Megatron-style GPT pretraining (megatron_h2). With no flags, "
                             "trains a small model on an embedded corpus.")
+    moe_fields = {f.name for f in fields(MoEFields)}
     for title, cls in GROUPS:
         group = p.add_argument_group(title)
+        moe = p.add_argument_group("mixture of experts") if cls is ModelConfig else None
         hints = typing.get_type_hints(cls)
         for f in cli_fields(cls):
-            _add_field(group, cls, f, hints[f.name])
+            _add_field(moe if moe and f.name in moe_fields else group, cls, f, hints[f.name])
     compat = p.add_argument_group("accepted for Megatron compatibility, without effect")
     for name, entry in COMPAT_FLAGS.items():
         kwargs: dict[str, Any] = {"action": "store_true"}
@@ -319,6 +322,10 @@ def config_from_args(argv: list[str] | None = None) -> tuple[RunConfig, LaunchOp
     explicit = frozenset(name for mine in given.values() for name in mine)
     launch = parts["LaunchOptions"]
     _check_recompute_flags(parts["ModelConfig"], given["ModelConfig"])
+    if "--no-position-embedding" in compat and \
+            parts["ModelConfig"].position_embedding_type != "rope":
+        raise ConfigError("--no-position-embedding is deprecated, use --position-embedding-type "
+                          "(Megatron accepts it only with rotary embeddings)")
     inert = tuple(_inert_model_flags(parts["ModelConfig"], given["ModelConfig"])
                   + _inert_logging_flags(parts, given))
     launch.explicit, launch.no_effect, launch.demo_flags = explicit, compat + inert, demo

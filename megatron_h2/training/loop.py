@@ -257,6 +257,9 @@ class Trainer:
         if result.loss_scale is not None:
             values["loss_scale"] = result.loss_scale
         self.metrics.scalars(it, values)
+        if result.moe is not None:  # Megatron's names, unprefixed
+            self.metrics.scalars(it, result.moe.scalars(self.cfg.model.moe_per_layer_logging),
+                                 prefix="")
 
     def _log(self, window: list[StepResult], elapsed: float, val_loss: float | None) -> None:
         cfg, lg, run = self.cfg, self.cfg.logging, self.run
@@ -280,6 +283,15 @@ class Trainer:
             record["throughput_per_gpu_tflops"] = record["tflops"] / run.topo.world_size
         if window[-1].num_zeros is not None:
             record["num_zeros"] = window[-1].num_zeros
+        moe = window[-1].moe
+        if moe is not None:  # the last iteration's, as Megatron's line
+            record["moe_losses"] = moe.losses
+            record["moe_tokens_per_expert"] = {str(k): v for k, v in
+                                               moe.tokens_per_expert.items()}
+            if cfg.model.moe_per_layer_logging:
+                record["moe_per_layer_losses"] = {
+                    name: {str(k): v for k, v in layers.items()}
+                    for name, layers in moe.per_layer.items()}
         if lg.log_params_norm:
             record["params_norm"] = self.runner.params_norm()  # collective
         if val_loss is not None:
