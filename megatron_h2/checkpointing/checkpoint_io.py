@@ -27,11 +27,11 @@ from megatron_h2.checkpointing import (
     commit_save,
     corruption_message,
     incomplete_dir,
-    open_checkpoint,
     write_part,
 )
 from megatron_h2.checkpointing.async_save import BackgroundWrite, host_copy
 from megatron_h2.checkpointing.housekeeping import SaveDirOwner, apply_retention
+from megatron_h2.checkpointing.megatron_open import MegatronReader, open_any_checkpoint
 from megatron_h2.config import ARCHITECTURE_FIELDS, ModelConfig, RunConfig, flag_name
 from megatron_h2.devices import Accelerator
 from megatron_h2.distributed.topology import Topology
@@ -135,6 +135,9 @@ def check_compatible(metadata: dict[str, Any], config: RunConfig, source: Path |
         if was != mine:
             flag = flag_name(next(f for f in fields(ModelConfig) if f.name == name)) \
                 if name != "vocab_size" else "--vocab-size (padded)"
+            if name == "vocab_size" and "megatron" in metadata:
+                flag += ("; Megatron-LM pads to a multiple of --make-vocab-size-divisible-by x "
+                         "TP: pass that product as --make-vocab-size-divisible-by")
             raise ConfigError(f"checkpoint {source} was saved with {name}={was} but "
                               f"this run has {name}={mine} ({flag}); use matching model flags")
 
@@ -361,14 +364,24 @@ class CheckpointIO:
             raise JobConfigError(self._from_rank0(message))
 
     def load(self, load_dir: str, iteration: int | None, load_optim: bool,
-             load_rng: bool, log, verify: bool = True) -> TrainProgress | None:
+             load_rng: bool, log, verify: bool = True, ckpt_format: str | None = None,
+             auto_detect: bool = False) -> TrainProgress | None:
         """Restore a checkpoint into model and optimizer; None if ``load_dir`` holds none.
-        ``verify`` checks the checksums of every part read (collective)."""
-        reader = open_checkpoint(load_dir, iteration, verify)
+        ``verify`` checks the checksums of every part read (collective). A Megatron-LM
+        checkpoint (``ckpt_format`` / ``auto_detect``: see :func:`open_any_checkpoint`) is read
+        whole on every rank and restored like ours."""
+        reader = open_any_checkpoint(load_dir, iteration, verify, ckpt_format, auto_detect,
+                                     load_optim)
         if reader is None:
             return None
         meta = reader.metadata
         check_compatible(meta, self.cfg, reader.path)
+        if isinstance(reader, MegatronReader):
+            megatron = meta["megatron"]
+            log(f"reading Megatron-LM {megatron['format']} checkpoint {reader.path} (saved at TP "
+                f"{megatron['tensor_model_parallel_size']} PP "
+                f"{megatron['pipeline_model_parallel_size']}); not carried over: "
+                f"{len(megatron['not_read'])} extra-state / RNG entries")
         if verify:
             self._verify(reader, load_optim)
         else:

@@ -356,10 +356,9 @@ class CheckpointReader:
                               f"({exc}); load an earlier iteration") from None
 
 
-def open_checkpoint(load_dir: str | os.PathLike, iteration: int | None = None,
-                    verify: bool = True) -> CheckpointReader | None:
-    """Check the given (default: latest) checkpoint and index its tensors; None if there is none.
-    The parts' checksums are not read here (see :meth:`CheckpointReader.verify`)."""
+def checkpoint_to_load(load_dir: str | os.PathLike, iteration: int | None = None) -> Path | None:
+    """The iteration directory to load from ``load_dir`` (default: the latest), or None when
+    the directory holds no checkpoint."""
     path = Path(load_dir)
     if not path.is_dir():
         raise ConfigError(f"--load directory {path} does not exist")
@@ -367,7 +366,16 @@ def open_checkpoint(load_dir: str | os.PathLike, iteration: int | None = None,
         iteration = find_latest_iteration(path)
         if iteration is None:
             return None
-    ckpt_dir = iteration_dir(path, iteration)
+    return iteration_dir(path, iteration)
+
+
+def open_checkpoint(load_dir: str | os.PathLike, iteration: int | None = None,
+                    verify: bool = True) -> CheckpointReader | None:
+    """Check the given (default: latest) checkpoint and index its tensors; None if there is none.
+    The parts' checksums are not read here (see :meth:`CheckpointReader.verify`)."""
+    ckpt_dir = checkpoint_to_load(load_dir, iteration)
+    if ckpt_dir is None:
+        return None
     return CheckpointReader(ckpt_dir, *read_checkpoint_files(ckpt_dir, verify))
 
 

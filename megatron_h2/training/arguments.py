@@ -45,6 +45,12 @@ class LaunchOptions:
     no_load_optim: bool = flag(False, "Do not load the optimizer state when loading a checkpoint.")
     no_load_rng: bool = flag(False, "Do not load the RNG states when loading a checkpoint.")
     finetune: bool = flag(False, "Load model weights only and start at iteration 0.")
+    ckpt_format: str | None = flag(
+        None, "Megatron-LM checkpoint format that --load holds (torch_dist, or the legacy "
+        "torch); default: whatever the directory holds. megatron_h2 checkpoints load whatever "
+        "this says; saving writes megatron_h2's format.", choices=("torch", "torch_dist"))
+    auto_detect_ckpt_format: bool = flag(
+        False, "Load a Megatron-LM checkpoint of either format, whatever --ckpt-format says.")
     explicit: frozenset[str] = frozenset()  # config fields the user set on the command line
     no_effect: tuple[str, ...] = ()  # compatibility flags given (reported at start-up)
     demo_flags: tuple[str, ...] = ()  # what the embedded demo set that the user did not
