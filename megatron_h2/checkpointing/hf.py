@@ -1,11 +1,14 @@
 """Conversion between Hugging Face checkpoints and megatron_h2 checkpoints.
 
-Two Hugging Face families cover the architectures Megatron's flags describe:
+Hugging Face families cover the architectures Megatron's flags describe:
 ``LlamaForCausalLM`` (:mod:`~megatron_h2.checkpointing.hf_llama`: RMSNorm, SwiGLU, rotary, tied or
 not, with or without biases, RoPE scaling) and ``GPT2LMHeadModel``
 (:mod:`~megatron_h2.checkpointing.hf_gpt2`: Megatron's default GPT, LayerNorm, GeLU, learned
-positions). A checkpoint is written as the family its model fits (RMSNorm: Llama, LayerNorm:
-GPT-2); a model neither can hold is refused in one line naming what does not fit.
+positions); mixture-of-experts models convert as ``MixtralForCausalLM``
+(:mod:`~megatron_h2.checkpointing.hf_mixtral`), and ``Qwen2MoeForCausalLM`` converts to ours
+(:mod:`~megatron_h2.checkpointing.hf_qwen2_moe`, one way). A checkpoint is written as the family
+its model fits (MoE: Mixtral, RMSNorm: Llama, LayerNorm: GPT-2); a model none can hold is
+refused in one line naming what does not fit.
 
 The Hugging Face side is the directory ``save_pretrained`` writes: ``config.json`` plus either
 ``model.safetensors`` or shards listed in ``model.safetensors.index.json``. Our side is the format
@@ -28,7 +31,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
-from megatron_h2.checkpointing import hf_gpt2, hf_llama
+from megatron_h2.checkpointing import hf_gpt2, hf_llama, hf_mixtral, hf_qwen2_moe
 from megatron_h2.checkpointing.format import (
     LATEST_FILE,
     load_checkpoint,
@@ -44,7 +47,9 @@ HF_INDEX_FILE = "model.safetensors.index.json"
 HF_GENERATION_FILE = "generation_config.json"
 DEFAULT_MAX_SHARD_SIZE = 5 * 2**30  # bytes per safetensors shard when writing HF checkpoints
 
-FAMILIES: dict[str, ModuleType] = {hf_llama.MODEL_TYPE: hf_llama, hf_gpt2.MODEL_TYPE: hf_gpt2}
+FAMILIES: dict[str, ModuleType] = {hf_llama.MODEL_TYPE: hf_llama, hf_gpt2.MODEL_TYPE: hf_gpt2,
+                                   hf_mixtral.MODEL_TYPE: hf_mixtral,
+                                   hf_qwen2_moe.MODEL_TYPE: hf_qwen2_moe}
 """HF ``model_type`` -> the module that maps it."""
 
 
@@ -55,8 +60,9 @@ FAMILIES: dict[str, ModuleType] = {hf_llama.MODEL_TYPE: hf_llama, hf_gpt2.MODEL_
 def _family_of_hf(hf_config: dict[str, Any]) -> ModuleType:
     model_type = hf_config.get("model_type", "llama")
     if model_type not in FAMILIES:
-        raise ConfigError(f"config.json has model_type {model_type!r}; only Llama ('llama') and "
-                          "GPT-2 ('gpt2') checkpoints can be converted")
+        raise ConfigError(f"config.json has model_type {model_type!r}; only Llama ('llama'), "
+                          "GPT-2 ('gpt2'), Mixtral ('mixtral') and Qwen2-MoE ('qwen2_moe', to "
+                          "megatron_h2 only) checkpoints can be converted")
     return FAMILIES[model_type]
 
 
@@ -64,6 +70,8 @@ def family_of(config: ModelConfig) -> ModuleType:
     """The HF family that holds ``config``'s model: Llama for RMSNorm, GPT-2 for LayerNorm;
     a model the family cannot hold is a one-line refusal."""
     family = hf_llama if config.normalization == "RMSNorm" else hf_gpt2
+    if config.is_moe:
+        family = hf_mixtral
     reason = family.unsupported(config)
     if reason:
         raise ConfigError(f"transformers' {family.ARCHITECTURE} cannot hold this model "
@@ -106,14 +114,16 @@ def hf_config_from_model(config: ModelConfig, true_vocab_size: int | None = None
     return family.hf_config(config, true_vocab_size, extra)
 
 
-def hf_to_megatron_state(hf_state: dict[str, torch.Tensor],
-                         config: ModelConfig) -> dict[str, torch.Tensor]:
-    """HF tensors -> our tensors for ``config`` (whose vocab may be padded).
+def hf_to_megatron_state(hf_state: dict[str, torch.Tensor], config: ModelConfig,
+                         hf_config: dict[str, Any] | None = None) -> dict[str, torch.Tensor]:
+    """HF tensors -> our tensors for ``config`` (whose vocab may be padded), in the family of
+    ``hf_config`` (default: the one :func:`family_of` writes ``config`` as).
 
     The HF vocabulary is read from the embedding and padded with zero rows to
     ``config.vocab_size``. Dtypes are kept as they are.
     """
-    return family_of(config).to_megatron(hf_state, config)
+    family = family_of(config) if hf_config is None else _family_of_hf(hf_config)
+    return family.to_megatron(hf_state, config)
 
 
 def megatron_to_hf_state(state: dict[str, torch.Tensor], config: ModelConfig,
@@ -263,7 +273,7 @@ def convert_hf_to_megatron(input_dir: str | os.PathLike, output_dir: str | os.Pa
     if embed is not None and embed.shape[0] != true_vocab:
         raise ConfigError(f"{src} embeds {embed.shape[0]} tokens but config.json says vocab_size "
                           f"{true_vocab}; fix config.json")
-    state = hf_to_megatron_state(hf_state, config)
+    state = hf_to_megatron_state(hf_state, config, hf_config)
     hf_meta: dict[str, Any] = {"vocab_size": true_vocab, "config": hf_config}
     if (src / HF_GENERATION_FILE).is_file():
         hf_meta["generation_config"] = _read_json(src / HF_GENERATION_FILE)

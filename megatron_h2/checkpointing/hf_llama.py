@@ -15,9 +15,10 @@ names are under ``model.layers.{i}.`` on the HF side and ``decoder.layers.{i}.``
 
 Biases exist with ``attention_bias`` and ``mlp_bias`` (both: our biases in every linear layer).
 Zero-centred norm scales (``--apply-layernorm-1p``) are written as the plain scales they mean.
-Both sides use the rotate-half RoPE convention, so no head permutation is needed. RoPE scaling
-maps to Megatron's flags: ``llama3`` (with Megatron's fixed constants) to ``--use-rope-scaling
---rope-scaling-factor``, ``linear`` (an integral factor) to
+A MoE model's attention, norms, embeddings and dense MLPs map the same way (``hf_mixtral`` and
+``hf_qwen2_moe`` add its MoE blocks). Both sides use the rotate-half RoPE convention, so no head
+permutation is needed. RoPE scaling maps to Megatron's flags: ``llama3`` (with Megatron's fixed
+constants) to ``--use-rope-scaling --rope-scaling-factor``, ``linear`` (an integral factor) to
 ``--rotary-seq-len-interpolation-factor``.
 """
 
@@ -136,9 +137,11 @@ def model_fields(hf_config: dict[str, Any]) -> dict[str, Any]:
         **_rope_fields(hf_config))
 
 
-def unsupported(config: ModelConfig) -> str | None:
-    """Why ``config`` cannot be written as a LlamaForCausalLM (None when it can)."""
-    reasons = {"normalization": config.normalization != "RMSNorm",
+def unsupported(config: ModelConfig, moe: bool = False) -> str | None:
+    """Why ``config`` cannot be written as a LlamaForCausalLM (None when it can); ``moe``:
+    judge everything but the MLPs (a Mixtral's MoE blocks are judged by its module)."""
+    reasons = {"mixture-of-experts layers": config.is_moe and not moe,
+               "normalization": config.normalization != "RMSNorm",
                f"activation {config.activation}": config.activation != "swiglu",
                f"position embedding {config.position_embedding_type}":
                    config.position_embedding_type != "rope",
@@ -202,6 +205,8 @@ def hf_shapes(config: ModelConfig, vocab: int) -> dict[str, tuple[int, ...]]:
                  "self_attn.o_proj.weight": (h, nh * d), "post_attention_layernorm.weight": (h,),
                  "mlp.gate_proj.weight": (f, h), "mlp.up_proj.weight": (f, h),
                  "mlp.down_proj.weight": (h, f)}
+        if config.is_moe_layer(i):  # a MoE block is its family's module's
+            layer = {n: s for n, s in layer.items() if not n.startswith("mlp.")}
         if config.add_bias_linear:
             layer.update({n.replace(".weight", ".bias"): s[:1] for n, s in layer.items()
                           if "proj" in n})
@@ -222,6 +227,8 @@ def _direct_names(config: ModelConfig) -> list[tuple[str, str]]:
     for i in range(config.num_layers):
         src, dst = f"decoder.layers.{i}.", f"model.layers.{i}."
         for ours, theirs in _LAYER_DIRECT:
+            if config.is_moe_layer(i) and ours.startswith("mlp."):
+                continue
             kinds = ("",) if ours.endswith(".weight") else tuple(f".{k}" for k in _kinds(config))
             names += [(src + ours + kind, dst + theirs + kind) for kind in kinds]
     return names
@@ -242,6 +249,8 @@ def to_megatron(hf_state: dict[str, torch.Tensor], config: ModelConfig) -> dict[
             out[dst + f"self_attention.linear_qkv.{kind}"] = fuse_qkv(
                 hf_state[attn + f"q_proj.{kind}"], hf_state[attn + f"k_proj.{kind}"],
                 hf_state[attn + f"v_proj.{kind}"], config)
+            if config.is_moe_layer(i):
+                continue
             out[dst + f"mlp.linear_fc1.{kind}"] = torch.cat(
                 [hf_state[src + f"mlp.gate_proj.{kind}"], hf_state[src + f"mlp.up_proj.{kind}"]])
     if not config.tied_embeddings:
@@ -262,6 +271,8 @@ def to_hf(state: dict[str, torch.Tensor], config: ModelConfig,
             q, k, v = split_qkv(state[src + f"self_attention.linear_qkv.{kind}"], config)
             out.update({dst + f"self_attn.q_proj.{kind}": q, dst + f"self_attn.k_proj.{kind}": k,
                         dst + f"self_attn.v_proj.{kind}": v})
+            if config.is_moe_layer(i):
+                continue
             gate, up = state[src + f"mlp.linear_fc1.{kind}"].chunk(2)
             out[dst + f"mlp.gate_proj.{kind}"] = gate.clone()
             out[dst + f"mlp.up_proj.{kind}"] = up.clone()

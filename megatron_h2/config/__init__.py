@@ -12,7 +12,8 @@ base :class:`~megatron_h2.config.model_counts.ModelCounts`), the vocabulary padd
 (:func:`pad_vocab_size`) and :func:`state_bytes_per_param` are the only ones in the project.
 
 Modules: :mod:`.flags` (flag fields and shared parsers), :mod:`.model_config`, :mod:`.data`,
-:mod:`.optimizer`, :mod:`.training`, :mod:`.dtype_rules` (:class:`Precision`, the dtypes of the
+:mod:`.moe_config` (the mixture-of-experts fields of the model), :mod:`.optimizer`,
+:mod:`.training`, :mod:`.dtype_rules` (:class:`Precision`, the dtypes of the
 model state and its bytes per parameter), :mod:`.parallel`, :mod:`.logging_config`, :mod:`.run`
 (:class:`RunConfig`), :mod:`.megatron_flags` (the Megatron-LM flags accepted without effect or
 refused, with the reason).
@@ -62,6 +63,10 @@ from megatron_h2.config.model_counts import (  # noqa: F401
     RECOMPUTE_MODES,
     ModelCounts,
     Recompute,
+)
+from megatron_h2.config.moe_config import (  # noqa: F401
+    MoEFields,
+    parse_moe_layer_freq,
 )
 from megatron_h2.config.optimizer import (  # noqa: F401
     LR_DECAY_STYLES,

@@ -117,9 +117,6 @@ COMPAT_FLAGS: dict[str, NoEffect] = {
                                          True),
     "--log-progress": NoEffect("progress.txt is not written; each log line has the consumed "
                                "samples and the throughput"),
-    "--ckpt-format": NoEffect(_CKPT, True, ("torch", "torch_dist", "torch_dcp",
-                                            "fsdp_dtensor")),
-    "--auto-detect-ckpt-format": NoEffect(_CKPT),
     "--use-dist-ckpt": NoEffect(_CKPT),
     "--dist-ckpt-format": NoEffect(_CKPT, True),
     "--dist-ckpt-strictness": NoEffect(
@@ -137,12 +134,21 @@ COMPAT_FLAGS: dict[str, NoEffect] = {
     "--use-persistent-ckpt-worker": NoEffect(_ASYNC),
     "--async-strategy": NoEffect(_ASYNC, True, ("nvrx", "mcore")),
     "--async-ckpt-use-cpu-shm": NoEffect(_ASYNC),
+    "--no-position-embedding": NoEffect(
+        "deprecated in Megatron, which accepts it only with --position-embedding-type rope, "
+        "where it changes nothing"),
+    "--moe-shared-expert-overlap": NoEffect(
+        "the shared experts run before the routed experts; overlapping them with the token "
+        "dispatch only reorders the sums of the input gradient"),
+    "--moe-permute-fusion": NoEffect("the permutation of tokens to and from the experts is "
+                                      + _FUSION),
+    "--moe-router-fusion": NoEffect("the top-k routing and the aux loss are " + _FUSION),
     "--verify-integrity": NoEffect("checkpoints always carry SHA-256 checksums that loading "
                                    "verifies (turn off with --no-verify-checkpoint)"),
 }
 """Megatron flags accepted without effect (said once at start-up)."""
 
-_MOE = "mixture-of-experts layers are not implemented (megatron_h2 trains dense GPT models)"
+_MOE = "this mixture-of-experts option is not implemented"
 _ATTENTION = "this attention variant is not implemented (GPT / LLaMA attention with GQA only)"
 _INFERENCE = "a text-generation / inference flag: pretrain_gpt.py only trains"
 _RL = "reinforcement-learning post-training is not part of pretrain_gpt.py"
@@ -167,9 +173,6 @@ UNSUPPORTED_PREFIXES: dict[str, str] = {
 """Families of flags refused with one reason (a flag matches by prefix)."""
 
 UNSUPPORTED_FLAGS: dict[str, str] = {
-    "--num-experts": _MOE,
-    "--expert-model-parallel-size": _MOE,
-    "--expert-tensor-parallel-size": _MOE,
     "--multi-latent-attention": _ATTENTION,
     "--q-lora-rank": _ATTENTION,
     "--kv-lora-rank": _ATTENTION,

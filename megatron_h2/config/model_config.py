@@ -10,6 +10,7 @@ from typing import Any, Literal
 
 from megatron_h2.config.flags import _positive, flag
 from megatron_h2.config.model_counts import RECOMPUTE_MODES, ModelCounts, Recompute
+from megatron_h2.config.moe_config import MoEFields
 from megatron_h2.errors import ConfigError
 
 
@@ -46,7 +47,11 @@ ARCHITECTURE_FIELDS: tuple[str, ...] = (
     "normalization", "apply_layernorm_1p", "norm_epsilon", "swiglu", "squared_relu",
     "bias_gelu_fusion", "add_bias_linear", "add_qkv_bias", "untie_embeddings_and_output_weights",
     "position_embedding_type", "rotary_percent", "rotary_base",
-    "rotary_seq_len_interpolation_factor", "use_rope_scaling", "rope_scaling_factor")
+    "rotary_seq_len_interpolation_factor", "use_rope_scaling", "rope_scaling_factor",
+    "num_experts", "moe_ffn_hidden_size", "moe_layer_freq", "moe_router_topk",
+    "moe_router_score_function", "moe_router_pre_softmax", "moe_router_topk_scaling_factor",
+    "moe_router_enable_expert_bias", "moe_router_num_groups", "moe_router_group_topk",
+    "moe_shared_expert_intermediate_size", "moe_shared_expert_gate")
 """Fields beyond the shape (layers, hidden size, heads, vocabulary) that change the weights or
 what they compute: a checkpoint's must equal the run's, and the planner's model files and
 launch scripts carry them (``max_position_embeddings``, the size of a learned position table, is
@@ -54,7 +59,7 @@ checked by the tensor shapes)."""
 
 
 @dataclass
-class ModelConfig(ModelCounts):
+class ModelConfig(ModelCounts, MoEFields):
     """The decoder Megatron builds for the same flags (Megatron's defaults are a GPT: LayerNorm
     with bias, GeLU MLP of 4h with biases, learned absolute positions, embedding tied to the
     output layer); Megatron's LLaMA flags (:data:`LLAMA_ARCHITECTURE`) give a LLaMA."""
@@ -182,6 +187,7 @@ class ModelConfig(ModelCounts):
         self._check_recompute()
         self._check_architecture()
         self._check_implementation()
+        self._check_moe()
 
     def _fill_defaults(self) -> None:
         """Megatron's rules for the sizes left unset."""
@@ -203,6 +209,7 @@ class ModelConfig(ModelCounts):
             self.max_position_embeddings = self.seq_length
         if self.add_bias_linear:
             self.add_qkv_bias = True  # Megatron keeps the two in sync
+        self._fill_moe_defaults()
 
     def _check_recompute(self) -> None:
         """Megatron's rules: a method and a layer count only with full recompute. ``full``
@@ -311,4 +318,5 @@ class ModelConfig(ModelCounts):
         if self.position_embedding_type == "rope" and self.use_rope_scaling:
             pos += f", Llama 3 scaling x{self.rope_scaling_factor:g}"
         tied = "tied embedding" if self.tied_embeddings else "untied embedding and output"
-        return f"{norm}, {act} MLP {bias}, {pos}, {tied}"
+        moe = f"; {self.describe_moe()}" if self.is_moe else ""
+        return f"{norm}, {act} MLP {bias}, {pos}, {tied}{moe}"

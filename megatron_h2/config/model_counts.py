@@ -89,7 +89,8 @@ class ModelCounts:
         tied embedding / output weight counted once."""
         output = 0 if self.tied_embeddings else self.vocab_size * self.hidden_size
         return self.num_layers * self.layer_params + self.vocab_size * self.hidden_size \
-            + self.position_embedding_params + self.norm_params + output
+            + self.position_embedding_params + self.norm_params + output \
+            + self.moe_params_delta()
 
     def attention_core_flops_per_token(self, causal: bool = True) -> float:
         """QK^T and AV of one layer per token: 4 x seq x (heads x head dim) over the full square,
@@ -118,13 +119,14 @@ class ModelCounts:
         return self.head_forward_flops(tokens)
 
     def flops_per_token(self, causal: bool = False) -> float:
-        """Training FLOPs of one token, forward + backward = 3 x forward, no recompute.
+        """Training FLOPs of one token, forward + backward = 3 x forward, no recompute (a MoE
+        layer's MLP counted as its router, top-k experts and shared experts).
 
         ``causal=False`` counts attention over the full square, as Megatron's model-TFLOP/s
         accounting does (the runtime's log line); the planner's MFU counts the causal half.
         """
         forward = self.num_layers * self.layer_forward_flops(1, causal) \
-            + self.head_forward_flops(1)
+            + self.head_forward_flops(1) + 2.0 * self.moe_matrix_params_per_token_delta()
         return 3.0 * forward
 
     # ----------------------------------------------------------------------------- memory

@@ -27,10 +27,20 @@ class ParallelConfig:
     decoder_last_pipeline_num_layers: int | None = flag(
         None, "Transformer layers on the last pipeline stage (the rest spread evenly).")
     sequence_parallel: bool = flag(False, "Enable sequence parallel optimization.")
+    expert_model_parallel_size: int = flag(
+        1, "Degree of expert model parallelism; only 1 so far (every rank of a stage holds all "
+        "of its layers' experts).")
+    expert_tensor_parallel_size: int | None = flag(
+        None, "Degree of tensor model parallelism of the experts; only the stage's TP so far "
+        "(the default, as Megatron's).")
     use_distributed_optimizer: bool = flag(
         False, "Use the distributed optimizer (optimizer state sharded over data-parallel ranks, "
         "ZeRO-1).")
     distributed_timeout_minutes: float = flag(10.0, "Timeout minutes for torch.distributed.")
+    heartbeat_timeout: float = flag(
+        30.0, "Seconds without a heartbeat after which a rank counts as stopped (killed, "
+        "SIGSTOPped, a hung host): it is named in one line and the job ends, instead of waiting "
+        "for --distributed-timeout-minutes; 0 turns the heartbeat off.")
     ddp_bucket_size: int | None = flag(
         None, "Bucket size (elements) for data-parallel communication; default: "
         "max(40000000, 1000000 x data-parallel size).")
@@ -77,8 +87,17 @@ class ParallelConfig:
                               "TP and --sequence-parallel instead)")
         _positive(self, "tensor_model_parallel_size", "pipeline_model_parallel_size",
                   "distributed_timeout_minutes", "bridge_chunk_mb")
+        if not 0 <= self.heartbeat_timeout <= 86400:
+            raise ConfigError(f"--heartbeat-timeout must be in [0, 86400] seconds (0: off), got "
+                              f"{self.heartbeat_timeout:g}")
+        if self.heartbeat_timeout >= 60 * self.distributed_timeout_minutes:
+            raise ConfigError(f"--heartbeat-timeout {self.heartbeat_timeout:g} s must be shorter "
+                              f"than --distributed-timeout-minutes "
+                              f"{self.distributed_timeout_minutes:g} (the collectives would time "
+                              "out first); lower it")
         if self.ddp_bucket_size is not None:
             _positive(self, "ddp_bucket_size")
+        self._check_experts()
         if self.overlap_param_gather and not (self.use_distributed_optimizer
                                               and self.overlap_grad_reduce):
             raise ConfigError("--overlap-param-gather needs --use-distributed-optimizer and "
@@ -92,6 +111,18 @@ class ParallelConfig:
             if value is not None and value < 0:
                 raise ConfigError(f"--{name.replace('_', '-')} must be >= 0")
         self._check_virtual()
+
+    def _check_experts(self) -> None:
+        _positive(self, "expert_model_parallel_size")
+        if self.expert_model_parallel_size != 1:
+            raise ConfigError(f"--expert-model-parallel-size {self.expert_model_parallel_size}: "
+                              "expert parallelism is not implemented yet; use 1 (every rank of "
+                              "a stage holds all experts)")
+        etp = self.expert_tensor_parallel_size
+        if etp is not None and etp != self.tensor_model_parallel_size:
+            raise ConfigError(f"--expert-tensor-parallel-size {etp}: the experts take the "
+                              "stage's TP degree; omit the flag or give "
+                              f"{self.tensor_model_parallel_size}")
 
     @property
     def _per_chunk_split(self) -> list[list[int]] | None:

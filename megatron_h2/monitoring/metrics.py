@@ -133,7 +133,8 @@ class MetricsWriter:
     def train_step(self, record: dict[str, Any]) -> None:
         """``record`` holds iteration, consumed_samples, lr, lm_loss, grad_norm, iteration_ms,
         tokens_per_sec, tflops, global_batch_size and optionally throughput_per_gpu_tflops,
-        num_zeros, params_norm, loss_scale, skipped_iterations and extra keys."""
+        num_zeros, params_norm, loss_scale, skipped_iterations, moe_losses (a MoE model's aux
+        and z losses by Megatron's names, shown after the loss) and extra keys."""
         if not self.enabled:
             return
         it = record["iteration"]
@@ -147,8 +148,10 @@ class MetricsWriter:
                  f"model TFLOP/s: {record['tflops']:.3f} | "
                  f"learning rate: {record['lr']:.6E} | "
                  f"global batch size: {record['global_batch_size']:5d} | "
-                 f"lm loss: {record['lm_loss']:.6E} | "
-                 f"grad norm: {record['grad_norm']:.3f} |")
+                 f"lm loss: {record['lm_loss']:.6E} |")
+        for name, value in record.get("moe_losses", {}).items():  # Megatron's MoE figures
+            line += f" {name}: {value:.2f} |"
+        line += f" grad norm: {record['grad_norm']:.3f} |"
         if record.get("num_zeros") is not None:
             line += f" num zeros: {record['num_zeros']:.1f} |"
         if record.get("params_norm") is not None:

@@ -159,7 +159,9 @@ class RowParallelLinear(nn.Module):
             with torch.no_grad():
                 self.bias.zero_()
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, add_bias: bool = True) -> torch.Tensor:
+        """``add_bias=False`` leaves the bias to the caller (a MoE expert scales it by the
+        token's routing probability)."""
         if not self.input_is_parallel:
             x = scatter_to_tp_region(x, self.tp)  # [b, s, in] -> [b, s, in/tp]
         y = F.linear(x, self.weight)  # [b, s, out], partial sum over the input shards
@@ -167,7 +169,7 @@ class RowParallelLinear(nn.Module):
             y = reduce_scatter_to_sequence_parallel_region(y, self.tp)  # [b, s/tp, out]
         else:
             y = reduce_from_tp_region(y, self.tp)  # [b, s, out]
-        return y if self.bias is None else y + self.bias
+        return y if self.bias is None or not add_bias else y + self.bias
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features} (local {self.in_per_rank}), "

@@ -128,10 +128,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--own-dp",
         choices=OWN_DP_SPACES,
-        default="derived",
-        help="plans where chip types have their own DP degrees: re-splits of the best one-DP"
-        " plans (derived, default), every such plan (all: exhaustive, slow on large"
-        " clusters) or none",
+        default="all",
+        help="plans where chip types have their own DP degrees (each type then uses all its"
+        " chips): every such plan (all, default; re-splits of the best one-DP plans first),"
+        " the re-splits only with the rest bounded (derived), or none",
     )
     parser.add_argument(
         "--data-parallel-pipelines",

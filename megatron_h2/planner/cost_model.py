@@ -269,6 +269,10 @@ class CostModel:
         config: CostConfig | None = None,
         profile: ProfileTable | None = None,
     ) -> None:
+        if model.is_moe:
+            raise ConfigError("the planner does not model mixture-of-experts layers yet "
+                              f"(--num-experts {model.num_experts}); write the plan by hand "
+                              "(see docs/heterogeneity.md) instead of planning the model as dense")
         self.cluster = cluster
         self.model = model
         self.config = config or CostConfig()

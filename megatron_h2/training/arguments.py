@@ -31,7 +31,9 @@ from megatron_h2.config import (
     flag,
     flag_name,
 )
+from megatron_h2.config.flags import bounded_int, finite_float
 from megatron_h2.config.megatron_flags import COMPAT_FLAGS, unsupported_reason
+from megatron_h2.config.moe_config import MoEFields
 from megatron_h2.errors import ConfigError
 
 
@@ -43,6 +45,12 @@ class LaunchOptions:
     no_load_optim: bool = flag(False, "Do not load the optimizer state when loading a checkpoint.")
     no_load_rng: bool = flag(False, "Do not load the RNG states when loading a checkpoint.")
     finetune: bool = flag(False, "Load model weights only and start at iteration 0.")
+    ckpt_format: str | None = flag(
+        None, "Megatron-LM checkpoint format that --load holds (torch_dist, or the legacy "
+        "torch); default: whatever the directory holds. megatron_h2 checkpoints load whatever "
+        "this says; saving writes megatron_h2's format.", choices=("torch", "torch_dist"))
+    auto_detect_ckpt_format: bool = flag(
+        False, "Load a Megatron-LM checkpoint of either format, whatever --ckpt-format says.")
     explicit: frozenset[str] = frozenset()  # config fields the user set on the command line
     no_effect: tuple[str, ...] = ()  # compatibility flags given (reported at start-up)
     demo_flags: tuple[str, ...] = ()  # what the embedded demo set that the user did not
@@ -93,7 +101,7 @@ def _add_field(group: argparse._ArgumentGroup, cls: type, f, hint: Any) -> None:
             kind = item
         if typing.get_origin(kind) is typing.Literal:
             kind = str
-        parse = meta["parse"] or kind
+        parse = meta["parse"] or _NUMBER_PARSERS.get(kind, kind)
         group.add_argument(flag_name(f), *meta["aliases"], type=_converter(parse),
                            choices=meta["choices"],
                            metavar=None if meta["choices"] else (meta["metavar"] or f.name.upper()),
@@ -101,6 +109,9 @@ def _add_field(group: argparse._ArgumentGroup, cls: type, f, hint: Any) -> None:
     for name, value, help_text in meta["shortcuts"]:
         group.add_argument(name, action="store_const", const=value, dest=dest,
                            default=argparse.SUPPRESS, help=help_text)
+
+
+_NUMBER_PARSERS = {float: finite_float, int: bounded_int}
 
 
 def _converter(parse):
@@ -122,11 +133,13 @@ def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="pretrain_gpt.py", allow_abbrev=False,
                 description="Megatron-style GPT pretraining (megatron_h2). With no flags, "
                             "trains a small model on an embedded corpus.")
+    moe_fields = {f.name for f in fields(MoEFields)}
     for title, cls in GROUPS:
         group = p.add_argument_group(title)
+        moe = p.add_argument_group("mixture of experts") if cls is ModelConfig else None
         hints = typing.get_type_hints(cls)
         for f in cli_fields(cls):
-            _add_field(group, cls, f, hints[f.name])
+            _add_field(moe if moe and f.name in moe_fields else group, cls, f, hints[f.name])
     compat = p.add_argument_group("accepted for Megatron compatibility, without effect")
     for name, entry in COMPAT_FLAGS.items():
         kwargs: dict[str, Any] = {"action": "store_true"}
@@ -315,6 +328,10 @@ def config_from_args(argv: list[str] | None = None) -> tuple[RunConfig, LaunchOp
     explicit = frozenset(name for mine in given.values() for name in mine)
     launch = parts["LaunchOptions"]
     _check_recompute_flags(parts["ModelConfig"], given["ModelConfig"])
+    if "--no-position-embedding" in compat and \
+            parts["ModelConfig"].position_embedding_type != "rope":
+        raise ConfigError("--no-position-embedding is deprecated, use --position-embedding-type "
+                          "(Megatron accepts it only with rotary embeddings)")
     inert = tuple(_inert_model_flags(parts["ModelConfig"], given["ModelConfig"])
                   + _inert_logging_flags(parts, given))
     launch.explicit, launch.no_effect, launch.demo_flags = explicit, compat + inert, demo

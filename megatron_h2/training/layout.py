@@ -132,6 +132,10 @@ def _check_stages_for_model(plan: HeteroPlan, model: ModelConfig,
         if model.ffn_hidden_size % tp:
             raise ConfigError(f"stage {index} tensor parallel size {tp} does not divide "
                               f"--ffn-hidden-size {model.ffn_hidden_size}")
+        if model.is_moe and tp > 1:
+            raise ConfigError(f"stage {index} has tensor parallel size {tp}: mixture-of-experts "
+                              "layers under tensor parallelism are not implemented yet; use TP 1 "
+                              "(data or pipeline parallelism) for a --num-experts model")
         if parallel.sequence_parallel and model.seq_length % tp:
             raise ConfigError(f"--sequence-parallel needs --seq-length {model.seq_length} "
                               f"divisible by the tensor parallel size {tp} (stage {index})")

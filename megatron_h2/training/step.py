@@ -53,6 +53,12 @@ from megatron_h2.optimizer.grad_scaler import build_grad_scaler
 from megatron_h2.parallel import TPContext, allreduce_coalesced_, get_tp_shard
 from megatron_h2.pipeline.schedule_runner import StageChunks, forward_only, run_schedule
 from megatron_h2.plan.orders import replica_micro_batches, replica_order
+from megatron_h2.training.moe_step import (
+    MoEMetrics,
+    set_aux_loss_scale,
+    step_metrics,
+    update_expert_bias,
+)
 
 
 def stack_samples(dataset, start: int, count: int) -> torch.Tensor:
@@ -95,6 +101,7 @@ class StepResult:
     overflow: bool = False  # skipped by loss scaling: the scaled gradients overflowed
     loss_scale: float | None = None  # the loss scale this step ran with (None: no scaling)
     num_zeros: int | None = None  # zeros in the applied gradient (--log-num-zeros-in-grad)
+    moe: MoEMetrics | None = None  # aux losses and tokens per expert of a MoE model
 
 
 @dataclass
@@ -331,6 +338,7 @@ class StepRunner:
                               self._pipeline_micro_batches(batch))
         buckets = self.optimizer.grad_buckets
         scale = None if self.scaler is None else self.scaler.scale
+        set_aux_loss_scale(self.model, batch // self.cfg.training.micro_batch_size, scale)
         self.timers.start("forward-backward", 1)
         run_schedule(order, self._forward_step(samples, losses, batch, divisor, scale), self.comm,
                      self.chunks,
@@ -345,6 +353,9 @@ class StepRunner:
         if self.pipeline_sum is not None:
             self.pipeline_sum.finish()
         self.timers.stop("all-grads-sync")
+        update_expert_bias(self.model, self.cfg.model, self.topo, self.tp)
+        moe = step_metrics(self.model, self.cfg.model, self.topo, self.tp,
+                           batch // self.cfg.training.micro_batch_size)
         grad_norm = self._grad_norm()
         loss = self._reported_loss(losses)
         if scale is not None:
@@ -355,14 +366,14 @@ class StepRunner:
             nan_checked = math.isnan(grad_norm) and self.cfg.training.check_for_nan_in_loss_and_grad
             if overflow and not nan_checked:
                 return StepResult(loss=loss, grad_norm=grad_norm, lr=lr, global_batch_size=batch,
-                                  skipped=True, overflow=True, loss_scale=scale)
+                                  skipped=True, overflow=True, loss_scale=scale, moe=moe)
             if not overflow:  # unscale: the norm, then the gradients the optimizer applies
                 grad_norm /= scale
                 self.optimizer.clip_(1.0 / scale)
         if judge is not None:
             if not judge(iteration, loss, grad_norm):
                 return StepResult(loss=loss, grad_norm=grad_norm, lr=lr,
-                                  global_batch_size=batch, skipped=True, loss_scale=scale)
+                                  global_batch_size=batch, skipped=True, loss_scale=scale, moe=moe)
         elif not (math.isfinite(loss) and math.isfinite(grad_norm)):
             raise TrainingError(f"loss {loss} / grad norm {grad_norm} is not finite at "
                                 f"iteration {iteration}; lower --lr or resume from the last "
@@ -375,7 +386,7 @@ class StepRunner:
         self.optimizer.step()
         self.timers.stop("optimizer")
         return StepResult(loss=loss, grad_norm=grad_norm, lr=lr, global_batch_size=batch,
-                          loss_scale=scale, num_zeros=zeros)
+                          loss_scale=scale, num_zeros=zeros, moe=moe)
 
     def _num_zeros(self) -> int:
         """Zero elements of the gradient every rank applies, counted once over the job: a

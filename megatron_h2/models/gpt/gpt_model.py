@@ -33,6 +33,8 @@ from torch.utils.checkpoint import checkpoint
 from megatron_h2.config import ModelConfig
 from megatron_h2.devices.kernels import Kernels
 from megatron_h2.models.gpt.layers import Norm, RotaryEmbedding, TransformerLayer
+from megatron_h2.models.gpt.moe_layer import MoELayer
+from megatron_h2.models.gpt.router import MoEState, TopKRouter
 from megatron_h2.parallel import (
     ColumnParallelLinear,
     TPContext,
@@ -56,14 +58,21 @@ class Decoder(nn.Module):
     norm. ``chunks`` are the global layer ranges of the stage's model chunks."""
 
     def __init__(self, config: ModelConfig, kernels: Kernels,
-                 chunks: Sequence[tuple[int, int]], post_process: bool, tp: TPContext) -> None:
+                 chunks: Sequence[tuple[int, int]], post_process: bool, tp: TPContext,
+                 moe_state: MoEState | None = None) -> None:
         super().__init__()
         self.chunks = [range(*r) for r in chunks]
         has_layers = any(len(r) for r in self.chunks)
         rotary = (RotaryEmbedding(config) if config.position_embedding_type == "rope"
                   and has_layers else None)
-        self.layers = nn.ModuleDict({str(i): TransformerLayer(config, kernels, rotary, tp)
-                                     for r in self.chunks for i in r})
+        moe_state = moe_state or MoEState()
+
+        def layer(i: int) -> TransformerLayer:
+            mlp = (MoELayer(config, kernels, tp, i, moe_state) if config.is_moe_layer(i)
+                   else None)
+            return TransformerLayer(config, kernels, rotary, tp, mlp)
+
+        self.layers = nn.ModuleDict({str(i): layer(i) for r in self.chunks for i in r})
         self.final_layernorm = Norm(config, kernels, tp) if post_process else None
         # per chunk: (global layer indices, checkpointed as one group) in order (full recompute:
         # --recompute-method uniform / block and --recompute-num-layers)
@@ -110,7 +119,10 @@ class GPTModel(nn.Module):
         self.layer_range = (self.chunk_ranges[0][0], self.chunk_ranges[-1][1])
         self.pre_process, self.post_process = pre_process, post_process
         self.embedding = _Embedding(config, tp) if pre_process else None
-        self.decoder = Decoder(config, kernels, self.chunk_ranges, post_process, tp)
+        self.moe_state = MoEState()
+        """The aux-loss gradient scale and the losses the MoE layers recorded."""
+        self.decoder = Decoder(config, kernels, self.chunk_ranges, post_process, tp,
+                               self.moe_state)
         shares = config.tied_embeddings and pre_process  # uses the embedding's own weight
         self.output_layer = (ColumnParallelLinear(config.hidden_size, config.vocab_size, tp,
                                                   skip_weight=shares)
@@ -128,6 +140,17 @@ class GPTModel(nn.Module):
             return None
         return (self.embedding.word_embeddings.weight if self.pre_process
                 else self.output_layer.weight)
+
+    def moe_layers(self) -> dict[int, MoELayer]:
+        """This stage's MoE blocks by global layer index."""
+        return {int(i): layer.mlp for i, layer in self.decoder.layers.items()
+                if isinstance(layer.mlp, MoELayer)}
+
+    def routers_with_expert_bias(self) -> list[TopKRouter]:
+        """The routers that balance with an expert bias (``--moe-router-enable-expert-bias``),
+        in global layer order."""
+        return [moe.router for _, moe in sorted(self.moe_layers().items())
+                if moe.router.expert_bias is not None]
 
     @property
     def num_chunks(self) -> int:
@@ -217,8 +240,8 @@ def init_parameters(model: GPTModel, config: ModelConfig, seed: int) -> None:
     scaled_std = config.init_method_std / math.sqrt(2.0 * config.num_layers)
     with torch.no_grad():
         for name, param in model.named_parameters():
-            if name.endswith(".bias"):
-                param.zero_()
+            if name.endswith(".bias") and not name.endswith("router.bias"):
+                param.zero_()  # (Megatron draws the router's bias like its weight)
                 continue
             if name.endswith("layernorm.weight"):
                 param.fill_(0.0 if config.apply_layernorm_1p else 1.0)

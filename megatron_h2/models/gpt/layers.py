@@ -180,12 +180,14 @@ class MLP(nn.Module):
     """Feed-forward block. [b, s, h] -> [b, s, f] (SwiGLU: [b, s, 2f] as [gate | up]) ->
     activation -> [b, s, h]."""
 
-    def __init__(self, config: ModelConfig, kernels: Kernels, tp: TPContext) -> None:
+    def __init__(self, config: ModelConfig, kernels: Kernels, tp: TPContext,
+                 ffn_hidden_size: int | None = None) -> None:
         super().__init__()
-        h, f = config.hidden_size, config.ffn_hidden_size
+        h, f = config.hidden_size, ffn_hidden_size or config.ffn_hidden_size
         bias = config.add_bias_linear
+        fc1 = 2 * f if config.swiglu else f
         self.linear_fc1 = ColumnParallelLinear(  # SwiGLU: [gate_r; up_r] per rank
-            h, config.fc1_size, tp, blocks=2 if config.swiglu else 1, bias=bias)
+            h, fc1, tp, blocks=2 if config.swiglu else 1, bias=bias)
         self.linear_fc2 = RowParallelLinear(f, h, tp, bias=bias)
         self._activation = {"swiglu": kernels.swiglu, "squared_relu": _squared_relu,
                             "gelu_tanh": _gelu_tanh, "gelu": F.gelu}[config.activation]
@@ -194,21 +196,35 @@ class MLP(nn.Module):
         """The activation on the output of ``linear_fc1``: [b, s, fc1/t] -> [b, s, f/t]."""
         return self._activation(x)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # [b, s, h] -> [b, s, fc1/t] -> [b, s, f/t] -> [b, s, h] (sequence-sharded under SP)
-        return self.linear_fc2(self.activation(self.linear_fc1(x)))
+    def forward(self, x: torch.Tensor, per_token_scale: torch.Tensor | None = None
+                ) -> torch.Tensor:
+        """[b, s, h] -> [b, s, fc1/t] -> [b, s, f/t] -> [b, s, h] (sequence-sharded under SP).
+
+        ``per_token_scale`` [n] (a MoE expert's routing probabilities of its n tokens, x:
+        [n, h]) scales each token's output as Megatron-Core does: the activation, then the
+        second layer's bias."""
+        inter = self.activation(self.linear_fc1(x))
+        if per_token_scale is None:
+            return self.linear_fc2(inter)
+        dtype = inter.dtype
+        inter = (inter * per_token_scale.unsqueeze(-1)).to(dtype)  # [n, f/t]
+        out = self.linear_fc2(inter, add_bias=False)  # [n, h]
+        bias = self.linear_fc2.bias
+        if bias is None:
+            return out
+        return (out + bias.unsqueeze(0) * per_token_scale.unsqueeze(-1)).to(out.dtype)
 
 
 class TransformerLayer(nn.Module):
     """Pre-norm decoder layer: x + attn(norm(x)), then + mlp(norm(.)). [b, s, h] -> [b, s, h]."""
 
     def __init__(self, config: ModelConfig, kernels: Kernels, rotary: RotaryEmbedding | None,
-                 tp: TPContext) -> None:
+                 tp: TPContext, mlp: nn.Module | None = None) -> None:
         super().__init__()
         self.input_layernorm = Norm(config, kernels, tp)
         self.self_attention = SelfAttention(config, rotary, tp)
         self.pre_mlp_layernorm = Norm(config, kernels, tp)
-        self.mlp = MLP(config, kernels, tp)
+        self.mlp = mlp if mlp is not None else MLP(config, kernels, tp)  # or a MoE block
         self.hidden_dropout = config.hidden_dropout
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -63,7 +63,8 @@ def test_status_of_each_kind(tool):
     assert c.status("--swiglu")[0] == tool.SUPPORTED
     assert c.status("--num-virtual-stages-per-pipeline-rank")[0] == tool.SUPPORTED
     assert c.status("--manual-gc") == (tool.NO_EFFECT, COMPAT_FLAGS["--manual-gc"].reason)
-    assert c.status("--moe-router-topk")[0] == tool.ERROR
+    assert c.status("--moe-router-topk")[0] == tool.SUPPORTED
+    assert c.status("--moe-use-upcycling")[0] == tool.ERROR
     assert c.status("--nproc_per_node")[0] == tool.TORCHRUN
     assert c.status("--no-such-flag") == (tool.UNKNOWN, "")
 
@@ -80,13 +81,22 @@ BASE = ["--mock-data", "--num-layers", "2", "--hidden-size", "32", "--num-attent
         "--tokenizer-type", "NullTokenizer", "--vocab-size", "64"]
 
 
+NEEDS_ROPE = ("--no-position-embedding",)  # Megatron refuses it without rotary embeddings
+
+
+def test_no_position_embedding_needs_rope():
+    with pytest.raises(ConfigError, match="--no-position-embedding is deprecated"):
+        config_from_args([*BASE, "--no-position-embedding"])
+
+
 @pytest.mark.parametrize("flag", sorted(COMPAT_FLAGS))
 def test_no_effect_flag_changes_nothing_and_is_reported(flag):
     """Given with a value Megatron accepts, the run config is the one without the flag, and the
     start-up line names the flag with its reason."""
     entry = COMPAT_FLAGS[flag]
-    plain, _ = config_from_args(BASE)
-    cfg, launch = config_from_args([*BASE, flag, *_value(entry)])
+    base = BASE + (["--position-embedding-type", "rope"] if flag in NEEDS_ROPE else [])
+    plain, _ = config_from_args(base)
+    cfg, launch = config_from_args([*base, flag, *_value(entry)])
     assert cfg == plain
     assert f"{flag} ({entry.reason})" in describe_no_effect(launch)
 

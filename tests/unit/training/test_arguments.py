@@ -31,9 +31,13 @@ REQUIRED = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads",
     (["--totally-unknown"], "unknown flag --totally-unknown; see pretrain_gpt.py --help"),
     (["--num-layers", "x"], "argument --num-layers: expected int, got 'x'"),
     (["--lr-decay-style", "cosin"], "invalid choice: 'cosin'"),
-    (["--num-experts", "8"], "--num-experts is not supported: mixture-of-experts layers are not "
-                             "implemented"),
-    (["--moe-router-topk", "2"], "--moe-router-topk is not supported: mixture-of-experts"),
+    (["--moe-use-upcycling"], "--moe-use-upcycling is not supported: this "
+                              "mixture-of-experts option is not implemented"),
+    (["--num-experts", "4", "--moe-router-topk", "5"], "--moe-router-topk 5 must be between 1 "
+                                                       "and --num-experts 4"),
+    (["--expert-model-parallel-size", "2"], "--expert-model-parallel-size 2: expert "
+                                            "parallelism is not implemented yet"),
+    (["--num-experts", "4", "--moe-layer-freq", "[1]*"], "--moe-layer-freq takes an integer"),
 ])
 def test_bad_flags_are_one_line(argv, expected):
     with pytest.raises(ConfigError) as err:

@@ -2,7 +2,8 @@
 sequence, batch, iterations), with local data and tokenizer files: every flag of each parses and
 builds the model Megatron builds. The command lines are those of Megatron-LM's
 examples/gpt3/train_gpt3_175b_distributed.sh, examples/llama/train_llama3_8b_h100_fp8.sh, the
-older examples/pretrain_gpt_distributed_with_mp.sh and two GPT functional-test configs
+older examples/pretrain_gpt_distributed_with_mp.sh, examples/mixtral/
+train_mixtral_8x7b_distributed.sh and two GPT functional-test configs
 (tests/functional_tests/test_cases/gpt/...). (Each trains 3 iterations under torchrun:
 tests/e2e/test_megatron_scripts.py.)"""
 
@@ -111,7 +112,32 @@ FUNCTIONAL_VP_OVERLAP = [
     "--log-memory-to-tensorboard", "--async-save", "--use-persistent-ckpt-worker",
 ]
 
+MIXTRAL_8X7B = [  # examples/mixtral/train_mixtral_8x7b_distributed.sh (local GPT-2 tokenizer
+    # files instead of the Llama 2 one; expert parallelism 1 instead of 8)
+    "--use-mcore-models", "--disable-bias-linear", "--seq-length", "64",
+    "--max-position-embeddings", "128", "--num-layers", "4", "--hidden-size", "64",
+    "--ffn-hidden-size", "128", "--num-attention-heads", "4", "--init-method-std", "0.01",
+    "--attention-dropout", "0.0", "--hidden-dropout", "0.0", "--normalization", "RMSNorm",
+    "--position-embedding-type", "rope", "--swiglu", "--untie-embeddings-and-output-weights",
+    "--group-query-attention", "--num-query-groups", "2", "--no-masked-softmax-fusion",
+    "--no-position-embedding", "--rotary-base", "1000000",
+    "--num-experts", "4", "--moe-router-topk", "2", "--moe-router-load-balancing-type",
+    "aux_loss", "--moe-aux-loss-coeff", "1e-2", "--moe-grouped-gemm",
+    "--moe-token-dispatcher-type", "alltoall", "--overlap-param-gather", "--overlap-grad-reduce",
+    "--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", VOCAB, "--merge-file", MERGES,
+    "--data-path", DATA, "--split", "90,8,2",  # 99990,8,2 leaves 400 documents no valid ones
+    "--micro-batch-size", "1", "--global-batch-size", "8", "--lr", "1e-4", "--train-iters", "3",
+    "--lr-decay-iters", "3", "--lr-decay-style", "cosine", "--min-lr", "1.0e-5",
+    "--weight-decay", "0.1", "--lr-warmup-iters", "1", "--clip-grad", "1.0", "--bf16",
+    "--tensor-model-parallel-size", "1", "--pipeline-model-parallel-size", "4",
+    "--expert-model-parallel-size", "1", "--use-distributed-optimizer", "--sequence-parallel",
+    "--log-interval", "1", "--save-interval", "3", "--eval-interval", "3", "--eval-iters", "1",
+    "--save", f"{RUN}/ckpt", "--load", f"{RUN}/ckpt", "--tensorboard-dir", f"{RUN}/tb",
+    "--no-load-optim", "--no-load-rng",
+]
+
 SCRIPTS = {  # name: (processes, flags)
+    "mixtral_8x7b": (4, MIXTRAL_8X7B),
     "gpt3_175b": (4, GPT3_175B),
     "llama3_8b": (2, LLAMA3_8B),
     "gpt_distributed_with_mp": (4, GPT_WITH_MP),
@@ -121,6 +147,11 @@ SCRIPTS = {  # name: (processes, flags)
 
 # What each command line builds, as Megatron builds it from the same flags.
 EXPECTED_MODEL = {
+    "mixtral_8x7b": {"normalization": "RMSNorm", "swiglu": True, "add_bias_linear": False,
+                     "position_embedding_type": "rope", "rotary_base": 1000000.0,
+                     "untie_embeddings_and_output_weights": True, "num_query_groups": 2,
+                     "num_experts": 4, "moe_router_topk": 2, "moe_ffn_hidden_size": 128,
+                     "moe_aux_loss_coeff": 1e-2, "moe_layers": [0, 1, 2, 3]},
     "gpt3_175b": {"normalization": "LayerNorm", "swiglu": False, "add_bias_linear": True,
                   "position_embedding_type": "learned_absolute",
                   "untie_embeddings_and_output_weights": False, "init_method_std": 0.006},

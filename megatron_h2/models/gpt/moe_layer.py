@@ -1,0 +1,116 @@
+"""The mixture-of-experts block that replaces the MLP of a MoE layer (Megatron-Core's
+``MoELayer`` with its local layer spec).
+
+Parameter names are Megatron-Core's: ``mlp.router.weight``, ``mlp.experts.local_experts.{e}
+.linear_fc1.weight`` / ``linear_fc2.weight`` (``e`` the *global* expert index, so checkpoints do
+not depend on the layout) and, with ``--moe-shared-expert-intermediate-size``,
+``mlp.shared_experts.linear_fc1.weight`` / ``linear_fc2.weight`` (and ``gate_weight`` with
+``--moe-shared-expert-gate``).
+
+The forward: the shared experts (if any) on the input, the router on the tokens in [s, b]
+order, the tokens permuted so that each expert's are contiguous (in token order), each expert's
+MLP with its tokens' probabilities applied as Megatron applies them, and the outputs summed back
+per token (scatter-add in expert order), plus the shared experts' output.
+
+Shapes: b = micro-batch size, s = sequence length, h = hidden size, T = s x b tokens,
+E = experts, n_e = tokens routed to expert e.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from megatron_h2.config import ModelConfig
+from megatron_h2.devices.kernels import Kernels
+from megatron_h2.models.gpt.layers import MLP
+from megatron_h2.models.gpt.router import MoEState, TopKRouter, in_backward_recompute
+from megatron_h2.parallel import TPContext
+
+
+def permute(tokens: torch.Tensor, routing_map: torch.Tensor
+            ) -> tuple[torch.Tensor, torch.Tensor]:
+    """tokens [T, h], routing map [T, E] -> (permuted tokens [sum n_e, h], their source rows):
+    expert 0's tokens in token order, then expert 1's, ..."""
+    num_tokens = routing_map.shape[0]
+    token_index = torch.arange(num_tokens, device=routing_map.device)
+    rows = token_index.unsqueeze(0).expand(routing_map.shape[1], -1)  # [E, T]
+    sorted_rows = rows.masked_select(routing_map.t())  # [sum n_e]
+    return tokens.index_select(0, sorted_rows), sorted_rows
+
+
+def unpermute(expert_out: torch.Tensor, sorted_rows: torch.Tensor, num_tokens: int
+              ) -> torch.Tensor:
+    """[sum n_e, h] -> [T, h]: each token's expert outputs summed (in expert order)."""
+    out = torch.zeros(num_tokens, expert_out.shape[-1], dtype=expert_out.dtype,
+                      device=expert_out.device)
+    return out.index_add(0, sorted_rows, expert_out)
+
+
+class SequentialMLP(nn.Module):
+    """The experts of one MoE layer, ``local_experts`` keyed by global expert index, run one
+    after the other on their contiguous tokens."""
+
+    def __init__(self, config: ModelConfig, kernels: Kernels, tp: TPContext,
+                 experts: range) -> None:
+        super().__init__()
+        self.local_experts = nn.ModuleDict({
+            str(e): MLP(config, kernels, tp, ffn_hidden_size=config.moe_ffn_hidden_size)
+            for e in experts})
+
+    def forward(self, tokens: torch.Tensor, tokens_per_expert: list[int],
+                probs: torch.Tensor) -> torch.Tensor:
+        """tokens [sum n_e, h], probs [sum n_e] -> [sum n_e, h] (each row times its prob)."""
+        outputs = [expert(x, per_token_scale=p) for expert, x, p in zip(
+            self.local_experts.values(), torch.split(tokens, tokens_per_expert),
+            torch.split(probs, tokens_per_expert))]
+        return torch.cat(outputs, dim=0)
+
+
+class SharedExpertMLP(MLP):
+    """The shared experts: an MLP every token goes through; with ``--moe-shared-expert-gate``
+    its output is scaled by sigmoid(x . ``gate_weight``) per token (``gate_weight`` [1, h])."""
+
+    def __init__(self, config: ModelConfig, kernels: Kernels, tp: TPContext) -> None:
+        super().__init__(config, kernels, tp,
+                         ffn_hidden_size=config.moe_shared_expert_intermediate_size)
+        self.gate_weight = (nn.Parameter(torch.empty(1, config.hidden_size))
+                            if config.moe_shared_expert_gate else None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = super().forward(x)  # [T, h]
+        if self.gate_weight is None:
+            return out
+        return out * torch.sigmoid(F.linear(x, self.gate_weight))  # [T, h] x [T, 1]
+
+
+class MoELayer(nn.Module):
+    """Router, experts and optional shared experts of one layer. [b, s, h] -> [b, s, h]."""
+
+    def __init__(self, config: ModelConfig, kernels: Kernels, tp: TPContext, layer: int,
+                 state: MoEState) -> None:
+        super().__init__()
+        if tp.size > 1:
+            raise ValueError("MoE layers under tensor parallelism are not implemented")
+        self.config, self.layer, self.state = config, layer, state
+        self.router = TopKRouter(config, layer, state)
+        self.experts = SequentialMLP(config, kernels, tp, range(config.num_experts))
+        self.shared_experts = (SharedExpertMLP(config, kernels, tp)
+                               if config.moe_shared_expert_intermediate_size else None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, h = x.shape
+        tokens = x.transpose(0, 1).reshape(s * b, h)  # [T, h] in Megatron's [s, b] order
+        shared = self.shared_experts(tokens) if self.shared_experts is not None else None
+        probs, routing_map = self.router(tokens, s, b)  # [T, E] each
+        counts = routing_map.sum(dim=0)  # [E]
+        if self.training and torch.is_grad_enabled() and not in_backward_recompute():
+            self.state.count_tokens(self.layer, counts)
+        permuted, rows = permute(tokens, routing_map)  # [sum n_e, h]
+        permuted_probs = probs.t().contiguous().masked_select(routing_map.t())  # [sum n_e]
+        expert_out = self.experts(permuted, counts.tolist(), permuted_probs)
+        out = unpermute(expert_out, rows, s * b)  # [T, h]
+        if shared is not None:
+            out = out + shared
+        return out.view(s, b, h).transpose(0, 1)  # [b, s, h]
