@@ -131,6 +131,8 @@ def check_compatible(metadata: dict[str, Any], config: RunConfig, source: Path |
     for name in MODEL_FIELDS:
         mine = getattr(config.model, name)
         was = saved.get(name, mine)
+        if name == "bias_gelu_fusion" and not _fusion_matters(saved, config.model):
+            continue  # no biased GeLU MLP: Megatron turns the fusion off, we leave it
         if was != mine:
             flag = flag_name(next(f for f in fields(ModelConfig) if f.name == name)) \
                 if name != "vocab_size" else "--vocab-size (padded)"
@@ -139,6 +141,14 @@ def check_compatible(metadata: dict[str, Any], config: RunConfig, source: Path |
                          "TP: pass that product as --make-vocab-size-divisible-by")
             raise ConfigError(f"checkpoint {source} was saved with {name}={was} but "
                               f"this run has {name}={mine} ({flag}); use matching model flags")
+
+
+def _fusion_matters(saved: dict[str, Any], model: ModelConfig) -> bool:
+    """Whether ``--no-bias-gelu-fusion`` changes the model: only a GeLU MLP with biases."""
+    return all(not side.get("swiglu") and not side.get("squared_relu")
+               and side.get("add_bias_linear", True)
+               for side in (saved, {k: getattr(model, k) for k in
+                                    ("swiglu", "squared_relu", "add_bias_linear")}))
 
 
 def _param_of_state(key: str) -> str:

@@ -79,7 +79,7 @@ class MegatronState:
 
 def detect_format(ckpt_dir: Path) -> str:
     """``torch_dist``, ``torch`` (legacy Megatron-LM) or ``megatron_h2`` for one iteration
-    directory; one line when it is none of them."""
+    directory (a directory that is neither counts as an incomplete megatron_h2 one)."""
     if not ckpt_dir.is_dir():
         raise ConfigError(f"checkpoint directory {ckpt_dir} does not exist")
     meta = ckpt_dir / "metadata.json"
@@ -93,8 +93,7 @@ def detect_format(ckpt_dir: Path) -> str:
         return "megatron_h2"
     if any(_MP_RANK.match(p.name) for p in ckpt_dir.iterdir() if p.is_dir()):
         return "torch"
-    raise ConfigError(f"{ckpt_dir} is neither a megatron_h2 checkpoint nor a Megatron-LM one "
-                      "(no metadata.json, no mp_rank_* directories)")
+    return "megatron_h2"  # whose reader names what is missing
 
 
 def _check_common(state: Any, where: Path) -> tuple[dict[str, Any], int]:
@@ -379,6 +378,22 @@ def _fold_tied_copy(state: MegatronState) -> None:
     del state.model[copy]
     for key in [k for k in state.optimizer if k.startswith(copy + ".")]:
         del state.optimizer[key]
+
+
+def read_header(ckpt_dir: Path) -> MegatronState:
+    """Args, iteration and scheduler of either format, without the tensors (``common.pt``, or
+    the first legacy shard): what start-up checks need."""
+    fmt = detect_format(ckpt_dir)
+    if fmt == "torch_dist":
+        path = ckpt_dir / "common.pt"
+    elif fmt == "torch":
+        path = _rank_dirs(ckpt_dir)[(0, 0)] / "model_optim_rng.pt"
+    else:
+        raise ConfigError(f"{ckpt_dir} is a megatron_h2 checkpoint, not a Megatron-LM one")
+    common = safe_torch_load(path)
+    args, iteration = _check_common(common, path)
+    return MegatronState(ckpt_dir, fmt, iteration, args, model_config_from_args(args, path), {},
+                         scheduler=_scheduler(common, path))
 
 
 def read_megatron(ckpt_dir: Path, load_optim: bool = True) -> MegatronState:
