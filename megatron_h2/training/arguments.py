@@ -44,9 +44,10 @@ class LaunchOptions:
     no_load_rng: bool = flag(False, "Do not load the RNG states when loading a checkpoint.")
     finetune: bool = flag(False, "Load model weights only and start at iteration 0.")
     ckpt_format: str | None = flag(
-        None, "Megatron-LM checkpoint format that --load holds (torch_dist, or the legacy "
-        "torch); default: whatever the directory holds. megatron_h2 checkpoints load whatever "
-        "this says; saving writes megatron_h2's format.", choices=("torch", "torch_dist"))
+        None, "Megatron-LM checkpoint format: the one --load holds (torch_dist, or the legacy "
+        "torch; default: whatever the directory holds; megatron_h2 checkpoints load whatever "
+        "this says) and, with torch_dist, the format --save writes (default: megatron_h2's own, "
+        "with checksums and RNG states).", choices=("torch", "torch_dist"))
     auto_detect_ckpt_format: bool = flag(
         False, "Load a Megatron-LM checkpoint of either format, whatever --ckpt-format says.")
     explicit: frozenset[str] = frozenset()  # config fields the user set on the command line
