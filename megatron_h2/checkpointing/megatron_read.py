@@ -136,6 +136,13 @@ def _check_complete(state: MegatronState) -> None:
         if name in shapes and tuple(tensor.shape) != shapes[name]:
             raise ConfigError(f"checkpoint {state.path}: {name} has shape "
                               f"{tuple(tensor.shape)}, its args say {shapes[name]}")
+    if state.optimizer:
+        lacking = [f"{n}.{k}" for n in want for k in (*ADAM_KEYS, "step")
+                   if f"{n}.{k}" not in state.optimizer]
+        if lacking:
+            raise ConfigError(f"checkpoint {state.path} has no optimizer state {lacking[0]}"
+                              f"{f' (and {len(lacking) - 1} more)' if len(lacking) > 1 else ''}"
+                              "; a file is incomplete (load with --no-load-optim to skip it)")
     for key, tensor in state.optimizer.items():
         name = key.rsplit(".", 1)[0]
         if name not in state.model:
@@ -193,6 +200,10 @@ def read_torch_dist(ckpt_dir: Path) -> MegatronState:
                 state.optimizer[f"{name}.{kind}"] = piece.clone()
             else:
                 state.model[name] = piece.clone()
+    if mains and set(mains) != set(state.model):
+        missing = sorted(set(state.model) - set(mains))
+        raise ConfigError(f"checkpoint {ckpt_dir} has fp32 main weights for some parameters but "
+                          f"not {missing[0] if missing else 'others'}; a file is incomplete")
     for name, main in mains.items():  # the fp32 main weights are the weights
         if name not in state.model or main.shape != state.model[name].shape:
             raise ConfigError(f"checkpoint {ckpt_dir}: fp32 main weight of {name} matches no "
