@@ -99,3 +99,19 @@ def test_finetune_starts_at_zero(corpus, tmp_path):
                  str(FIXTURES / "llama_tp1_pp2" / "torch_dist"), "--finetune",
                  "--log-jsonl", str(log)]) == 0
     assert [r["iteration"] for r in records(log)] == [1, 2]
+
+
+def test_use_checkpoint_args_takes_the_model_from_the_checkpoint(corpus, tmp_path, capsys):
+    """Wrong shape flags and no architecture flags: --use-checkpoint-args takes the LLaMA's."""
+    log = tmp_path / "log.jsonl"
+    flags = model_flags("gpt", corpus, tmp_path)
+    flags[flags.index("--hidden-size") + 1] = "32"
+    flags[flags.index("--train-iters") + 1] = "3"
+    load = ["--load", str(FIXTURES / "llama_tp1_pp2" / "torch")]
+    assert main([*flags, "--micro-batch-size", "2", "--global-batch-size", "4", *load,
+                 "--use-checkpoint-args", "--log-jsonl", str(log)]) == 0
+    assert [r["iteration"] for r in records(log)] == [3]
+    capsys.readouterr()
+    assert main([*flags, "--micro-batch-size", "2", "--global-batch-size", "4",
+                 "--use-checkpoint-args"]) == 2
+    assert "--use-checkpoint-args needs --load" in capsys.readouterr().err
