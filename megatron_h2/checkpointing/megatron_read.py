@@ -165,13 +165,14 @@ def _dist_name(key: str, layers: int) -> list[str] | str | None:
     return key
 
 
-def read_torch_dist(ckpt_dir: Path) -> MegatronState:
-    """A ``torch_dist`` iteration directory."""
+def read_torch_dist(ckpt_dir: Path, load_optim: bool = True) -> MegatronState:
+    """A ``torch_dist`` iteration directory (without ``load_optim``, its optimizer tensors are
+    listed as not read, whatever their layout)."""
     common_path = ckpt_dir / "common.pt"
     common = safe_torch_load(common_path)
     args, iteration = _check_common(common, common_path)
     config = model_config_from_args(args, common_path)
-    tensors, objects = read_dist_tensors(ckpt_dir)
+    tensors, objects = read_dist_tensors(ckpt_dir, None if load_optim else "optimizer.")
     state = MegatronState(ckpt_dir, "torch_dist", iteration, args, config, {},
                           scheduler=_scheduler(common, common_path))
     layers = config.num_layers
@@ -411,7 +412,7 @@ def read_megatron(ckpt_dir: Path, load_optim: bool = True) -> MegatronState:
     """Either format, detected from the directory."""
     fmt = detect_format(ckpt_dir)
     if fmt == "torch_dist":
-        return read_torch_dist(ckpt_dir)
+        return read_torch_dist(ckpt_dir, load_optim)
     if fmt == "torch":
         return read_legacy(ckpt_dir, load_optim)
     raise ConfigError(f"{ckpt_dir} is a megatron_h2 checkpoint, not a Megatron-LM one")

@@ -97,3 +97,11 @@ def test_unknown_checkpoint_version_is_named(tmp_path):
     torch.save({**state, "checkpoint_version": 2.0}, common)
     with pytest.raises(ConfigError, match=r"common.pt has checkpoint_version 2.0"):
         read_megatron(tmp_path / "ckpt" / "iter_0000002")
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_without_the_optimizer_its_tensors_are_not_read(fmt):
+    state = read_megatron(iter_dir("llama_tp2_pp1", fmt), load_optim=False)
+    assert state.model and not state.optimizer
+    if fmt == "torch_dist":
+        assert "optimizer.state.exp_avg.output_layer.weight" in state.not_read
