@@ -8,16 +8,28 @@ at its time limit (55 s by default) and then reports how close to the optimum it
 proven to be.
 
     python bench/bench_planner.py [--time-limit 55] [--top 5] [--schedules 1f1b,zero-bubble]
+
+``--family`` times a seeded family of random clusters and models instead (planner_family.py):
+per cluster size the median, 90th percentile and maximum search time and proven gap, against
+the targets (every 1,024-chip member under 5 s, every 10,000-chip member under 30 s with a gap
+under 2%, 100,000 chips of 8 types under 60 s with a gap under 5%); each search's time limit is
+its size's target, so a member that does not finish in time shows as a gap.
+
+    python bench/bench_planner.py --family [--sizes 64,1024,10000,100000] [--members 5]
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import sys
 import time
 from pathlib import Path
 
+from planner_family import member
+
+from megatron_h2.errors import ConfigError
 from megatron_h2.planner import (
     Cluster,
     CostConfig,
@@ -41,8 +53,15 @@ def main() -> int:
     parser.add_argument("--time-limit", type=float, default=55.0)
     parser.add_argument("--top", type=int, default=5)
     parser.add_argument("--schedules", default="1f1b,interleaved,zero-bubble")
+    parser.add_argument("--family", action="store_true", help="time the random family")
+    parser.add_argument("--sizes", default="64,1024,10000,100000")
+    parser.add_argument("--members", type=int, default=5, help="family members per size")
+    parser.add_argument("--seed", type=int, default=0, help="first seed of the family")
     args = parser.parse_args()
     schedules = tuple(name.strip() for name in args.schedules.split(","))
+    if args.family:
+        sizes = [int(size) for size in args.sizes.split(",")]
+        return family(sizes, args.members, args.seed, args.top, schedules)
     model = model_from_yaml(ROOT / "examples/models/llama_100b.yaml")
     print(
         f"model: examples/models/llama_100b.yaml, distributed optimizer, top {args.top},"
@@ -74,6 +93,58 @@ def main() -> int:
         print(f"  {search_summary(result)}")
     print(f"\nload average after: {_load()} (other processes on the 2 cores slow the search)")
     return 0
+
+
+TARGETS = {64: (5.0, None), 1024: (5.0, None), 10_000: (30.0, 0.02), 100_000: (60.0, 0.05)}
+"""Cluster size -> (search time target in s, proven gap target); also each search's limit."""
+
+
+def family(sizes: list[int], members: int, first: int, top: int, schedules: tuple) -> int:
+    """Search every member of the family per size; print each and the size's statistics."""
+    print(f"family: seeds {first}-{first + members - 1}, top {top}; load before: {_load()}")
+    for size in sizes:
+        limit, gap_target = TARGETS.get(size, (60.0, None))
+        times, cpus, gaps = [], [], []
+        print(f"\n{size:,} chips (time limit {limit:.0f} s):")
+        for seed in range(first, first + members):
+            item = member(seed, size)
+            started, cpu = time.perf_counter(), time.process_time()
+            options = SearchOptions(
+                item.global_batch_size, top_k=top, time_limit_s=limit, schedules=schedules
+            )
+            try:
+                result = search(item.cost, options)
+            except ConfigError as error:
+                print(f"  {item.label}: no plan fits ({str(error)[:60]})")
+                continue
+            elapsed, cpu = time.perf_counter() - started, time.process_time() - cpu
+            times.append(elapsed)
+            cpus.append(cpu)
+            gaps.append(result.gap)
+            s = result.stats
+            print(
+                f"  {item.label}: {elapsed:.1f} s ({cpu:.1f} s CPU), gap {100 * result.gap:.1f}%,"
+                f" step {result.best.estimate.step_time_s:.3f} s, {s.nodes:,} prefixes,"
+                f" {s.splits_solved:,} splits"
+            )
+        if not times:
+            continue
+        ok = max(times) <= limit * 1.05 and (gap_target is None or max(gaps) < gap_target)
+        print(
+            f"  time s: median {statistics.median(times):.1f}, p90 {_p90(times):.1f},"
+            f" max {max(times):.1f} (CPU: median {statistics.median(cpus):.1f},"
+            f" max {max(cpus):.1f}); gap %: median {100 * statistics.median(gaps):.1f},"
+            f" p90 {100 * _p90(gaps):.1f}, max {100 * max(gaps):.1f};"
+            f" finished (gap 0) {sum(g == 0 for g in gaps)}/{len(gaps)};"
+            f" target {'met' if ok else 'missed'}; load {_load()}"
+        )
+    return 0
+
+
+def _p90(values: list[float]) -> float:
+    """The 90th percentile (nearest rank)."""
+    ordered = sorted(values)
+    return ordered[max(0, -(-9 * len(ordered) // 10) - 1)]
 
 
 def _load() -> str:

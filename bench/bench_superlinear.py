@@ -35,10 +35,15 @@ script
    --budget lasts, the bench runs one more.
 
 Plans with per-stage data parallelism run as they are (the process count is the plan's world
-size).
+size). `--pipelines` runs the planner's best plan of data-parallel pipelines instead of its
+best plan of one pipeline (here one pipeline per chip type, each with its share of the batch,
+gradients summed across the two after every step: case `pipelines`), against the same chip
+types alone, side by side; predicted with the pipelines cost model
+(`megatron_h2.planner.pipelines_cost`).
 
     .venv/bin/python bench/bench_superlinear.py                  # ~7 minutes on 2 quiet cores
     .venv/bin/python bench/bench_superlinear.py --rounds 1 --json results.json
+    .venv/bin/python bench/bench_superlinear.py --pipelines       # two pipelines vs alone
 """
 
 from __future__ import annotations
@@ -81,8 +86,9 @@ from megatron_h2.planner import (
     compare_homogeneous,
     model_from_dict,
     search,
-    simulate,
 )
+from megatron_h2.planner.pipelines_cost import evaluate_plan, simulate_plan
+from megatron_h2.planner.pipelines_search import search_pipelines
 
 CLUSTER = ROOT / "examples" / "clusters" / "cpu_superlinear.yaml"
 # hidden 128 / seq 256 / 8 layers, LLaMA-style, no dropout (profiled, planned and trained alike:
@@ -99,6 +105,8 @@ MODEL = {"num_layers": 8, "hidden_size": 128, "ffn_hidden_size": 352, "num_atten
 VOCAB = MODEL["vocab_size"]  # NullTokenizer(512): a multiple of 128, nothing padded
 MICRO_BATCH_SIZES = (1,)  # what the profile measures; every plan uses it
 MIXED = "mixed"
+PIPELINES = "pipelines"  # the case of --pipelines: a plan of data-parallel pipelines
+TOGETHER = (MIXED, PIPELINES)
 STARTUP_S = 15.0  # seconds from launch to the first iteration, several runs starting at once
 
 
@@ -118,18 +126,27 @@ class Case:
 
 def plan_cases(cluster: Cluster, profile: ProfileTable | None,
                global_batch: int = MODEL["global_batch_size"],
-               time_limit_s: float = 30.0) -> list[Case]:
-    """The planner's best plan for each chip type alone, then for the whole cluster."""
+               time_limit_s: float = 30.0, pipelines: bool = False) -> list[Case]:
+    """The planner's best plan for each chip type alone, then for the whole cluster: one
+    pipeline (case ``mixed``) or, with ``pipelines``, the best plan of data-parallel pipelines
+    (case ``pipelines``)."""
     cost = CostModel(cluster, planner_model(), CostConfig(), profile)
     options = SearchOptions(global_batch, 1, MICRO_BATCH_SIZES, time_limit_s=time_limit_s)
-    mixed = search(cost, options).best
-    comparison = compare_homogeneous(cost, options, mixed.estimate.tokens_per_s)
+    if pipelines:
+        found = search_pipelines(cost, options).best
+        if found is None:
+            raise ConfigError("no plan of data-parallel pipelines fits the cluster")
+        together = Case(PIPELINES, found.plan, found.estimate.tokens_per_s)
+    else:
+        mixed = search(cost, options).best
+        together = Case(MIXED, mixed.plan, mixed.estimate.tokens_per_s)
+    comparison = compare_homogeneous(cost, options, together.predicted_tokens_per_s)
     cases = []
     for alone in comparison.homogeneous:
         if alone.candidate is None:
             raise ConfigError(f"chip type {alone.chip} alone: {alone.reason}")
         cases.append(Case(alone.chip, alone.candidate.plan, alone.tokens_per_s))
-    cases.append(Case(MIXED, mixed.plan, mixed.estimate.tokens_per_s))
+    cases.append(together)
     return cases
 
 
@@ -152,9 +169,15 @@ def side_by_side_processes(cluster: Cluster, path: Path) -> Path:
 
 
 def cores_needed(plan: HeteroPlan) -> float:
-    """Cores the plan's processes need while all compute: 1 / emulate_slowdown per rank."""
-    return sum(1.0 / plan.chips[plan.stages[plan.rank_coordinates(r)[0]].chip].emulate_slowdown
+    """Cores the plan's processes need while all compute: 1 / emulate_slowdown per rank (of
+    every pipeline of a plan of several)."""
+    return sum(1.0 / plan.chips[plan.rank_chip(r)].emulate_slowdown
                for r in range(plan.world_size))
+
+
+def schedules(plan: HeteroPlan) -> str:
+    """The plan's schedule, or each pipeline's (``1f1b + zero-bubble``)."""
+    return " + ".join(str(pipe.schedule) for pipe in plan.pipeline_plans)
 
 
 def tokens_per_s(step_ms: float, global_batch: int) -> float:
@@ -162,9 +185,9 @@ def tokens_per_s(step_ms: float, global_batch: int) -> float:
 
 
 def ratio(values: dict[str, float]) -> float:
-    """mixed / sum of the chip types alone."""
-    alone = sum(v for name, v in values.items() if name != MIXED)
-    return values[MIXED] / alone
+    """mixed (or pipelines) / sum of the chip types alone."""
+    alone = sum(v for name, v in values.items() if name not in TOGETHER)
+    return sum(v for name, v in values.items() if name in TOGETHER) / alone
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
@@ -183,6 +206,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--global-batch-size", type=int, default=MODEL["global_batch_size"],
                         help="samples per step (default 16; smaller for a quick check)")
     parser.add_argument("--time-limit", type=float, default=30.0, help="planner time limit (s)")
+    parser.add_argument("--pipelines", action="store_true",
+                        help="run the planner's best plan of data-parallel pipelines (one per "
+                             "chip type here) instead of its best plan of one pipeline")
     add_quiet_arguments(parser, 480.0)
     parser.add_argument("--workdir", help="keep the files here (default: a temporary folder)")
     parser.add_argument("--json", metavar="FILE", help="write the results as JSON")
@@ -235,12 +261,12 @@ def main(argv: list[str] | None = None) -> int:
     # ---- plan each chip type alone and the mixed cluster with the first profile
     profile(0)
     cases = plan_cases(cluster, ProfileTable.from_dict(profiles[0]), args.global_batch_size,
-                       args.time_limit)
+                       args.time_limit, args.pipelines)
     paths = {}
     for case in cases:
         paths[case.name] = work / f"plan_{case.name}.yaml"
         case.plan.to_yaml(paths[case.name], header=f"bench_superlinear: {case.name}")
-        log(f"plan {case.name:<6}: {plan_label(case.plan)} ({case.plan.schedule}), "
+        log(f"plan {case.name:<6}: {plan_label(case.plan)} ({schedules(case.plan)}), "
             f"{case.plan.world_size} processes needing {cores_needed(case.plan):.2f} cores")
 
     # ---- rounds: every plan once, back to back, alternating the order
@@ -311,10 +337,10 @@ def main(argv: list[str] | None = None) -> int:
         runs = [m for m in measured[case.name] if "ms" in m]
         step = statistics.median(m["ms"] for m in runs) if runs else None
         rows[case.name] = {
-            "plan": plan_label(case.plan), "schedule": case.plan.schedule,
+            "plan": plan_label(case.plan), "schedule": schedules(case.plan),
             "processes": case.plan.world_size, "cores_needed": cores_needed(case.plan),
-            "predicted": cost.evaluate(case.plan).tokens_per_s,
-            "simulated": tokens_per_s(1e3 * simulate(case.plan, cost).step_time_s,
+            "predicted": evaluate_plan(cost, case.plan).tokens_per_s,
+            "simulated": tokens_per_s(1e3 * simulate_plan(cost, case.plan).step_time_s,
                                       args.global_batch_size),
             "measured": None if step is None else tokens_per_s(step, args.global_batch_size),
             "steps_ms": [round(m["ms"], 1) for m in runs],
@@ -350,14 +376,14 @@ def main(argv: list[str] | None = None) -> int:
         summary.update(superlinear=summary["measured"] >= 1.05, agree_within_10pct=agree)
         which = (f"{len(compared)} undisturbed round(s)" if compared is not rounds
                  else f"all {len(rounds)} rounds, every one disturbed")
-        log(f"\nmixed / sum of the chip types alone, per round "
+        log(f"\n{cases[-1].name} / sum of the chip types alone, per round "
             f"({', '.join(f'{x:.3f}' for x in per_round)}; {which}): measured median "
             f"{summary['measured']:.3f} (target >= 1.05: "
             f"{'OK' if summary['superlinear'] else 'MISSED'}), predicted "
             f"{summary['predicted']:.3f} (simulator {summary['simulated']:.3f}; within 10% of "
             f"the measured: {'yes' if agree else 'NO'})")
     else:
-        log(f"\nsome plan failed; predicted mixed / sum {summary['predicted']:.3f}")
+        log(f"\nsome plan failed; predicted {cases[-1].name} / sum {summary['predicted']:.3f}")
     elapsed = time.perf_counter() - started
     log(f"total {elapsed:.0f} s; load average now {load_average():.2f}")
     if args.json:

@@ -208,7 +208,8 @@ def profile_chips(work: Path, tag: str, model: ModelConfig, chips: list[str],
                 *(x for chip in chips for x in ("--chip", chip)), *model_flags(model),
                 "--micro-batch-sizes", ",".join(map(str, sizes)),
                 *(("--emulate", str(emulate)) if emulate else ()),
-                "--threads", "1", "--max-wait", "0", "--output", str(out)])
+                "--threads", "1", "--max-wait", "0", "--output", str(out)],
+               timeout=900)  # a loaded host stretches the paced measurement
     return yaml.safe_load(out.read_text()), proc.stdout
 
 
@@ -226,7 +227,12 @@ def median_profile(tables: list[dict]) -> dict:
 
 
 def plan_label(plan: HeteroPlan) -> str:
-    """``DP 2 x fast 5 | slow 3 full`` (per-stage DP and TP written on the stage)."""
+    """``DP 2 x fast 5 | slow 3 full`` (per-stage DP and TP written on the stage); a plan of
+    data-parallel pipelines: each pipeline's label with its batch share, ``[fast 8] 11 + [big 8]
+    5``."""
+    if plan.pipelines:
+        return " + ".join(f"[{plan_label(pipe)}] {pipe.global_batch_size}"
+                          for pipe in plan.pipelines)
     parts = []
     for i, s in enumerate(plan.stages):
         layers = "+".join(map(str, s.chunks)) if len(s.chunks) > 1 else str(s.num_layers)

@@ -36,8 +36,7 @@ echo "== 1/4 measuring this machine (cached in ${MEGATRON_H2_CACHE:-~/.cache/meg
 cp "$OUT/plan_alone.yaml" "$OUT/measured_as.yaml"
 # the processes of a plan: the emulated slowdown of every rank's chip
 MIX='import sys; from megatron_h2.plan.schema import HeteroPlan as H; p = H.from_yaml(sys.argv[1]);
-print(sorted(p.chips[p.stages[p.rank_coordinates(r)[0]].chip].emulate_slowdown
-             for r in range(p.world_size)))'
+print(sorted(p.chips[p.rank_chip(r)].emulate_slowdown for r in range(p.world_size)))'
 for round in 1 2 3; do
   echo "-- measuring as the processes of: $(grep '^# stages:' "$OUT/measured_as.yaml" | cut -c11-)"
   "$PYTHON" tools/profile_chip.py --model "$MODEL" --cluster "$CLUSTER" \

@@ -10,7 +10,9 @@
 #   MASTER_PORT     rendezvous port on the first node (default 29500)
 #   PYTHON          interpreter with megatron_h2's requirements (default: python3)
 #   SETUP           optional file sourced on every node first (modules, venv, NCCL settings)
-# A failing rank ends its torchrun, srun --kill-on-bad-exit ends the other nodes.
+# A failing rank ends its torchrun, srun --kill-on-bad-exit ends the other nodes. torchrun runs
+# as megatron_h2.commands.torchrun: on SIGTERM (scancel, the time limit) with
+# --exit-signal-handler it exits 0 once every worker of its node saved and stopped.
 #SBATCH --job-name=megatron_h2
 #SBATCH --ntasks-per-node=1
 #SBATCH --exclusive
@@ -24,7 +26,7 @@ echo "megatron_h2: ${SLURM_NNODES} node(s) x ${NPROC_PER_NODE} processes, rendez
 srun --kill-on-bad-exit=1 bash -c "
   set -e
   if [ -n \"${SETUP:-}\" ]; then source \"${SETUP:-}\"; fi
-  exec ${PYTHON} -m torch.distributed.run \
+  exec ${PYTHON} -m megatron_h2.commands.torchrun \
     --nnodes ${SLURM_NNODES} --nproc-per-node ${NPROC_PER_NODE} \
     --rdzv-backend c10d --rdzv-endpoint ${MASTER_ADDR}:${MASTER_PORT} \
     --rdzv-id ${SLURM_JOB_ID} \

@@ -27,11 +27,11 @@ from megatron_h2.checkpointing import (
     commit_save,
     corruption_message,
     incomplete_dir,
-    open_checkpoint,
     write_part,
 )
 from megatron_h2.checkpointing.async_save import BackgroundWrite, host_copy
 from megatron_h2.checkpointing.housekeeping import SaveDirOwner, apply_retention
+from megatron_h2.checkpointing.megatron_open import MegatronReader, open_any_checkpoint
 from megatron_h2.config import ARCHITECTURE_FIELDS, ModelConfig, RunConfig, flag_name
 from megatron_h2.devices import Accelerator
 from megatron_h2.distributed.topology import Topology
@@ -51,6 +51,7 @@ class TrainProgress:
     consumed_samples: int = 0
     scheduler: dict[str, Any] | None = None  # optimizer-parameter schedule state, if resumed
     grad_scaler: dict[str, Any] | None = None  # fp16 loss-scaler state, if resumed
+    health: dict[str, Any] | None = None  # the numerical health monitor's history, if resumed
 
 
 def _b64(t: torch.Tensor) -> str:
@@ -134,6 +135,9 @@ def check_compatible(metadata: dict[str, Any], config: RunConfig, source: Path |
         if was != mine:
             flag = flag_name(next(f for f in fields(ModelConfig) if f.name == name)) \
                 if name != "vocab_size" else "--vocab-size (padded)"
+            if name == "vocab_size" and "megatron" in metadata:
+                flag += ("; Megatron-LM pads to a multiple of --make-vocab-size-divisible-by x "
+                         "TP: pass that product as --make-vocab-size-divisible-by")
             raise ConfigError(f"checkpoint {source} was saved with {name}={was} but "
                               f"this run has {name}={mine} ({flag}); use matching model flags")
 
@@ -241,7 +245,8 @@ class CheckpointIO:
         context = {"save_dir": save_dir, "iteration": it, "rng": capture_rng(self.acc),
                    "consumed_samples": progress.consumed_samples,
                    "scheduler": copy.deepcopy(progress.scheduler),
-                   "grad_scaler": copy.deepcopy(progress.grad_scaler)}
+                   "grad_scaler": copy.deepcopy(progress.grad_scaler),
+                   "health": copy.deepcopy(progress.health)}
         tmp = incomplete_dir(save_dir, it)
         if background:
             self.pending = BackgroundWrite(tmp, [(kind, index, host_copy(tensors))
@@ -265,6 +270,8 @@ class CheckpointIO:
                 meta["opt_param_scheduler"] = context["scheduler"]
             if context["grad_scaler"] is not None:
                 meta["grad_scaler"] = context["grad_scaler"]
+            if context.get("health") is not None:
+                meta["health"] = context["health"]
             written = {name: e for _, part in gathered for name, e in part.items()}
             path = commit_save(save_dir, incomplete_dir(save_dir, it), it, meta, written)
             t = self.cfg.training
@@ -357,14 +364,24 @@ class CheckpointIO:
             raise JobConfigError(self._from_rank0(message))
 
     def load(self, load_dir: str, iteration: int | None, load_optim: bool,
-             load_rng: bool, log, verify: bool = True) -> TrainProgress | None:
+             load_rng: bool, log, verify: bool = True, ckpt_format: str | None = None,
+             auto_detect: bool = False) -> TrainProgress | None:
         """Restore a checkpoint into model and optimizer; None if ``load_dir`` holds none.
-        ``verify`` checks the checksums of every part read (collective)."""
-        reader = open_checkpoint(load_dir, iteration, verify)
+        ``verify`` checks the checksums of every part read (collective). A Megatron-LM
+        checkpoint (``ckpt_format`` / ``auto_detect``: see :func:`open_any_checkpoint`) is read
+        whole on every rank and restored like ours."""
+        reader = open_any_checkpoint(load_dir, iteration, verify, ckpt_format, auto_detect,
+                                     load_optim)
         if reader is None:
             return None
         meta = reader.metadata
         check_compatible(meta, self.cfg, reader.path)
+        if isinstance(reader, MegatronReader):
+            megatron = meta["megatron"]
+            log(f"reading Megatron-LM {megatron['format']} checkpoint {reader.path} (saved at TP "
+                f"{megatron['tensor_model_parallel_size']} PP "
+                f"{megatron['pipeline_model_parallel_size']}); not carried over: "
+                f"{len(megatron['not_read'])} extra-state / RNG entries")
         if verify:
             self._verify(reader, load_optim)
         else:
@@ -377,7 +394,8 @@ class CheckpointIO:
         return TrainProgress(iteration=reader.iteration,
                              consumed_samples=int(meta.get("consumed_samples", 0)),
                              scheduler=meta.get("opt_param_scheduler") if load_optim else None,
-                             grad_scaler=meta.get("grad_scaler") if load_optim else None)
+                             grad_scaler=meta.get("grad_scaler") if load_optim else None,
+                             health=meta.get("health"))
 
     def _restore_rng(self, meta: dict[str, Any], source: Path, log) -> None:
         per_rank = meta.get("rng_per_rank")

@@ -132,6 +132,30 @@ def commit_save(save_dir: str | os.PathLike, tmp_dir: Path, iteration: int,
     return final
 
 
+def set_aside(save_dir: str | os.PathLike, iterations: list[int], keep: int | None,
+              suffix: str = "unverified") -> list[str]:
+    """Rename the committed checkpoints of ``iterations`` to ``iter_*.{suffix}`` (kept as
+    evidence, no longer loadable by accident) and point ``latest`` at ``keep`` (None: at the
+    newest checkpoint left, or nowhere when none is left); returns the new names."""
+    moved = []
+    for iteration in iterations:
+        path = iteration_dir(save_dir, iteration)
+        if path.is_dir():
+            target = path.with_name(f"{path.name}.{suffix}")
+            if target.exists():
+                shutil.rmtree(target)
+            os.replace(path, target)
+            moved.append(target.name)
+    latest = Path(save_dir) / LATEST_FILE
+    left = saved_iterations(save_dir)
+    keep = keep if keep is not None else (left[-1] if left else None)
+    if keep is not None:
+        _write_text_atomic(latest, f"{keep}\n")
+    else:
+        latest.unlink(missing_ok=True)
+    return moved
+
+
 def save_checkpoint(save_dir: str | os.PathLike, iteration: int,
                     model_state: dict[str, torch.Tensor],
                     optimizer_state: dict[str, torch.Tensor] | None,
@@ -332,10 +356,9 @@ class CheckpointReader:
                               f"({exc}); load an earlier iteration") from None
 
 
-def open_checkpoint(load_dir: str | os.PathLike, iteration: int | None = None,
-                    verify: bool = True) -> CheckpointReader | None:
-    """Check the given (default: latest) checkpoint and index its tensors; None if there is none.
-    The parts' checksums are not read here (see :meth:`CheckpointReader.verify`)."""
+def checkpoint_to_load(load_dir: str | os.PathLike, iteration: int | None = None) -> Path | None:
+    """The iteration directory to load from ``load_dir`` (default: the latest), or None when
+    the directory holds no checkpoint."""
     path = Path(load_dir)
     if not path.is_dir():
         raise ConfigError(f"--load directory {path} does not exist")
@@ -343,7 +366,16 @@ def open_checkpoint(load_dir: str | os.PathLike, iteration: int | None = None,
         iteration = find_latest_iteration(path)
         if iteration is None:
             return None
-    ckpt_dir = iteration_dir(path, iteration)
+    return iteration_dir(path, iteration)
+
+
+def open_checkpoint(load_dir: str | os.PathLike, iteration: int | None = None,
+                    verify: bool = True) -> CheckpointReader | None:
+    """Check the given (default: latest) checkpoint and index its tensors; None if there is none.
+    The parts' checksums are not read here (see :meth:`CheckpointReader.verify`)."""
+    ckpt_dir = checkpoint_to_load(load_dir, iteration)
+    if ckpt_dir is None:
+        return None
     return CheckpointReader(ckpt_dir, *read_checkpoint_files(ckpt_dir, verify))
 
 

@@ -31,12 +31,13 @@ def main(argv: list[str] | None = None) -> int:
         from megatron_h2.planner.cluster import Cluster
         from megatron_h2.planner.cost_model import CostConfig, CostModel
         from megatron_h2.planner.model_input import model_from_yaml
+        from megatron_h2.planner.pipelines_cost import evaluate_plan
         from megatron_h2.planner.profile import ProfileTable
 
         profile = ProfileTable.from_yaml(a.profile) if a.profile else None
         cost = CostModel(Cluster.from_yaml(a.cluster), model_from_yaml(a.model), CostConfig(),
                          profile)
-        predicted = cost.evaluate(HeteroPlan.from_yaml(a.plan)).step_time_s
+        predicted = evaluate_plan(cost, HeteroPlan.from_yaml(a.plan)).step_time_s
         if not Path(a.metrics).is_file():
             raise ConfigError(f"--metrics file {a.metrics} does not exist")
         times = steady_step_ms(a.metrics, a.skip)

@@ -3,6 +3,7 @@ the config dataclasses share."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import field, fields
 from typing import Any
@@ -42,6 +43,53 @@ def cli_fields(cls: type) -> list:
 def flag_name(f) -> str:
     """The command-line flag of a :func:`flag` field."""
     return f.metadata["cli"]["name"] or "--" + f.name.replace("_", "-")
+
+
+#: Largest magnitude of a float flag: what a float32 tensor (weights, Adam's moments, learning
+#: rates applied in the step) can hold; beyond it the first optimizer step overflows.
+FLOAT32_MAX = 3.4028234663852886e38
+#: Largest magnitude of an integer flag: exact in float64 and int64 alike (iterations, samples,
+#: intervals, sizes enter both).
+INT_MAX = 2**53
+
+
+def finite_float(text: str) -> float:
+    """A float flag's value: finite and within float32 range (``nan``, ``inf`` and ``1e39`` are
+    refused at start-up instead of failing inside the optimizer)."""
+    value = float(text)
+    if not math.isfinite(value) or abs(value) > FLOAT32_MAX:
+        raise ConfigError(f"expected a finite number of at most {FLOAT32_MAX:.3g} in magnitude "
+                          f"(float32), got {text!r}")
+    return value
+
+
+finite_float.__name__ = "float"
+
+
+def bounded_int(text: str) -> int:
+    """An integer flag's value, at most 2**53 in magnitude."""
+    value = int(text)
+    if abs(value) > INT_MAX:
+        raise ConfigError(f"expected an integer of at most 2**53 in magnitude, got a "
+                          f"{len(text.strip().lstrip('+-'))}-digit number")
+    return value
+
+
+bounded_int.__name__ = "int"
+
+
+def check_range(obj: object, name: str, low: float, high: float, *, low_open: bool = False,
+                high_open: bool = False, flag: str | None = None) -> None:
+    """One-line ConfigError unless ``low <(=) obj.name <(=) high`` (None passes: not given)."""
+    value = getattr(obj, name)
+    if value is None:
+        return
+    above = value > low if low_open else value >= low
+    below = value < high if high_open else value <= high
+    if not (above and below and math.isfinite(value)):
+        left, right = "(" if low_open else "[", ")" if high_open else "]"
+        flag = flag or "--" + name.replace("_", "-")
+        raise ConfigError(f"{flag} must be in {left}{low:g}, {high:g}{right}, got {value:g}")
 
 
 _SUFFIXES = {"K": 10**3, "M": 10**6, "B": 10**9, "T": 10**12}

@@ -117,9 +117,6 @@ COMPAT_FLAGS: dict[str, NoEffect] = {
                                          True),
     "--log-progress": NoEffect("progress.txt is not written; each log line has the consumed "
                                "samples and the throughput"),
-    "--ckpt-format": NoEffect(_CKPT, True, ("torch", "torch_dist", "torch_dcp",
-                                            "fsdp_dtensor")),
-    "--auto-detect-ckpt-format": NoEffect(_CKPT),
     "--use-dist-ckpt": NoEffect(_CKPT),
     "--dist-ckpt-format": NoEffect(_CKPT, True),
     "--dist-ckpt-strictness": NoEffect(

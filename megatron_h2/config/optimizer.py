@@ -4,14 +4,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from megatron_h2.config.flags import _positive, _required, flag
+from megatron_h2.config.flags import _positive, _required, check_range, flag
 from megatron_h2.errors import ConfigError
 
 LR_DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root", "WSD")
 WSD_DECAY_STYLES = ("exponential", "linear", "cosine", "minus_sqrt")
 WD_INCR_STYLES = ("constant", "linear", "cosine")
-
-
+#: Largest learning rate, weight decay or clip accepted: an update of that size already
+#: overflows float32 weights after a few steps; a larger value is a typo.
+MAX_RATE = 1e10
 
 
 @dataclass
@@ -76,6 +77,7 @@ class OptimizerConfig:
     def __post_init__(self) -> None:
         _required(self, "lr")
         _positive(self, "lr")
+        self._check_ranges()
         if not 0.0 <= self.min_lr <= self.lr:
             raise ConfigError(f"--min-lr {self.min_lr} must be between 0 and --lr {self.lr}")
         if not 0.0 <= self.lr_warmup_init <= self.lr:
@@ -103,6 +105,15 @@ class OptimizerConfig:
         if self.override_opt_param_scheduler and self.use_checkpoint_opt_param_scheduler:
             raise ConfigError("--override-opt_param-scheduler and "
                               "--use-checkpoint-opt_param-scheduler exclude each other; give one")
+
+    def _check_ranges(self) -> None:
+        """Every numeric flag within its range, before any arithmetic on it."""
+        for name in ("lr", "min_lr", "lr_warmup_init", "decoupled_lr", "decoupled_min_lr",
+                     "weight_decay", "start_weight_decay", "end_weight_decay", "clip_grad"):
+            check_range(self, name, 0.0, MAX_RATE)
+        check_range(self, "adam_beta1", 0.0, 1.0, high_open=True)
+        check_range(self, "adam_beta2", 0.0, 1.0, high_open=True)
+        check_range(self, "adam_eps", 0.0, 1.0, low_open=True)
 
     def _check_decoupled(self) -> None:
         if self.decoupled_lr is None:

@@ -37,6 +37,10 @@ class ParallelConfig:
         False, "Use the distributed optimizer (optimizer state sharded over data-parallel ranks, "
         "ZeRO-1).")
     distributed_timeout_minutes: float = flag(10.0, "Timeout minutes for torch.distributed.")
+    heartbeat_timeout: float = flag(
+        30.0, "Seconds without a heartbeat after which a rank counts as stopped (killed, "
+        "SIGSTOPped, a hung host): it is named in one line and the job ends, instead of waiting "
+        "for --distributed-timeout-minutes; 0 turns the heartbeat off.")
     ddp_bucket_size: int | None = flag(
         None, "Bucket size (elements) for data-parallel communication; default: "
         "max(40000000, 1000000 x data-parallel size).")
@@ -83,6 +87,14 @@ class ParallelConfig:
                               "TP and --sequence-parallel instead)")
         _positive(self, "tensor_model_parallel_size", "pipeline_model_parallel_size",
                   "distributed_timeout_minutes", "bridge_chunk_mb")
+        if not 0 <= self.heartbeat_timeout <= 86400:
+            raise ConfigError(f"--heartbeat-timeout must be in [0, 86400] seconds (0: off), got "
+                              f"{self.heartbeat_timeout:g}")
+        if self.heartbeat_timeout >= 60 * self.distributed_timeout_minutes:
+            raise ConfigError(f"--heartbeat-timeout {self.heartbeat_timeout:g} s must be shorter "
+                              f"than --distributed-timeout-minutes "
+                              f"{self.distributed_timeout_minutes:g} (the collectives would time "
+                              "out first); lower it")
         if self.ddp_bucket_size is not None:
             _positive(self, "ddp_bucket_size")
         self._check_experts()

@@ -49,6 +49,7 @@ from megatron_h2.elastic.replan import (
 )
 from megatron_h2.errors import ConfigError
 from megatron_h2.monitoring.metrics import log
+from megatron_h2.monitoring.watchdog import STOPPED_ENV, stopped_local_ranks
 from megatron_h2.plan.schema import HeteroPlan
 from megatron_h2.planner import Cluster
 from megatron_h2.training.arguments import config_from_args
@@ -162,6 +163,7 @@ class Outcome:
     lost_ranks: list[int] = field(default_factory=list)
     user_error: bool = False
     signalled: bool = False
+    all_saved: bool = False  # stopped by a signal after every worker saved and stopped
     detected_at: float = 0.0
     detail: str = ""
 
@@ -187,8 +189,10 @@ def run_attempt(job: Job, plan_path: Path, world: int, attempt: int,
     args = [str(ROOT / "pretrain_gpt.py"), *job.train_args, "--hetero-plan", str(plan_path)]
     if ckpt_step is not None:
         args += ["--ckpt-step", str(ckpt_step)]
+    stopped = job.run_dir / f"attempt{attempt}-stopped"
+    stopped.mkdir(parents=True, exist_ok=True)
     env = {ELASTIC_DIR_ENV: str(job.run_dir), "MEGATRON_H2_JOB_ID": job.job_id,
-           "MEGATRON_H2_ATTEMPT": str(attempt)}
+           "MEGATRON_H2_ATTEMPT": str(attempt), STOPPED_ENV: str(stopped)}
     if attempt > 0:
         os.environ.pop(FAULT_ENV, None)  # a rehearsed fault happens in the first attempt only
     os.environ.update(env)
@@ -201,8 +205,10 @@ def run_attempt(job: Job, plan_path: Path, world: int, attempt: int,
         elastic_launch(config, sys.executable)(*args)
         return Outcome(ok=True)
     except SignalException as exc:
-        return Outcome(ok=False, signalled=True, detected_at=time.time(),
-                       detail=f"stopped by signal {exc.sigval.name}")
+        saved = len(stopped_local_ranks(stopped))
+        return Outcome(ok=False, signalled=True, all_saved=saved == world,
+                       detected_at=time.time(), detail=f"stopped by signal {exc.sigval.name}; "
+                       f"{saved} of {world} workers saved and stopped")
     except ChildFailedError as exc:
         detected = time.time()
         notes = _crash_notes(job.run_dir, attempt)
@@ -270,8 +276,8 @@ def run(job: Job, cfg, launch) -> int:
             say("a worker stopped on bad input or a numerical check (exit 2): not a hardware "
                 "fault, so no restart; see its error above")
             return 2
-        if outcome.signalled:
-            return EXIT_TEMPFAIL
+        if outcome.signalled:  # 0 once every worker saved: the job can be resumed as is
+            return 0 if outcome.all_saved else EXIT_TEMPFAIL
         if attempt == job.max_restarts:
             say(f"--max-restarts {job.max_restarts} used up")
             return EXIT_TEMPFAIL

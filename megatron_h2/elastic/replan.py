@@ -1,8 +1,9 @@
 """Re-planning for the elastic launcher: which chips survive, the best plan for them, and what
 changed.
 
-The planner (HeteroAuto) is run for the surviving chips with the same model and global batch;
-the candidates are taken best first until one passes the runtime's own checks for the model
+The planner (HeteroAuto) is run for the surviving chips with the same model and global batch
+(plans of one pipeline and of several data-parallel pipelines); the candidates are taken best
+first until one passes the runtime's own checks for the model
 (TP dividing the padded vocabulary, ...). Checkpoints do not depend on the layout, so any plan
 resumes any checkpoint.
 """
@@ -18,6 +19,8 @@ from megatron_h2.config import RunConfig
 from megatron_h2.errors import ConfigError
 from megatron_h2.plan.schema import HeteroPlan
 from megatron_h2.planner import Cluster, CostConfig, CostModel, SearchOptions, search
+from megatron_h2.planner.pipelines_cost import evaluate_plan
+from megatron_h2.planner.pipelines_search import search_pipelines
 from megatron_h2.planner.report import stage_summary
 from megatron_h2.training.layout import check_plan_for_model, describe_dp
 
@@ -53,26 +56,32 @@ def _cost(cluster: Cluster, cfg: RunConfig) -> CostModel:
 
 
 def evaluate(plan: HeteroPlan, cluster: Cluster, cfg: RunConfig) -> Planned:
-    """Predicted throughput of a given plan on ``cluster``."""
-    return Planned(plan, _cost(cluster, cfg).evaluate(plan).tokens_per_s)
+    """Predicted throughput of a given plan (of one pipeline or several) on ``cluster``."""
+    return Planned(plan, evaluate_plan(_cost(cluster, cfg), plan).tokens_per_s)
 
 
 def best_plan(cluster: Cluster, cfg: RunConfig, global_batch: int, micro_batch: int | None,
               time_limit_s: float) -> Planned:
     """The planner's best plan for ``cluster`` that the runtime accepts for ``cfg``'s model."""
     sizes = None if micro_batch is None else (micro_batch,)
-    result = search(_cost(cluster, cfg), SearchOptions(global_batch, top_k=8,
-                                                       micro_batch_sizes=sizes,
-                                                       time_limit_s=time_limit_s))
+    cost = _cost(cluster, cfg)
+    options = SearchOptions(global_batch, top_k=8, micro_batch_sizes=sizes,
+                            time_limit_s=time_limit_s)
+    result = search(cost, options)
+    ranked = [Planned(c.plan, c.estimate.tokens_per_s) for c in result.candidates]
+    multi = search_pipelines(cost, options).best  # data-parallel pipelines, when faster
+    if multi is not None:
+        ranked.append(Planned(multi.plan, multi.estimate.tokens_per_s))
+        ranked.sort(key=lambda planned: -planned.tokens_per_s)
     reasons = []
-    for candidate in result.candidates:
-        plan = candidate.plan
+    for planned in ranked:
+        plan = planned.plan
         try:
             check_plan_for_model(plan, cfg.model, cfg.parallel, plan.world_size)
         except ConfigError as exc:
             reasons.append(str(exc))
             continue
-        return Planned(plan, candidate.estimate.tokens_per_s)
+        return planned
     raise ConfigError("no plan for " + ", ".join(f"{c.count} x {c.name}" for c in cluster.chips)
                       + (f" passes the runtime's checks ({reasons[0]})" if reasons else
                          " fits the model in memory"))

@@ -1,6 +1,7 @@
 """Checks shared by the YAML files users write (plans, clusters, model descriptions, profiles):
-exact keys with the closest valid one on a typo, typed positive numbers, and reading a file that
-must hold a mapping; every failure is a one-line :class:`~megatron_h2.errors.ConfigError`."""
+exact keys with the closest valid one on a typo, typed positive numbers bounded to what a cluster
+can hold (checked before any arithmetic on them), and reading a file that must hold a mapping
+with no key given twice; every failure is a one-line :class:`~megatron_h2.errors.ConfigError`."""
 
 from __future__ import annotations
 
@@ -12,6 +13,13 @@ from typing import Any
 import yaml
 
 from megatron_h2.errors import ConfigError
+
+#: Largest count a plan, cluster, model or profile file may give (chips, samples in a batch,
+#: layers, sizes): 2**24 = 16,777,216, above any cluster's chips or batch; a larger number is a
+#: typo, and would overflow or exhaust memory in the arithmetic that follows.
+MAX_COUNT = 2**24
+#: Largest figure (TFLOP/s, GiB, GB/s, seconds, factors) such a file may give.
+MAX_FIGURE = 1e9
 
 
 def closest(word: str, valid: Sequence[str]) -> str:
@@ -46,25 +54,65 @@ def check_keys(
     return data
 
 
-def positive_int(value: Any, name: str, minimum: int = 1) -> int:
-    """Return ``value`` if it is an int (not a bool) of at least ``minimum``, else raise."""
+def _shown(value: int | float) -> str:
+    """A number as the error message shows it: huge integers by their size, not their digits."""
+    if isinstance(value, int) and abs(value) >= 10**15:
+        return f"a {len(str(abs(value)))}-digit number"
+    return str(value)
+
+
+def positive_int(value: Any, name: str, minimum: int = 1, maximum: int = MAX_COUNT) -> int:
+    """Return ``value`` if it is an int (not a bool) in ``[minimum, maximum]``, else raise."""
     if isinstance(value, bool) or not isinstance(value, int):
         raise ConfigError(f"{name} must be an integer, got {value!r}")
     if value < minimum:
         what = "positive" if minimum == 1 else f"at least {minimum}"
-        raise ConfigError(f"{name} must be {what}, got {value}")
+        raise ConfigError(f"{name} must be {what}, got {_shown(value)}")
+    if value > maximum:
+        raise ConfigError(f"{name} must be at most {maximum:,} (no cluster holds more), got "
+                          f"{_shown(value)}")
     return value
 
 
-def positive_float(value: Any, name: str, minimum: float = 0.0, inclusive: bool = False) -> float:
-    """Return ``value`` as a float if it is a number above ``minimum`` (or equal if inclusive)."""
+def positive_float(value: Any, name: str, minimum: float = 0.0, inclusive: bool = False,
+                   maximum: float = MAX_FIGURE) -> float:
+    """Return ``value`` as a float if it is a finite number above ``minimum`` (or equal if
+    inclusive) and at most ``maximum``."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise ConfigError(f"{name} must be a number, got {value!r}")
     ok = value >= minimum if inclusive else value > minimum
-    if not ok or value != value or value == float("inf"):
+    if not ok or value != value or value > maximum:
         bound = f"at least {minimum}" if inclusive else f"greater than {minimum}"
-        raise ConfigError(f"{name} must be a finite number {bound}, got {value}")
+        raise ConfigError(f"{name} must be a finite number {bound} and at most {maximum:g}, got "
+                          f"{_shown(value)}")
     return float(value)
+
+
+class _DuplicateKey(Exception):
+    """A mapping gives a key twice (raised while the YAML is read, turned into ConfigError)."""
+
+    def __init__(self, key: Any, first: int, second: int) -> None:
+        super().__init__(key, first, second)
+        self.key, self.first, self.second = key, first, second
+
+
+class _StrictLoader(yaml.SafeLoader):
+    """PyYAML's safe loader, refusing a key given twice in one mapping (PyYAML keeps the last)."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
+        seen: dict[Any, int] = {}
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":
+                continue
+            key = self.construct_object(key_node, deep=True)
+            line = key_node.start_mark.line + 1
+            try:
+                if key in seen:
+                    raise _DuplicateKey(key, seen[key], line)
+                seen[key] = line
+            except TypeError:
+                continue  # an unhashable key: the base loader reports it
+        return super().construct_mapping(node, deep=deep)
 
 
 def load_yaml_mapping(path: str | Path, what: str) -> Mapping[str, Any]:
@@ -80,7 +128,12 @@ def load_yaml_mapping(path: str | Path, what: str) -> Mapping[str, Any]:
         raise ConfigError(f"{what} file '{path}' is not UTF-8 text (byte {exc.start}); give the "
                           "YAML file, not a binary one") from None
     try:
-        data = yaml.safe_load(text)
+        data = yaml.load(text, Loader=_StrictLoader)  # noqa: S506 - a SafeLoader subclass
+    except _DuplicateKey as dup:
+        where = (f"lines {dup.first} and {dup.second}" if dup.first != dup.second
+                 else f"line {dup.first}")
+        raise ConfigError(f"{what} file '{path}' gives the key '{dup.key}' twice ({where}); "
+                          "keep one (YAML would silently take the last)") from None
     except RecursionError:
         raise ConfigError(f"{what} file '{path}' is nested too deeply to be a {what}") from None
     except yaml.YAMLError as exc:

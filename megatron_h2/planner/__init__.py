@@ -12,6 +12,8 @@ Typical use::
     best = result.best                      # Candidate(plan: HeteroPlan, estimate: PlanEstimate)
     best.plan.to_yaml("plan.yaml")          # what pretrain_gpt.py --hetero-plan reads
     timeline = simulate(best.plan, cost)    # event-driven step under the plan's schedule
+    pipes = search_pipelines(cost, SearchOptions(global_batch_size=2048))  # data-parallel
+    estimate = evaluate_plan(cost, plan)    # any plan: one pipeline or several
 
 The command line is ``tools/plan.py`` (:mod:`megatron_h2.planner.cli`); the cluster, model and
 profile formats, the cost model and the search are documented in ``docs/planner.md``.
@@ -30,6 +32,17 @@ from megatron_h2.planner.cost_model import (
 from megatron_h2.planner.held_activations import held_states
 from megatron_h2.planner.model_input import model_from_dict, model_from_yaml
 from megatron_h2.planner.partition import Split, StageSlot, solve_split
+from megatron_h2.planner.pipelines_cost import (
+    PipelinesEstimate,
+    PipelinesSimulation,
+    evaluate_plan,
+    simulate_plan,
+)
+from megatron_h2.planner.pipelines_search import (
+    PipelinesCandidate,
+    PipelinesResult,
+    search_pipelines,
+)
 from megatron_h2.planner.profile import ChipProfile, MeasuredTimes, ProfileTable
 from megatron_h2.planner.search import Candidate, SearchOptions, SearchResult, SearchStats, search
 from megatron_h2.planner.simulator import (
@@ -52,6 +65,10 @@ __all__ = [
     "Event",
     "HomogeneousResult",
     "MeasuredTimes",
+    "PipelinesCandidate",
+    "PipelinesEstimate",
+    "PipelinesResult",
+    "PipelinesSimulation",
     "PlanEstimate",
     "ProfileTable",
     "SearchOptions",
@@ -65,11 +82,14 @@ __all__ = [
     "check_schedule",
     "chrome_trace",
     "compare_homogeneous",
+    "evaluate_plan",
     "held_states",
     "model_from_dict",
     "model_from_yaml",
     "search",
+    "search_pipelines",
     "simulate",
+    "simulate_plan",
     "solve_split",
     "stage_order",
     "write_chrome_trace",

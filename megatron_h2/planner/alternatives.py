@@ -3,17 +3,23 @@
 For the best plan's structure (the chip type and TP degree of its stages in pipeline order,
 micro-batch size and DP degree) :func:`schedule_alternatives` solves the layer split again under
 each other schedule and ``V`` (exactly, as the search does) and reports the step time, or why the
-schedule cannot run that pipeline (the micro-batch rule, equal chunks, memory).
+schedule cannot run that pipeline (the micro-batch rule, equal chunks, memory). A plan whose
+stages have their own DP degrees is shown under interleaving with its own layer split in ``V``
+equal chunks per stage, unless the runtime's routed orders stall there
+(:func:`~megatron_h2.planner.interleaved_dp.order_stall`: simulated step over 10% above the
+formula's), which is then the reason given.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from megatron_h2.errors import ConfigError
 from megatron_h2.plan.orders import schedule_problem
 from megatron_h2.plan.schema import HeteroPlan
 from megatron_h2.planner.bounds import BatchShape
 from megatron_h2.planner.cost_model import CostModel
+from megatron_h2.planner.interleaved_dp import interleaved_variant, order_stall
 from megatron_h2.planner.search import Candidate, SearchOptions, _Found, solve_structure, to_plan
 
 
@@ -44,8 +50,9 @@ def schedule_alternatives(
     for schedule, chunks in options.schedule_variants(layers):
         problem = None
         if schedule == "interleaved" and not plan.uniform_dp:
-            problem = "needs one DP degree for every stage"
-        elif schedule_problem(schedule, p, m, chunks) is not None:
+            out.append(_own_dp_interleaved(cost, plan, chunks))
+            continue
+        if schedule_problem(schedule, p, m, chunks) is not None:
             problem = "needs two or more stages"
             if p > 1 and m % p:
                 problem = f"{m} micro-batches are not a multiple of {p} stages"
@@ -77,3 +84,19 @@ def schedule_alternatives(
             Alternative(schedule, chunks, Candidate(alternative, cost.evaluate(alternative)))
         )
     return out
+
+
+def _own_dp_interleaved(cost: CostModel, plan: HeteroPlan, chunks: int) -> Alternative:
+    """A per-stage-DP plan's stages in ``chunks`` equal chunks under interleaving, or why not
+    (the chunks, the micro-batch rule, memory, or the routed orders stalling)."""
+    try:
+        variant = interleaved_variant(plan, chunks)
+        estimate = cost.evaluate(variant)
+    except ConfigError as exc:
+        return Alternative("interleaved", chunks, None, str(exc))
+    if not estimate.fits:
+        return Alternative("interleaved", chunks, None, "the stages' layers do not fit in memory")
+    stall = order_stall(cost, variant)
+    if stall is not None:
+        return Alternative("interleaved", chunks, None, stall)
+    return Alternative("interleaved", chunks, Candidate(variant, estimate))

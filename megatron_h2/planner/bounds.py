@@ -52,6 +52,10 @@ if TYPE_CHECKING:
     from collections.abc import Sequence
 
 
+EXACT_REST_TYPES = 4
+"""Most unused chip types whose joint capacity :meth:`BatchShape.rest` computes exactly."""
+
+
 class Kind:
     """A stage kind: chip type (index and name), TP and DP degree, most stages, its costs, the
     micro-batches of each of its DP replicas and the step formula's factor ``F``."""
@@ -417,12 +421,25 @@ class BatchShape(ShapeMemory):
     def rest(self, mask: int) -> np.ndarray:
         """Most units the chip types in ``mask`` can add, in any order, in front of each grid
         lead: fine probe x lead (a max-plus programme over subsets of types, kinds and stage
-        counts; the lead each block leaves is rounded down to the grid)."""
+        counts; the lead each block leaves is rounded down to the grid).
+
+        Masks of more than :data:`EXACT_REST_TYPES` types are split in two halves and the
+        halves' values added: an upper bound, since the value falls with the lead and a type
+        placed behind others starts from a larger lead than in its half alone (each block
+        leaves a lead at least as large as the one it starts from, and the next lead is
+        monotone in it). So the programme visits ``O(T ** EXACT_REST_TYPES)`` masks of ``T``
+        types, not ``2 ** T``."""
         return self._rest_coarse(mask)[self.coarse_of]
 
     def _rest_coarse(self, mask: int) -> np.ndarray:
         if mask in self._rest:
             return self._rest[mask]
+        bits = [t for t in range(len(self.types)) if mask >> t & 1]
+        if len(bits) > EXACT_REST_TYPES:
+            low = sum(1 << t for t in bits[: len(bits) // 2])
+            result = self._rest_coarse(low) + self._rest_coarse(mask & ~low)
+            self._rest[mask] = result
+            return result
         result = np.zeros((self.coarse_prefix.shape[1], len(self.leads)))
         for t_index, chip in enumerate(self.types):
             if not mask >> t_index & 1:

@@ -19,12 +19,21 @@ from typing import NoReturn
 
 from megatron_h2.errors import ConfigError
 from megatron_h2.plan.orders import SCHEDULES
+from megatron_h2.plan.schema import HeteroPlan
 from megatron_h2.planner.alternatives import schedule_alternatives
 from megatron_h2.planner.cluster import Cluster
 from megatron_h2.planner.compare import compare_homogeneous
 from megatron_h2.planner.cost_model import CostConfig, CostModel
 from megatron_h2.planner.launch import launch_script
 from megatron_h2.planner.model_input import add_model_arguments, describe, model_from_arguments
+from megatron_h2.planner.pipelines_cost import PipelinesSimulation, simulate_pipelines
+from megatron_h2.planner.pipelines_report import (
+    Choice,
+    comparison_pipelines_line,
+    pipelines_table,
+    pipelines_why,
+)
+from megatron_h2.planner.pipelines_search import PipelinesCandidate, search_pipelines
 from megatron_h2.planner.profile import ProfileTable
 from megatron_h2.planner.report import (
     candidates_table,
@@ -119,10 +128,18 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--own-dp",
         choices=OWN_DP_SPACES,
-        default="derived",
-        help="plans where chip types have their own DP degrees: re-splits of the best one-DP"
-        " plans (derived, default), every such plan (all: exhaustive, slow on large"
-        " clusters) or none",
+        default="all",
+        help="plans where chip types have their own DP degrees (each type then uses all its"
+        " chips): every such plan (all, default; re-splits of the best one-DP plans first),"
+        " the re-splits only with the rest bounded (derived), or none",
+    )
+    parser.add_argument(
+        "--data-parallel-pipelines",
+        choices=("search", "none"),
+        default="search",
+        help="also search plans of several data-parallel pipelines (groupings of the chip types,"
+        " batch splits; within --time-limit of its own) and write them when faster than one"
+        " pipeline (default search)",
     )
     return parser
 
@@ -161,22 +178,41 @@ def _run(args: argparse.Namespace) -> int:
     print(f"model: {describe(model)}; global batch {global_batch}")
     print(f"cluster: {args.cluster}: " + ", ".join(f"{c.count} x {c.name}" for c in cluster.chips))
     result = search(cost, options)
+    pipelines = (search_pipelines(cost, options) if args.data_parallel_pipelines == "search"
+                 else None)
+    choice = Choice(result, pipelines)
     best = result.best
     simulation = simulate(best.plan, cost)
-    print(f"\nbest {len(result.candidates)} plans (predicted by the cost model):")
+    print(f"\nbest {len(result.candidates)} plans of one pipeline (predicted by the cost model):")
     print(candidates_table(result))
-    print("\nplan 1 in detail (busy = simulated forward+backward share of the step):")
-    print(plan_detail(best, simulation))
+    multi = choice.multi
+    if multi is None:
+        print("\nplan 1 in detail (busy = simulated forward+backward share of the step):")
+        print(plan_detail(best, simulation))
+    else:
+        many = simulate_pipelines(cost, multi.plan)
+        print(f"\nchosen: {multi.plan.num_pipelines} data-parallel pipelines, step"
+              f" {multi.estimate.step_time_s:.3f} s, {multi.estimate.tokens_per_s:,.0f} tokens/s,"
+              f" MFU {100 * multi.estimate.mfu:.1f}%:")
+        print(pipelines_table(multi, many))
     print("\nwhy:")
-    alternatives = schedule_alternatives(cost, best.plan, options)
-    for line in explain(best, simulation, cluster, alternatives):
+    if multi is None:
+        alternatives = schedule_alternatives(cost, best.plan, options)
+        for line in explain(best, simulation, cluster, alternatives):
+            print(f"  - {line}")
+        print(f"  - {search_summary(result)}")
+    for line in pipelines_why(choice, None if multi is None else many):
         print(f"  - {line}")
-    print(f"  - {search_summary(result)}")
-    _write_outputs(args, result, cost, simulation)
+    if multi is None:
+        _write_outputs(args, result, cost, simulation)
+    else:
+        _write_pipelines(args, multi, cost, many)
     if args.compare_homogeneous:
-        comparison = compare_homogeneous(cost, options, best.estimate.tokens_per_s, best)
+        comparison = compare_homogeneous(cost, options, choice.tokens_per_s,
+                                         None if multi else best)
         print("\neach chip type alone vs together:")
         print(comparison_text(comparison))
+        print(comparison_pipelines_line(comparison, choice))
     return 0
 
 
@@ -199,15 +235,46 @@ def _write_outputs(
         ]
     )
     best.plan.to_yaml(args.output, header=header)
+    _write_script_and_pictures(args, best.plan, cost, script_path, simulation,
+                               " (open in ui.perfetto.dev or chrome://tracing)", "")
+
+
+def _write_script_and_pictures(args: argparse.Namespace, plan: HeteroPlan, cost: CostModel,
+                               script_path: str, simulation: SimulationResult, trace_note: str,
+                               timeline_note: str) -> None:
+    """The launch script of ``plan``, and the trace and timeline of ``simulation`` if asked."""
     kind, text = launch_script(
-        best.plan, cost.cluster, cost.model, args.output, args.use_distributed_optimizer
+        plan, cost.cluster, cost.model, args.output, args.use_distributed_optimizer
     )
     Path(script_path).write_text(text)
     Path(script_path).chmod(0o755)
     print(f"\nwrote {args.output} and {script_path} ({kind})")
     if args.trace:
         write_chrome_trace(simulation, args.trace)
-        print(f"wrote {args.trace} (open in ui.perfetto.dev or chrome://tracing)")
+        print(f"wrote {args.trace}{trace_note}")
     if args.timeline:
         write_timeline_png(simulation, args.timeline)
-        print(f"wrote {args.timeline}")
+        print(f"wrote {args.timeline}{timeline_note}")
+
+
+def _write_pipelines(args: argparse.Namespace, chosen: PipelinesCandidate, cost: CostModel,
+                     simulation: PipelinesSimulation) -> None:
+    """Write a plan of several pipelines, its launch script and (of its slowest pipeline) the
+    simulated timeline."""
+    est, plan = chosen.estimate, chosen.plan
+    script_path = args.launch_script or str(Path(args.output).with_suffix(".sh"))
+    header = "\n".join([
+        "Written by tools/plan.py (megatron_h2 HeteroAuto).",
+        f"model: {describe(cost.model)}",
+        f"cluster: {args.cluster}",
+        f"{plan.num_pipelines} data-parallel pipelines; predicted step {est.step_time_s:.3f} s"
+        f" (simulation {simulation.step_time_s:.3f} s), {est.tokens_per_s:,.0f} tokens/s,"
+        f" MFU {100 * est.mfu:.1f}%",
+        *(f"pipeline {k}: {schedule_label(p)}; {stage_summary(p)}"
+          for k, p in enumerate(plan.pipelines)),
+        f"run with: {script_path}",
+    ])
+    plan.to_yaml(args.output, header=header)
+    note = f": the simulated step of pipeline {est.slowest} (the slowest)"
+    _write_script_and_pictures(args, plan, cost, script_path,
+                               simulation.pipelines[est.slowest], note, note)

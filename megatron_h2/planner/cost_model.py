@@ -226,7 +226,8 @@ def step_time_terms(
 
     ``num_micro_batches``: micro-batches per DP replica, one number or one per stage (stages
     with their own DP degree ``d_i`` run ``m_i = M / d_i`` each; ``(m - 1) max W`` then reads
-    ``max_i (m_i - 1) W_i`` and ``b`` is per stage).
+    ``max_i (m_i - 1) W_i``, ``(m V - 1) max W`` reads ``max_i (m_i V - 1) W_i`` and ``b`` is
+    per stage).
 
     With ``W_i`` stage ``i``'s forward + backward per micro-batch (all its chunks), ``G_i`` the
     weight-gradient part of ``W_i``, ``Z_i`` its end-of-step sync, ``l_j`` the one-way link
@@ -245,11 +246,10 @@ def step_time_terms(
     )
     link = 2.0 * sum(links)
     work = [s.work_s for s in stages]
-    if schedule == "interleaved":
-        m = counts[0]  # uniform DP only
+    if schedule == "interleaved":  # per-stage DP: max_i (m_i V - 1) W_i, as 1F1B's max
         ring = sum(links) + wrap_link  # one trip round the ring of stages
-        pipeline = ((m * chunks - 1) * max(work) + sum(work)) / chunks
-        return pipeline, link + 2.0 * (chunks - 1) * ring
+        steady = max((m * chunks - 1) * w for m, w in zip(counts, work))
+        return (steady + sum(work)) / chunks, link + 2.0 * (chunks - 1) * ring
     steady = max((m - 1) * w for m, w in zip(counts, work))
     if schedule == "zero-bubble":
         shares = [1.0 + zero_bubble_share(p, m) for m in counts]

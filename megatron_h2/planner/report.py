@@ -317,28 +317,28 @@ def _ranges(indices: list[int]) -> str:
 
 
 def search_summary(result: SearchResult) -> str:
-    """How much was searched and whether the best plan is proven optimal."""
+    """How much was searched, over which plan space, and whether the best plan is proven
+    optimal there (else its proven gap there)."""
     s = result.stats
-    best = result.best.estimate.step_time_s
     line = (
         f"searched {s.batch_shapes} (micro-batch, DP, schedule) shapes"
         f" ({s.batch_shapes_pruned} pruned whole),"
         f" {s.nodes:,} pipeline prefixes ({s.nodes_pruned:,} options pruned by bound),"
         f" {s.splits_solved:,} layer splits in {s.elapsed_s:.1f} s"
     )
-    if s.own_dp == "derived":
+    if s.own_dp in ("derived", "all"):
         line += f"; own DP per type: re-splits of {s.own_dp_seeds} of the best one-DP plans"
+        line += ", then every own-DP plan" if s.own_dp == "all" else ", the rest bounded"
         if s.one_dp_resumed:
-            line += " (found before the one-DP search paused for them near the time limit)"
-    elif s.own_dp == "all":
-        line += "; own DP per type: every plan"
-    if s.exhaustive:
-        return line + "; the best plan is optimal for the cost model in this space"
-    gap = 100 * (best / s.lower_bound_s - 1) if s.lower_bound_s > 0 else float("inf")
-    line += f"; time limit hit: the best plan is within {gap:.1f}% of the optimum (proven bound)"
-    if s.own_dp_status == "not searched":
-        line += " of the one-DP plans (the time limit came before the own-DP search)"
-    return line
+            line += " (the one-DP search paused for them near the time limit and went on)"
+    line += f"; space: {s.space}"
+    if result.gap == 0.0:
+        return line + "; the best plan is optimal for the cost model over this space"
+    why = "time limit hit" if not s.exhaustive else "own-DP plans bounded, not searched"
+    return (
+        line + f"; {why}: the best plan is within {100 * result.gap:.1f}% of the optimum over"
+        " this space (proven bound)"
+    )
 
 
 def comparison_text(comparison: Comparison) -> str:

@@ -18,11 +18,14 @@ whose root bound is not. Nothing else is pruned, so unless the time limit stops 
 exhaustive over the plan space (the tests check it against brute-force enumeration); at the time
 limit, the lowest bound left is a proven lower bound on the optimum.
 
-Plans with one DP degree are searched first; then the plans where chip types have their own DP
-degrees that :attr:`SearchOptions.own_dp` names (by default re-splits of the best one-DP plans,
-:meth:`_Search._derive`). A one-DP search that has not finished when all but
-:attr:`SearchOptions.own_dp_share` of the time limit is used pauses for the own-DP search and
-then goes on in the time that one left.
+Plans with one DP degree are searched first; then the re-splits of the best one-DP plans into
+plans where chip types have their own DP degrees (:meth:`_Search._derive`, any TP degree per
+type: good own-DP plans early), then, under :attr:`SearchOptions.own_dp` ``all`` (the default),
+every own-DP batch shape together with what the one-DP search left, best bound first. A one-DP
+search that has not finished when all but :attr:`SearchOptions.own_dp_share` of the time limit
+is used pauses for the re-splits and then goes on. The proven bound always covers the whole space
+:meth:`SearchOptions.space_text` names (under ``derived`` the own-DP shapes are bounded by their
+roots; under ``none`` the space has one DP degree).
 """
 
 from __future__ import annotations
@@ -129,7 +132,7 @@ class _Search:
         self.best: list[tuple[float, int, _Found]] = []  # max-heap by value via negation
         self.counter = itertools.count()
         self.deadline = time.monotonic() + options.time_limit_s
-        self.evaluated: set[tuple[int, str, int, int | None, _Suffix]] = set()
+        self.evaluated: set[tuple[int, str, int, tuple[tuple[int, int, int, int], ...]]] = set()
 
     @property
     def threshold(self) -> float:
@@ -186,10 +189,12 @@ class _Search:
 
     def run(self) -> list[_Found]:
         """Uniform-DP shapes first, until all but :attr:`SearchOptions.own_dp_share` of the
-        time limit is used (their plans set the threshold and their gap is that of a one-DP
-        search), then, in the time left, the plans where chip types have their own DP degrees
-        that :attr:`SearchOptions.own_dp` names (plans with one DP degree there are left to the
-        uniform shapes), pruned against that threshold."""
+        time limit is used (their plans set the threshold), then the re-splits of the best
+        one-DP plans (:meth:`_derive`, good own-DP plans early), then in the time left the rest:
+        under ``own_dp="all"`` every own-DP shape and what the one-DP search left, best bound
+        first; under ``derived`` what the one-DP search left, the own-DP shapes bounded by their
+        roots only (plans with one DP degree in an own-DP shape are left to the uniform
+        shapes)."""
         shapes = self._shapes(own=False)
         self.stats.batch_shapes = len(shapes)
         if len(self.cost.cluster.chips) < 2 or self.options.own_dp == "none":
@@ -200,20 +205,27 @@ class _Search:
         paused = self._run_shapes(shapes)
         self.deadline = deadline
         self.stats.own_dp = self.options.own_dp
-        if time.monotonic() > self.deadline:
-            self.stats.own_dp_status, self.stats.exhaustive = "not searched", False
-        elif self.options.own_dp == "all":
-            own = self._shapes(own=True)
-            self.stats.batch_shapes += len(own)
-            self._stop(self._run_shapes(own))
-            self.stats.own_dp_status = "complete" if self.stats.exhaustive else "bounded"
+        self._derive()
+        own = self._shapes(own=True)
+        self.stats.batch_shapes += len(own)
+        self.stats.one_dp_resumed = bool(paused.shapes or paused.roots or paused.queue)
+        if self.options.own_dp == "all":
+            left = self._refine(paused.shapes + own, paused.roots, paused.queue)
         else:
-            self._derive()
-        if paused.shapes or paused.roots or paused.queue:  # go on in the time left
-            self.stats.one_dp_resumed = True
-            paused = self._refine(paused.shapes, paused.roots, paused.queue)
-        self._stop(paused)
+            left = self._refine(paused.shapes, paused.roots, paused.queue)
+            self._bound_only(own)
+        self._stop(left)
         return sorted((item[2] for item in self.best), key=lambda f: f.value)
+
+    def _bound_only(self, shapes: list[BatchShape]) -> None:
+        """Bound ``shapes`` by their roots without searching them: a root bound below the K-th
+        best lowers the proven bound of the space (the search itself stays exhaustive)."""
+        for shape in shapes:
+            shape.prepare()
+            if shape.root_bound() >= self.threshold * (1 - _SLACK):
+                self.stats.batch_shapes_pruned += 1
+            else:
+                self.stats.lower_bound_s = min(self.stats.lower_bound_s, shape.root_bound())
 
     def _stop(self, left: _Left) -> None:
         """Give up what the time limit left: each shape's root bound (or its pruning), and the
@@ -234,11 +246,12 @@ class _Search:
 
     def _derive(self) -> None:
         """Own-DP re-splits of the K best one-DP plans found, best first over all of them: for
-        each 1F1B or zero-bubble one of two or more chip types, its micro-batch size, schedule,
-        chip types and their TP degrees, every order of those types and each type's own DP
-        degree half, equal to or twice its DP there (each type then uses all its chips: half
-        the DP is twice the stages of the same width; one batch shape of just those kinds, so
-        that unused types bound only what they can add)."""
+        each 1F1B or zero-bubble one of two or more chip types, its micro-batch size, schedule
+        and chip types, every order of those types, each type with any TP degree and its own DP
+        degree such that it has half, equal to or twice its number of stages there, using all
+        its chips (:meth:`_near`; one batch shape of just those kinds, so that unused types bound
+        only what they can add). A heuristic: good own-DP plans early, which set the threshold
+        that the own-DP shapes are then searched or bounded against."""
         seeds: dict[tuple[int, str, tuple[tuple[int, int, int], ...]], None] = {}
         for _, _, found in sorted(self.best, key=lambda item: -item[0]):
             types = tuple(
@@ -251,19 +264,32 @@ class _Search:
         roots: list[tuple[float, BatchShape]] = []
         for mbs, schedule, types in seeds:
             if time.monotonic() > self.deadline:
-                self.stats.own_dp_status, self.stats.exhaustive = "not searched", False
-                return
+                break  # the own-DP shapes bound what is left
             self.stats.own_dp_seeds += 1
-            near = frozenset((chip, tp, d * f) for chip, tp, d in types for f in (0.5, 1, 2))
+            near = self._near(types)
             shape = BatchShape(self.cost, gbs, mbs, schedule, 1, None, only=near)
             self.stats.batch_shapes += 1
             if len(shape.types) < len(types) or shape.root_bound() >= self.threshold:
-                continue  # some type cannot use all its chips with its TP degree, or no win
+                continue  # some type cannot use all its chips so, or no win
             roots.append((shape.root_bound(), shape))
-        left = self._best_first(roots, use_all=True)
-        if left:
-            self._stop(_Left([], [], left))
-            self.stats.own_dp_status = "bounded"
+        if self._best_first(roots, use_all=True):  # the own-DP shapes bound what is left
+            self.stats.exhaustive = False
+
+    def _near(self, types: tuple[tuple[int, int, int], ...]) -> frozenset[tuple[int, int, int]]:
+        """The (chip, TP, DP) kinds of a re-split of the one-DP plan whose types are ``types``
+        (chip, TP, DP): each type any TP degree it can run and the DP degree that gives it half,
+        equal to or twice its number of stages there (``stages = chips / (TP x DP)``)."""
+        model, near = self.cost.model, set()
+        for chip, tp, d in types:
+            options = self.cost.cluster.chips[chip].tensor_parallel_options(
+                model.num_attention_heads, model.num_query_groups
+            )
+            for other in options:
+                for factor in (0.5, 1, 2):
+                    degree = d * tp * factor / other
+                    if degree == int(degree) and degree >= 1:
+                        near.add((chip, other, int(degree)))
+        return frozenset(near)
 
     def _run_shapes(self, shapes: list[BatchShape]) -> _Left:
         """Search ``shapes``: short dives, then :meth:`_refine`; what the time limit left."""
@@ -471,7 +497,9 @@ class _Search:
 
     def _evaluate(self, shape: BatchShape, suffix: _Suffix) -> None:
         """Stage two for a closed pipeline (``suffix`` is in pipeline order from the front)."""
-        key = (shape.mbs, shape.schedule, shape.chunks, shape.dp, suffix)
+        kinds = shape.kinds
+        blocks = tuple((kinds[k].chip, kinds[k].tp, kinds[k].dp, n) for k, n in suffix)
+        key = (shape.mbs, shape.schedule, shape.chunks, blocks)  # the same in every shape
         if key in self.evaluated:
             return
         if not shape.uniform and len({shape.kinds[kind].dp for kind, _ in suffix}) == 1:
@@ -553,6 +581,12 @@ def search(cost: CostModel, options: SearchOptions) -> SearchResult:
     found = runner.run()
     stats = runner.stats
     stats.elapsed_s = time.monotonic() - started
+    stats.space = options.space_text(cost.model.num_layers, len(cost.cluster.chips))
+    if not found and not stats.exhaustive:
+        raise ConfigError(
+            f"no plan found within the time limit of {options.time_limit_s:g} s (the search"
+            " stopped before it reached one); raise the time limit (--time-limit)"
+        )
     if not found:
         raise ConfigError(_nothing_fits(cost, options))
     candidates = []
@@ -560,10 +594,7 @@ def search(cost: CostModel, options: SearchOptions) -> SearchResult:
         plan = to_plan(item, cost, options.global_batch_size)
         candidates.append(Candidate(plan, cost.evaluate(plan)))
     candidates.sort(key=lambda c: c.estimate.step_time_s)
-    if stats.exhaustive:
-        stats.lower_bound_s = candidates[0].estimate.step_time_s
-    else:
-        stats.lower_bound_s = min(stats.lower_bound_s, candidates[0].estimate.step_time_s)
+    stats.lower_bound_s = min(stats.lower_bound_s, candidates[0].estimate.step_time_s)
     return SearchResult(tuple(candidates), stats)
 
 

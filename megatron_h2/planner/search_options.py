@@ -30,17 +30,20 @@ class SearchOptions:
     """Pipeline schedules to consider (``1f1b``, ``interleaved``, ``zero-bubble``)."""
     max_virtual_stages: int = 4
     """Most model chunks per stage (``V``) under ``interleaved``."""
-    own_dp: str = "derived"
-    """Plans whose chip types have their own DP degrees: ``derived`` (re-splits of the ``top_k``
-    best one-DP plans found under 1f1b or zero-bubble: the same micro-batch size, schedule,
-    chip types and TP degrees, any order, each type's DP half, equal to or twice its DP there, all
-    its chips used), ``all`` (every such plan: exhaustive, slow on large clusters) or ``none``
-    (one DP degree only)."""
+    own_dp: str = "all"
+    """Plans whose chip types have their own DP degrees (1f1b and zero-bubble; each such type
+    uses all its chips): ``all`` (every such plan, searched after the re-splits of the
+    ``top_k`` best one-DP plans found, which find good ones early), ``derived`` (the re-splits
+    only: the same micro-batch size, schedule and chip types in any order, each type any TP
+    degree and half, equal to or twice its stages there; the other own-DP plans are bounded by
+    their batch shapes' roots, so the proven gap still covers them) or ``none`` (one DP degree
+    only: the searched space is then that of one DP degree)."""
     own_dp_share: float = 0.1
-    """Share of the time limit kept for the own-DP search: the one-DP search stops at the rest
-    of the limit when it has not finished by then (its proven gap then holds at that point);
-    the own-DP search runs until the whole limit. No effect with ``own_dp="none"`` or one chip
-    type, and none on a search that finishes in time."""
+    """Share of the time limit kept for the own-DP search: the one-DP search pauses at the rest
+    of the limit when it has not finished by then, the re-splits run, and the rest of the search
+    (one-DP and own-DP suffixes together, best bound first) goes on until the whole limit. No
+    effect with ``own_dp="none"`` or one chip type, and none on a search that finishes in
+    time."""
 
     def __post_init__(self) -> None:
         positive_int(self.global_batch_size, "global_batch_size")
@@ -90,6 +93,28 @@ class SearchOptions:
                 variants.append((schedule, 1))
         return variants
 
+    def space_text(self, num_layers: int, chip_types: int) -> str:
+        """The plan space the search covers, in words (what its "optimal" and gap are over)."""
+        variants = self.schedule_variants(num_layers)
+        names = [s for s, v in variants if v == 1]
+        chunks = [v for s, v in variants if s == "interleaved"]
+        if chunks:
+            names.append(
+                f"interleaved V={chunks[0]}" + (f"-{chunks[-1]}" if len(chunks) > 1 else "")
+            )
+        sizes = self.micro_batch_candidates()
+        text = (
+            "one pipeline, each chip type used one block of stages with one TP degree, micro-batch"
+            f" {'/'.join(map(str, sizes))}, {', '.join(names)}, every layer split;"
+        )
+        own = [s for s, v in variants if s != "interleaved"]
+        if chip_types < 2 or self.own_dp == "none" or not own:
+            return text + " one DP degree for every stage"
+        return (
+            text + " one DP degree for every stage, or under " + "/".join(own)
+            + " each chip type its own DP degree using all its chips"
+        )
+
     def micro_batch_candidates(self) -> list[int]:
         """Micro-batch sizes to try: the given ones, else the powers of two dividing the global
         batch."""
@@ -126,14 +151,13 @@ class SearchStats:
     """Which own-DP plans the search covers (:attr:`SearchOptions.own_dp`; ``none`` with one
     chip type)."""
     own_dp_seeds: int = 0
-    """One-DP plans whose own-DP re-splits were searched (``own_dp="derived"``)."""
-    own_dp_status: str = "complete"
-    """``complete``; ``bounded`` (the time limit stopped the own-DP search and its lowest bound
-    left is in :attr:`lower_bound_s`); ``not searched`` (the time limit came first: the
-    proven gap covers the one-DP plans only)."""
+    """One-DP plans whose own-DP re-splits were searched."""
     one_dp_resumed: bool = False
     """The one-DP search paused (:attr:`SearchOptions.own_dp_share` of the limit before its
     end) for the own-DP search and went on in the time left after it."""
+    space: str = ""
+    """The plan space that :attr:`lower_bound_s` covers, in words
+    (:meth:`SearchOptions.space_text`)."""
 
 
 @dataclass(frozen=True)
@@ -147,3 +171,12 @@ class SearchResult:
     def best(self) -> Candidate:
         """The fastest plan found."""
         return self.candidates[0]
+
+    @property
+    def gap(self) -> float:
+        """Proven relative gap of the best plan over the searched space (:attr:`SearchStats.space`):
+        0 when it is proven optimal there."""
+        best, bound = self.best.estimate.step_time_s, self.stats.lower_bound_s
+        if bound >= best * (1 - 1e-9):
+            return 0.0
+        return best / bound - 1 if bound > 0 else INF

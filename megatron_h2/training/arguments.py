@@ -31,6 +31,7 @@ from megatron_h2.config import (
     flag,
     flag_name,
 )
+from megatron_h2.config.flags import bounded_int, finite_float
 from megatron_h2.config.megatron_flags import COMPAT_FLAGS, unsupported_reason
 from megatron_h2.config.moe_config import MoEFields
 from megatron_h2.errors import ConfigError
@@ -44,6 +45,12 @@ class LaunchOptions:
     no_load_optim: bool = flag(False, "Do not load the optimizer state when loading a checkpoint.")
     no_load_rng: bool = flag(False, "Do not load the RNG states when loading a checkpoint.")
     finetune: bool = flag(False, "Load model weights only and start at iteration 0.")
+    ckpt_format: str | None = flag(
+        None, "Megatron-LM checkpoint format that --load holds (torch_dist, or the legacy "
+        "torch); default: whatever the directory holds. megatron_h2 checkpoints load whatever "
+        "this says; saving writes megatron_h2's format.", choices=("torch", "torch_dist"))
+    auto_detect_ckpt_format: bool = flag(
+        False, "Load a Megatron-LM checkpoint of either format, whatever --ckpt-format says.")
     explicit: frozenset[str] = frozenset()  # config fields the user set on the command line
     no_effect: tuple[str, ...] = ()  # compatibility flags given (reported at start-up)
     demo_flags: tuple[str, ...] = ()  # what the embedded demo set that the user did not
@@ -94,7 +101,7 @@ def _add_field(group: argparse._ArgumentGroup, cls: type, f, hint: Any) -> None:
             kind = item
         if typing.get_origin(kind) is typing.Literal:
             kind = str
-        parse = meta["parse"] or kind
+        parse = meta["parse"] or _NUMBER_PARSERS.get(kind, kind)
         group.add_argument(flag_name(f), *meta["aliases"], type=_converter(parse),
                            choices=meta["choices"],
                            metavar=None if meta["choices"] else (meta["metavar"] or f.name.upper()),
@@ -102,6 +109,9 @@ def _add_field(group: argparse._ArgumentGroup, cls: type, f, hint: Any) -> None:
     for name, value, help_text in meta["shortcuts"]:
         group.add_argument(name, action="store_const", const=value, dest=dest,
                            default=argparse.SUPPRESS, help=help_text)
+
+
+_NUMBER_PARSERS = {float: finite_float, int: bounded_int}
 
 
 def _converter(parse):

@@ -135,7 +135,8 @@ def restore(cfg: RunConfig, launch: LaunchOptions, ckpt: CheckpointIO, say: Say)
     progress = ckpt.load(load, launch.ckpt_step,
                          load_optim=not (launch.no_load_optim or launch.finetune),
                          load_rng=not (launch.no_load_rng or launch.finetune), log=say,
-                         verify=cfg.training.verify_checkpoint)
+                         verify=cfg.training.verify_checkpoint, ckpt_format=launch.ckpt_format,
+                         auto_detect=launch.auto_detect_ckpt_format)
     if progress is None:
         say(f"no checkpoint found in {load}: starting from scratch")
         return TrainProgress()

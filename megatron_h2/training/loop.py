@@ -10,10 +10,11 @@ import time
 from types import FrameType
 
 from megatron_h2.checkpointing.checkpoint_io import TrainProgress
-from megatron_h2.monitoring.health import HealthMonitor
+from megatron_h2.monitoring.health import HealthMonitor, JobTrainingError
 from megatron_h2.monitoring.metrics import memory_scalars
 from megatron_h2.monitoring.torch_profiler import StepProfiler
 from megatron_h2.training.build import Run
+from megatron_h2.training.good_checkpoints import GoodCheckpoints
 from megatron_h2.training.step import StepResult, world_sum
 
 
@@ -50,10 +51,10 @@ class ExitSignal:
 FAULT_ENV = "MEGATRON_H2_INJECT_FAULT"
 
 
-def injected_fault(rank: int) -> tuple[int, bool] | None:
-    """(iteration, kill) at which this rank must fail, from
-    ``$MEGATRON_H2_INJECT_FAULT=RANK:ITER`` (raise an error) or ``RANK:ITER:kill`` (die at once
-    from SIGKILL, as a lost chip would).
+def injected_fault(rank: int) -> tuple[int, str] | None:
+    """(iteration, mode) at which this rank must fail, from ``$MEGATRON_H2_INJECT_FAULT``:
+    ``RANK:ITER`` (raise an error), ``RANK:ITER:kill`` (die at once from SIGKILL, as a lost chip
+    would) or ``RANK:ITER:stop`` (SIGSTOP: the process stops responding, as a hung host).
 
     For rehearsing failure handling (tests, drills); unset in normal runs.
     """
@@ -64,7 +65,7 @@ def injected_fault(rank: int) -> tuple[int, bool] | None:
     iteration, _, mode = rest.partition(":")
     if not (fault_rank.isdigit() and iteration.isdigit()) or int(fault_rank) != rank:
         return None
-    return int(iteration), mode == "kill"
+    return int(iteration), mode if mode in ("kill", "stop") else "raise"
 
 
 class Trainer:
@@ -77,11 +78,15 @@ class Trainer:
         self.schedule, self.batch, self.train_iters = run.schedule, run.batch, run.iterations
         self.fault = injected_fault(run.topo.rank)
         self.started_at = progress.iteration
-        # (directory, iteration) of the newest checkpoint known good: loaded or saved by this run
-        self.last_good: tuple[str, int] | None = (
-            (cfg.training.load, progress.iteration) if progress.iteration else None)
+        # the newest checkpoint known good: the one loaded, then those verified by this run
+        self.good = GoodCheckpoints(
+            (cfg.training.load, progress.iteration) if progress.iteration else None,
+            self.runner.params_norm() if cfg.training.save else 0.0, run.topo.rank, self.log)
         self.health = HealthMonitor(cfg.training, (run.tokenizer.vocab_size, cfg.model.vocab_size),
-                                    self.log, self._last_good_text)
+                                    self.log, self.good.describe)
+        if progress.health is not None:  # the history the run before judged with
+            self.health.load_state_dict(progress.health,
+                                        f"iteration {progress.iteration} in {cfg.training.load}")
         self.profiler = StepProfiler(cfg.logging, run.topo.rank, run.accelerator.device_type,
                                      cfg.training.tensorboard_dir, self.log)
 
@@ -98,12 +103,6 @@ class Trainer:
             json.dump(note, fh)
         os.replace(tmp, os.path.join(folder, "first_iteration.json"))
 
-    def _last_good_text(self) -> str:
-        if self.last_good is None:
-            return "none: this run has saved no checkpoint and started from scratch"
-        where, it = self.last_good
-        return f"iteration {it} in {where} (resume with --load {where} --ckpt-step {it})"
-
     def evaluate(self) -> float | None:
         t = self.cfg.training
         if self.run.valid_ds is None or t.eval_iters == 0:
@@ -111,26 +110,32 @@ class Trainer:
         return self.runner.eval_loss(self.run.valid_ds, t.eval_iters)
 
     def save(self) -> None:
-        """Save (collective), unless the state is suspect: a bad state is never checkpointed."""
+        """Save (collective), unless the state is suspect or its weights out of bounds: a bad
+        state is never checkpointed."""
         save_dir, it = self.cfg.training.save, self.progress.iteration
         if not save_dir:
             return
         self.finish_background_save(blocking=True)  # one save at a time
-        if self.health.suspect:
-            self.log(f"not saving at iteration {it}: the state is suspect "
-                     f"({self.health.flat_why} for {self.health.flat_streak} iteration(s)); the "
-                     f"last good checkpoint is {self._last_good_text()}")
+        norm = self.runner.params_norm()  # collective: every rank decides alike
+        problem = self.good.weights_problem(norm)
+        if self.health.suspect or problem:
+            why = problem or (f"{self.health.flat_why} for {self.health.flat_streak} "
+                              "iteration(s)")
+            self.log(f"not saving at iteration {it}: the state is suspect ({why}); the last "
+                     f"good checkpoint is {self.good.describe(it)}")
             return
         start = time.perf_counter()
         self.progress.scheduler = self.schedule.state_dict()
         self.progress.grad_scaler = self.runner.grad_scaler_state()
+        self.progress.health = self.health.state_dict()
         if self.cfg.training.async_save:
             self.ckpt.save(save_dir, self.progress, background=True)
+            self.good.on_save(save_dir, it, norm, committed=False)
             self.log(f"saving checkpoint at iteration {it} in the background (state gathered "
                      f"and copied to host memory in {time.perf_counter() - start:.2f} s)")
             return
         path = self.ckpt.save(save_dir, self.progress)
-        self.last_good = (save_dir, it)
+        self.good.on_save(save_dir, it, norm, committed=True)
         self.log(f"saved checkpoint at iteration {it} to {path} "
                  f"({time.perf_counter() - start:.2f} s)")
         self._log_removed()
@@ -141,7 +146,7 @@ class Trainer:
         if done is None:
             return
         path, it, seconds = done
-        self.last_good = (self.cfg.training.save, it)
+        self.good.on_commit(it)
         self.log(f"saved checkpoint at iteration {it} to {path} (written in the background in "
                  f"{seconds:.2f} s)")
         self._log_removed()
@@ -174,7 +179,23 @@ class Trainer:
         return tuple(dict.fromkeys((signal.SIGINT, *extra)))
 
     def train(self) -> TrainProgress:
-        """Train until the run's length (or an exit signal / ``--exit-interval``)."""
+        """Train until the run's length (or an exit signal / ``--exit-interval``); on a stop for
+        a bad iteration, this run's unverified checkpoints are set aside first."""
+        try:
+            return self._train()
+        except JobTrainingError:
+            self.good.on_stop(self.cfg.training.save)
+            raise
+
+    def _inject_fault(self, it: int) -> None:
+        if self.fault[1] == "kill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        elif self.fault[1] == "stop":
+            os.kill(os.getpid(), signal.SIGSTOP)  # on SIGCONT, goes on where it stopped
+        else:
+            raise RuntimeError(f"injected fault at iteration {it} (${FAULT_ENV})")
+
+    def _train(self) -> TrainProgress:
         t = self.cfg.training
         last_saved = self.progress.iteration
         window: list[StepResult] = []
@@ -183,9 +204,7 @@ class Trainer:
             while self.progress.iteration < self.train_iters:
                 it = self.progress.iteration + 1
                 if self.fault is not None and it == self.fault[0]:
-                    if self.fault[1]:
-                        os.kill(os.getpid(), signal.SIGKILL)
-                    raise RuntimeError(f"injected fault at iteration {it} (${FAULT_ENV})")
+                    self._inject_fault(it)
                 batch = self.batch.batch_at(self.progress.consumed_samples)
                 lr = self.schedule.apply(self.run.optimizer)
                 self.profiler.before(it)
@@ -197,6 +216,8 @@ class Trainer:
                     self.health.count_overflow_skip(it, result.loss_scale)
                 else:
                     self.schedule.step(batch)
+                self.good.on_step(it, result.overflow or not (result.skipped
+                                                              or self.health.suspect))
                 if it % self.cfg.logging.tensorboard_log_interval == 0:
                     self._write_scalars(it, result)
                 if it == self.started_at + 1:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import sys
 import time
 import traceback
@@ -28,7 +29,7 @@ from megatron_h2.errors import ConfigError, JobConfigError, RankConfigError, Tra
 from megatron_h2.monitoring.health import JobTrainingError
 from megatron_h2.monitoring.metrics import configure_logging, log
 from megatron_h2.monitoring.timeline import format_summary, gather_and_write
-from megatron_h2.monitoring.watchdog import start_orphan_watchdog
+from megatron_h2.monitoring.watchdog import mark_stopped, start_orphan_watchdog
 from megatron_h2.training.arguments import LaunchOptions, config_from_args
 from megatron_h2.training.build import Run, build_run, quiet  # noqa: F401 - quiet: old path
 from megatron_h2.training.data_setup import (  # noqa: F401 - importable from here as before
@@ -60,6 +61,7 @@ def train(cfg: RunConfig, launch: LaunchOptions, env: LaunchEnv,
     """
     run = build_run(cfg, launch, env, failures)
     try:
+        start_heartbeat(run, env, failures)
         say_run(run)
         if run.progress.iteration >= run.iterations:
             run.say(f"checkpoint is already at iteration {run.progress.iteration} >= the run's "
@@ -71,6 +73,23 @@ def train(cfg: RunConfig, launch: LaunchOptions, env: LaunchEnv,
         return progress
     finally:
         run.close()
+
+
+def start_heartbeat(run: Run, env: LaunchEnv, failures: JobFailures) -> None:
+    """Register this rank (host, stage) and start beating; a watched rank that falls silent
+    for --heartbeat-timeout seconds ends the job with one line naming it."""
+    topo = run.topo
+    pipeline = f"pipeline {topo.pipeline} " if topo.num_pipelines > 1 else ""
+    who = (f"rank {env.rank} (host {socket.gethostname()}, pid {os.getpid()}, {pipeline}stage "
+           f"{topo.stage}, chip {topo.stage_spec.chip})")
+
+    def silent(line: str) -> None:
+        print(f"error: [rank {env.rank}] {line}", file=sys.stderr, flush=True)
+        failures.record_own_failure()
+        os._exit(1)
+
+    failures.start_heartbeat(env.rank, env.world_size, who, run.cfg.parallel.heartbeat_timeout,
+                             silent)
 
 
 def finish_timeline(run: Run) -> None:
@@ -131,12 +150,18 @@ def main(argv: list[str] | None = None) -> int:
         peer = env.world_size > 1 and failures.is_fallout(exc)
         _note_failure(env, "peer" if peer else "crash", exc)
         if peer:
-            return _fail(env, f"{prefix}stopping: another rank failed or the connection was lost"
-                         f" ({type(exc).__name__})", 1)
+            lost = ", ".join(failures.describe(r) for r in failures.silent_peers(
+                env.rank, env.world_size))
+            what = (f"{lost} failed or stopped responding" if lost
+                    else "another rank failed or the connection was lost")
+            restart = "; restart from the last checkpoint" if lost else ""
+            return _fail(env, f"{prefix}stopping: {what} ({type(exc).__name__}){restart}", 1)
         failures.record_own_failure()
         return _fail(env, f"error: {prefix}{type(exc).__name__}: {exc}\n"
                      f"{traceback.format_exc()}", 1)
+    mark_stopped(env.local_rank)  # for our launchers: this worker saved and ended normally
     if env.world_size > 1 and dist.is_initialized():
+        failures.stop_heartbeat(env.rank)
         dist.barrier()  # nobody tears down while a peer is still talking to it
         dist.destroy_process_group()
         # Leave without interpreter teardown: destroying leftover communication threads there

@@ -14,7 +14,7 @@ from tests.helpers.paths import ROOT
 
 sys.path.insert(0, str(ROOT / "bench"))
 
-from bench_superlinear import MIXED  # noqa: E402
+from bench_superlinear import MIXED, PIPELINES  # noqa: E402
 
 
 @pytest.mark.e2e
@@ -39,3 +39,21 @@ def test_bench_runs_every_plan_and_reports_ratios(tmp_path: Path) -> None:
     assert ratios["rounds"] == [ratios["measured"]] and ratios["all_rounds"] == 1
     assert "mixed / sum of the chip types alone, per round" in proc.stdout
     assert "side by side, all used" in proc.stdout  # the three plans ran at once
+
+
+@pytest.mark.e2e
+def test_bench_runs_a_plan_of_pipelines_against_its_types_alone(tmp_path: Path) -> None:
+    out = tmp_path / "result.json"
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "bench_superlinear.py"), "--pipelines",
+         "--rounds", "1", "--steps", "1", "--skip", "1", "--global-batch-size", "4",
+         "--max-wait", "0", "--budget", "0", "--json", str(out)],
+        capture_output=True, text=True, timeout=900, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    rows = json.loads(out.read_text())["rows"]
+    assert set(rows) == {"fast", "big", PIPELINES}
+    assert rows[PIPELINES]["plan"].startswith("[fast 8 full] ")  # one pipeline per type
+    assert rows[PIPELINES]["processes"] == 2
+    for row in rows.values():
+        assert row["measured"] > 0 and row["predicted"] > 0
+    assert "pipelines / sum of the chip types alone, per round" in proc.stdout

@@ -1,5 +1,6 @@
 """Fuzzing every input format a user hands us: at least 100 generated corruptions each of
-checkpoint metadata, the latest file, the ``.idx`` index, plan YAML and cluster YAML.
+checkpoint metadata, the latest file and the ``.idx`` index, and at least 200 each of plan YAML
+and cluster YAML (among them keys given twice and huge numbers).
 
 Each corruption must end in one of two ways: a one-line ConfigError, or a load that is correct
 (what the file says, or, where a checksum guards the file, exactly the original). Never a
@@ -39,6 +40,9 @@ from megatron_h2.plan.schema import HeteroPlan
 from megatron_h2.planner.cluster import Cluster
 
 CASES = 120
+YAML_CASES = 240
+HUGE = ["800000000000000000000000000", "80000000000", "16777217", "99999999999999999999",
+        "1.0e+300", "-99999999999999999999", "4294967297", "1.0e+10"]
 SCALARS = [None, True, False, -1, 0, 2**70, 1.5, float("nan"), "x", "7", "", [], {}, [1, 2],
            {"a": 1}]
 YAML_SCALARS = ["-1", "0", "2.0", "true", "null", "'2'", "[1, 2]", "{a: 1}", "1e3", "0x10", "~",
@@ -111,11 +115,27 @@ def yaml_mutations(text: str, rng: random.Random, count: int) -> list[bytes]:
     lines = text.splitlines()
     values = [m.span(1) for m in re.finditer(r":\s*([^,{}\n\[\]#]+)", text)]
     out: dict[bytes, None] = {}
+    keys = [(m.start(1), m.group(1)) for m in re.finditer(r"([A-Za-z_]+):", text)]
     while len(out) < count:
-        op = rng.randrange(5)
+        op = rng.randrange(8)
         if op == 0:
             start, end = rng.choice(values)
             new = text[:start] + rng.choice(YAML_SCALARS) + text[end:]
+        elif op == 5:  # a huge number
+            start, end = rng.choice(values)
+            new = text[:start] + rng.choice(HUGE) + text[end:]
+        elif op == 6:  # a key given twice on its line (inline mappings) or on a copied line
+            start, key = rng.choice(keys)
+            new = text[:start] + f"{key}: {rng.choice(YAML_SCALARS + HUGE)}, " + text[start:]
+        elif op == 7:
+            copy = list(lines)
+            i = rng.randrange(len(copy))
+            line = copy[i]
+            head, sep, _ = line.partition(":")
+            if not sep or "{" in head:
+                continue
+            copy.insert(i + 1, f"{head}: {rng.choice(YAML_SCALARS + HUGE)}")
+            new = "\n".join(copy)
         elif op == 1:
             copy = list(lines)
             del copy[rng.randrange(len(copy))]
@@ -136,6 +156,29 @@ def yaml_mutations(text: str, rng: random.Random, count: int) -> list[bytes]:
         if new != text:
             out[new.encode()] = None
     return list(out)
+
+
+def duplicated_key(data: bytes) -> str | None:
+    """A key given twice in one mapping of ``data`` (read with PyYAML's node tree, not with the
+    loader under test), or None."""
+    try:
+        root = yaml.compose(data.decode("utf-8"))
+    except Exception:  # noqa: BLE001 - not YAML at all: no duplicate to find
+        return None
+    stack = [root]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, yaml.MappingNode):
+            seen = set()
+            for key, value in node.value:
+                if isinstance(key, yaml.ScalarNode):
+                    if key.value in seen:
+                        return key.value
+                    seen.add(key.value)
+                stack += [key, value]
+        elif isinstance(node, yaml.SequenceNode):
+            stack += node.value
+    return None
 
 
 def outcome(load: Callable[[], Any]) -> tuple[str, Any]:
@@ -329,15 +372,20 @@ def _check_cluster(cluster: Cluster, text: bytes) -> None:
 def test_fuzz_plan_and_cluster_yaml(tmp_path, text, loader, check):
     loader_ok = loader(_write(tmp_path / "orig.yaml", text.encode()))
     check(loader_ok, text.encode())
-    cases = yaml_mutations(text, random.Random(len(text)), CASES)
-    counts = {"error": 0, "loaded": 0}
+    cases = yaml_mutations(text, random.Random(len(text)), YAML_CASES)
+    counts = {"error": 0, "loaded": 0, "duplicates": 0, "huge": 0}
     for index, data in enumerate(cases):
         path = _write(tmp_path / f"{index}.yaml", data)
         kind, result = outcome(lambda path=path: loader(path))
         counts[kind] += 1
+        duplicate = duplicated_key(data)
+        counts["duplicates"] += duplicate is not None
+        counts["huge"] += any(h.encode() in data for h in HUGE)
         if kind == "loaded":
+            assert duplicate is None, f"key {duplicate!r} given twice was accepted"
             check(result, data)
-    assert len(cases) >= 100 and counts["error"] > 0 and counts["loaded"] > 0, counts
+    assert len(cases) >= 200 and counts["error"] > 0 and counts["loaded"] > 0, counts
+    assert counts["duplicates"] >= 30 and counts["huge"] >= 30, counts
 
 
 def _write(path: Path, data: bytes) -> Path:

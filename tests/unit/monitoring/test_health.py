@@ -7,7 +7,12 @@ import math
 import pytest
 import torch
 
-from megatron_h2.checkpointing import load_checkpoint, save_checkpoint, saved_iterations
+from megatron_h2.checkpointing import (
+    find_latest_iteration,
+    load_checkpoint,
+    save_checkpoint,
+    saved_iterations,
+)
 from megatron_h2.config import TrainingConfig
 from megatron_h2.monitoring.health import HealthMonitor, JobTrainingError
 from megatron_h2.training.main import main
@@ -18,7 +23,7 @@ from tests.helpers.tiny_runs import flags
 def _monitor(**kw) -> tuple[HealthMonitor, list[str]]:
     logs: list[str] = []
     return HealthMonitor(TrainingConfig(**kw), (257, 384), logs.append,
-                         lambda: "iteration 10 in ckpt"), logs
+                         lambda iteration: "iteration 10 in ckpt"), logs
 
 
 def test_nan_or_inf_stops_before_the_update_naming_the_last_good_checkpoint():
@@ -49,7 +54,7 @@ def test_the_nan_check_can_be_turned_off():
 
 def test_a_spike_is_a_loss_far_above_the_running_median():
     health, _ = _monitor(check_for_spiky_loss=True, skip_bad_steps=1)
-    assert health(1, 80.0, 1.0)  # no history yet: nothing is a spike
+    assert health(1, 50.0, 1.0)  # no history yet: only above 10 x ln(384) = 59.5 is a spike
     for it, loss in enumerate([5.0, 4.8, 4.6, 4.5, 4.4, 4.3], start=2):
         assert health(it, loss, 1.0)
     assert not health(8, 50.0, 1.0)  # > 10 x the median (4.6)
@@ -117,14 +122,19 @@ def _nan_grad_norm_at(monkeypatch, iteration: int) -> None:
 
 def test_nan_gradients_stop_the_run_with_the_last_good_checkpoint(corpus, tmp_path, capsys,
                                                                   monkeypatch):
+    """Iteration 2's checkpoint was followed by the bad iteration 3: not good, set aside."""
     _nan_grad_norm_at(monkeypatch, 3)
     ckpt = tmp_path / "ckpt"
     assert main(flags(corpus, tmp_path, "--train-iters", "6", "--lr-warmup-iters", "1",
-                      "--save", str(ckpt), "--save-interval", "2")) == 2
+                      "--save", str(ckpt), "--save-interval", "1")) == 2
     err = capsys.readouterr().err.strip()
     assert "grad norm nan is not finite at iteration 3" in err
-    assert f"last good checkpoint is iteration 2 in {ckpt}" in err and "\n" not in err
-    assert saved_iterations(ckpt) == [2]
+    assert (f"last good checkpoint is iteration 1 in {ckpt} (iteration(s) 2, saved before "
+            "iteration 3 revealed the bad state, set aside as iter_*.unverified); resume from it "
+            f"with --load {ckpt} --ckpt-step 1 --override-opt_param-scheduler and a lower --lr"
+            in err) and "\n" not in err
+    assert saved_iterations(ckpt) == [1] and (ckpt / "iter_0000002.unverified").is_dir()
+    assert find_latest_iteration(ckpt) == 1
 
 
 def test_a_skipped_step_consumes_its_batch_without_an_update(corpus, tmp_path, capsys,

