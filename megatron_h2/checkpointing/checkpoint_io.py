@@ -12,6 +12,7 @@ from __future__ import annotations
 import base64
 import copy
 import random
+import shutil
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
@@ -30,8 +31,10 @@ from megatron_h2.checkpointing import (
     write_part,
 )
 from megatron_h2.checkpointing.async_save import BackgroundWrite, host_copy
+from megatron_h2.checkpointing.format import iteration_dir, load_checkpoint
 from megatron_h2.checkpointing.housekeeping import SaveDirOwner, apply_retention
 from megatron_h2.checkpointing.megatron_open import MegatronReader, open_any_checkpoint
+from megatron_h2.checkpointing.megatron_write import write_torch_dist
 from megatron_h2.config import ARCHITECTURE_FIELDS, ModelConfig, RunConfig, flag_name
 from megatron_h2.devices import Accelerator
 from megatron_h2.distributed.topology import Topology
@@ -39,6 +42,8 @@ from megatron_h2.errors import ConfigError, JobConfigError, TrainingError
 from megatron_h2.optimizer.distributed_optimizer import DataParallelOptimizer
 from megatron_h2.parallel import TPContext, gather_tp_tensor, get_tp_shard, shard_tensor
 from megatron_h2.plan.schema import HeteroPlan
+
+STAGING_DIR = ".megatron_h2_staging"  # under --save with --ckpt-format torch_dist
 
 # Config fields that must match for a checkpoint's weights to mean the same model.
 MODEL_FIELDS = ("num_layers", "hidden_size", "num_attention_heads", "vocab_size",
@@ -132,6 +137,8 @@ def check_compatible(metadata: dict[str, Any], config: RunConfig, source: Path |
     for name in MODEL_FIELDS:
         mine = getattr(config.model, name)
         was = saved.get(name, mine)
+        if name == "bias_gelu_fusion" and not _fusion_matters(saved, config.model):
+            continue  # no biased GeLU MLP: Megatron turns the fusion off, we leave it
         if was != mine:
             flag = flag_name(next(f for f in fields(ModelConfig) if f.name == name)) \
                 if name != "vocab_size" else "--vocab-size (padded)"
@@ -140,6 +147,14 @@ def check_compatible(metadata: dict[str, Any], config: RunConfig, source: Path |
                          "TP: pass that product as --make-vocab-size-divisible-by")
             raise ConfigError(f"checkpoint {source} was saved with {name}={was} but "
                               f"this run has {name}={mine} ({flag}); use matching model flags")
+
+
+def _fusion_matters(saved: dict[str, Any], model: ModelConfig) -> bool:
+    """Whether ``--no-bias-gelu-fusion`` changes the model: only a GeLU MLP with biases."""
+    return all(not side.get("swiglu") and not side.get("squared_relu")
+               and side.get("add_bias_linear", True)
+               for side in (saved, {k: getattr(model, k) for k in
+                                    ("swiglu", "squared_relu", "add_bias_linear")}))
 
 
 def _param_of_state(key: str) -> str:
@@ -171,6 +186,7 @@ class CheckpointIO:
         self.owner: SaveDirOwner | None = None  # rank 0's claim on --save (checked per save)
         self.removed: list[int] = []  # iterations the last save's retention policy deleted
         self.pending: BackgroundWrite | None = None  # --async-save: the write in progress
+        self.save_format: str | None = None  # "torch_dist": save in Megatron-LM's format
 
     def _layout(self) -> dict[str, Any]:
         """The job's plan as checkpoints record it (every pipeline of it)."""
@@ -223,6 +239,7 @@ class CheckpointIO:
         """
         self.finish_background_save(blocking=True)
         topo, it = self.topo, progress.iteration
+        target, save_dir = save_dir, self._write_dir(save_dir)
         self.optimizer.finish_param_sync()  # the parameters hold the last step's update
         if topo.rank == 0:
             if self.owner is not None:
@@ -242,7 +259,8 @@ class CheckpointIO:
                 parts = [("model", topo.stage, model)] + (
                     [("optim", topo.stage, optim)] if optim else [])
         # what the commit writes, as of this iteration (a background commit comes later)
-        context = {"save_dir": save_dir, "iteration": it, "rng": capture_rng(self.acc),
+        context = {"save_dir": save_dir, "target": target, "iteration": it,
+                   "rng": capture_rng(self.acc),
                    "consumed_samples": progress.consumed_samples,
                    "scheduler": copy.deepcopy(progress.scheduler),
                    "grad_scaler": copy.deepcopy(progress.grad_scaler),
@@ -260,7 +278,7 @@ class CheckpointIO:
         moves the directory into place."""
         save_dir, it = context["save_dir"], context["iteration"]
         gathered = self._gather((context["rng"], entries))
-        path = Path(save_dir) / f"iter_{it:07d}"
+        path = iteration_dir(context.get("target", save_dir), it)
         if self.topo.rank == 0:
             rng = [state for state, _ in gathered]
             meta = {"iteration": it, "consumed_samples": context["consumed_samples"],
@@ -274,9 +292,32 @@ class CheckpointIO:
                 meta["health"] = context["health"]
             written = {name: e for _, part in gathered for name, e in part.items()}
             path = commit_save(save_dir, incomplete_dir(save_dir, it), it, meta, written)
+            if self.save_format == "torch_dist":
+                path = self._to_megatron(path, context["target"])
             t = self.cfg.training
-            self.removed = apply_retention(save_dir, t.save_retain_interval, t.most_recent_k)
+            self.removed = apply_retention(context["target"], t.save_retain_interval,
+                                           t.most_recent_k)
         self._barrier()
+        return path
+
+    def _write_dir(self, save_dir: str) -> str:
+        """Where this rank's parts go: ``--save``, or under ``--ckpt-format torch_dist`` a
+        staging directory inside it that :meth:`_to_megatron` converts from."""
+        if self.save_format == "torch_dist":
+            return str(Path(save_dir) / STAGING_DIR)
+        return save_dir
+
+    def _to_megatron(self, staged: Path, target: str) -> Path:
+        """Rank 0: the committed megatron_h2 checkpoint ``staged`` rewritten as Megatron-LM
+        torch_dist in ``target`` (the vocabulary as this run pads it, TP 1 / PP 1 in the args:
+        convert_checkpoint pads for another layout); the staged copy is then removed."""
+        ckpt = load_checkpoint(staged.parent, int(staged.name[len("iter_"):]))
+        out = iteration_dir(target, ckpt.iteration)
+        if out.exists():
+            shutil.rmtree(out)
+        path = write_torch_dist(target, ckpt.iteration, self.cfg.model, ckpt.model,
+                                ckpt.optimizer, 1, 1, 1, ckpt.metadata)
+        shutil.rmtree(staged.parent)
         return path
 
     def finish_background_save(self, blocking: bool) -> tuple[Path, int, float] | None:

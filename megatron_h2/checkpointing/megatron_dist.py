@@ -68,14 +68,18 @@ def read_dist_metadata(ckpt_dir: Path) -> Metadata:
     return meta
 
 
-def read_dist_tensors(ckpt_dir: Path) -> tuple[dict[str, torch.Tensor], list[str]]:
-    """Every tensor at its global shape, and the names of the byte objects not read (extra
-    state, RNG states: they would have to be unpickled)."""
+def read_dist_tensors(ckpt_dir: Path, skip: str | None = None
+                      ) -> tuple[dict[str, torch.Tensor], list[str]]:
+    """Every tensor at its global shape (but those whose key starts with ``skip``), and the
+    names of the entries not read: byte objects (extra state, RNG states: they would have to be
+    unpickled) and skipped tensors."""
     meta = read_dist_metadata(ckpt_dir)
     tensors: dict[str, torch.Tensor] = {}
     objects: list[str] = []
     for key, item in meta.state_dict_metadata.items():
-        if isinstance(item, TensorStorageMetadata):
+        if skip is not None and key.startswith(skip):
+            objects.append(key)
+        elif isinstance(item, TensorStorageMetadata):
             tensors[key] = torch.empty(tuple(item.size), dtype=item.properties.dtype)
         elif isinstance(item, BytesStorageMetadata):
             objects.append(key)

@@ -5,6 +5,7 @@ that training restores either the same way under any plan."""
 from __future__ import annotations
 
 import os
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -14,7 +15,12 @@ from megatron_h2.checkpointing.format import (
     checkpoint_to_load,
     read_checkpoint_files,
 )
-from megatron_h2.checkpointing.megatron_read import MegatronState, detect_format, read_megatron
+from megatron_h2.checkpointing.megatron_read import (
+    MegatronState,
+    detect_format,
+    read_header,
+    read_megatron,
+)
 from megatron_h2.errors import ConfigError
 
 MEGATRON_FORMATS = ("torch", "torch_dist")
@@ -70,22 +76,37 @@ class MegatronReader:
         return dict(self._tensors(kind))
 
 
+def check_format(ckpt_dir: Path, ckpt_format: str | None, auto_detect: bool) -> str:
+    """The format of ``ckpt_dir`` (see :func:`detect_format`). ``ckpt_format``
+    (``--ckpt-format``) names the Megatron-LM format expected; another Megatron-LM format is
+    refused unless ``auto_detect`` (``--auto-detect-ckpt-format``), as Megatron-LM does. A
+    megatron_h2 checkpoint is always read."""
+    found = detect_format(ckpt_dir)
+    if found in MEGATRON_FORMATS and ckpt_format is not None and found != ckpt_format \
+            and not auto_detect:
+        raise ConfigError(f"{ckpt_dir} holds a Megatron-LM {found} checkpoint but "
+                          f"--ckpt-format is {ckpt_format}; pass --ckpt-format {found} or "
+                          "--auto-detect-ckpt-format")
+    return found
+
+
+def read_any_metadata(ckpt_dir: Path, verify: bool = True, ckpt_format: str | None = None,
+                      auto_detect: bool = False) -> dict[str, Any]:
+    """The metadata of either kind of checkpoint, reading no tensor files (start-up checks)."""
+    if check_format(ckpt_dir, ckpt_format, auto_detect) == "megatron_h2":
+        return read_checkpoint_files(ckpt_dir, verify)[0]
+    return megatron_metadata(read_header(ckpt_dir))
+
+
 def open_any_checkpoint(load_dir: str | os.PathLike, iteration: int | None = None,
                         verify: bool = True, ckpt_format: str | None = None,
                         auto_detect: bool = False, load_optim: bool = True
                         ) -> CheckpointReader | MegatronReader | None:
     """The checkpoint in ``load_dir`` (default: the latest iteration), or None when there is
-    none. ``ckpt_format`` (``--ckpt-format``) names the Megatron-LM format expected; another
-    Megatron-LM format is refused unless ``auto_detect`` (``--auto-detect-ckpt-format``), as
-    Megatron-LM does. A megatron_h2 checkpoint is always read."""
+    none; the format is checked by :func:`check_format`."""
     ckpt_dir = checkpoint_to_load(load_dir, iteration)
     if ckpt_dir is None:
         return None
-    found = detect_format(ckpt_dir)
-    if found == "megatron_h2":
+    if check_format(ckpt_dir, ckpt_format, auto_detect) == "megatron_h2":
         return CheckpointReader(ckpt_dir, *read_checkpoint_files(ckpt_dir, verify))
-    if ckpt_format is not None and found != ckpt_format and not auto_detect:
-        raise ConfigError(f"{ckpt_dir} holds a Megatron-LM {found} checkpoint but "
-                          f"--ckpt-format is {ckpt_format}; pass --ckpt-format {found} or "
-                          "--auto-detect-ckpt-format")
     return MegatronReader(read_megatron(ckpt_dir, load_optim))

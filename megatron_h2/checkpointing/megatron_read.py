@@ -79,7 +79,7 @@ class MegatronState:
 
 def detect_format(ckpt_dir: Path) -> str:
     """``torch_dist``, ``torch`` (legacy Megatron-LM) or ``megatron_h2`` for one iteration
-    directory; one line when it is none of them."""
+    directory (a directory that is neither counts as an incomplete megatron_h2 one)."""
     if not ckpt_dir.is_dir():
         raise ConfigError(f"checkpoint directory {ckpt_dir} does not exist")
     meta = ckpt_dir / "metadata.json"
@@ -93,8 +93,7 @@ def detect_format(ckpt_dir: Path) -> str:
         return "megatron_h2"
     if any(_MP_RANK.match(p.name) for p in ckpt_dir.iterdir() if p.is_dir()):
         return "torch"
-    raise ConfigError(f"{ckpt_dir} is neither a megatron_h2 checkpoint nor a Megatron-LM one "
-                      "(no metadata.json, no mp_rank_* directories)")
+    return "megatron_h2"  # whose reader names what is missing
 
 
 def _check_common(state: Any, where: Path) -> tuple[dict[str, Any], int]:
@@ -137,6 +136,13 @@ def _check_complete(state: MegatronState) -> None:
         if name in shapes and tuple(tensor.shape) != shapes[name]:
             raise ConfigError(f"checkpoint {state.path}: {name} has shape "
                               f"{tuple(tensor.shape)}, its args say {shapes[name]}")
+    if state.optimizer:
+        lacking = [f"{n}.{k}" for n in want for k in (*ADAM_KEYS, "step")
+                   if f"{n}.{k}" not in state.optimizer]
+        if lacking:
+            raise ConfigError(f"checkpoint {state.path} has no optimizer state {lacking[0]}"
+                              f"{f' (and {len(lacking) - 1} more)' if len(lacking) > 1 else ''}"
+                              "; a file is incomplete (load with --no-load-optim to skip it)")
     for key, tensor in state.optimizer.items():
         name = key.rsplit(".", 1)[0]
         if name not in state.model:
@@ -159,13 +165,14 @@ def _dist_name(key: str, layers: int) -> list[str] | str | None:
     return key
 
 
-def read_torch_dist(ckpt_dir: Path) -> MegatronState:
-    """A ``torch_dist`` iteration directory."""
+def read_torch_dist(ckpt_dir: Path, load_optim: bool = True) -> MegatronState:
+    """A ``torch_dist`` iteration directory (without ``load_optim``, its optimizer tensors are
+    listed as not read, whatever their layout)."""
     common_path = ckpt_dir / "common.pt"
     common = safe_torch_load(common_path)
     args, iteration = _check_common(common, common_path)
     config = model_config_from_args(args, common_path)
-    tensors, objects = read_dist_tensors(ckpt_dir)
+    tensors, objects = read_dist_tensors(ckpt_dir, None if load_optim else "optimizer.")
     state = MegatronState(ckpt_dir, "torch_dist", iteration, args, config, {},
                           scheduler=_scheduler(common, common_path))
     layers = config.num_layers
@@ -194,6 +201,10 @@ def read_torch_dist(ckpt_dir: Path) -> MegatronState:
                 state.optimizer[f"{name}.{kind}"] = piece.clone()
             else:
                 state.model[name] = piece.clone()
+    if mains and set(mains) != set(state.model):
+        missing = sorted(set(state.model) - set(mains))
+        raise ConfigError(f"checkpoint {ckpt_dir} has fp32 main weights for some parameters but "
+                          f"not {missing[0] if missing else 'others'}; a file is incomplete")
     for name, main in mains.items():  # the fp32 main weights are the weights
         if name not in state.model or main.shape != state.model[name].shape:
             raise ConfigError(f"checkpoint {ckpt_dir}: fp32 main weight of {name} matches no "
@@ -381,11 +392,27 @@ def _fold_tied_copy(state: MegatronState) -> None:
         del state.optimizer[key]
 
 
+def read_header(ckpt_dir: Path) -> MegatronState:
+    """Args, iteration and scheduler of either format, without the tensors (``common.pt``, or
+    the first legacy shard): what start-up checks need."""
+    fmt = detect_format(ckpt_dir)
+    if fmt == "torch_dist":
+        path = ckpt_dir / "common.pt"
+    elif fmt == "torch":
+        path = _rank_dirs(ckpt_dir)[(0, 0)] / "model_optim_rng.pt"
+    else:
+        raise ConfigError(f"{ckpt_dir} is a megatron_h2 checkpoint, not a Megatron-LM one")
+    common = safe_torch_load(path)
+    args, iteration = _check_common(common, path)
+    return MegatronState(ckpt_dir, fmt, iteration, args, model_config_from_args(args, path), {},
+                         scheduler=_scheduler(common, path))
+
+
 def read_megatron(ckpt_dir: Path, load_optim: bool = True) -> MegatronState:
     """Either format, detected from the directory."""
     fmt = detect_format(ckpt_dir)
     if fmt == "torch_dist":
-        return read_torch_dist(ckpt_dir)
+        return read_torch_dist(ckpt_dir, load_optim)
     if fmt == "torch":
         return read_legacy(ckpt_dir, load_optim)
     raise ConfigError(f"{ckpt_dir} is a megatron_h2 checkpoint, not a Megatron-LM one")

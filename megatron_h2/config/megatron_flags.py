@@ -203,7 +203,6 @@ UNSUPPORTED_FLAGS: dict[str, str] = {
                                                           "micro-batches by the pipeline size "
                                                           "(Megatron's default)",
     "--eval-global-batch-size": "evaluation uses --global-batch-size",
-    "--use-checkpoint-args": "give the model flags; a checkpoint is checked against them",
     "--no-use-tokenizer-model-from-checkpoint-args": "give the model flags; a checkpoint is "
                                                      "checked against them",
     "--num-tokens-to-generate": _INFERENCE,

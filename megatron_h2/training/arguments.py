@@ -19,6 +19,7 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from megatron_h2.config import (
+    ARCHITECTURE_FIELDS,
     LLAMA_ARCHITECTURE,
     DataConfig,
     LoggingConfig,
@@ -46,11 +47,15 @@ class LaunchOptions:
     no_load_rng: bool = flag(False, "Do not load the RNG states when loading a checkpoint.")
     finetune: bool = flag(False, "Load model weights only and start at iteration 0.")
     ckpt_format: str | None = flag(
-        None, "Megatron-LM checkpoint format that --load holds (torch_dist, or the legacy "
-        "torch); default: whatever the directory holds. megatron_h2 checkpoints load whatever "
-        "this says; saving writes megatron_h2's format.", choices=("torch", "torch_dist"))
+        None, "Megatron-LM checkpoint format: the one --load holds (torch_dist, or the legacy "
+        "torch; default: whatever the directory holds; megatron_h2 checkpoints load whatever "
+        "this says) and, with torch_dist, the format --save writes (default: megatron_h2's own, "
+        "with checksums and RNG states).", choices=("torch", "torch_dist"))
     auto_detect_ckpt_format: bool = flag(
         False, "Load a Megatron-LM checkpoint of either format, whatever --ckpt-format says.")
+    use_checkpoint_args: bool = flag(
+        False, "Override the model flags (shape and architecture) with those of the --load "
+        "checkpoint (megatron_h2's or Megatron-LM's).")
     explicit: frozenset[str] = frozenset()  # config fields the user set on the command line
     no_effect: tuple[str, ...] = ()  # compatibility flags given (reported at start-up)
     demo_flags: tuple[str, ...] = ()  # what the embedded demo set that the user did not
@@ -212,6 +217,30 @@ DEMO_OVERRIDES: dict[str, dict[str, Any]] = {
 DATA_SOURCES = ("data_path", "mock_data", "train_data_path", "valid_data_path", "test_data_path")
 
 
+CHECKPOINT_ARGS = ("num_layers", "hidden_size", "num_attention_heads", "seq_length",
+                   "max_position_embeddings", *ARCHITECTURE_FIELDS)
+"""Model fields ``--use-checkpoint-args`` takes from the checkpoint (the vocabulary comes from
+the tokenizer and is checked against the checkpoint's)."""
+
+
+def checkpoint_model_flags(given: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """The model fields of the ``--load`` checkpoint, for ``--use-checkpoint-args``."""
+    from megatron_h2.checkpointing.format import checkpoint_to_load
+    from megatron_h2.checkpointing.megatron_open import read_any_metadata
+
+    load, launch = given["TrainingConfig"].get("load"), given["LaunchOptions"]
+    if not load:
+        raise ConfigError("--use-checkpoint-args needs --load (the checkpoint to take the model "
+                          "flags from)")
+    ckpt_dir = checkpoint_to_load(load, launch.get("ckpt_step"))
+    if ckpt_dir is None:
+        raise ConfigError(f"--use-checkpoint-args: --load directory {load} holds no checkpoint")
+    saved = read_any_metadata(ckpt_dir, True, launch.get("ckpt_format"),
+                              bool(launch.get("auto_detect_ckpt_format")))
+    model = saved.get("config", {}).get("model", {})
+    return {name: model[name] for name in CHECKPOINT_ARGS if name in model}
+
+
 def _check_required(given: dict[str, dict[str, Any]]) -> None:
     plan_owned = {"micro_batch_size"} if given["ParallelConfig"].get("hetero_plan") else set()
     for _, cls in GROUPS:
@@ -316,6 +345,8 @@ def _check_recompute_flags(model: ModelConfig, given: dict[str, Any]) -> None:
 def config_from_args(argv: list[str] | None = None) -> tuple[RunConfig, LaunchOptions]:
     """Parse Megatron-style flags into a validated :class:`RunConfig`."""
     given, compat = parse_flags(argv)
+    if given["LaunchOptions"].get("use_checkpoint_args"):
+        given["ModelConfig"].update(checkpoint_model_flags(given))
     if any(given["DataConfig"].get(name) for name in DATA_SOURCES):
         _check_required(given)
         values = given

@@ -180,6 +180,7 @@ def build_run(cfg: RunConfig, launch: LaunchOptions, env: LaunchEnv | None = Non
         ckpt = CheckpointIO(cfg, acc, topo, topo.tp_context(cfg.parallel.sequence_parallel),
                             model, optimizer)
         ckpt.owner = owner
+        ckpt.save_format = launch.ckpt_format if launch.ckpt_format == "torch_dist" else None
         progress = restore(cfg, launch, ckpt, say)
         timeline = Timeline.for_plan(checked.plan, env.rank,
                                      enabled=bool(cfg.training.timeline_trace))

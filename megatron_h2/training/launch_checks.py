@@ -12,7 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from megatron_h2.checkpointing import find_latest_iteration, iteration_dir, read_metadata
+from megatron_h2.checkpointing import find_latest_iteration, iteration_dir
 from megatron_h2.checkpointing.checkpoint_io import check_compatible, check_rng_metadata
 from megatron_h2.checkpointing.housekeeping import (
     SaveDirOwner,
@@ -21,6 +21,7 @@ from megatron_h2.checkpointing.housekeeping import (
     clean_leftovers,
     job_id_from_env,
 )
+from megatron_h2.checkpointing.megatron_open import read_any_metadata
 from megatron_h2.config import ModelConfig, RunConfig
 from megatron_h2.devices import Accelerator, detect_device_type, get_accelerator
 from megatron_h2.devices.attention import check_attention_backend
@@ -130,7 +131,8 @@ def check_load(cfg: RunConfig, launch: LaunchOptions, schedule: OptimizerParamSc
     if iteration is None:
         return
     ckpt_dir = iteration_dir(load, iteration)
-    metadata = read_metadata(ckpt_dir, cfg.training.verify_checkpoint)
+    metadata = read_any_metadata(ckpt_dir, cfg.training.verify_checkpoint, launch.ckpt_format,
+                                 launch.auto_detect_ckpt_format)
     check_compatible(metadata, cfg, ckpt_dir)
     if not (launch.no_load_rng or launch.finetune):
         check_rng_metadata(metadata, ckpt_dir)

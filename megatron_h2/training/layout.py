@@ -132,10 +132,15 @@ def _check_stages_for_model(plan: HeteroPlan, model: ModelConfig,
         if model.ffn_hidden_size % tp:
             raise ConfigError(f"stage {index} tensor parallel size {tp} does not divide "
                               f"--ffn-hidden-size {model.ffn_hidden_size}")
-        if model.is_moe and tp > 1:
+        if model.is_moe and tp > 1 and parallel.sequence_parallel:
             raise ConfigError(f"stage {index} has tensor parallel size {tp}: mixture-of-experts "
-                              "layers under tensor parallelism are not implemented yet; use TP 1 "
-                              "(data or pipeline parallelism) for a --num-experts model")
+                              "layers under sequence parallelism are not implemented yet; drop "
+                              "--sequence-parallel for a --num-experts model")
+        for name in ("moe_ffn_hidden_size", "moe_shared_expert_intermediate_size"):
+            size = getattr(model, name) if model.is_moe else None
+            if size and size % tp:
+                raise ConfigError(f"stage {index} tensor parallel size {tp} does not divide "
+                                  f"--{name.replace('_', '-')} {size}")
         if parallel.sequence_parallel and model.seq_length % tp:
             raise ConfigError(f"--sequence-parallel needs --seq-length {model.seq_length} "
                               f"divisible by the tensor parallel size {tp} (stage {index})")

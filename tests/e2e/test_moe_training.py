@@ -3,7 +3,8 @@
 Two MoE command lines on the GPT of tests/unit/training/test_parallel_training.py: a Mixtral-
 like one (softmax top-2, aux and z losses, shared experts, a dense first layer) and a
 DeepSeek-V3-like one (sigmoid scores, auxiliary-loss-free expert bias, sequence aux loss,
-capacity with token dropping by position). Data parallelism (replicated and ZeRO-1) and
+capacity with token dropping by position). Data parallelism (replicated and ZeRO-1), tensor
+parallelism (experts and shared experts split like the dense MLP, the router replicated) and
 interleaved pipeline parallelism must reproduce the single-process losses of 10 iterations
 within 1e-5 relative, the aux / z losses the log line reports and the tokens each expert
 received; a checkpoint saved under DP 2 resumes in one process with the uninterrupted losses
@@ -76,6 +77,7 @@ LAYOUTS = {  # name: (processes, flags)
     "dp2_zero1": (2, ["--use-distributed-optimizer"]),
     "pp2_interleaved": (2, ["--pipeline-model-parallel-size", "2",
                             "--virtual-pipeline-model-parallel-size", "2"]),
+    "tp2": (2, ["--tensor-model-parallel-size", "2"]),
 }
 
 
@@ -130,3 +132,14 @@ def test_two_chip_types_through_the_bridge(arch, corpus, references, tmp_path):
                         "--force-bridge", "--log-jsonl", str(out)], timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert_same_run(records(out), references[arch])
+
+
+@pytest.mark.e2e
+def test_full_recompute_counts_each_token_once(corpus, references, tmp_path):
+    """Recomputed MoE layers route again in the backward: the losses, the logged aux loss and
+    the tokens per expert (and so the expert-bias update) are those of the plain run."""
+    out = tmp_path / "log.jsonl"
+    assert main([*MODEL, *DEEPSEEK_LIKE, "--data-path", corpus, "--log-jsonl", str(out),
+                 "--recompute-granularity", "full", "--recompute-method", "uniform",
+                 "--recompute-num-layers", "1"]) == 0
+    assert_same_run(records(out), references["deepseek"])

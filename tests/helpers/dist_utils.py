@@ -111,9 +111,11 @@ def tiny_model_flags(num_layers: int = 4, seed: int = 5, train_iters: int = 10) 
             "NullTokenizer", "--vocab-size", "256", "--split", "90,10,0"]
 
 
-def write_counting_corpus(folder, num_docs: int, lengths: tuple[int, int], vocab: int) -> str:
-    """Counting documents (each token is the previous plus one, so a tiny model learns fast)
-    preprocessed into Megatron's format by the real tool; returns the data prefix."""
+def write_counting_corpus(folder, num_docs: int, lengths: tuple[int, int], vocab: int,
+                          modulo: int = 250) -> str:
+    """Counting documents (each token is the previous plus one modulo ``modulo``, so a tiny
+    model learns fast) preprocessed into Megatron's format by the real tool; returns the data
+    prefix."""
     import json
     import random
     import subprocess
@@ -124,8 +126,8 @@ def write_counting_corpus(folder, num_docs: int, lengths: tuple[int, int], vocab
     rng = random.Random(0)
     with open(folder / "docs.jsonl", "w") as fh:
         for _ in range(num_docs):
-            start, n = rng.randrange(250), rng.randrange(*lengths)
-            fh.write(json.dumps({"text": " ".join(str((start + i) % 250) for i in range(n))})
+            start, n = rng.randrange(modulo), rng.randrange(*lengths)
+            fh.write(json.dumps({"text": " ".join(str((start + i) % modulo) for i in range(n))})
                      + "\n")
     subprocess.run([sys.executable, str(ROOT / "tools" / "preprocess_data.py"), "--input",
                     str(folder / "docs.jsonl"), "--output-prefix", str(folder / "count"),

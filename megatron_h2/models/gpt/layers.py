@@ -33,6 +33,7 @@ from megatron_h2.parallel import (
     ColumnParallelLinear,
     RowParallelLinear,
     TPContext,
+    copy_to_tp_region,
     mark_sequence_parallel,
 )
 
@@ -207,7 +208,9 @@ class MLP(nn.Module):
         if per_token_scale is None:
             return self.linear_fc2(inter)
         dtype = inter.dtype
-        inter = (inter * per_token_scale.unsqueeze(-1)).to(dtype)  # [n, f/t]
+        # each TP rank's share of the scale's gradient comes from its f/t columns: summed
+        scale = copy_to_tp_region(per_token_scale, self.linear_fc1.tp)
+        inter = (inter * scale.unsqueeze(-1)).to(dtype)  # [n, f/t]
         out = self.linear_fc2(inter, add_bias=False)  # [n, h]
         bias = self.linear_fc2.bias
         if bias is None:

@@ -91,8 +91,8 @@ class MoELayer(nn.Module):
     def __init__(self, config: ModelConfig, kernels: Kernels, tp: TPContext, layer: int,
                  state: MoEState) -> None:
         super().__init__()
-        if tp.size > 1:
-            raise ValueError("MoE layers under tensor parallelism are not implemented")
+        if tp.size > 1 and tp.sequence_parallel:
+            raise ValueError("MoE layers under sequence parallelism are not implemented")
         self.config, self.layer, self.state = config, layer, state
         self.router = TopKRouter(config, layer, state)
         self.experts = SequentialMLP(config, kernels, tp, range(config.num_experts))

@@ -7,7 +7,6 @@ Every model is built by the test itself; nothing is downloaded.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
@@ -20,25 +19,10 @@ from megatron_h2.checkpointing.hf import read_hf_weights
 from megatron_h2.config import ModelConfig, RunConfig
 from megatron_h2.models.gpt.gpt_model import GPTModel, init_parameters
 from megatron_h2.training.arguments import config_from_args
-from tests.helpers.paths import ROOT
+from tests.helpers.convert_cli import convert
 
-SCRIPT = ROOT / "tools" / "convert_checkpoint.py"
 VOCAB = 200  # not a multiple of 128: exercises vocabulary padding
 TOKENS = torch.randint(0, VOCAB, (2, 24), generator=torch.Generator().manual_seed(1))
-
-
-def _cli():
-    spec = importlib.util.spec_from_file_location("convert_checkpoint", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-cli = _cli()
-
-
-def convert(*argv) -> int:
-    return cli.main([str(a) for a in argv])
 
 
 def randomize(model: torch.nn.Module, seed: int) -> torch.nn.Module:

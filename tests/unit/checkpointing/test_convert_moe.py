@@ -138,3 +138,18 @@ def test_qwen2_moe_to_ours_logits(kw, tmp_path):
     assert config.moe_layers == ([1, 2] if "mlp_only_layers" in kw else [1])
     assert convert("--from", "megatron_h2", "--to", "hf", "--input", tmp_path / "ours",
                    "--output", tmp_path / "back") == 2
+
+
+def test_hf_moe_checkpoint_with_another_expert_count_is_one_line(tmp_path, capsys):
+    import json
+
+    tiny_mixtral().save_pretrained(tmp_path / "hf")
+    capsys.readouterr()  # save_pretrained's progress bar
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    config["num_local_experts"] = 3  # the weights hold 4
+    (tmp_path / "hf" / "config.json").write_text(json.dumps(config))
+    assert convert("--from", "hf", "--to", "megatron_h2", "--input", tmp_path / "hf",
+                   "--output", tmp_path / "ours") == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: ") and "\n" not in err
+    assert "block_sparse_moe.experts.3" in err and "does not match its config" in err

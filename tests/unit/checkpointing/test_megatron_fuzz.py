@@ -101,7 +101,7 @@ def test_100_corruptions_each_one_line(tmp_path):
     rng = random.Random(2026)
     outcomes = []
     for case in range(100):
-        name, fmt = SOURCES[case % len(SOURCES)]
+        name, fmt = SOURCES[(case // len(FAMILIES)) % len(SOURCES)]  # every pairing
         root = tmp_path / f"c{case}"
         shutil.copytree(FIXTURES / name / fmt, root)
         what = FAMILIES[case % len(FAMILIES)](root, rng)

@@ -97,3 +97,46 @@ def test_unknown_checkpoint_version_is_named(tmp_path):
     torch.save({**state, "checkpoint_version": 2.0}, common)
     with pytest.raises(ConfigError, match=r"common.pt has checkpoint_version 2.0"):
         read_megatron(tmp_path / "ckpt" / "iter_0000002")
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_without_the_optimizer_its_tensors_are_not_read(fmt):
+    state = read_megatron(iter_dir("llama_tp2_pp1", fmt), load_optim=False)
+    assert state.model and not state.optimizer
+    if fmt == "torch_dist":
+        assert "optimizer.state.exp_avg.output_layer.weight" in state.not_read
+
+
+def test_fp32_main_weights_are_the_weights(tmp_path):
+    """A mixed-precision run's torch_dist checkpoint: bf16 weights plus the optimizer's fp32
+    main weights (``optimizer.state.fp32_param.<key>``); the main weights come over. (Made from
+    an fp32 fixture with torch's checkpoint writer: the layout Megatron-Core's
+    Float16OptimizerWithFloat16Params saves.)"""
+    from torch.distributed.checkpoint import FileSystemWriter
+    from torch.distributed.checkpoint import save as dcp_save
+
+    from megatron_h2.checkpointing.megatron_dist import read_dist_tensors
+
+    src = iter_dir("gpt_tp1_pp1", "torch_dist")
+    tensors, _ = read_dist_tensors(src)
+    mains = {f"optimizer.state.fp32_param.{k}": v + 1e-3 for k, v in tensors.items()
+             if not k.startswith("optimizer.")}
+    state = {k: v.bfloat16() if not k.startswith("optimizer.") else v
+             for k, v in tensors.items()}
+    out = tmp_path / "iter_0000002"
+
+    def write(tensors: dict) -> None:
+        shutil.rmtree(out, ignore_errors=True)
+        dcp_save(tensors, storage_writer=FileSystemWriter(str(out)), no_dist=True)
+        for name in ("common.pt", "metadata.json"):
+            shutil.copy(src / name, out / name)
+
+    write({**state, **mains})
+    got, want = read_megatron(out), read_megatron(src)
+    for name, tensor in got.model.items():
+        assert tensor.dtype == torch.float32
+        assert torch.equal(tensor, want.model[name] + 1e-3), name
+    del mains[next(iter(mains))]  # one main weight missing: refused
+    write({**state, **mains})
+    with pytest.raises(ConfigError, match="fp32 main weights for some parameters"):
+        read_megatron(out)
