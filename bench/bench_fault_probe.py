@@ -107,8 +107,9 @@ def _kill_tree(proc: subprocess.Popen) -> None:
 
 def kill_async_save(corpus: str, work: Path, tries: int, rng: random.Random) -> str:
     save = work / "kill_async"
-    args = [*MODEL, "--data-path", corpus, "--lr", "1e-3", "--train-iters", "100000", "--save",
-            str(save), "--load", str(save), "--save-interval", "1", "--async-save"]
+    args = [*MODEL, "--data-path", corpus, "--lr", "1e-3", "--lr-decay-iters", "100000",
+            "--train-iters", "100000", "--save", str(save), "--load", str(save),
+            "--save-interval", "1", "--async-save"]
     proc = subprocess.Popen(_pretrain(args), stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL, env=_env(), start_new_session=True)
     if not _wait_for(lambda: _latest(save) >= 2, proc, 300):
@@ -252,6 +253,7 @@ def main() -> None:
     parser.add_argument("--elastic-tries", type=int, default=1)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", help="also write the table (Markdown) to this file")
+    parser.add_argument("--only", help="run only the probes whose name contains this text")
     ns = parser.parse_args()
     rng = random.Random(ns.seed)
     rows: list[tuple[str, dict[str, int], float]] = []
@@ -276,6 +278,8 @@ def main() -> None:
             ("flat line (--lr 1e6)", 1, lambda: numeric(corpus, work, "flat")),
         ]
         for name, tries, probe in probes:
+            if ns.only and ns.only not in name:
+                continue
             started = time.time()
             counts = dict.fromkeys(KINDS, 0)
             for _ in range(tries):
@@ -283,8 +287,9 @@ def main() -> None:
             rows.append((name, counts, time.time() - started))
             print(f"{name}: {counts} ({time.time() - started:.0f} s)", flush=True)
         started = time.time()
-        rows.append(("plan + cluster file corruptions (240 + 240)", plan_corruptions(work),
-                     time.time() - started))
+        if not ns.only or ns.only in "plan + cluster file corruptions":
+            rows.append(("plan + cluster file corruptions (240 + 240)", plan_corruptions(work),
+                         time.time() - started))
     lines = ["| fault | tries | clean | traceback | hang | silently wrong | seconds |",
              "|---|---|---|---|---|---|---|"]
     for name, counts, seconds in rows:

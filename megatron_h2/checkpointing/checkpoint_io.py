@@ -163,6 +163,7 @@ class CheckpointIO:
         self.copies = set(aliases.values())  # names this rank holds a copy of, saved elsewhere
         self.owner: SaveDirOwner | None = None  # rank 0's claim on --save (checked per save)
         self.removed: list[int] = []  # iterations the last save's retention policy deleted
+        self.protect: int | None = None  # a checkpoint retention must keep (the last good one)
         self.pending: BackgroundWrite | None = None  # --async-save: the write in progress
 
     def _layout(self) -> dict[str, Any]:
@@ -267,7 +268,8 @@ class CheckpointIO:
             written = {name: e for _, part in gathered for name, e in part.items()}
             path = commit_save(save_dir, incomplete_dir(save_dir, it), it, meta, written)
             t = self.cfg.training
-            self.removed = apply_retention(save_dir, t.save_retain_interval, t.most_recent_k)
+            self.removed = apply_retention(save_dir, t.save_retain_interval, t.most_recent_k,
+                                           self.protect)
         self._barrier()
         return path
 
