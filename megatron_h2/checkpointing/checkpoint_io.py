@@ -185,6 +185,7 @@ class CheckpointIO:
         the weights; absent from older checkpoints, where they keep their initial value."""
         self.owner: SaveDirOwner | None = None  # rank 0's claim on --save (checked per save)
         self.removed: list[int] = []  # iterations the last save's retention policy deleted
+        self.protect: int | None = None  # a checkpoint retention must keep (the last good one)
         self.pending: BackgroundWrite | None = None  # --async-save: the write in progress
         self.save_format: str | None = None  # "torch_dist": save in Megatron-LM's format
 
@@ -296,7 +297,7 @@ class CheckpointIO:
                 path = self._to_megatron(path, context["target"])
             t = self.cfg.training
             self.removed = apply_retention(context["target"], t.save_retain_interval,
-                                           t.most_recent_k)
+                                           t.most_recent_k, self.protect)
         self._barrier()
         return path
 

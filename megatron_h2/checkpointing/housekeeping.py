@@ -311,17 +311,17 @@ def clean_leftovers(save_dir: str | os.PathLike) -> list[str]:
 
 
 def apply_retention(save_dir: str | os.PathLike, retain_interval: int | None,
-                    most_recent_k: int = -1) -> list[int]:
+                    most_recent_k: int = -1, protect: int | None = None) -> list[int]:
     """Delete old checkpoints as Megatron's ``--save-retain-interval`` does: keep the newest,
-    every iteration divisible by the interval, and (``most_recent_k`` > 0) the K newest.
-    Nothing is deleted when neither is set. Returns the iterations removed."""
+    every iteration divisible by the interval, and (``most_recent_k`` > 0) the K newest; and
+    ``protect`` (the newest verified-good checkpoint, which a stop goes back to). Nothing is
+    deleted when neither is set. Returns the iterations removed."""
     if retain_interval is None and most_recent_k < 0:
         return []
     saved = saved_iterations(save_dir)
     keep = set(saved[-max(1, most_recent_k):])
     latest = find_latest_iteration(save_dir)
-    if latest is not None:
-        keep.add(latest)
+    keep |= {it for it in (latest, protect) if it is not None}
     if retain_interval:
         keep |= {it for it in saved if it % retain_interval == 0}
     removed = [it for it in saved if it not in keep]

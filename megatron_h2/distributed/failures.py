@@ -116,6 +116,7 @@ class JobFailures:
                     if seen.get(peer, (None,))[0] != count:
                         seen[peer] = (count, now)
                     elif now - seen[peer][1] > timeout_s and not self._finished(peer):
+                        self.store.set("lost", str(peer))  # the others name it too
                         on_silent(f"{self.describe(peer)} stopped responding: no heartbeat "
                                   f"for {now - seen[peer][1]:.0f} s (--heartbeat-timeout "
                                   f"{timeout_s:g}); stopping the job: restart it from the last "
@@ -138,13 +139,16 @@ class JobFailures:
         return f"rank {rank}"
 
     def silent_peers(self, rank: int, world_size: int, watch_s: float = 3 * BEAT_S) -> list[int]:
-        """Ranks whose heartbeat stood still for ``watch_s`` seconds (not finished ones): the
-        lost ones, for this rank's stop line. Empty when the store is unreachable."""
+        """The rank a heartbeat watcher found silent, else the ranks whose heartbeat stood still
+        for ``watch_s`` seconds (not finished ones): the lost ones, for this rank's stop line.
+        Empty when the store is unreachable."""
         if self.store is None:
             return []
         try:
             with _native_warnings_silenced():
                 self.store.set_timeout(STORE_TIMEOUT)
+                if self.store.check(["lost"]):
+                    return [int(self.store.get("lost"))]
                 peers = [r for r in range(world_size) if r != rank]
                 before = {r: self.store.add(f"hb/{r}", 0) for r in peers}
                 time.sleep(watch_s)

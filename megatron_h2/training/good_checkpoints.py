@@ -47,6 +47,12 @@ class GoodCheckpoints:
         self.saved: dict[int, _Saved] = {}
         self.rejected: list[tuple[str, int]] = []
 
+    def protected(self, save_dir: str) -> int | None:
+        """The iteration in ``save_dir`` that retention must keep: the newest good one."""
+        if self.last_good is not None and self.last_good[0] == save_dir:
+            return self.last_good[1]
+        return None
+
     def weights_problem(self, norm: float) -> str | None:
         """Why a state with weights of L2 norm ``norm`` must not be saved (None: it may)."""
         if not math.isfinite(norm):

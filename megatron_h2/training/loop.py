@@ -10,6 +10,7 @@ import time
 from types import FrameType
 
 from megatron_h2.checkpointing.checkpoint_io import TrainProgress
+from megatron_h2.checkpointing.housekeeping import apply_retention
 from megatron_h2.monitoring.health import HealthMonitor, JobTrainingError
 from megatron_h2.monitoring.metrics import memory_scalars
 from megatron_h2.monitoring.torch_profiler import StepProfiler
@@ -128,6 +129,7 @@ class Trainer:
         self.progress.scheduler = self.schedule.state_dict()
         self.progress.grad_scaler = self.runner.grad_scaler_state()
         self.progress.health = self.health.state_dict()
+        self.ckpt.protect = self.good.protected(save_dir)
         if self.cfg.training.async_save:
             self.ckpt.save(save_dir, self.progress, background=True)
             self.good.on_save(save_dir, it, norm, committed=False)
@@ -142,6 +144,8 @@ class Trainer:
 
     def finish_background_save(self, blocking: bool) -> None:
         """Commit an ``--async-save`` checkpoint whose writes are done (collective)."""
+        if self.cfg.training.save:
+            self.ckpt.protect = self.good.protected(self.cfg.training.save)
         done = self.ckpt.finish_background_save(blocking)
         if done is None:
             return
@@ -246,7 +250,17 @@ class Trainer:
         if self.progress.iteration != last_saved:
             self.save()
         self.finish_background_save(blocking=True)
+        self._final_retention()
         return self.progress
+
+    def _final_retention(self) -> None:
+        """The run ended normally: the last good checkpoint needs no protection any more, so
+        retention (--save-retain-interval / --most-recent-k) applies as in Megatron."""
+        t = self.cfg.training
+        if t.save and self.run.topo.rank == 0 and self.ckpt.protect is not None:
+            self.ckpt.protect = None
+            self.ckpt.removed = apply_retention(t.save, t.save_retain_interval, t.most_recent_k)
+            self._log_removed()
 
     def _write_scalars(self, it: int, result: StepResult) -> None:
         """This iteration's figures to TensorBoard / Weights & Biases."""

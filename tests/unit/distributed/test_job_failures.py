@@ -104,3 +104,4 @@ def test_the_heartbeat_reports_a_silent_peer_once(monkeypatch):
     assert len(said) == 1 and said[0].startswith("rank 1 (host h1, stage 1) stopped responding: "
                                                  "no heartbeat for ")
     assert "(--heartbeat-timeout 0.3)" in said[0]
+    assert silent.silent_peers(1, 2, watch_s=0.0) == [1]  # the watcher's finding, for all

@@ -11,7 +11,12 @@ from pathlib import Path
 
 import pytest
 
-from megatron_h2.checkpointing import find_latest_iteration, read_metadata, saved_iterations
+from megatron_h2.checkpointing import (
+    find_latest_iteration,
+    load_checkpoint,
+    read_metadata,
+    saved_iterations,
+)
 from megatron_h2.training.main import main
 from tests.helpers.tiny_runs import flags, records
 
@@ -95,6 +100,18 @@ def test_injected_faults_stop_at_their_iteration_and_set_the_unverified_aside(
             "iteration 4 revealed the bad state, set aside as iter_*.unverified)") in err
     assert saved_iterations(ckpt) == [1, 2] and find_latest_iteration(ckpt) == 2
     assert (ckpt / "iter_0000003.unverified").is_dir()
+
+
+def test_retention_keeps_the_last_good_checkpoint(corpus, tmp_path, capsys, monkeypatch):
+    """--most-recent-k 1 would have deleted checkpoint 2 when 3 was saved; the stop goes back
+    to 2, so retention keeps it."""
+    ckpt = tmp_path / "ckpt"
+    monkeypatch.setenv(INJECT, "4:nan-loss")
+    assert main(flags(corpus, tmp_path, *_save_flags(ckpt, "--lr", "1e-3", "--train-iters",
+                                                     "8", "--most-recent-k", "1"))) == 2
+    assert f"last good checkpoint is iteration 2 in {ckpt}" in _err(capsys)
+    assert saved_iterations(ckpt) == [2] and find_latest_iteration(ckpt) == 2
+    assert load_checkpoint(ckpt).iteration == 2
 
 
 def test_a_malformed_fault_injection_is_one_line(corpus, tmp_path, capsys, monkeypatch):
