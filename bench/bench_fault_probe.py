@@ -121,8 +121,7 @@ def kill_async_save(corpus: str, work: Path, tries: int, rng: random.Random) -> 
         before = load_checkpoint(save).iteration  # every checksum checked
     except ConfigError:
         return "silently wrong"
-    code, out = _run(_pretrain([*args[:args.index("--train-iters")], "--train-iters",
-                                str(before + 2), *args[args.index("--train-iters") + 2:]]), 300)
+    code, out = _run(_pretrain([*args, "--exit-interval", str(before + 2)]), 300)
     if code is None:
         return "hang"
     if "Traceback" in out:
