@@ -9,7 +9,7 @@
 #   sbatch --nodes 1 scripts/run_elastic.sh --cluster ... -- ...
 # The job is requeueable (#SBATCH --requeue). When the launcher cannot finish on this node (exit
 # 75: --max-restarts used up, no plan fits the chips left, or SLURM signalled the job, e.g. before
-# its time limit, and the workers saved and stopped), the script requeues the job with
+# its time limit, and some worker did not save), the script requeues the job with
 # `scontrol requeue`, at most MAX_REQUEUES times (SLURM_RESTART_COUNT counts them). The requeued
 # job probes the chips of the node it gets, plans for them and resumes from the checkpoint.
 # Settings (environment): PYTHON (default python3), MAX_REQUEUES (default 3).
@@ -25,7 +25,8 @@ MAX_REQUEUES=${MAX_REQUEUES:-3}
 
 "$PYTHON" -m megatron_h2.elastic.launcher "$@" &
 launcher=$!
-# SLURM signals the batch shell: pass it on (the workers save and stop, the launcher exits 75)
+# SLURM signals the batch shell: pass it on (with --exit-signal-handler the workers save and
+# stop, and the launcher exits 0; 75 when a worker did not save)
 trap 'kill -TERM "$launcher" 2>/dev/null' TERM INT
 status=0
 while true; do

@@ -20,8 +20,10 @@ process. When the attempt fails:
    over), and the log says what changed: chips, stages, expected tokens/s, and the recovery
    time from detecting the failure to the first iteration under the new plan.
 
-Exit status: 0 trained, 2 bad input (as pretrain_gpt), 75 (EX_TEMPFAIL) when a fresh allocation
-could help: restarts used up, no plan fits the chips left, or stopped by a signal after saving.
+Exit status: 0 trained, or stopped by a signal (SIGTERM, as SLURM sends before a time limit)
+after every worker saved and stopped (``--exit-signal-handler``); 2 bad input (as pretrain_gpt);
+75 (EX_TEMPFAIL) when a fresh allocation could help: restarts used up, no plan fits the chips
+left, or stopped by a signal before every worker saved (the ranks that did not are named).
 """
 
 from __future__ import annotations
@@ -205,10 +207,12 @@ def run_attempt(job: Job, plan_path: Path, world: int, attempt: int,
         elastic_launch(config, sys.executable)(*args)
         return Outcome(ok=True)
     except SignalException as exc:
-        saved = len(stopped_local_ranks(stopped))
-        return Outcome(ok=False, signalled=True, all_saved=saved == world,
+        saved = stopped_local_ranks(stopped)
+        missing = sorted(set(range(world)) - set(saved))
+        unsaved = f"; rank(s) {', '.join(map(str, missing))} did not save" if missing else ""
+        return Outcome(ok=False, signalled=True, all_saved=not missing,
                        detected_at=time.time(), detail=f"stopped by signal {exc.sigval.name}; "
-                       f"{saved} of {world} workers saved and stopped")
+                       f"{len(saved)} of {world} workers saved and stopped{unsaved}")
     except ChildFailedError as exc:
         detected = time.time()
         notes = _crash_notes(job.run_dir, attempt)
@@ -271,13 +275,14 @@ def run(job: Job, cfg, launch) -> int:
         if outcome.ok:
             say(f"training finished (attempt {attempt}, plan {plan_path})")
             return 0
+        if outcome.signalled:  # 0 once every worker saved: the job can be resumed as is
+            say(f"attempt {attempt} {outcome.detail}")
+            return 0 if outcome.all_saved else EXIT_TEMPFAIL
         say(f"attempt {attempt} failed: {outcome.detail}")
         if outcome.user_error:
             say("a worker stopped on bad input or a numerical check (exit 2): not a hardware "
                 "fault, so no restart; see its error above")
             return 2
-        if outcome.signalled:  # 0 once every worker saved: the job can be resumed as is
-            return 0 if outcome.all_saved else EXIT_TEMPFAIL
         if attempt == job.max_restarts:
             say(f"--max-restarts {job.max_restarts} used up")
             return EXIT_TEMPFAIL
