@@ -7,10 +7,11 @@
 #
 # Under SLURM (one node per job):
 #   sbatch --nodes 1 scripts/run_elastic.sh --cluster ... -- ...
-# The job is requeueable (#SBATCH --requeue). When the launcher cannot finish on this node (exit
-# 75: --max-restarts used up, no plan fits the chips left, or SLURM signalled the job, e.g. before
-# its time limit, and some worker did not save), the script requeues the job with
-# `scontrol requeue`, at most MAX_REQUEUES times (SLURM_RESTART_COUNT counts them). The requeued
+# The job is requeueable (#SBATCH --requeue). The script requeues the job with `scontrol requeue`,
+# at most MAX_REQUEUES times (SLURM_RESTART_COUNT counts them), when the launcher cannot finish on
+# this node (exit 75: --max-restarts used up, no plan fits the chips left, or a signal stopped a
+# worker that did not save) and when SLURM signalled the job (e.g. 120 s before its time limit)
+# and every worker saved (the launcher exits 0; the script too, after requeueing). The requeued
 # job probes the chips of the node it gets, plans for them and resumes from the checkpoint.
 # Settings (environment): PYTHON (default python3), MAX_REQUEUES (default 3).
 #SBATCH --job-name=megatron_h2_elastic
@@ -27,7 +28,8 @@ MAX_REQUEUES=${MAX_REQUEUES:-3}
 launcher=$!
 # SLURM signals the batch shell: pass it on (with --exit-signal-handler the workers save and
 # stop, and the launcher exits 0; 75 when a worker did not save)
-trap 'kill -TERM "$launcher" 2>/dev/null' TERM INT
+signalled=0
+trap 'signalled=1; kill -TERM "$launcher" 2>/dev/null' TERM INT
 status=0
 while true; do
   wait "$launcher"
@@ -35,7 +37,9 @@ while true; do
   kill -0 "$launcher" 2>/dev/null || break  # wait returned because of a trapped signal
 done
 
-if [ "$status" -eq 75 ] && [ -n "${SLURM_JOB_ID:-}" ]; then
+# stopped by the signal with everything saved: training is not over, the requeued job resumes it
+stopped_saved=$(( status == 0 && signalled == 1 ))
+if { [ "$status" -eq 75 ] || [ "$stopped_saved" -eq 1 ]; } && [ -n "${SLURM_JOB_ID:-}" ]; then
   restarts=${SLURM_RESTART_COUNT:-0}
   if [ "$restarts" -lt "$MAX_REQUEUES" ]; then
     echo "megatron_h2 elastic: requeueing SLURM job $SLURM_JOB_ID (requeue $((restarts + 1)) of $MAX_REQUEUES)"

@@ -8,9 +8,11 @@ import json
 import os
 import re
 import shutil
+import signal
 import stat
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -123,3 +125,30 @@ def test_run_elastic_requeues_under_slurm(tmp_path, status, restarts, requeued):
     lines = calls.read_text().splitlines()
     assert lines[0] == "launcher -m megatron_h2.elastic.launcher --cluster c.yaml -- --save x"
     assert ("scontrol requeue 4242" in lines) == requeued
+
+
+@pytest.mark.e2e
+def test_run_elastic_requeues_after_a_signal_with_everything_saved(tmp_path):
+    """SLURM's time-limit SIGTERM: the launcher saves and exits 0; the script requeues the job
+    (training is not over) and exits 0."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    calls = tmp_path / "calls.txt"
+    started = tmp_path / "started"
+    _stub(bin_dir / "scontrol", f"#!/bin/sh\necho \"scontrol $*\" >> {calls}\n")
+    _stub(bin_dir / "python3", "#!/bin/sh\n"
+          f"trap 'echo \"launcher saved\" >> {calls}; exit 0' TERM\n"
+          f"touch {started}\nwhile true; do sleep 0.1; done\n")
+    env = dict(os.environ, PATH=f"{bin_dir}:{os.environ['PATH']}", SLURM_JOB_ID="4242",
+               SLURM_RESTART_COUNT="0")
+    proc = subprocess.Popen(["bash", str(ROOT / "scripts" / "run_elastic.sh"), "--cluster",
+                             "c.yaml", "--", "--save", "x"], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    deadline = time.monotonic() + 30
+    while not started.exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=30)
+    assert proc.returncode == 0, out
+    lines = calls.read_text().splitlines()
+    assert lines == ["launcher saved", "scontrol requeue 4242"]
