@@ -1,0 +1,48 @@
+"""A torch_dist checkpoint written by Megatron-Core's DistributedOptimizer (Megatron-LM
+``--use-distributed-optimizer --dist-ckpt-optim-fully-reshardable``; fixture made by
+tests/fixtures/megatron/generate_distopt.py): its fp32 main weights, Adam's moments and step
+come over equal to the state the optimizer held when it saved."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+
+from megatron_h2.checkpointing.megatron_read import read_megatron
+from megatron_h2.errors import ConfigError
+from tests.helpers.paths import ROOT
+
+FIXTURE = ROOT / "tests" / "fixtures" / "megatron" / "gpt_distopt"
+ITER = FIXTURE / "fully_reshardable" / "iter_0000002"
+
+
+def test_distributed_optimizer_state_is_the_one_megatron_core_held():
+    state = read_megatron(ITER)
+    held = torch.load(FIXTURE / "optim_reference.pt")
+    assert set(state.model) == set(held)
+    for name, tensors in held.items():
+        assert torch.equal(state.model[name], tensors["param"]), name
+        assert torch.equal(state.optimizer[f"{name}.exp_avg"], tensors["exp_avg"]), name
+        assert torch.equal(state.optimizer[f"{name}.exp_avg_sq"], tensors["exp_avg_sq"]), name
+        assert float(state.optimizer[f"{name}.step"]) == 2.0
+    assert all(t["exp_avg_sq"].abs().sum() > 0 for t in held.values())
+
+
+def test_without_the_optimizer_the_weights_still_come_over():
+    state = read_megatron(ITER, load_optim=False)
+    assert not state.optimizer
+    held = torch.load(FIXTURE / "optim_reference.pt")
+    assert all(torch.equal(state.model[n], t["param"]) for n, t in held.items())
+
+
+def test_a_missing_step_is_one_line(tmp_path):
+    where = tmp_path / "iter_0000002"
+    shutil.copytree(ITER, where)
+    common = torch.load(where / "common.pt", weights_only=False)
+    for group in common["optimizer"]["optimizer"]["param_groups"]:
+        group.pop("step")
+    torch.save(common, where / "common.pt")
+    with pytest.raises(ConfigError, match="no Adam step"):
+        read_megatron(where)
