@@ -172,6 +172,13 @@ def read_torch_dist(ckpt_dir: Path, load_optim: bool = True) -> MegatronState:
     common = safe_torch_load(common_path)
     args, iteration = _check_common(common, common_path)
     config = model_config_from_args(args, common_path)
+    optim = common.get("optimizer")
+    sharding = optim.get("param_state_sharding_type") if isinstance(optim, dict) else None
+    if load_optim and sharding not in (None, "fully_reshardable"):
+        raise ConfigError(f"checkpoint {common_path}: the distributed optimizer's state is "
+                          f"saved {sharding!r}, which this build does not read; load with "
+                          "--no-load-optim, or re-save it with Megatron-LM's "
+                          "--dist-ckpt-optim-fully-reshardable")
     tensors, objects = read_dist_tensors(ckpt_dir, None if load_optim else "optimizer.")
     state = MegatronState(ckpt_dir, "torch_dist", iteration, args, config, {},
                           scheduler=_scheduler(common, common_path))
@@ -212,7 +219,6 @@ def read_torch_dist(ckpt_dir: Path, load_optim: bool = True) -> MegatronState:
                               "model tensor")
         state.model[name] = main
     state.not_read = objects
-    optim = common.get("optimizer")
     if state.optimizer:
         step = _common_step(optim)
         if step is None:

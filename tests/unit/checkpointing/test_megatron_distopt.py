@@ -1,7 +1,8 @@
 """A torch_dist checkpoint written by Megatron-Core's DistributedOptimizer (Megatron-LM
 ``--use-distributed-optimizer --dist-ckpt-optim-fully-reshardable``; fixture made by
 tests/fixtures/megatron/generate_distopt.py): its fp32 main weights, Adam's moments and step
-come over equal to the state the optimizer held when it saved."""
+come over equal to the state the optimizer held when it saved; under Megatron-LM's default
+``dp_reshardable`` sharding, the weights only."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from tests.helpers.paths import ROOT
 
 FIXTURE = ROOT / "tests" / "fixtures" / "megatron" / "gpt_distopt"
 ITER = FIXTURE / "fully_reshardable" / "iter_0000002"
+DP_ITER = FIXTURE / "dp_reshardable" / "iter_0000002"
 
 
 def test_distributed_optimizer_state_is_the_one_megatron_core_held():
@@ -46,3 +48,17 @@ def test_a_missing_step_is_one_line(tmp_path):
     torch.save(common, where / "common.pt")
     with pytest.raises(ConfigError, match="no Adam step"):
         read_megatron(where)
+
+
+def test_megatron_lms_default_sharding_is_refused_in_one_line():
+    """``dp_reshardable`` (flat per-bucket buffers, Megatron-LM's default) is not read."""
+    with pytest.raises(ConfigError, match="saved 'dp_reshardable'.*--no-load-optim") as err:
+        read_megatron(DP_ITER)
+    assert "\n" not in str(err.value)
+
+
+def test_megatron_lms_default_sharding_loads_without_the_optimizer():
+    state = read_megatron(DP_ITER, load_optim=False)
+    held = torch.load(FIXTURE / "optim_reference.pt")
+    assert not state.optimizer
+    assert all(torch.equal(state.model[n], t["param"]) for n, t in held.items())
