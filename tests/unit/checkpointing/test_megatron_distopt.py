@@ -2,7 +2,7 @@
 ``--use-distributed-optimizer --dist-ckpt-optim-fully-reshardable``; fixture made by
 tests/fixtures/megatron/generate_distopt.py): its fp32 main weights, Adam's moments and step
 come over equal to the state the optimizer held when it saved; under Megatron-LM's default
-``dp_reshardable`` sharding, the weights only."""
+``dp_reshardable`` sharding and in the legacy format's ``distrib_optim.pt``, the weights only."""
 
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ from tests.helpers.paths import ROOT
 FIXTURE = ROOT / "tests" / "fixtures" / "megatron" / "gpt_distopt"
 ITER = FIXTURE / "fully_reshardable" / "iter_0000002"
 DP_ITER = FIXTURE / "dp_reshardable" / "iter_0000002"
+LEGACY_ITER = FIXTURE / "torch" / "iter_0000002"
 
 
 def test_distributed_optimizer_state_is_the_one_megatron_core_held():
@@ -59,6 +60,19 @@ def test_megatron_lms_default_sharding_is_refused_in_one_line():
 
 def test_megatron_lms_default_sharding_loads_without_the_optimizer():
     state = read_megatron(DP_ITER, load_optim=False)
+    held = torch.load(FIXTURE / "optim_reference.pt")
+    assert not state.optimizer
+    assert all(torch.equal(state.model[n], t["param"]) for n, t in held.items())
+
+
+def test_legacy_distrib_optim_is_refused_in_one_line():
+    with pytest.raises(ConfigError, match="distrib_optim.pt.*--no-load-optim") as err:
+        read_megatron(LEGACY_ITER)
+    assert "\n" not in str(err.value)
+
+
+def test_legacy_distributed_optimizer_loads_without_the_optimizer():
+    state = read_megatron(LEGACY_ITER, load_optim=False)
     held = torch.load(FIXTURE / "optim_reference.pt")
     assert not state.optimizer
     assert all(torch.equal(state.model[n], t["param"]) for n, t in held.items())
