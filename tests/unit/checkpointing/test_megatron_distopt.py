@@ -33,13 +33,6 @@ def test_distributed_optimizer_state_is_the_one_megatron_core_held():
     assert all(t["exp_avg_sq"].abs().sum() > 0 for t in held.values())
 
 
-def test_without_the_optimizer_the_weights_still_come_over():
-    state = read_megatron(ITER, load_optim=False)
-    assert not state.optimizer
-    held = torch.load(FIXTURE / "optim_reference.pt")
-    assert all(torch.equal(state.model[n], t["param"]) for n, t in held.items())
-
-
 def test_a_missing_step_is_one_line(tmp_path):
     where = tmp_path / "iter_0000002"
     shutil.copytree(ITER, where)
@@ -51,28 +44,19 @@ def test_a_missing_step_is_one_line(tmp_path):
         read_megatron(where)
 
 
-def test_megatron_lms_default_sharding_is_refused_in_one_line():
-    """``dp_reshardable`` (flat per-bucket buffers, Megatron-LM's default) is not read."""
-    with pytest.raises(ConfigError, match="saved 'dp_reshardable'.*--no-load-optim") as err:
-        read_megatron(DP_ITER)
+@pytest.mark.parametrize(("where", "says"), [
+    (DP_ITER, "saved 'dp_reshardable'.*--no-load-optim"),  # Megatron-LM's default sharding
+    (LEGACY_ITER, "distrib_optim.pt.*--no-load-optim"),
+])
+def test_other_layouts_are_refused_in_one_line(where, says):
+    with pytest.raises(ConfigError, match=says) as err:
+        read_megatron(where)
     assert "\n" not in str(err.value)
 
 
-def test_megatron_lms_default_sharding_loads_without_the_optimizer():
-    state = read_megatron(DP_ITER, load_optim=False)
-    held = torch.load(FIXTURE / "optim_reference.pt")
-    assert not state.optimizer
-    assert all(torch.equal(state.model[n], t["param"]) for n, t in held.items())
-
-
-def test_legacy_distrib_optim_is_refused_in_one_line():
-    with pytest.raises(ConfigError, match="distrib_optim.pt.*--no-load-optim") as err:
-        read_megatron(LEGACY_ITER)
-    assert "\n" not in str(err.value)
-
-
-def test_legacy_distributed_optimizer_loads_without_the_optimizer():
-    state = read_megatron(LEGACY_ITER, load_optim=False)
+@pytest.mark.parametrize("where", [ITER, DP_ITER, LEGACY_ITER])
+def test_without_the_optimizer_the_weights_come_over(where):
+    state = read_megatron(where, load_optim=False)
     held = torch.load(FIXTURE / "optim_reference.pt")
     assert not state.optimizer
     assert all(torch.equal(state.model[n], t["param"]) for n, t in held.items())
