@@ -172,11 +172,19 @@ def read_torch_dist(ckpt_dir: Path, load_optim: bool = True) -> MegatronState:
     common = safe_torch_load(common_path)
     args, iteration = _check_common(common, common_path)
     config = model_config_from_args(args, common_path)
+    optim = common.get("optimizer")
+    sharding = optim.get("param_state_sharding_type") if isinstance(optim, dict) else None
+    if load_optim and sharding not in (None, "fully_reshardable"):
+        raise ConfigError(f"checkpoint {common_path}: the distributed optimizer's state is "
+                          f"saved {sharding!r}, which this build does not read; load with "
+                          "--no-load-optim, or re-save it with Megatron-LM's "
+                          "--dist-ckpt-optim-fully-reshardable")
     tensors, objects = read_dist_tensors(ckpt_dir, None if load_optim else "optimizer.")
     state = MegatronState(ckpt_dir, "torch_dist", iteration, args, config, {},
                           scheduler=_scheduler(common, common_path))
     layers = config.num_layers
-    optim_keys = {f"optimizer.state.{k}.": k for k in (*ADAM_KEYS, "fp32_param")}
+    # "param": the distributed optimizer's fp32 main weights in its model-space layouts
+    optim_keys = {f"optimizer.state.{k}.": k for k in (*ADAM_KEYS, "fp32_param", "param")}
     mains: dict[str, torch.Tensor] = {}
     for key, tensor in tensors.items():
         kind = next((k for p, k in optim_keys.items() if key.startswith(p)), None)
@@ -195,7 +203,7 @@ def read_torch_dist(ckpt_dir: Path, load_optim: bool = True) -> MegatronState:
         else:
             pieces = {names: tensor}
         for name, piece in pieces.items():
-            if kind == "fp32_param":
+            if kind in ("fp32_param", "param"):
                 mains[name] = piece.clone()
             elif kind:
                 state.optimizer[f"{name}.{kind}"] = piece.clone()
@@ -211,16 +219,27 @@ def read_torch_dist(ckpt_dir: Path, load_optim: bool = True) -> MegatronState:
                               "model tensor")
         state.model[name] = main
     state.not_read = objects
-    optim = common.get("optimizer")
     if state.optimizer:
-        step = optim.get("state", {}).get("common_step") if isinstance(optim, dict) else None
+        step = _common_step(optim)
         if step is None:
-            raise ConfigError(f"checkpoint {common_path} has optimizer moments but no "
-                              "optimizer.state.common_step")
+            raise ConfigError(f"checkpoint {common_path} has optimizer moments but no Adam "
+                              "step (optimizer.state.common_step or the parameter groups' step)")
         for name in state.model:
             state.optimizer[f"{name}.step"] = torch.as_tensor(step, dtype=torch.float32)
     _check_complete(state)
     return state
+
+
+def _common_step(optim: Any) -> Any:
+    """Adam's step count in ``common.pt``: ``state.common_step`` (Megatron's plain optimizer) or
+    the parameter groups' ``step`` (the distributed optimizer, whose groups all agree)."""
+    if not isinstance(optim, dict):
+        return None
+    if (step := optim.get("state", {}).get("common_step")) is not None:
+        return step
+    groups = optim.get("optimizer", {}).get("param_groups") or [{}]
+    steps = {group.get("step") for group in groups}
+    return steps.pop() if len(steps) == 1 else None
 
 
 # --- legacy torch -------------------------------------------------------------------------------

@@ -1,0 +1,62 @@
+"""A torch_dist checkpoint written by Megatron-Core's DistributedOptimizer (Megatron-LM
+``--use-distributed-optimizer --dist-ckpt-optim-fully-reshardable``; fixture made by
+tests/fixtures/megatron/generate_distopt.py): its fp32 main weights, Adam's moments and step
+come over equal to the state the optimizer held when it saved; under Megatron-LM's default
+``dp_reshardable`` sharding and in the legacy format's ``distrib_optim.pt``, the weights only."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+
+from megatron_h2.checkpointing.megatron_read import read_megatron
+from megatron_h2.errors import ConfigError
+from tests.helpers.paths import ROOT
+
+FIXTURE = ROOT / "tests" / "fixtures" / "megatron" / "gpt_distopt"
+ITER = FIXTURE / "fully_reshardable" / "iter_0000002"
+DP_ITER = FIXTURE / "dp_reshardable" / "iter_0000002"
+LEGACY_ITER = FIXTURE / "torch" / "iter_0000002"
+
+
+def test_distributed_optimizer_state_is_the_one_megatron_core_held():
+    state = read_megatron(ITER)
+    held = torch.load(FIXTURE / "optim_reference.pt")
+    assert set(state.model) == set(held)
+    for name, tensors in held.items():
+        assert torch.equal(state.model[name], tensors["param"]), name
+        assert torch.equal(state.optimizer[f"{name}.exp_avg"], tensors["exp_avg"]), name
+        assert torch.equal(state.optimizer[f"{name}.exp_avg_sq"], tensors["exp_avg_sq"]), name
+        assert float(state.optimizer[f"{name}.step"]) == 2.0
+    assert all(t["exp_avg_sq"].abs().sum() > 0 for t in held.values())
+
+
+def test_a_missing_step_is_one_line(tmp_path):
+    where = tmp_path / "iter_0000002"
+    shutil.copytree(ITER, where)
+    common = torch.load(where / "common.pt", weights_only=False)
+    for group in common["optimizer"]["optimizer"]["param_groups"]:
+        group.pop("step")
+    torch.save(common, where / "common.pt")
+    with pytest.raises(ConfigError, match="no Adam step"):
+        read_megatron(where)
+
+
+@pytest.mark.parametrize(("where", "says"), [
+    (DP_ITER, "saved 'dp_reshardable'.*--no-load-optim"),  # Megatron-LM's default sharding
+    (LEGACY_ITER, "distrib_optim.pt.*--no-load-optim"),
+])
+def test_other_layouts_are_refused_in_one_line(where, says):
+    with pytest.raises(ConfigError, match=says) as err:
+        read_megatron(where)
+    assert "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("where", [ITER, DP_ITER, LEGACY_ITER])
+def test_without_the_optimizer_the_weights_come_over(where):
+    state = read_megatron(where, load_optim=False)
+    held = torch.load(FIXTURE / "optim_reference.pt")
+    assert not state.optimizer
+    assert all(torch.equal(state.model[n], t["param"]) for n, t in held.items())
