@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import warnings
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch.distributed.checkpoint import FileSystemReader
@@ -17,6 +18,7 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
+from megatron_h2.checkpointing.megatron_names import safe_torch_load
 from megatron_h2.errors import ConfigError
 
 DIST_METADATA = ".metadata"
@@ -94,3 +96,22 @@ def read_dist_tensors(ckpt_dir: Path, skip: str | None = None
         raise ConfigError(f"checkpoint {ckpt_dir}: a tensor file is corrupt "
                           f"({_first_line(exc)})") from None
     return tensors, sorted(objects)
+
+
+def read_dist_objects(ckpt_dir: Path, keys: list[str]) -> dict[str, Any]:
+    """The byte objects ``keys`` (pickled by Megatron-Core), unpickled without running code
+    (:func:`~.megatron_names.safe_torch_load`); a missing or damaged one is one line."""
+    meta = read_dist_metadata(ckpt_dir)
+    where = {index.fqn: info for index, info in meta.storage_data.items()}
+    found: dict[str, Any] = {}
+    for key in keys:
+        info = where.get(key)
+        if info is None or not isinstance(meta.state_dict_metadata.get(key),
+                                          BytesStorageMetadata):
+            raise ConfigError(f"checkpoint {ckpt_dir} has no object {key}")
+        path = ckpt_dir / str(info.relative_path)
+        with open(path, "rb") as file:
+            file.seek(int(info.offset))
+            data = file.read(int(info.length))
+        found[key] = safe_torch_load(path, data)
+    return found

@@ -12,6 +12,7 @@ checkpoint holds (``padded_vocab_size`` is the vocabulary).
 from __future__ import annotations
 
 import argparse
+import io
 import pickle
 import re
 from dataclasses import fields
@@ -110,16 +111,19 @@ def _stand_in(qualified: str) -> tuple[type, str]:
     return type(name or "Unknown", (_Opaque,), {"__module__": module or "unknown"}), qualified
 
 
-def safe_torch_load(path: Path) -> Any:
-    """``torch.load`` of a Megatron-LM file without executing anything it names: tensors and
-    containers as usual, ``argparse.Namespace`` as itself, any other class as an inert
-    stand-in. A file that is not a readable torch file is one line naming it."""
+def safe_torch_load(path: Path, data: bytes | None = None) -> Any:
+    """``torch.load`` of a Megatron-LM file (or of ``data``, an object stored inside ``path``)
+    without executing anything it names: tensors and containers as usual,
+    ``argparse.Namespace`` as itself, any other class as an inert stand-in. A file that is not
+    a readable torch file is one line naming it."""
     try:
-        wanted = torch.serialization.get_unsafe_globals_in_checkpoint(str(path))
+        wanted = torch.serialization.get_unsafe_globals_in_checkpoint(
+            str(path) if data is None else io.BytesIO(data))
         allowed: list[Any] = [argparse.Namespace] + [
             _stand_in(q) for q in wanted if q != "argparse.Namespace"]
         with torch.serialization.safe_globals(allowed):
-            return torch.load(str(path), map_location="cpu", weights_only=True)
+            return torch.load(str(path) if data is None else io.BytesIO(data),
+                              map_location="cpu", weights_only=True)
     except FileNotFoundError:
         raise ConfigError(f"checkpoint file {path} is missing") from None
     except (RuntimeError, pickle.UnpicklingError, EOFError, OSError, ValueError, KeyError,

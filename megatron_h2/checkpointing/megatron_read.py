@@ -32,6 +32,8 @@ import torch
 
 from megatron_h2.checkpointing.hf_tensors import megatron_shapes
 from megatron_h2.checkpointing.megatron_dist import read_dist_tensors
+from megatron_h2.checkpointing.megatron_distopt import PREFIX as DISTOPT_PREFIX
+from megatron_h2.checkpointing.megatron_distopt import read_dp_reshardable
 from megatron_h2.checkpointing.megatron_names import (
     CHECKPOINT_VERSION,
     DIST_NORM_NAMES,
@@ -174,7 +176,7 @@ def read_torch_dist(ckpt_dir: Path, load_optim: bool = True) -> MegatronState:
     config = model_config_from_args(args, common_path)
     optim = common.get("optimizer")
     sharding = optim.get("param_state_sharding_type") if isinstance(optim, dict) else None
-    if load_optim and sharding not in (None, "fully_reshardable"):
+    if load_optim and sharding not in (None, "fully_reshardable", "dp_reshardable"):
         raise ConfigError(f"checkpoint {common_path}: the distributed optimizer's state is "
                           f"saved {sharding!r}, which this build does not read; load with "
                           "--no-load-optim, or re-save it with Megatron-LM's "
@@ -182,6 +184,12 @@ def read_torch_dist(ckpt_dir: Path, load_optim: bool = True) -> MegatronState:
     tensors, objects = read_dist_tensors(ckpt_dir, None if load_optim else "optimizer.")
     state = MegatronState(ckpt_dir, "torch_dist", iteration, args, config, {},
                           scheduler=_scheduler(common, common_path))
+    flat_mains: dict[str, torch.Tensor] = {}
+    if load_optim and sharding == "dp_reshardable":
+        flat = {k: tensors.pop(k) for k in list(tensors) if k.startswith(DISTOPT_PREFIX)}
+        flat_mains, state.optimizer = read_dp_reshardable(
+            ckpt_dir, flat, objects, megatron_shapes(config), args)
+        objects = [k for k in objects if not k.startswith(DISTOPT_PREFIX)]
     layers = config.num_layers
     # "param": the distributed optimizer's fp32 main weights in its model-space layouts
     optim_keys = {f"optimizer.state.{k}.": k for k in (*ADAM_KEYS, "fp32_param", "param")}
@@ -209,6 +217,7 @@ def read_torch_dist(ckpt_dir: Path, load_optim: bool = True) -> MegatronState:
                 state.optimizer[f"{name}.{kind}"] = piece.clone()
             else:
                 state.model[name] = piece.clone()
+    mains = mains or flat_mains
     if mains and set(mains) != set(state.model):
         missing = sorted(set(state.model) - set(mains))
         raise ConfigError(f"checkpoint {ckpt_dir} has fp32 main weights for some parameters but "
@@ -219,7 +228,7 @@ def read_torch_dist(ckpt_dir: Path, load_optim: bool = True) -> MegatronState:
                               "model tensor")
         state.model[name] = main
     state.not_read = objects
-    if state.optimizer:
+    if state.optimizer and not flat_mains:
         step = _common_step(optim)
         if step is None:
             raise ConfigError(f"checkpoint {common_path} has optimizer moments but no Adam "

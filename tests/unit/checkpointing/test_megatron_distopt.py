@@ -1,8 +1,9 @@
-"""A torch_dist checkpoint written by Megatron-Core's DistributedOptimizer (Megatron-LM
-``--use-distributed-optimizer --dist-ckpt-optim-fully-reshardable``; fixture made by
-tests/fixtures/megatron/generate_distopt.py): its fp32 main weights, Adam's moments and step
-come over equal to the state the optimizer held when it saved; under Megatron-LM's default
-``dp_reshardable`` sharding and in the legacy format's ``distrib_optim.pt``, the weights only."""
+"""torch_dist checkpoints written by Megatron-Core's DistributedOptimizer (Megatron-LM
+``--use-distributed-optimizer``, with its default ``dp_reshardable`` sharding and with
+``--dist-ckpt-optim-fully-reshardable``; fixtures made by
+tests/fixtures/megatron/generate_distopt.py): their fp32 main weights, Adam's moments and step
+come over equal to the state the optimizer held when it saved; from the legacy format's
+``distrib_optim.pt``, the weights only."""
 
 from __future__ import annotations
 
@@ -21,8 +22,9 @@ DP_ITER = FIXTURE / "dp_reshardable" / "iter_0000002"
 LEGACY_ITER = FIXTURE / "torch" / "iter_0000002"
 
 
-def test_distributed_optimizer_state_is_the_one_megatron_core_held():
-    state = read_megatron(ITER)
+@pytest.mark.parametrize("where", [ITER, DP_ITER])
+def test_distributed_optimizer_state_is_the_one_megatron_core_held(where):
+    state = read_megatron(where)
     held = torch.load(FIXTURE / "optim_reference.pt")
     assert set(state.model) == set(held)
     for name, tensors in held.items():
@@ -44,13 +46,19 @@ def test_a_missing_step_is_one_line(tmp_path):
         read_megatron(where)
 
 
-@pytest.mark.parametrize(("where", "says"), [
-    (DP_ITER, "saved 'dp_reshardable'.*--no-load-optim"),  # Megatron-LM's default sharding
-    (LEGACY_ITER, "distrib_optim.pt.*--no-load-optim"),
-])
-def test_other_layouts_are_refused_in_one_line(where, says):
-    with pytest.raises(ConfigError, match=says) as err:
+def test_another_sharding_is_refused_in_one_line(tmp_path):
+    where = tmp_path / "iter_0000002"
+    shutil.copytree(DP_ITER, where)
+    common = torch.load(where / "common.pt", weights_only=False)
+    common["optimizer"]["param_state_sharding_type"] = "fully_sharded_model_space"
+    torch.save(common, where / "common.pt")
+    with pytest.raises(ConfigError, match="saved 'fully_sharded_model_space'.*--no-load-optim"):
         read_megatron(where)
+
+
+def test_the_legacy_distributed_optimizer_is_refused_in_one_line():
+    with pytest.raises(ConfigError, match="distrib_optim.pt.*--no-load-optim") as err:
+        read_megatron(LEGACY_ITER)
     assert "\n" not in str(err.value)
 
 

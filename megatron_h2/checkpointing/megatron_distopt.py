@@ -1,0 +1,175 @@
+"""Megatron-Core's distributed-optimizer state saved ``dp_reshardable`` (Megatron-LM's default
+``torch_dist`` sharding): Adam's moments and the fp32 main weights as flat buffers, one per
+gradient bucket, under ``optimizer.distributed.dp_group_idx_G.gbuf_idx_B.dtype_(...)
+.bucket_idx_K.{param,exp_avg,exp_avg_sq}``, with the bucket sizes
+(``per_bucket_numel[_unpadded]/shard_R_N``) and the parameter groups with Adam's step
+(``optimizer/shard_R_N``) as pickled objects beside them.
+
+The layout inside a bucket is Megatron-Core's (megatron/core/distributed/
+param_and_grad_buffer.py, megatron/core/optimizer/param_layout.py): the parameters in reverse
+``named_parameters()`` order, each starting at a multiple of 64 elements. It is computed from
+the model the checkpoint's args describe and must reproduce the saved unpadded bucket size
+exactly, else one line. Read at TP 1, PP 1, one data-parallel rank and one bucket (the layouts
+checked against checkpoints Megatron-Core wrote); others are refused in one line.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from megatron_h2.checkpointing.megatron_dist import read_dist_objects
+from megatron_h2.errors import ConfigError
+
+PREFIX = "optimizer.distributed."
+PARAM_ALIGN = 64  # Megatron-Core's pad_param_start
+KINDS = ("param", "exp_avg", "exp_avg_sq")
+_BUFFER = re.compile(r"^optimizer\.distributed\.dp_group_idx_(\d+)\.gbuf_idx_(\d+)\."
+                     r"dtype_(\(.*\))\.bucket_idx_(\d+)\.(\w+)$")
+_OBJECT = re.compile(r"^optimizer\.distributed\.dp_group_idx_(\d+)\.(\w+)/shard_(\d+)_(\d+)$")
+
+# Megatron-Core's module order: the embedding, each layer's modules, the final norm, the head.
+_TOP_ORDER = ("embedding.word_embeddings.", "embedding.position_embeddings.", "decoder.layers.",
+              "decoder.final_layernorm.", "output_layer.")
+_LAYER_ORDER = ("input_layernorm.", "self_attention.linear_proj.", "self_attention.linear_qkv.",
+                "self_attention.q_layernorm.", "self_attention.k_layernorm.",
+                "pre_mlp_layernorm.", "mlp.linear_fc1.", "mlp.linear_fc2.")
+_LEAF_ORDER = ("weight", "bias")
+
+
+def _position(name: str, where: Path) -> tuple[int, ...]:
+    """Where ``name`` comes in Megatron-Core's ``named_parameters()``."""
+    top = next((i for i, p in enumerate(_TOP_ORDER) if name.startswith(p)), None)
+    rest = name[len(_TOP_ORDER[top]):] if top is not None else ""
+    layer, sub = 0, rest
+    if top == 2:
+        index, _, sub = rest.partition(".")
+        layer = int(index) if index.isdigit() else -1
+    module = 0 if top != 2 else next((i for i, p in enumerate(_LAYER_ORDER)
+                                      if sub.startswith(p)), None)
+    leaf = sub.rsplit(".", 1)[-1]
+    if top is None or module is None or layer < 0 or leaf not in _LEAF_ORDER:
+        raise ConfigError(f"checkpoint {where}: the place of parameter {name} in the "
+                          "distributed optimizer's buffer is not known to this build; load "
+                          "with --no-load-optim")
+    return top, layer, module, _LEAF_ORDER.index(leaf)
+
+
+def buffer_layout(shapes: dict[str, tuple[int, ...]], where: Path
+                  ) -> tuple[dict[str, tuple[int, int]], int]:
+    """Name -> (start, end) in the buffer, and the buffer's unpadded size: the parameters in
+    reverse module order, each start padded to a multiple of 64."""
+    order = sorted(shapes, key=lambda n: _position(n, where), reverse=True)
+    layout: dict[str, tuple[int, int]] = {}
+    start = 0
+    for name in order:
+        start = -(-start // PARAM_ALIGN) * PARAM_ALIGN
+        numel = int(torch.Size(shapes[name]).numel())
+        layout[name] = (start, start + numel)
+        start += numel
+    return layout, start
+
+
+def _one_line(ckpt_dir: Path, what: str) -> ConfigError:
+    return ConfigError(f"checkpoint {ckpt_dir}: the distributed optimizer's state (saved "
+                       f"'dp_reshardable') {what}; load with --no-load-optim")
+
+
+def _buffers(ckpt_dir: Path, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The flat buffers by kind, after checking that there is one group, buffer and bucket."""
+    found: dict[str, torch.Tensor] = {}
+    for key, tensor in tensors.items():
+        match = _BUFFER.match(key)
+        if match is None:
+            raise _one_line(ckpt_dir, f"holds tensor {key}, which this build does not read")
+        group, gbuf, _, bucket, kind = match.groups()
+        if (group, gbuf, bucket) != ("0", "0", "0"):
+            raise _one_line(ckpt_dir, f"has several groups, buffers or buckets ({key}); this "
+                            "build reads one bucket (a model of under 40M parameters)")
+        if kind not in KINDS or tensor.dim() != 1:
+            raise _one_line(ckpt_dir, f"holds {key} of shape {tuple(tensor.shape)}, not a "
+                            f"flat {'/'.join(KINDS)} buffer")
+        found[kind] = tensor
+    missing = [k for k in KINDS if k not in found]
+    if missing:
+        raise _one_line(ckpt_dir, f"has no {missing[0]} buffer; a file is incomplete")
+    if len({t.numel() for t in found.values()}) != 1:
+        raise _one_line(ckpt_dir, "has buffers of different sizes; a file is corrupt")
+    return found
+
+
+def _objects(ckpt_dir: Path, objects: list[str]) -> dict[str, Any]:
+    """The pickled bucket sizes and parameter groups, keyed by their name (one DP rank)."""
+    keys: dict[str, str] = {}
+    for key in objects:
+        match = _OBJECT.match(key)
+        if match is None:
+            continue
+        group, name, rank, ranks = match.groups()
+        if (group, rank, ranks) != ("0", "0", "1"):
+            raise _one_line(ckpt_dir, f"was saved by {ranks} data-parallel ranks or several "
+                            f"groups ({key}); this build reads one rank's")
+        keys[name] = key
+    want = ("per_bucket_numel", "per_bucket_numel_unpadded", "optimizer")
+    lacking = [n for n in want if n not in keys]
+    if lacking:
+        raise _one_line(ckpt_dir, f"has no object {lacking[0]}; a file is incomplete")
+    read = read_dist_objects(ckpt_dir, [keys[n] for n in want])
+    return {n: read[keys[n]] for n in want}
+
+
+def _bucket_numel(value: Any, name: str, ckpt_dir: Path) -> int:
+    """The one bucket size in ``[[{dtypes: [numel]}]]`` (per model chunk, per buffer)."""
+    try:
+        (chunk,) = value
+        (gbuf,) = chunk
+        ((numel,),) = gbuf.values()
+        return int(numel)
+    except (TypeError, ValueError, AttributeError):
+        raise _one_line(ckpt_dir, f"has {name} {str(value)[:60]}, not one bucket of one "
+                        "buffer") from None
+
+
+def _step(value: Any, ckpt_dir: Path) -> float:
+    try:
+        steps = {group["step"] for entry in value for group in entry["param_groups"]}
+    except (TypeError, KeyError, AttributeError):
+        raise _one_line(ckpt_dir, "has parameter groups without Adam's step") from None
+    if len(steps) != 1 or not isinstance(next(iter(steps)), int | float):
+        raise _one_line(ckpt_dir, f"has parameter groups with steps {sorted(map(str, steps))}"
+                        "; expected one number")
+    return float(steps.pop())
+
+
+def read_dp_reshardable(ckpt_dir: Path, tensors: dict[str, torch.Tensor], objects: list[str],
+                        shapes: dict[str, tuple[int, ...]], args: dict[str, Any]
+                        ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """From the optimizer's ``tensors`` and ``objects`` of a torch_dist checkpoint: the fp32
+    main weights by name, and Adam's state keyed ``<name>.exp_avg|exp_avg_sq|step``."""
+    sizes = {k: args.get(k) for k in ("tensor_model_parallel_size",
+                                      "pipeline_model_parallel_size")}
+    if any(v not in (None, 1) for v in sizes.values()):
+        raise _one_line(ckpt_dir, f"is not read at {sizes}; this build reads TP 1 / PP 1")
+    buffers = _buffers(ckpt_dir, tensors)
+    found = _objects(ckpt_dir, objects)
+    numel = _bucket_numel(found["per_bucket_numel"], "per_bucket_numel", ckpt_dir)
+    unpadded = _bucket_numel(found["per_bucket_numel_unpadded"], "per_bucket_numel_unpadded",
+                             ckpt_dir)
+    layout, end = buffer_layout(shapes, ckpt_dir)
+    if end != unpadded or numel != buffers["param"].numel() or unpadded > numel:
+        raise _one_line(ckpt_dir, f"has a bucket of {unpadded} elements ({numel} padded, "
+                        f"buffers of {buffers['param'].numel()}); the model its args describe "
+                        f"lays out {end}")
+    step = torch.tensor(_step(found["optimizer"], ckpt_dir), dtype=torch.float32)
+    mains: dict[str, torch.Tensor] = {}
+    state: dict[str, torch.Tensor] = {}
+    for name, (start, stop) in layout.items():
+        piece = {k: b[start:stop].view(shapes[name]).clone() for k, b in buffers.items()}
+        mains[name] = piece["param"]
+        state[f"{name}.exp_avg"] = piece["exp_avg"]
+        state[f"{name}.exp_avg_sq"] = piece["exp_avg_sq"]
+        state[f"{name}.step"] = step.clone()
+    return mains, state

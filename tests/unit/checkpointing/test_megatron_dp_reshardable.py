@@ -1,0 +1,112 @@
+"""The ``dp_reshardable`` distributed-optimizer layout (Megatron-LM's default): the computed
+buffer layout matches the bucket Megatron-Core saved, a model that would lay out differently
+is one line, and damaged or unread variants of the fixture's buffers and objects are each one
+line (the reading of the fixture itself is compared with Megatron-Core's state in
+test_megatron_distopt.py)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+import torch
+
+from megatron_h2.checkpointing.hf_tensors import megatron_shapes
+from megatron_h2.checkpointing.megatron_dist import read_dist_tensors
+from megatron_h2.checkpointing.megatron_distopt import PREFIX, buffer_layout, read_dp_reshardable
+from megatron_h2.checkpointing.megatron_read import read_megatron
+from megatron_h2.errors import ConfigError
+from tests.helpers.paths import ROOT
+
+DP_ITER = ROOT / "tests" / "fixtures" / "megatron" / "gpt_distopt" / "dp_reshardable" \
+    / "iter_0000002"
+BUCKET = "optimizer.distributed.dp_group_idx_0.gbuf_idx_0.dtype_(torch.float32, " \
+    "torch.float32).bucket_idx_0."
+
+
+@pytest.fixture(scope="module")
+def saved():
+    """The fixture's optimizer tensors and object names, its model's shapes and its args."""
+    state = read_megatron(DP_ITER, load_optim=False)
+    tensors, objects = read_dist_tensors(DP_ITER)
+    flat = {k: v for k, v in tensors.items() if k.startswith(PREFIX)}
+    return flat, objects, megatron_shapes(state.config), state.args
+
+
+def test_the_layout_ends_where_megatron_cores_bucket_does(saved):
+    flat, _, shapes, _ = saved
+    layout, end = buffer_layout(shapes, DP_ITER)
+    assert end == flat[BUCKET + "param"].numel() == 8448  # per_bucket_numel_unpadded
+    assert all(start % 64 == 0 for start, _ in layout.values())
+    # reverse module order (the fixture ties its head to the embedding): the last first
+    assert layout["decoder.final_layernorm.bias"][0] == 0
+    assert max(layout.values())[0] == layout["embedding.word_embeddings.weight"][0]
+
+
+def _drop_bias(flat, objects, shapes, args):
+    shapes = {k: v for k, v in shapes.items() if k != "decoder.final_layernorm.bias"}
+    return flat, objects, shapes, args
+
+
+def _rename(old: str, new: str) -> Callable:
+    def change(flat, objects, shapes, args):
+        flat = {k.replace(old, new): v for k, v in flat.items()}
+        return flat, [k.replace(old, new) for k in objects], shapes, args
+    return change
+
+
+def _without(key: str) -> Callable:
+    def change(flat, objects, shapes, args):
+        return {k: v for k, v in flat.items() if not k.endswith(key)}, \
+            [k for k in objects if key not in k], shapes, args
+    return change
+
+
+def _shorter(flat, objects, shapes, args):
+    return {**flat, BUCKET + "exp_avg": flat[BUCKET + "exp_avg"][:-128]}, objects, shapes, args
+
+
+def _all_shorter(flat, objects, shapes, args):
+    return {k: v[:-128] for k, v in flat.items()}, objects, shapes, args
+
+
+def _tp2(flat, objects, shapes, args):
+    return flat, objects, shapes, {**args, "tensor_model_parallel_size": 2}
+
+
+def _unknown_parameter(flat, objects, shapes, args):
+    return flat, objects, {**shapes, "decoder.layers.0.mlp.router.weight": (4, 64)}, args
+
+
+@pytest.mark.parametrize(("change", "says"), [
+    (_drop_bias, "bucket of 8448 elements.*lays out 8384"),
+    (_rename("bucket_idx_0", "bucket_idx_1"), "several groups, buffers or buckets"),
+    (_rename("gbuf_idx_0", "gbuf_idx_1"), "several groups, buffers or buckets"),
+    (_rename("shard_0_1", "shard_0_2"), "2 data-parallel ranks"),
+    (_without(".exp_avg_sq"), "no exp_avg_sq buffer"),
+    (_without("per_bucket_numel_unpadded"), "no object per_bucket_numel_unpadded"),
+    (_without("optimizer/shard_0_1"), "no object optimizer"),
+    (_rename(".param", ".master"), "holds .*master of shape.*not a flat"),
+    (_shorter, "buffers of different sizes"),
+    (_all_shorter, "buffers of 8320"),
+    (_tp2, "not read at .*TP 1 / PP 1"),
+    (_unknown_parameter, "mlp.router.weight in the distributed optimizer's buffer is not known"),
+])
+def test_what_cannot_be_read_is_one_line(saved, change, says):
+    flat, objects, shapes, args = change(*saved)
+    with pytest.raises(ConfigError, match=says) as err:
+        read_dp_reshardable(DP_ITER, flat, objects, shapes, args)
+    assert "\n" not in str(err.value) and "--no-load-optim" in str(err.value)
+
+
+def test_a_layout_shifted_by_one_parameter_would_not_match(saved):
+    """The read is exact: the fixture's buffers taken at the computed offsets are the tensors;
+    the same buffer read from another offset is not (the test would catch a wrong order)."""
+    flat, objects, shapes, args = saved
+    mains, state = read_dp_reshardable(DP_ITER, flat, objects, shapes, args)
+    layout, _ = buffer_layout(shapes, DP_ITER)
+    name = "decoder.layers.0.self_attention.linear_qkv.weight"
+    start, stop = layout[name]
+    assert torch.equal(mains[name].flatten(), flat[BUCKET + "param"][start:stop])
+    assert not torch.equal(mains[name].flatten(), flat[BUCKET + "param"][start + 64:stop + 64])
+    assert float(state[f"{name}.step"]) == 2.0
