@@ -1,9 +1,13 @@
-"""Megatron-Core's distributed-optimizer state saved ``dp_reshardable`` (Megatron-LM's default
-``torch_dist`` sharding): Adam's moments and the fp32 main weights as flat buffers, one per
-gradient bucket, under ``optimizer.distributed.dp_group_idx_G.gbuf_idx_B.dtype_(...)
-.bucket_idx_K.{param,exp_avg,exp_avg_sq}``, with the bucket sizes
-(``per_bucket_numel[_unpadded]/shard_R_N``) and the parameter groups with Adam's step
-(``optimizer/shard_R_N``) as pickled objects beside them.
+"""Megatron-Core's distributed-optimizer state as flat buffers of Adam's moments and the fp32
+main weights, in two files:
+
+- ``torch_dist`` saved ``dp_reshardable`` (Megatron-LM's default sharding): one buffer per
+  gradient bucket, under ``optimizer.distributed.dp_group_idx_G.gbuf_idx_B.dtype_(...)
+  .bucket_idx_K.{param,exp_avg,exp_avg_sq}``, with the bucket sizes
+  (``per_bucket_numel[_unpadded]/shard_R_N``) and the parameter groups with Adam's step
+  (``optimizer/shard_R_N``) as pickled objects beside them;
+- the legacy format's ``distrib_optim.pt`` beside ``model_optim_rng.pt`` (whose optimizer
+  entry holds the parameter groups with the step): the buckets coalesced per buffer.
 
 The layout inside a bucket is Megatron-Core's (megatron/core/distributed/
 param_and_grad_buffer.py, megatron/core/optimizer/param_layout.py): the parameters in reverse
@@ -22,6 +26,7 @@ from typing import Any
 import torch
 
 from megatron_h2.checkpointing.megatron_dist import read_dist_objects
+from megatron_h2.checkpointing.megatron_names import safe_torch_load
 from megatron_h2.errors import ConfigError
 
 PREFIX = "optimizer.distributed."
@@ -73,9 +78,9 @@ def buffer_layout(shapes: dict[str, tuple[int, ...]], where: Path
     return layout, start
 
 
-def _one_line(ckpt_dir: Path, what: str) -> ConfigError:
-    return ConfigError(f"checkpoint {ckpt_dir}: the distributed optimizer's state (saved "
-                       f"'dp_reshardable') {what}; load with --no-load-optim")
+def _one_line(where: Path, what: str) -> ConfigError:
+    return ConfigError(f"checkpoint {where}: the distributed optimizer's state {what}; load "
+                       "with --no-load-optim")
 
 
 def _buffers(ckpt_dir: Path, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -88,7 +93,7 @@ def _buffers(ckpt_dir: Path, tensors: dict[str, torch.Tensor]) -> dict[str, torc
         group, gbuf, _, bucket, kind = match.groups()
         if (group, gbuf, bucket) != ("0", "0", "0"):
             raise _one_line(ckpt_dir, f"has several groups, buffers or buckets ({key}); this "
-                            "build reads one bucket (a model of under 40M parameters)")
+                            "build reads one bucket (several come with --overlap-grad-reduce)")
         if kind not in KINDS or tensor.dim() != 1:
             raise _one_line(ckpt_dir, f"holds {key} of shape {tuple(tensor.shape)}, not a "
                             f"flat {'/'.join(KINDS)} buffer")
@@ -144,26 +149,17 @@ def _step(value: Any, ckpt_dir: Path) -> float:
     return float(steps.pop())
 
 
-def read_dp_reshardable(ckpt_dir: Path, tensors: dict[str, torch.Tensor], objects: list[str],
-                        shapes: dict[str, tuple[int, ...]], args: dict[str, Any]
-                        ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-    """From the optimizer's ``tensors`` and ``objects`` of a torch_dist checkpoint: the fp32
-    main weights by name, and Adam's state keyed ``<name>.exp_avg|exp_avg_sq|step``."""
-    sizes = {k: args.get(k) for k in ("tensor_model_parallel_size",
-                                      "pipeline_model_parallel_size")}
-    if any(v not in (None, 1) for v in sizes.values()):
-        raise _one_line(ckpt_dir, f"is not read at {sizes}; this build reads TP 1 / PP 1")
-    buffers = _buffers(ckpt_dir, tensors)
-    found = _objects(ckpt_dir, objects)
-    numel = _bucket_numel(found["per_bucket_numel"], "per_bucket_numel", ckpt_dir)
-    unpadded = _bucket_numel(found["per_bucket_numel_unpadded"], "per_bucket_numel_unpadded",
-                             ckpt_dir)
-    layout, end = buffer_layout(shapes, ckpt_dir)
+def _unflatten(where: Path, buffers: dict[str, torch.Tensor], unpadded: int, numel: int,
+               shapes: dict[str, tuple[int, ...]], step: float
+               ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """The fp32 main weights by name and Adam's state keyed ``<name>.exp_avg|exp_avg_sq|step``
+    from one bucket's flat ``buffers``, after checking the computed layout against the saved
+    sizes (``unpadded``: what the parameters span, ``numel``: with the end padding)."""
+    layout, end = buffer_layout(shapes, where)
     if end != unpadded or numel != buffers["param"].numel() or unpadded > numel:
-        raise _one_line(ckpt_dir, f"has a bucket of {unpadded} elements ({numel} padded, "
+        raise _one_line(where, f"has a bucket of {unpadded} elements ({numel} padded, "
                         f"buffers of {buffers['param'].numel()}); the model its args describe "
                         f"lays out {end}")
-    step = torch.tensor(_step(found["optimizer"], ckpt_dir), dtype=torch.float32)
     mains: dict[str, torch.Tensor] = {}
     state: dict[str, torch.Tensor] = {}
     for name, (start, stop) in layout.items():
@@ -171,5 +167,65 @@ def read_dp_reshardable(ckpt_dir: Path, tensors: dict[str, torch.Tensor], object
         mains[name] = piece["param"]
         state[f"{name}.exp_avg"] = piece["exp_avg"]
         state[f"{name}.exp_avg_sq"] = piece["exp_avg_sq"]
-        state[f"{name}.step"] = step.clone()
+        state[f"{name}.step"] = torch.tensor(step, dtype=torch.float32)
     return mains, state
+
+
+def _check_sizes(where: Path, args: dict[str, Any]) -> None:
+    sizes = {k: args.get(k) for k in ("tensor_model_parallel_size",
+                                      "pipeline_model_parallel_size")}
+    if any(v not in (None, 1) for v in sizes.values()):
+        raise _one_line(where, f"is not read at {sizes}; this build reads TP 1 / PP 1")
+
+
+def read_dp_reshardable(ckpt_dir: Path, tensors: dict[str, torch.Tensor], objects: list[str],
+                        shapes: dict[str, tuple[int, ...]], args: dict[str, Any]
+                        ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """From the optimizer's ``tensors`` and ``objects`` of a torch_dist checkpoint: the fp32
+    main weights by name, and Adam's state keyed ``<name>.exp_avg|exp_avg_sq|step``."""
+    _check_sizes(ckpt_dir, args)
+    buffers = _buffers(ckpt_dir, tensors)
+    found = _objects(ckpt_dir, objects)
+    numel = _bucket_numel(found["per_bucket_numel"], "per_bucket_numel", ckpt_dir)
+    unpadded = _bucket_numel(found["per_bucket_numel_unpadded"], "per_bucket_numel_unpadded",
+                             ckpt_dir)
+    return _unflatten(ckpt_dir, buffers, unpadded, numel, shapes,
+                      _step(found["optimizer"], ckpt_dir))
+
+
+def read_distrib_optim(path: Path, optim: Any, shapes: dict[str, tuple[int, ...]],
+                       args: dict[str, Any]) -> dict[str, torch.Tensor]:
+    """The legacy format's ``distrib_optim.pt`` (``{"buckets_coalesced": True, 0: {dtypes:
+    {param, exp_avg, exp_avg_sq, numel_unpadded}}}``) beside ``model_optim_rng.pt``, whose
+    ``optim`` holds the parameter groups with Adam's step: keyed ``<name>.main|exp_avg|
+    exp_avg_sq|step`` (one data-parallel rank's save, one bucket)."""
+    _check_sizes(path, args)
+    dp = args.get("data_parallel_size")
+    if dp not in (None, 1):
+        raise _one_line(path, f"was saved by {dp} data-parallel ranks; this build reads one's")
+    # Megatron-Core makes one bucket unless --overlap-grad-reduce; then --ddp-bucket-size,
+    # by default 40M elements at DP 1
+    bucket_size = ((args.get("ddp_bucket_size") or 40_000_000)
+                   if args.get("overlap_grad_reduce") else float("inf"))
+    saved = safe_torch_load(path)
+    try:
+        coalesced = saved.get("buckets_coalesced")
+        (gbuf,) = [v for k, v in saved.items() if k != "buckets_coalesced"]
+        (entry,) = gbuf.values()
+        buffers = {k: entry[k] for k in KINDS}
+        unpadded = int(entry["numel_unpadded"])
+    except (AttributeError, ValueError, KeyError, TypeError):
+        raise _one_line(path, "is not one buffer of param / exp_avg / exp_avg_sq / "
+                        "numel_unpadded") from None
+    if coalesced is not True or not all(isinstance(b, torch.Tensor) and b.dim() == 1
+                                        for b in buffers.values()):
+        raise _one_line(path, "is not saved as flat coalesced buffers")
+    if len({b.numel() for b in buffers.values()}) != 1:
+        raise _one_line(path, "has buffers of different sizes; the file is corrupt")
+    if unpadded >= bucket_size:
+        raise _one_line(path, f"spans {unpadded} elements, several gradient buckets of "
+                        f"{bucket_size}; this build reads one bucket")
+    groups = optim.get("optimizer") if isinstance(optim, dict) else None
+    mains, state = _unflatten(path, buffers, unpadded, buffers["param"].numel(), shapes,
+                              _step([groups], path))
+    return {**state, **{f"{name}.main": main for name, main in mains.items()}}

@@ -15,7 +15,8 @@ Two formats, found in ``DIR/iter_NNNNNNN/`` next to ``DIR/latest_checkpointed_it
   partitioning (:func:`~.megatron_names.tp_rule`).
 
 Optimizer state comes over where present: Adam's moments and step, and the fp32 main weights of
-a mixed-precision run (which then are the weights, as in our own checkpoints). Strict: every
+a mixed-precision run (which then are the weights, as in our own checkpoints); the distributed
+optimizer's flat buffers are read by :mod:`~.megatron_distopt`. Strict: every
 tensor of the model must be found, every tensor of the checkpoint is used or named in an error,
 and a bad file is one line naming it.
 """
@@ -33,7 +34,7 @@ import torch
 from megatron_h2.checkpointing.hf_tensors import megatron_shapes
 from megatron_h2.checkpointing.megatron_dist import read_dist_tensors
 from megatron_h2.checkpointing.megatron_distopt import PREFIX as DISTOPT_PREFIX
-from megatron_h2.checkpointing.megatron_distopt import read_dp_reshardable
+from megatron_h2.checkpointing.megatron_distopt import read_distrib_optim, read_dp_reshardable
 from megatron_h2.checkpointing.megatron_names import (
     CHECKPOINT_VERSION,
     DIST_NORM_NAMES,
@@ -373,10 +374,11 @@ def read_legacy(ckpt_dir: Path, load_optim: bool = True) -> MegatronState:
             tensors = {k: v for k, v in model_sd.items() if isinstance(v, torch.Tensor)}
             state.not_read += [f"{where.parent.name}/{k}" for k in model_sd if k not in tensors]
             if (distrib := where.parent / "distrib_optim.pt").exists() and load_optim:
-                raise ConfigError(f"checkpoint file {distrib}: the legacy distributed-optimizer "
-                                  "layout is not read; load with --no-load-optim")
-            optim = (_optimizer_by_name(sd["optimizer"], model_sd, where)
-                     if load_optim and sd.get("optimizer") is not None else {})
+                optim = read_distrib_optim(distrib, sd.get("optimizer"),
+                                           megatron_shapes(config), its_args)
+            else:
+                optim = (_optimizer_by_name(sd["optimizer"], model_sd, where)
+                         if load_optim and sd.get("optimizer") is not None else {})
             for local, tensor in [*tensors.items(), *optim.items()]:
                 layer = split_layer_name(local)
                 if layer is not None:

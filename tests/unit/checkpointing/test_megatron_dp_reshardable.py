@@ -1,8 +1,8 @@
-"""The ``dp_reshardable`` distributed-optimizer layout (Megatron-LM's default): the computed
-buffer layout matches the bucket Megatron-Core saved, a model that would lay out differently
-is one line, and damaged or unread variants of the fixture's buffers and objects are each one
-line (the reading of the fixture itself is compared with Megatron-Core's state in
-test_megatron_distopt.py)."""
+"""The distributed optimizer's flat-buffer layouts: torch_dist ``dp_reshardable`` (Megatron-LM's
+default) and the legacy ``distrib_optim.pt``. The computed buffer layout matches the bucket
+Megatron-Core saved, a model that would lay out differently is one line, and damaged or unread
+variants of the fixtures' buffers, objects and files are each one line (the reading of the
+fixtures themselves is compared with Megatron-Core's state in test_megatron_distopt.py)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,12 @@ import torch
 
 from megatron_h2.checkpointing.hf_tensors import megatron_shapes
 from megatron_h2.checkpointing.megatron_dist import read_dist_tensors
-from megatron_h2.checkpointing.megatron_distopt import PREFIX, buffer_layout, read_dp_reshardable
+from megatron_h2.checkpointing.megatron_distopt import (
+    PREFIX,
+    buffer_layout,
+    read_distrib_optim,
+    read_dp_reshardable,
+)
 from megatron_h2.checkpointing.megatron_read import read_megatron
 from megatron_h2.errors import ConfigError
 from tests.helpers.paths import ROOT
@@ -110,3 +115,68 @@ def test_a_layout_shifted_by_one_parameter_would_not_match(saved):
     assert torch.equal(mains[name].flatten(), flat[BUCKET + "param"][start:stop])
     assert not torch.equal(mains[name].flatten(), flat[BUCKET + "param"][start + 64:stop + 64])
     assert float(state[f"{name}.step"]) == 2.0
+
+
+LEGACY_ITER = DP_ITER.parent.parent / "torch" / "iter_0000002"
+DISTRIB = LEGACY_ITER / "mp_rank_00" / "distrib_optim.pt"
+_DTYPES = (torch.float32, torch.float32)
+
+
+def _edit(change: Callable) -> Callable:
+    """A ``distrib_optim.pt`` content change, applied to a fresh copy of the saved dict."""
+    def edit(saved):
+        saved = {k: (dict(v) if k == 0 else v) for k, v in saved.items()}
+        saved[0] = {d: dict(e) for d, e in saved[0].items()}
+        change(saved)
+        return saved
+    return edit
+
+
+@pytest.mark.parametrize(("change", "says"), [
+    (_edit(lambda s: s.update(buckets_coalesced=False)), "not saved as flat coalesced"),
+    (_edit(lambda s: s[0][_DTYPES].pop("exp_avg")), "not one buffer of param"),
+    (_edit(lambda s: s.update({1: s[0]})), "not one buffer of param"),
+    (_edit(lambda s: s[0][_DTYPES].update(numel_unpadded=8384)), "bucket of 8384 elements"),
+    (_edit(lambda s: s[0][_DTYPES].update(exp_avg=s[0][_DTYPES]["exp_avg"][:64])),
+     "buffers of different sizes"),
+    (_edit(lambda s: s[0][_DTYPES].update(param=s[0][_DTYPES]["param"].view(66, 128))),
+     "not saved as flat"),
+])
+def test_a_damaged_distrib_optim_is_one_line(tmp_path, change, says):
+    saved = change(torch.load(DISTRIB, weights_only=False))
+    torch.save(saved, tmp_path / "distrib_optim.pt")
+    with pytest.raises(ConfigError, match=says) as err:
+        read_distrib_optim(tmp_path / "distrib_optim.pt", _legacy_optim(), _shapes(), {})
+    assert "\n" not in str(err.value) and "distrib_optim.pt" in str(err.value)
+
+
+@pytest.mark.parametrize(("args", "says"), [
+    ({"pipeline_model_parallel_size": 2}, "not read at .*TP 1 / PP 1"),
+    ({"data_parallel_size": 2}, "saved by 2 data-parallel ranks"),
+    ({"overlap_grad_reduce": True, "ddp_bucket_size": 4096}, "several gradient buckets of 4096"),
+])
+def test_an_unread_legacy_layout_is_one_line(args, says):
+    with pytest.raises(ConfigError, match=says):
+        read_distrib_optim(DISTRIB, _legacy_optim(), _shapes(), args)
+
+
+def test_a_truncated_distrib_optim_is_one_line(tmp_path):
+    (tmp_path / "distrib_optim.pt").write_bytes(DISTRIB.read_bytes()[:5000])
+    with pytest.raises(ConfigError, match="distrib_optim.pt is truncated or corrupt"):
+        read_distrib_optim(tmp_path / "distrib_optim.pt", _legacy_optim(), _shapes(), {})
+
+
+def test_with_overlap_grad_reduce_under_the_bucket_size_it_is_read():
+    state = read_distrib_optim(DISTRIB, _legacy_optim(), _shapes(),
+                               {"overlap_grad_reduce": True})
+    assert set(state) == {f"{n}.{k}" for n in _shapes()
+                          for k in ("main", "exp_avg", "exp_avg_sq", "step")}
+
+
+def _legacy_optim():
+    return torch.load(LEGACY_ITER / "mp_rank_00" / "model_optim_rng.pt",
+                      weights_only=False)["optimizer"]
+
+
+def _shapes():
+    return megatron_shapes(read_megatron(LEGACY_ITER, load_optim=False).config)
