@@ -13,8 +13,9 @@ The layout inside a bucket is Megatron-Core's (megatron/core/distributed/
 param_and_grad_buffer.py, megatron/core/optimizer/param_layout.py): the parameters in reverse
 ``named_parameters()`` order, each starting at a multiple of 64 elements. It is computed from
 the model the checkpoint's args describe and must reproduce the saved unpadded bucket size
-exactly, else one line. Read at TP 1, PP 1, one data-parallel rank and one bucket (the layouts
-checked against checkpoints Megatron-Core wrote); others are refused in one line.
+exactly, else one line. Read at TP 1, PP 1 and one data-parallel rank, ``dp_reshardable`` with
+any number of buckets, ``distrib_optim.pt`` with one (the layouts checked against checkpoints
+Megatron-Core wrote); others are refused in one line.
 """
 
 from __future__ import annotations
@@ -63,19 +64,29 @@ def _position(name: str, where: Path) -> tuple[int, ...]:
     return top, layer, module, _LEAF_ORDER.index(leaf)
 
 
-def buffer_layout(shapes: dict[str, tuple[int, ...]], where: Path
-                  ) -> tuple[dict[str, tuple[int, int]], int]:
-    """Name -> (start, end) in the buffer, and the buffer's unpadded size: the parameters in
-    reverse module order, each start padded to a multiple of 64."""
+def buffer_layout(shapes: dict[str, tuple[int, ...]], where: Path,
+                  bucket_ends: list[int] | None = None
+                  ) -> list[tuple[dict[str, tuple[int, int]], int]]:
+    """Per bucket: name -> (start, end) from the bucket's start, and the bucket's unpadded
+    size. The parameters in reverse module order, each start padded to a multiple of 64; a
+    bucket closes where a parameter ends at the saved unpadded size ``bucket_ends[i]`` (one
+    bucket when None), the next starting at 0."""
     order = sorted(shapes, key=lambda n: _position(n, where), reverse=True)
+    buckets: list[tuple[dict[str, tuple[int, int]], int]] = []
     layout: dict[str, tuple[int, int]] = {}
     start = 0
     for name in order:
         start = -(-start // PARAM_ALIGN) * PARAM_ALIGN
-        numel = int(torch.Size(shapes[name]).numel())
-        layout[name] = (start, start + numel)
-        start += numel
-    return layout, start
+        start, end = start, start + int(torch.Size(shapes[name]).numel())
+        layout[name] = (start, end)
+        start = end
+        if bucket_ends is not None and len(buckets) < len(bucket_ends) - 1 \
+                and end == bucket_ends[len(buckets)]:
+            buckets.append((layout, end))
+            layout, start = {}, 0
+    if layout:
+        buckets.append((layout, start))
+    return buckets
 
 
 def _one_line(where: Path, what: str) -> ConfigError:
@@ -83,27 +94,34 @@ def _one_line(where: Path, what: str) -> ConfigError:
                        "with --no-load-optim")
 
 
-def _buffers(ckpt_dir: Path, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """The flat buffers by kind, after checking that there is one group, buffer and bucket."""
-    found: dict[str, torch.Tensor] = {}
+def _buffers(ckpt_dir: Path, tensors: dict[str, torch.Tensor]
+             ) -> list[dict[str, torch.Tensor]]:
+    """The flat buffers of each bucket by kind, after checking that there is one group and one
+    buffer, and that the buckets are numbered from 0 without a gap."""
+    found: dict[int, dict[str, torch.Tensor]] = {}
     for key, tensor in tensors.items():
         match = _BUFFER.match(key)
         if match is None:
             raise _one_line(ckpt_dir, f"holds tensor {key}, which this build does not read")
         group, gbuf, _, bucket, kind = match.groups()
-        if (group, gbuf, bucket) != ("0", "0", "0"):
-            raise _one_line(ckpt_dir, f"has several groups, buffers or buckets ({key}); this "
-                            "build reads one bucket (several come with --overlap-grad-reduce)")
+        if (group, gbuf) != ("0", "0"):
+            raise _one_line(ckpt_dir, f"has several groups or buffers ({key}); this build "
+                            "reads one")
         if kind not in KINDS or tensor.dim() != 1:
             raise _one_line(ckpt_dir, f"holds {key} of shape {tuple(tensor.shape)}, not a "
                             f"flat {'/'.join(KINDS)} buffer")
-        found[kind] = tensor
-    missing = [k for k in KINDS if k not in found]
-    if missing:
-        raise _one_line(ckpt_dir, f"has no {missing[0]} buffer; a file is incomplete")
-    if len({t.numel() for t in found.values()}) != 1:
-        raise _one_line(ckpt_dir, "has buffers of different sizes; a file is corrupt")
-    return found
+        found.setdefault(int(bucket), {})[kind] = tensor
+    if sorted(found) != list(range(len(found))) or not found:
+        raise _one_line(ckpt_dir, f"has buckets {sorted(found)}; a file is incomplete")
+    for index, bucket in sorted(found.items()):
+        missing = [k for k in KINDS if k not in bucket]
+        if missing:
+            raise _one_line(ckpt_dir, f"has no {missing[0]} buffer of bucket {index}; a file "
+                            "is incomplete")
+        if len({t.numel() for t in bucket.values()}) != 1:
+            raise _one_line(ckpt_dir, f"has buffers of different sizes in bucket {index}; a "
+                            "file is corrupt")
+    return [found[i] for i in range(len(found))]
 
 
 def _objects(ckpt_dir: Path, objects: list[str]) -> dict[str, Any]:
@@ -126,15 +144,15 @@ def _objects(ckpt_dir: Path, objects: list[str]) -> dict[str, Any]:
     return {n: read[keys[n]] for n in want}
 
 
-def _bucket_numel(value: Any, name: str, ckpt_dir: Path) -> int:
-    """The one bucket size in ``[[{dtypes: [numel]}]]`` (per model chunk, per buffer)."""
+def _bucket_numels(value: Any, name: str, ckpt_dir: Path) -> list[int]:
+    """The bucket sizes in ``[[{dtypes: [numel, ...]}]]`` (per model chunk, per buffer)."""
     try:
         (chunk,) = value
         (gbuf,) = chunk
-        ((numel,),) = gbuf.values()
-        return int(numel)
+        (numels,) = gbuf.values()
+        return [int(n) for n in numels]
     except (TypeError, ValueError, AttributeError):
-        raise _one_line(ckpt_dir, f"has {name} {str(value)[:60]}, not one bucket of one "
+        raise _one_line(ckpt_dir, f"has {name} {str(value)[:60]}, not the buckets of one "
                         "buffer") from None
 
 
@@ -149,25 +167,27 @@ def _step(value: Any, ckpt_dir: Path) -> float:
     return float(steps.pop())
 
 
-def _unflatten(where: Path, buffers: dict[str, torch.Tensor], unpadded: int, numel: int,
+def _unflatten(where: Path, buckets: list[dict[str, torch.Tensor]], unpadded: list[int],
                shapes: dict[str, tuple[int, ...]], step: float
                ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     """The fp32 main weights by name and Adam's state keyed ``<name>.exp_avg|exp_avg_sq|step``
-    from one bucket's flat ``buffers``, after checking the computed layout against the saved
-    sizes (``unpadded``: what the parameters span, ``numel``: with the end padding)."""
-    layout, end = buffer_layout(shapes, where)
-    if end != unpadded or numel != buffers["param"].numel() or unpadded > numel:
-        raise _one_line(where, f"has a bucket of {unpadded} elements ({numel} padded, "
-                        f"buffers of {buffers['param'].numel()}); the model its args describe "
-                        f"lays out {end}")
+    from each bucket's flat buffers, after checking the computed layout against the saved
+    unpadded bucket sizes (each buffer holds at least that many elements)."""
+    layouts = buffer_layout(shapes, where, unpadded)
+    ends = [end for _, end in layouts]
+    held = [b["param"].numel() for b in buckets]
+    if ends != unpadded or len(held) != len(ends) or any(h < e for h, e in zip(held, ends)):
+        raise _one_line(where, f"has buckets of {unpadded} elements (buffers of {held}); the "
+                        f"model its args describe lays out {ends}")
     mains: dict[str, torch.Tensor] = {}
     state: dict[str, torch.Tensor] = {}
-    for name, (start, stop) in layout.items():
-        piece = {k: b[start:stop].view(shapes[name]).clone() for k, b in buffers.items()}
-        mains[name] = piece["param"]
-        state[f"{name}.exp_avg"] = piece["exp_avg"]
-        state[f"{name}.exp_avg_sq"] = piece["exp_avg_sq"]
-        state[f"{name}.step"] = torch.tensor(step, dtype=torch.float32)
+    for (layout, _), buffers in zip(layouts, buckets):
+        for name, (start, stop) in layout.items():
+            piece = {k: b[start:stop].view(shapes[name]).clone() for k, b in buffers.items()}
+            mains[name] = piece["param"]
+            state[f"{name}.exp_avg"] = piece["exp_avg"]
+            state[f"{name}.exp_avg_sq"] = piece["exp_avg_sq"]
+            state[f"{name}.step"] = torch.tensor(step, dtype=torch.float32)
     return mains, state
 
 
@@ -184,13 +204,15 @@ def read_dp_reshardable(ckpt_dir: Path, tensors: dict[str, torch.Tensor], object
     """From the optimizer's ``tensors`` and ``objects`` of a torch_dist checkpoint: the fp32
     main weights by name, and Adam's state keyed ``<name>.exp_avg|exp_avg_sq|step``."""
     _check_sizes(ckpt_dir, args)
-    buffers = _buffers(ckpt_dir, tensors)
+    buckets = _buffers(ckpt_dir, tensors)
     found = _objects(ckpt_dir, objects)
-    numel = _bucket_numel(found["per_bucket_numel"], "per_bucket_numel", ckpt_dir)
-    unpadded = _bucket_numel(found["per_bucket_numel_unpadded"], "per_bucket_numel_unpadded",
-                             ckpt_dir)
-    return _unflatten(ckpt_dir, buffers, unpadded, numel, shapes,
-                      _step(found["optimizer"], ckpt_dir))
+    unpadded = _bucket_numels(found["per_bucket_numel_unpadded"], "per_bucket_numel_unpadded",
+                              ckpt_dir)
+    padded = _bucket_numels(found["per_bucket_numel"], "per_bucket_numel", ckpt_dir)
+    if len(padded) != len(unpadded) or any(p < u for p, u in zip(padded, unpadded)):
+        raise _one_line(ckpt_dir, f"has buckets of {padded} elements, unpadded {unpadded}; "
+                        "a file is corrupt")
+    return _unflatten(ckpt_dir, buckets, unpadded, shapes, _step(found["optimizer"], ckpt_dir))
 
 
 def read_distrib_optim(path: Path, optim: Any, shapes: dict[str, tuple[int, ...]],
@@ -226,6 +248,5 @@ def read_distrib_optim(path: Path, optim: Any, shapes: dict[str, tuple[int, ...]
         raise _one_line(path, f"spans {unpadded} elements, several gradient buckets of "
                         f"{bucket_size}; this build reads one bucket")
     groups = optim.get("optimizer") if isinstance(optim, dict) else None
-    mains, state = _unflatten(path, buffers, unpadded, buffers["param"].numel(), shapes,
-                              _step([groups], path))
+    mains, state = _unflatten(path, [buffers], [unpadded], shapes, _step([groups], path))
     return {**state, **{f"{name}.main": main for name, main in mains.items()}}

@@ -18,10 +18,11 @@ from tests.helpers.paths import ROOT
 FIXTURE = ROOT / "tests" / "fixtures" / "megatron" / "gpt_distopt"
 ITER = FIXTURE / "fully_reshardable" / "iter_0000002"
 DP_ITER = FIXTURE / "dp_reshardable" / "iter_0000002"
+BUCKETS_ITER = FIXTURE / "dp_reshardable_buckets" / "iter_0000002"  # --ddp-bucket-size 2000
 LEGACY_ITER = FIXTURE / "torch" / "iter_0000002"
 
 
-@pytest.mark.parametrize("where", [ITER, DP_ITER, LEGACY_ITER])
+@pytest.mark.parametrize("where", [ITER, DP_ITER, BUCKETS_ITER, LEGACY_ITER])
 def test_distributed_optimizer_state_is_the_one_megatron_core_held(where):
     state = read_megatron(where)
     held = torch.load(FIXTURE / "optim_reference.pt")

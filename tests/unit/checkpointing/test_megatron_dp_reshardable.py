@@ -40,12 +40,30 @@ def saved():
 
 def test_the_layout_ends_where_megatron_cores_bucket_does(saved):
     flat, _, shapes, _ = saved
-    layout, end = buffer_layout(shapes, DP_ITER)
+    ((layout, end),) = buffer_layout(shapes, DP_ITER)
     assert end == flat[BUCKET + "param"].numel() == 8448  # per_bucket_numel_unpadded
     assert all(start % 64 == 0 for start, _ in layout.values())
     # reverse module order (the fixture ties its head to the embedding): the last first
     assert layout["decoder.final_layernorm.bias"][0] == 0
     assert max(layout.values())[0] == layout["embedding.word_embeddings.weight"][0]
+
+
+def test_several_buckets_split_where_megatron_core_split_them(saved):
+    """Megatron-Core's own split of the same model at --ddp-bucket-size 2000 (fixture
+    dp_reshardable_buckets): the buckets close where the saved unpadded sizes say."""
+    _, _, shapes, _ = saved
+    unpadded = [2304, 2496, 2048, 1600]
+    buckets = buffer_layout(shapes, DP_ITER, unpadded)
+    assert [end for _, end in buckets] == unpadded
+    assert sum(len(layout) for layout, _ in buckets) == len(shapes)
+    where = DP_ITER.parent.parent / "dp_reshardable_buckets" / "iter_0000002"
+    tensors, objects = read_dist_tensors(where)
+    flat = {k: v for k, v in tensors.items() if k.startswith(PREFIX)}
+    mains, _ = read_dp_reshardable(where, flat, objects, shapes, {})
+    assert set(mains) == set(shapes)
+    wider = {**shapes, "decoder.final_layernorm.bias": (80,)}  # bucket 0 would end later
+    with pytest.raises(ConfigError, match=r"buckets of \[2304, 2496, 2048, 1600\]"):
+        read_dp_reshardable(where, flat, objects, wider, {})
 
 
 def _drop_bias(flat, objects, shapes, args):
@@ -84,16 +102,16 @@ def _unknown_parameter(flat, objects, shapes, args):
 
 
 @pytest.mark.parametrize(("change", "says"), [
-    (_drop_bias, "bucket of 8448 elements.*lays out 8384"),
-    (_rename("bucket_idx_0", "bucket_idx_1"), "several groups, buffers or buckets"),
-    (_rename("gbuf_idx_0", "gbuf_idx_1"), "several groups, buffers or buckets"),
+    (_drop_bias, r"buckets of \[8448\] elements.*lays out \[8384\]"),
+    (_rename("bucket_idx_0", "bucket_idx_1"), r"has buckets \[1\]"),
+    (_rename("gbuf_idx_0", "gbuf_idx_1"), "several groups or buffers"),
     (_rename("shard_0_1", "shard_0_2"), "2 data-parallel ranks"),
     (_without(".exp_avg_sq"), "no exp_avg_sq buffer"),
     (_without("per_bucket_numel_unpadded"), "no object per_bucket_numel_unpadded"),
     (_without("optimizer/shard_0_1"), "no object optimizer"),
     (_rename(".param", ".master"), "holds .*master of shape.*not a flat"),
     (_shorter, "buffers of different sizes"),
-    (_all_shorter, "buffers of 8320"),
+    (_all_shorter, r"buffers of \[8320\]"),
     (_tp2, "not read at .*TP 1 / PP 1"),
     (_unknown_parameter, "mlp.router.weight in the distributed optimizer's buffer is not known"),
 ])
@@ -109,7 +127,7 @@ def test_a_layout_shifted_by_one_parameter_would_not_match(saved):
     the same buffer read from another offset is not (the test would catch a wrong order)."""
     flat, objects, shapes, args = saved
     mains, state = read_dp_reshardable(DP_ITER, flat, objects, shapes, args)
-    layout, _ = buffer_layout(shapes, DP_ITER)
+    ((layout, _),) = buffer_layout(shapes, DP_ITER)
     name = "decoder.layers.0.self_attention.linear_qkv.weight"
     start, stop = layout[name]
     assert torch.equal(mains[name].flatten(), flat[BUCKET + "param"][start:stop])
@@ -136,7 +154,7 @@ def _edit(change: Callable) -> Callable:
     (_edit(lambda s: s.update(buckets_coalesced=False)), "not saved as flat coalesced"),
     (_edit(lambda s: s[0][_DTYPES].pop("exp_avg")), "not one buffer of param"),
     (_edit(lambda s: s.update({1: s[0]})), "not one buffer of param"),
-    (_edit(lambda s: s[0][_DTYPES].update(numel_unpadded=8384)), "bucket of 8384 elements"),
+    (_edit(lambda s: s[0][_DTYPES].update(numel_unpadded=8384)), r"buckets of \[8384\]"),
     (_edit(lambda s: s[0][_DTYPES].update(exp_avg=s[0][_DTYPES]["exp_avg"][:64])),
      "buffers of different sizes"),
     (_edit(lambda s: s[0][_DTYPES].update(param=s[0][_DTYPES]["param"].view(66, 128))),
