@@ -1,14 +1,14 @@
 """The search against brute force on the random clusters the fast loop leaves out: the unit
-tests of tests/unit/planner/test_planner_optimality.py, run on more seeds."""
+tests of tests/e2e/test_planner_brute_force.py, run on more seeds."""
 
 from __future__ import annotations
 
 import pytest
 
-from tests.unit.planner.test_planner_optimality import (
+from tests.e2e.test_planner_brute_force import (
     test_derived_space_reaches_own_dp_plans as derived_space_case,
 )
-from tests.unit.planner.test_planner_optimality import (
+from tests.e2e.test_planner_brute_force import (
     test_search_matches_brute_force_on_random_clusters as search_case,
 )
 

@@ -26,8 +26,8 @@ from megatron_h2.planner.pipelines_search import (
     search_pipelines,
 )
 from megatron_h2.planner.search import SearchOptions
+from tests.e2e.test_planner_brute_force import Enumerator
 from tests.helpers.planner_models import planner_model
-from tests.unit.planner.test_planner_optimality import Enumerator
 
 
 def label_groupings(names: list[str]) -> set[frozenset[frozenset[str]]]:

@@ -12,7 +12,7 @@ import pytest
 from megatron_h2.errors import ConfigError
 from megatron_h2.planner.report import search_summary
 from megatron_h2.planner.search import search
-from tests.unit.planner.test_planner_optimality import brute_force_best, random_case
+from tests.e2e.test_planner_brute_force import brute_force_best, random_case
 
 
 @pytest.mark.parametrize("own_dp", ["all", "derived", "none"])

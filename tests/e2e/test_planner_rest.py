@@ -12,8 +12,8 @@ from megatron_h2.planner.bounds import BatchShape
 from megatron_h2.planner.cluster import ChipType, Cluster
 from megatron_h2.planner.cost_model import CostConfig, CostModel
 from megatron_h2.planner.search import SearchOptions, search
+from tests.e2e.test_planner_brute_force import brute_force_best, random_case
 from tests.helpers.planner_models import planner_model
-from tests.unit.planner.test_planner_optimality import brute_force_best, random_case
 
 
 def five_types() -> CostModel:
