@@ -10,7 +10,7 @@ clean / traceback / hang / silently wrong.
 * the elastic launcher losing a chip: re-planned and finished, exit 0 (clean);
 * NaN loss, a spike (``$MEGATRON_H2_INJECT_NUMERIC``) and a flat line (``--lr 1e6``): a one-line
   stop whose ``latest`` is a verified checkpoint (clean);
-* plan and cluster file corruptions (the generator of tests/unit/test_fuzz_inputs.py): a
+* plan and cluster file corruptions (the generator of tests/e2e/test_fuzz_inputs.py): a
   one-line error or a load of exactly what the file says (clean).
 
 "hang" is a try that outlived its limit; "silently wrong" a try that exited 0 or loaded
@@ -212,7 +212,7 @@ def numeric(corpus: str, work: Path, kind: str) -> str:
 def plan_corruptions(work: Path) -> dict[str, int]:
     from megatron_h2.plan.schema import HeteroPlan
     from megatron_h2.planner.cluster import Cluster
-    from tests.unit.test_fuzz_inputs import (
+    from tests.e2e.test_fuzz_inputs import (
         CLUSTER,
         PLAN,
         YAML_CASES,

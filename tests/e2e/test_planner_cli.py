@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.e2e.test_planner_cli_main import CPU_CLUSTER, TINY
 from tests.helpers.paths import ROOT
-from tests.unit.planner.test_planner_cli import CPU_CLUSTER, TINY
 
 
 @pytest.mark.e2e

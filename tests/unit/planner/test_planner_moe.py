@@ -11,7 +11,7 @@ from megatron_h2.config import ModelConfig
 from megatron_h2.errors import ConfigError
 from megatron_h2.planner import CostModel
 from megatron_h2.planner.cluster import Cluster
-from tests.unit.planner.test_planner_cli import CPU_CLUSTER, TINY, error_line
+from tests.e2e.test_planner_cli_main import CPU_CLUSTER, TINY, error_line
 
 
 def test_cost_model_refuses_moe():
