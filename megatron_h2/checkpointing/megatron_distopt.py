@@ -354,6 +354,9 @@ def read_distrib_optim(path: Path, optim: Any, shapes: dict[str, tuple[int, ...]
     ``model_optim_rng.pt`` whose ``optim`` holds the parameter groups with Adam's step: keyed
     ``<name>.main|exp_avg|exp_avg_sq|step``."""
     _, _, dp = parallel_sizes(path, args)
+    if args.get("overlap_grad_reduce") and args.get("ddp_num_buckets") is not None:
+        raise _one_line(path, f"was saved with --ddp-num-buckets {args['ddp_num_buckets']}, "
+                        "whose bucket size this build does not derive")
     # Megatron-Core makes one bucket unless --overlap-grad-reduce; then --ddp-bucket-size (by
     # default max(40M, 1M x DP) elements) on the first stage, one bucket on the others
     bucket_size = ((args.get("ddp_bucket_size") or max(40_000_000, 1_000_000 * dp))

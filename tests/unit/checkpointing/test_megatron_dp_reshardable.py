@@ -200,6 +200,7 @@ def test_a_damaged_distrib_optim_is_one_line(tmp_path, change, says):
     ({"pipeline_model_parallel_size": 2, "data_parallel_size": 2},
      "not read at TP 1 x PP 2 x DP 2"),
     ({"context_parallel_size": 2}, "not read with context_parallel_size=2"),
+    ({"overlap_grad_reduce": True, "ddp_num_buckets": 4}, "--ddp-num-buckets 4"),
     ({"num_layers_per_virtual_pipeline_stage": 1}, "not read with num_layers_per_virtual"),
     # one bucket per parameter: concatenated unpadded, they are not the saved buffer
     ({"overlap_grad_reduce": True, "ddp_bucket_size": 10}, r"buckets of \[8448\].*lays out \[16, "),
