@@ -86,7 +86,8 @@ def test_continue_under_another_plan(arch, fmt, corpus, tmp_path):
 def test_continue_a_distributed_optimizer_run_saved_at_dp2(corpus, tmp_path):
     """Megatron-Core's DistributedOptimizer state saved by two data-parallel ranks
     (dp_reshardable): continued at DP 2 with our distributed optimizer, and under two pipeline
-    stages on two chip types through the bridge, the losses agree."""
+    stages on two chip types through the bridge, the losses agree (and differ from a start
+    without the optimizer's state)."""
     load = str(FIXTURES / "gpt_distopt_dp2" / "dp_reshardable")
     flags = [*model_flags("gpt", corpus, tmp_path), "--load", load, "--micro-batch-size", "2",
              "--global-batch-size", "4"]
@@ -104,6 +105,10 @@ def test_continue_a_distributed_optimizer_run_saved_at_dp2(corpus, tmp_path):
     close(losses(other), losses(saved), 1e-5)
     assert [r["iteration"] for r in records(other)] == [3, 4, 5, 6, 7]
     assert [r["consumed_samples"] for r in records(saved)] == [12, 16, 20, 24, 28]  # 8 before
+    # the state matters: without it (--no-load-optim) the losses go another way
+    fresh = tmp_path / "fresh.jsonl"
+    assert main([*flags, "--no-load-optim", "--log-jsonl", str(fresh)]) == 0
+    assert abs(losses(fresh)[7] - losses(saved)[7]) > 1e-3 * abs(losses(saved)[7])
 
 
 def test_model_mismatch_is_one_line_naming_the_flag(corpus, tmp_path, capsys):
