@@ -20,9 +20,10 @@ their own; each bucket is padded to a multiple of lcm(DP, 128) (x 2^16 under
 ``--ddp-pad-buckets-for-high-nccl-busbw``). It is computed from the model the checkpoint's args
 describe and must reproduce the saved bucket sizes exactly, else one line. The ranks' pieces
 are merged into whole tensors by :func:`~.megatron_names.merge_tp`, the stages' layers renumbered.
-Read at any one of DP, TP or PP above 1 (the others 1), with any number of buckets (layouts
-checked against checkpoints Megatron-Core wrote); several at once, virtual or uneven pipeline
-stages, context or expert parallelism are refused in one line.
+Read at any DP, TP and PP with any number of buckets (checked against checkpoints
+Megatron-Core wrote at DP 2, TP 2, PP 2 and TP 2 x PP 2 x DP 2); virtual or uneven pipeline
+stages, context or expert parallelism, several buffers (parameters of several dtypes) and the
+legacy file of a ``--ddp-num-buckets`` run are refused in one line.
 """
 
 from __future__ import annotations
@@ -115,7 +116,8 @@ def _one_line(where: Path, what: str) -> ConfigError:
 
 
 def parallel_sizes(where: Path, args: dict[str, Any]) -> tuple[int, int, int]:
-    """TP, PP and DP of the saving run, after refusing the layouts this build does not read."""
+    """TP, PP and DP of the saving run, after refusing the layouts this build does not read
+    (those no checkpoint of Megatron-Core's has verified)."""
     sizes = [args.get(k) or 1 for k in ("tensor_model_parallel_size",
                                         "pipeline_model_parallel_size", "data_parallel_size")]
     unread = {k: args[k] for k in ("virtual_pipeline_model_parallel_size",
@@ -130,9 +132,6 @@ def parallel_sizes(where: Path, args: dict[str, Any]) -> tuple[int, int, int]:
         key, value = next(iter(unread.items()))
         raise _one_line(where, f"is not read with {key}={str(value)[:20]}; this build reads "
                         "even pipeline stages without context or expert parallelism")
-    if sum(n > 1 for n in sizes) > 1:
-        raise _one_line(where, f"is not read at TP {sizes[0]} x PP {sizes[1]} x DP {sizes[2]}; "
-                        "this build reads one of them above 1")
     if args.get("num_layers") and args["num_layers"] % sizes[1]:
         raise _one_line(where, f"is of {args['num_layers']} layers over {sizes[1]} stages; this "
                         "build reads even stages")

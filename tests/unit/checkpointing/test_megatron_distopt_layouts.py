@@ -1,5 +1,5 @@
-"""The distributed optimizer's state saved by Megatron-Core at DP 2, TP 2 and PP 2
-(tests/fixtures/megatron/*_distopt_{dp2,tp2,pp2}, made by generate_distopt.py under torchrun):
+"""The distributed optimizer's state saved by Megatron-Core at DP 2, TP 2, PP 2 and all three
+at once (tests/fixtures/megatron/*_distopt_*, made by generate_distopt.py under torchrun):
 in torch_dist ``dp_reshardable`` and in the legacy ``distrib_optim.pt``, the fp32 main weights,
 Adam's moments and step come over bit for bit equal to the state Megatron-Core's optimizer held
 (its data-parallel ranks' slices put together, its TP shards merged by the rules the model
@@ -21,7 +21,7 @@ from tests.helpers.paths import ROOT
 
 FIXTURES = ROOT / "tests" / "fixtures" / "megatron"
 LAYOUTS = {"gpt_distopt_dp2": (1, 1, 2), "llama_distopt_tp2": (2, 1, 1),
-           "gpt_distopt_pp2": (1, 2, 1)}  # TP, PP, DP
+           "gpt_distopt_pp2": (1, 2, 1), "gpt_distopt_tp2_pp2_dp2": (2, 2, 2)}  # TP, PP, DP
 FORMATS = ["dp_reshardable", "torch"]
 
 
