@@ -1,8 +1,8 @@
 """Sizes and times of converting the distributed-optimizer fixtures Megatron-Core saved at DP 2,
-TP 2 and PP 2 (tests/fixtures/megatron/*_distopt_*): Megatron-LM -> megatron_h2 with
-``tools/convert_checkpoint.py``, and back to a Megatron-LM ``torch_dist`` checkpoint at the saved
-TP / PP. Each conversion runs ``--repeats`` times in this process; prints the median and worst
-wall time and the directories' sizes.
+TP 2, PP 2 and TP 2 x PP 2 x DP 2 (tests/fixtures/megatron/*_distopt_*): Megatron-LM ->
+megatron_h2 with ``tools/convert_checkpoint.py``, and back to a Megatron-LM ``torch_dist``
+checkpoint at the saved TP / PP. Each conversion runs ``--repeats`` times in this process;
+prints the median and worst wall time and the directories' sizes.
 
     python bench/bench_megatron_convert.py [--repeats 5]
 """
@@ -10,6 +10,8 @@ wall time and the directories' sizes.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
 import os
 import shutil
 import statistics
@@ -21,7 +23,8 @@ from megatron_h2.commands.convert_checkpoint import main as convert
 
 ROOT = Path(__file__).resolve().parent.parent
 FIXTURES = ROOT / "tests" / "fixtures" / "megatron"
-LAYOUTS = {"gpt_distopt_dp2": (1, 1), "llama_distopt_tp2": (2, 1), "gpt_distopt_pp2": (1, 2)}
+LAYOUTS = {"gpt_distopt_dp2": (1, 1), "llama_distopt_tp2": (2, 1), "gpt_distopt_pp2": (1, 2),
+           "gpt_distopt_tp2_pp2_dp2": (2, 2)}
 
 
 def size_kib(path: Path) -> float:
@@ -33,7 +36,8 @@ def timed(argv: list[str], output: Path, repeats: int) -> list[float]:
     for _ in range(repeats):
         shutil.rmtree(output, ignore_errors=True)
         start = time.perf_counter()
-        assert convert(argv) == 0, argv
+        with contextlib.redirect_stdout(io.StringIO()):
+            assert convert(argv) == 0, argv
         times.append(time.perf_counter() - start)
     return times
 
@@ -44,7 +48,7 @@ def main() -> None:
     repeats = parser.parse_args().repeats
     print(f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores; "
           f"{repeats} repeats each")
-    print(f"{'fixture':20} {'format':15} {'to':12} {'in KiB':>8} {'out KiB':>8} "
+    print(f"{'fixture':24} {'format':15} {'to':12} {'in KiB':>8} {'out KiB':>8} "
           f"{'median s':>9} {'worst s':>8}")
     with tempfile.TemporaryDirectory() as tmp:
         for name, (tp, pp) in LAYOUTS.items():
@@ -61,7 +65,7 @@ def main() -> None:
                 for to, inp, out, flags in steps:
                     times = timed([*flags, "--input", str(inp), "--output", str(out)], out,
                                   repeats)
-                    print(f"{name:20} {fmt:15} {to:12} {size_kib(inp):8.0f} "
+                    print(f"{name:24} {fmt:15} {to:12} {size_kib(inp):8.0f} "
                           f"{size_kib(out):8.0f} {statistics.median(times):9.3f} "
                           f"{max(times):8.3f}")
 
