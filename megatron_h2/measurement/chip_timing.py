@@ -44,6 +44,23 @@ Sample = Callable[[], float]
 """Runs once and returns the milliseconds it measured."""
 
 
+class CpuShare:
+    """The CPU time and wall time of the timed passes, added up (:attr:`Pace.share`)."""
+
+    def __init__(self) -> None:
+        self.cpu_s = 0.0
+        self.wall_s = 0.0
+
+    def add(self, cpu_s: float, wall_s: float) -> None:
+        self.cpu_s += cpu_s
+        self.wall_s += wall_s
+
+    @property
+    def fraction(self) -> float:
+        """CPU time over wall time, at most 1 (1 when nothing was timed)."""
+        return min(1.0, self.cpu_s / self.wall_s) if self.wall_s > 0 else 1.0
+
+
 @dataclass(frozen=True)
 class Pace:
     """How one measuring process runs next to others (defaults: alone, not padded)."""
@@ -55,6 +72,9 @@ class Pace:
     """Keep repeating for at least this long, so that processes measuring at once overlap."""
     sync: Callable[[], None] | None = None
     """Called before each measurement (a barrier over the processes measuring at once)."""
+    share: CpuShare | None = None
+    """Adds up the CPU time (this thread's) and wall time of every counted interval: on a
+    shared host, the share of a core the measured passes got."""
 
 
 def _timed_ms(acc: Accelerator, fn: Callable[[], object]) -> float:
@@ -76,10 +96,13 @@ def repeat(pace: Pace, warmup: int, reps: int, *samples: Sample) -> list[list[fl
         for sample, out in zip(samples, results):
             cpu = time.thread_time()
             ms = sample()
+            cpu = time.thread_time() - cpu
             if pace.slowdown > 1.0:  # padded as the runtime pads a CPU-emulated chip
-                time.sleep(emulation_pad_s(pace.slowdown, ms / 1e3, time.thread_time() - cpu))
+                time.sleep(emulation_pad_s(pace.slowdown, ms / 1e3, cpu))
             if keep:
                 out.append(ms)
+                if pace.share is not None:
+                    pace.share.add(cpu, ms / 1e3)
 
     for _ in range(warmup):
         one_round(False)
@@ -226,11 +249,13 @@ def optimizer_ns_per_param(config: ModelConfig, acc: Accelerator, warmup: int = 
 
 def write_profile(path: str | Path, config: ModelConfig, chips: list[str],
                   table: dict[int, dict[str, float]], note: str,
-                  optimizer_ns: float | None = None) -> None:
+                  optimizer_ns: float | None = None, cpu_fraction: float | None = None) -> None:
     """Write the profile table YAML (the same measurement under every name in ``chips``)."""
     entry: dict = {"micro_batch_sizes": {k: dict(v) for k, v in table.items()}}
     if optimizer_ns is not None:
         entry["optimizer_ns_per_param"] = round(optimizer_ns, 4)
+    if cpu_fraction is not None:
+        entry["cpu_fraction"] = round(min(max(cpu_fraction, 1e-3), 1.0), 4)
     data = {"model": {k: getattr(config, k) for k in PROFILE_MODEL_KEYS},
             "chips": {name: copy.deepcopy(entry) for name in chips}}
     Path(path).parent.mkdir(parents=True, exist_ok=True)

@@ -161,6 +161,9 @@ class PlanEstimate:
     stage_micro_batches: tuple[int, ...] = ()
     """Micro-batches per DP replica of each stage (``num_micro_batches`` on every stage when
     the DP degree is uniform)."""
+    host_cpu_s: float = 0.0
+    """CPU emulation (the cluster's ``host_cores``): the step's CPU seconds over all ranks;
+    the step takes at least ``host_cpu_s / host_cores``. 0 otherwise."""
 
     def micro_batches(self, stage: int) -> int:
         """Micro-batches each DP replica of ``stage`` runs per step."""
@@ -310,7 +313,7 @@ class CostModel:
         profile = self.profile.for_chip(chip.name) if self.profile else None
         measured = profile.times(mbs) if profile else None
         if measured is not None and measured.selective_recompute_ms is not None:
-            return measured.selective_recompute_ms / 1000.0 / tp * chip.emulate_slowdown
+            return measured.selective_recompute_ms / 1000.0 / tp * self._pass_factor(chip)
         tokens = mbs * self.model.seq_length
         core_share = (
             self.model.attention_core_flops_per_token()
@@ -318,6 +321,30 @@ class CostModel:
             / self.model.layer_forward_flops(tokens)
         )
         return layer_forward * core_share
+
+    def _pass_factor(self, chip: ChipType) -> float:
+        """Profiled time -> modelled time of a pass. The runtime pads a pass of a chip with
+        ``emulate_slowdown`` ``s`` by ``s - 1`` times its CPU time (the profile's
+        ``cpu_fraction`` of its measured time). With ``host_cores`` a pass runs as on a core of
+        its own: its CPU time, padded; otherwise as measured, padded."""
+        profile = self.profile.for_chip(chip.name) if self.profile else None
+        fraction = profile.cpu_fraction if profile else 1.0
+        slow = chip.emulate_slowdown
+        if self.cluster.host_cores is not None:
+            return fraction * slow
+        return 1.0 + (slow - 1.0) * fraction
+
+    def host_cpu_s(self, plan: HeteroPlan, stages: Sequence[StageEstimate]) -> float:
+        """CPU emulation (``host_cores``): the CPU seconds of one step over every rank of a
+        one-pipeline ``plan``: each replica's forwards and backwards without the slowdown's
+        padding, and its optimizer step."""
+        total = 0.0
+        for index, (spec, est) in enumerate(zip(plan.stages, stages)):
+            ranks = spec.tensor_parallel_size * plan.stage_dp(index)
+            passes = plan.stage_micro_batches(index) * (est.forward_s + est.backward_s)
+            slow = self.cluster.chip(spec.chip).emulate_slowdown
+            total += ranks * (passes / slow + est.optimizer_s)
+        return total
 
     def _compute_times(
         self, chip: ChipType, tp: int, mbs: int
@@ -328,6 +355,7 @@ class CostModel:
         measured = profile.times(mbs) if profile else None
         slow = chip.emulate_slowdown
         if measured is not None:
+            factor = self._pass_factor(chip)
             ms = (
                 measured.layer_forward_ms,
                 measured.layer_backward_ms,
@@ -336,7 +364,7 @@ class CostModel:
                 measured.head_forward_ms,
                 measured.head_backward_ms,
             )
-            lf, lb, ef, eb, hf, hb = (value / 1000.0 / tp * slow for value in ms)
+            lf, lb, ef, eb, hf, hb = (value / 1000.0 / tp * factor for value in ms)
             return lf, lb, ef, eb, hf, hb
         efficiency = self.config.compute_efficiency
         if profile is not None and profile.efficiency is not None:
@@ -375,6 +403,8 @@ class CostModel:
         steps = dp - 1
         profile = self.profile.for_chip(chip.name) if self.profile else None
         optimizer = profile.optimizer_ns_per_param * 1e-9 if profile else 0.0
+        if profile and self.cluster.host_cores is not None:  # as on a core of its own
+            optimizer *= profile.cpu_fraction
         if cfg.use_distributed_optimizer:  # reduce-scatter fp32 grads + all-gather bf16 params
             optimizer /= dp  # each DP rank updates its shard only
             per_param, fixed_steps = 6.0 * steps / dp, 2 * steps
@@ -449,8 +479,12 @@ class CostModel:
         pipeline, link_total = step_time_terms(schedule, counts, chunks, stages, links, wrap)
         sync = max(s.dp_sync_s for s in stages)
         step = pipeline + sync + link_total
+        cpu = self.host_cpu_s(plan, stages) if self.cluster.host_cores is not None else 0.0
+        if cpu:
+            step = max(step, cpu / self.cluster.host_cores)
         estimate = self._finish(plan, stages, links, pipeline, link_total, sync, step)
-        return replace(estimate, schedule=schedule, virtual_pipeline_size=chunks, wrap_link_s=wrap)
+        return replace(estimate, schedule=schedule, virtual_pipeline_size=chunks, wrap_link_s=wrap,
+                       host_cpu_s=cpu)
 
     def stage_estimate(
         self,

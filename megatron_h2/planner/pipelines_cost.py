@@ -127,6 +127,8 @@ def evaluate_pipelines(cost: CostModel, plan: HeteroPlan) -> PipelinesEstimate:
     slowest = max(e.step_time_s for e in estimates)
     worst = max(max(row) for row in exchange)
     step = slowest + worst
+    if cost.cluster.host_cores is not None:  # CPU emulation: every pipeline shares the cores
+        step = max(step, sum(e.host_cpu_s for e in estimates) / cost.cluster.host_cores)
     return _combine(cost, plan, estimates, exchange, step)
 
 
@@ -153,6 +155,8 @@ def simulate_pipelines(cost: CostModel, plan: HeteroPlan) -> PipelinesSimulation
     estimate = evaluate_pipelines(cost, plan)
     runs = tuple(simulate(pipe, cost) for pipe in plan.pipelines)
     step = max(run.step_time_s for run in runs) + estimate.exchange_s
+    if cost.cluster.host_cores is not None:
+        step = max(step, sum(run.estimate.host_cpu_s for run in runs) / cost.cluster.host_cores)
     return PipelinesSimulation(plan, estimate, runs, step)
 
 

@@ -23,6 +23,7 @@ chip; it can also be written by hand::
           2: {layer_forward_ms: 2.3, layer_backward_ms: 4.6,
               selective_recompute_ms: 0.9}   # optional: see below
         optimizer_ns_per_param: 6.5  # optional: once-per-step optimizer work per parameter
+        cpu_fraction: 0.5            # optional (CPU emulation): CPU time / wall time of the passes
 
 Times are measured on ONE chip at tensor-parallel size 1 without recompute and without
 ``emulate_slowdown``; the cost model divides them by the TP degree, adds the TP communication it
@@ -44,6 +45,14 @@ norm, clipping, the AdamW update and zeroing the gradient buffers. It is memory-
 scales with the parameters a chip holds (divided by DP under the distributed optimizer) rather
 than with tokens. ``emulate_slowdown`` does not scale it: the runtime pads only forwards and
 backwards. ``tools/profile_chip.py`` measures both with the runtime's own model and optimizer.
+
+``cpu_fraction`` (optional, default 1: the times are the passes' own work) is, for CPU
+emulation, the measured CPU time of the timed passes over their wall time: below 1 when the
+measuring process shared the cores with others (``tools/profile_chip.py`` records it). The
+runtime pads a chip with ``emulate_slowdown`` ``s`` by ``s - 1`` times a pass's CPU time, not
+its wall time, so the cost model times such a pass as ``t x (1 + (s - 1) x cpu_fraction)``, and
+counts ``t x cpu_fraction`` as the pass's CPU time where the cluster names the cores its
+emulated chips share (``host_cores``, :mod:`.cluster`).
 """
 
 from __future__ import annotations
@@ -116,8 +125,14 @@ class ChipProfile:
     efficiency: float | None = None
     micro_batch_sizes: Mapping[int, MeasuredTimes] | None = None
     optimizer_ns_per_param: float = 0.0
+    cpu_fraction: float = 1.0
+    """CPU time / wall time of the measured passes (CPU emulation; 1: their own work)."""
 
     def __post_init__(self) -> None:
+        fraction = positive_float(self.cpu_fraction, "cpu_fraction")
+        if fraction > 1.0:
+            raise ConfigError(f"cpu_fraction must be a fraction in (0, 1], got {fraction}")
+        object.__setattr__(self, "cpu_fraction", fraction)
         object.__setattr__(
             self,
             "optimizer_ns_per_param",
@@ -206,7 +221,8 @@ class ProfileTable:
 
 def _chip_profile(entry: Any, where: str) -> ChipProfile:
     fields_ = check_keys(
-        entry, (), ("efficiency", "micro_batch_sizes", "optimizer_ns_per_param"), where
+        entry, (), ("efficiency", "micro_batch_sizes", "optimizer_ns_per_param", "cpu_fraction"),
+        where,
     )
     table = None
     raw = fields_.get("micro_batch_sizes")
@@ -226,7 +242,10 @@ def _chip_profile(entry: Any, where: str) -> ChipProfile:
                 raise ConfigError(f"{inner}: {exc}") from None
     try:
         return ChipProfile(
-            fields_.get("efficiency"), table, fields_.get("optimizer_ns_per_param", 0.0)
+            fields_.get("efficiency"),
+            table,
+            fields_.get("optimizer_ns_per_param", 0.0),
+            fields_.get("cpu_fraction", 1.0),
         )
     except ConfigError as exc:
         raise ConfigError(f"{where}: {exc}") from None

@@ -185,6 +185,8 @@ def simulate(plan: HeteroPlan, cost: CostModel) -> SimulationResult:
         done = max(free[(s, r)] for r in range(dps[s]))
         events.append(Event(s, "sync", -1, done, done + stage.dp_sync_s))
         step = max(step, done + stage.dp_sync_s)
+    if cost.cluster.host_cores is not None:  # CPU emulation: the processes share the cores
+        step = max(step, estimate.host_cpu_s / cost.cluster.host_cores)
     shown = [e for e in events if e.replica == 0]
     busy = tuple(
         sum(e.end_s - e.start_s for e in shown if e.stage == s and e.kind != "sync")

@@ -21,7 +21,27 @@ def test_profile_table_round_trip(tmp_path, capsys):
         assert sorted(prof.micro_batch_sizes) == [1, 2]
         times = prof.micro_batch_sizes[2]
         assert times.layer_forward_ms > 0 and times.head_forward_ms > 0
+        assert 0 < prof.cpu_fraction <= 1
+    assert "cpu_fraction" in out.read_text()  # measured (single-threaded on the CPU)
     assert "micro-batch 2: layer forward" in capsys.readouterr().out
+
+
+def test_cpu_share_adds_up_the_timed_intervals():
+    """A pass that sleeps gets almost none of a core: its CPU time over its wall time."""
+    import time
+
+    from megatron_h2.measurement.chip_timing import CpuShare, Pace, repeat
+
+    def asleep() -> float:
+        start = time.perf_counter()
+        time.sleep(0.02)
+        return (time.perf_counter() - start) * 1e3
+
+    share = CpuShare()
+    (times,) = repeat(Pace(share=share), 1, 3, asleep)
+    assert len(times) == 3 and share.wall_s == pytest.approx(sum(times) / 1e3)
+    assert share.fraction < 0.5
+    assert CpuShare().fraction == 1.0  # nothing timed
 
 
 def test_bad_input_is_one_line(tmp_path, capsys):
