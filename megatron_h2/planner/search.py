@@ -44,9 +44,11 @@ from megatron_h2.plan.schema import (
     HeteroPlan,
     StageSpec,
 )
-from megatron_h2.planner.bounds import BatchShape, Kind
+from megatron_h2.planner.bounds import PLAN_HAS_EXPERT_PARALLEL, BatchShape, Kind
 from megatron_h2.planner.cost_model import MODES, CostModel
+from megatron_h2.planner.held_activations import held_states
 from megatron_h2.planner.partition import INF, Split, StageSlot, solve_split
+from megatron_h2.planner.partition_ranges import RangeSlot, solve_range_split
 from megatron_h2.planner.search_options import (
     OWN_DP_SPACES,
     Candidate,
@@ -132,7 +134,7 @@ class _Search:
         self.best: list[tuple[float, int, _Found]] = []  # max-heap by value via negation
         self.counter = itertools.count()
         self.deadline = time.monotonic() + options.time_limit_s
-        self.evaluated: set[tuple[int, str, int, tuple[tuple[int, int, int, int], ...]]] = set()
+        self.evaluated: set[tuple[int, str, int, tuple[tuple[int, ...], ...]]] = set()
 
     @property
     def threshold(self) -> float:
@@ -154,7 +156,7 @@ class _Search:
         shapes = []
         largest = max(c.count for c in self.cost.cluster.chips)
         variants = self.options.schedule_variants(self.cost.model.num_layers)
-        if own:
+        if own or mixed_layers(self.cost):  # mixed layers: one chunk per stage (module doc)
             variants = [v for v in variants if v[0] != "interleaved"]
         gbs = self.options.global_batch_size
         for mbs in self.options.micro_batch_candidates():
@@ -505,7 +507,8 @@ class _Search:
     def _evaluate(self, shape: BatchShape, suffix: _Suffix) -> None:
         """Stage two for a closed pipeline (``suffix`` is in pipeline order from the front)."""
         kinds = shape.kinds
-        blocks = tuple((kinds[k].chip, kinds[k].tp, kinds[k].dp, n) for k, n in suffix)
+        blocks = tuple((kinds[k].chip, kinds[k].tp, kinds[k].dp, kinds[k].ep, n)
+                       for k, n in suffix)
         key = (shape.mbs, shape.schedule, shape.chunks, blocks)  # the same in every shape
         if key in self.evaluated:
             return
@@ -529,9 +532,39 @@ def _need(shape: BatchShape, node: _Node) -> float:
     return max((float(shape.unit[kind, 0]) for kind, _ in node.suffix), default=0.0)
 
 
+def mixed_layers(cost: CostModel) -> bool:
+    """Whether the model has both dense and MoE layers (``--moe-layer-freq``): its splits are
+    then solved over layer ranges (:mod:`.partition_ranges`)."""
+    return len(set(cost.layer_is_moe)) > 1
+
+
+def _solve_ranges(shape: BatchShape, suffix: _Suffix, cutoff: float) -> Split | None:
+    """Stage two for a model with dense and MoE layers (one chunk per stage)."""
+    stages = [kind for kind, count in suffix for _ in range(count)]
+    p, cost = len(stages), shape.cost
+    warmups = shape.warmups(suffix)
+    slots = []
+    for i, (kind, warmup) in enumerate(zip(stages, warmups)):
+        k = shape.kinds[kind]
+        dense, moe = (cost.stage_costs(k.name, k.tp, shape.mbs, k.dp, k.ep, layer_kind)
+                      for layer_kind in (False, True))
+        states = held_states(shape.schedule, p, k.micro_batches, 1, i,
+                             None if shape.uniform else warmup)
+        slots.append(RangeSlot(dense, moe, i == 0, i == p - 1, states))
+    names = [shape.kinds[k].name for k in stages]
+    links = shape.link_factor * sum(shape.link(a, b) for a, b in zip(names, names[1:]))
+    counts = [shape.kinds[k].micro_batches for k in stages]
+    if not hasattr(shape, "range_rows"):
+        shape.range_rows = {}  # type: ignore[attr-defined]
+    return solve_range_split(slots, cost.layer_is_moe, counts, links, shape.schedule, cutoff,
+                             shape.range_rows)  # type: ignore[attr-defined]
+
+
 def solve_structure(shape: BatchShape, suffix: _Suffix, cutoff: float = INF) -> Split | None:
     """Stage two: the exact best split of a closed pipeline of ``shape`` whose blocks ``suffix``
     are (kind index, stages) in pipeline order; None if nothing fits or beats ``cutoff``."""
+    if mixed_layers(shape.cost):
+        return _solve_ranges(shape, suffix, cutoff)
     stages = [kind for kind, count in suffix for _ in range(count)]
     p = len(stages)
     warmups = shape.warmups(suffix)
@@ -566,7 +599,9 @@ def to_plan(found: _Found, cost: CostModel, global_batch_size: int) -> HeteroPla
             layers = found.split.layers[index]
             chunk_layers = (layers // v,) * v if v > 1 else ()
             mode = MODES[found.split.modes[index]]
-            stages.append(StageSpec(kind.name, kind.tp, layers, mode, chunk_layers, own))
+            experts = {"expert_model_parallel_size": kind.ep} if kind.ep > 1 else {}
+            stages.append(StageSpec(kind.name, kind.tp, layers, mode, chunk_layers, own,
+                                    **experts))
             index += 1
     return HeteroPlan(
         found.kinds[found.blocks[0][0]].dp,
@@ -589,6 +624,11 @@ def search(cost: CostModel, options: SearchOptions) -> SearchResult:
     stats = runner.stats
     stats.elapsed_s = time.monotonic() - started
     stats.space = options.space_text(cost.model.num_layers, len(cost.cluster.chips))
+    if cost.model.is_moe:
+        stats.space += (", each stage an expert-parallel degree dividing its DP degree and the "
+                        "experts" if PLAN_HAS_EXPERT_PARALLEL else ", expert parallelism 1")
+        if mixed_layers(cost):
+            stats.space += " (dense and MoE layers: one model chunk per stage)"
     if not found and not stats.exhaustive:
         raise ConfigError(
             f"no plan found within the time limit of {options.time_limit_s:g} s (the search"
