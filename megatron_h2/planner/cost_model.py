@@ -374,9 +374,12 @@ class CostModel:
         return self._kinds[key]
 
     def bound_costs(self, chip_name: str, tp: int, mbs: int, dp: int, ep: int) -> StageCosts:
-        """For a model with dense and MoE layers: every per-layer time, byte and sync term the
-        smaller of the two kinds' (a stage of ``l`` layers costs at least ``l`` such layers,
-        which keeps the search's bounds valid; splits are costed exactly by layer kind)."""
+        """For a model with dense and MoE layers: every per-layer time, activation and sync
+        term the smaller of the two kinds' (a stage of ``l`` layers costs at least ``l`` such
+        layers, which keeps the search's bounds valid; splits are costed exactly by layer kind).
+        The weights' and optimizer's bytes per layer are the larger kind's, less a fixed credit
+        of what the model's ``D`` layers of the smaller kind save (a stage holds at most ``D`` of
+        them), which keeps the memory caps of MoE-heavy models tight and still a bound."""
         key = (chip_name, tp, mbs, dp, ep, None)
         if key not in self._kinds:  # type: ignore[comparison-overlap]
             dense = self.stage_costs(chip_name, tp, mbs, dp, ep, False)
@@ -388,6 +391,11 @@ class CostModel:
             for name in ("layer_backward", "layer_activation"):
                 fields[name] = tuple(map(min, getattr(dense, name), getattr(moe, name)))
             fields["layer_sync"] = min(dense.sync_per_layer, moe.sync_per_layer)
+            few, many = sorted((dense, moe), key=lambda c: c.layer_static)
+            count = sum(self.layer_is_moe) if few is moe else \
+                len(self.layer_is_moe) - sum(self.layer_is_moe)
+            fields["layer_static"] = many.layer_static
+            fields["working"] -= count * (many.layer_static - few.layer_static)
             self._kinds[key] = replace(low, **fields)  # type: ignore[index]
         return self._kinds[key]  # type: ignore[index]
 

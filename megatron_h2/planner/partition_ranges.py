@@ -25,6 +25,9 @@ from megatron_h2.planner.held_activations import State
 from megatron_h2.planner.partition import INF, Split, _smallest, step_factors
 from megatron_h2.planner.stage_costs import StageCosts
 
+_BATCH = 256
+"""Pairs of bounds per batched programme (memory: pairs x (layers + 1)^2 floats)."""
+
 
 @dataclass(frozen=True)
 class RangeSlot:
@@ -150,6 +153,22 @@ class RangeTable:
             stop = start
         return float(total[-1]), split[::-1]
 
+    def best_sums(self, w_caps: np.ndarray, z_caps: np.ndarray) -> np.ndarray:
+        """:meth:`best_sum`'s least sums (INF where no split) for many pairs of bounds at once
+        (one programme over a batch, in slices of :data:`_BATCH` pairs)."""
+        out = np.empty(len(w_caps))
+        size = self.num_layers + 1
+        for lo in range(0, len(w_caps), _BATCH):
+            w = w_caps[lo: lo + _BATCH, None, None]
+            z = z_caps[lo: lo + _BATCH, None, None]
+            total = np.full((len(w), size), INF)
+            total[:, 0] = 0.0
+            for i in range(self.fill.shape[0]):
+                allowed = (self.work[i] <= w) & (self.tail[i] <= z)  # [pair, start, stop]
+                total = (total[:, :, None] + np.where(allowed, self.fill[i], INF)).min(axis=1)
+            out[lo: lo + _BATCH] = total[:, -1]
+        return out
+
     def step_time(self, split: Sequence[int], links_s: float) -> float:
         """Step time of a concrete split (layer counts), as the cost model defines it."""
         starts = np.concatenate([[0], np.cumsum(split)[:-1]]).astype(np.int64)
@@ -187,24 +206,30 @@ def solve_range_split(
     floor = table.best_sum(INF, INF)
     if floor is None:
         return None
-    works = np.unique(table.work[np.isfinite(table.work)])
-    tails = np.unique(table.tail[np.isfinite(table.tail)])
+    finite = np.isfinite(table.work)
+    works, tails = np.unique(table.work[finite]), np.unique(table.tail[finite])
     z_low = float(tails[0])
+    w_low = max(float(row[ok].min()) for row, ok in zip(table.work, finite))  # >= 1 layer each
+    if w_low + z_low + floor[0] + links_s >= cutoff:
+        return None
+    # the least W with a split under it (feasibility grows with W), then upwards
+    w_first = _smallest(len(works), lambda j: table.best_sum(works[j], INF) is not None)
     best, best_value = None, cutoff
-    for w in works.tolist():
+    for w in works[w_first:].tolist():
         if w + z_low + floor[0] + links_s >= best_value:
             break
         by_work = table.best_sum(w, INF)
-        if by_work is None:
+        if by_work is None or w + z_low + by_work[0] + links_s >= best_value:
             continue
-        first = _smallest(len(tails), lambda k, w=w: table.best_sum(w, tails[k]) is not None)
-        for z in tails[first:].tolist():  # from the least Z with a split under W
-            if w + z + by_work[0] + links_s >= best_value:
-                break
-            below = table.best_sum(w, z)
-            value = INF if below is None else table.step_time(below[1], links_s)
-            if value < best_value:
-                best_value, best = value, below[1]  # type: ignore[index]
+        useful = tails[w + tails + by_work[0] + links_s < best_value]  # S(W, Z) >= S(W, inf)
+        values = w + useful + table.best_sums(np.full(len(useful), w), useful) + links_s
+        k = int(values.argmin())
+        if values[k] >= best_value:
+            continue
+        below = table.best_sum(w, float(useful[k]))  # the split that reaches it
+        value = table.step_time(below[1], links_s)  # type: ignore[index]
+        if value < best_value:
+            best_value, best = value, below[1]  # type: ignore[index]
     if best is None:
         return None
     return Split(tuple(best), table.modes(best), best_value)

@@ -564,7 +564,17 @@ def solve_structure(shape: BatchShape, suffix: _Suffix, cutoff: float = INF) -> 
     """Stage two: the exact best split of a closed pipeline of ``shape`` whose blocks ``suffix``
     are (kind index, stages) in pipeline order; None if nothing fits or beats ``cutoff``."""
     if mixed_layers(shape.cost):
+        # the count split of the kinds' bound costs (each layer its cheaper kind) is a lower
+        # bound on the exact range split: a cheap test against the cutoff first
+        if _solve_counts(shape, suffix, cutoff) is None:
+            return None
         return _solve_ranges(shape, suffix, cutoff)
+    return _solve_counts(shape, suffix, cutoff)
+
+
+def _solve_counts(shape: BatchShape, suffix: _Suffix, cutoff: float) -> Split | None:
+    """The count-based split (:func:`~megatron_h2.planner.partition.solve_split`) of the
+    kinds' costs (exact when every layer is alike)."""
     stages = [kind for kind, count in suffix for _ in range(count)]
     p = len(stages)
     warmups = shape.warmups(suffix)
