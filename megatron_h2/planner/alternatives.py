@@ -50,6 +50,10 @@ def schedule_alternatives(
     out = []
     for schedule, chunks in options.schedule_variants(layers):
         problem = None
+        if schedule == "interleaved" and len(set(cost.layer_is_moe)) > 1:
+            out.append(Alternative(schedule, chunks, None, "not searched for a model with "
+                                   "dense and MoE layers (one chunk per stage)"))
+            continue
         if schedule == "interleaved" and not plan.uniform_dp:
             out.append(_own_dp_interleaved(cost, plan, chunks))
             continue
@@ -66,10 +70,12 @@ def schedule_alternatives(
         shape = BatchShape(
             cost, plan.global_batch_size, plan.micro_batch_size, schedule, chunks, dp, lazy=True
         )
-        kinds = [(k.name, k.tp, k.dp) for k in shape.kinds]
+        kinds = [(k.name, k.tp, k.dp, k.ep) for k in shape.kinds]
         blocks: list[list[int]] = []
         for index, stage in enumerate(plan.stages):
-            kind = kinds.index((stage.chip, stage.tensor_parallel_size, plan.stage_dp(index)))
+            dp = plan.stage_dp(index)
+            ep = cost.stage_expert_parallel(stage, dp)
+            kind = kinds.index((stage.chip, stage.tensor_parallel_size, dp, ep))
             if blocks and blocks[-1][0] == kind:
                 blocks[-1][1] += 1
             else:

@@ -39,10 +39,12 @@ admissible ``j``.
 
 from __future__ import annotations
 
+from dataclasses import fields
 from typing import TYPE_CHECKING
 
 import numpy as np
 
+from megatron_h2.plan.schema import StageSpec
 from megatron_h2.planner.cost_model import MODES, CostModel, zero_bubble_share
 from megatron_h2.planner.partition import INF
 from megatron_h2.planner.rest_bound import RestBound, running_sum
@@ -53,11 +55,25 @@ if TYPE_CHECKING:
     from collections.abc import Sequence
 
 
+PLAN_HAS_EXPERT_PARALLEL = "expert_model_parallel_size" in {
+    f.name for f in fields(StageSpec)}
+"""Whether a plan's stage can name its EP degree (else the search keeps EP 1)."""
+
+
+def expert_parallel_degrees(cost: CostModel, tp: int, dp: int) -> list[int]:
+    """The EP degrees the search gives a stage kind of TP ``tp`` and DP ``dp`` (1 for dense
+    models: :meth:`CostModel.expert_parallel_options`)."""
+    if not PLAN_HAS_EXPERT_PARALLEL:
+        return [1]
+    return cost.expert_parallel_options(tp, dp)
+
+
 class Kind:
     """A stage kind: chip type (index and name), TP and DP degree, most stages, its costs, the
     micro-batches of each of its DP replicas and the step formula's factor ``F``."""
 
-    __slots__ = ("chip", "name", "tp", "dp", "max_stages", "costs", "micro_batches", "factor")
+    __slots__ = ("chip", "name", "tp", "dp", "max_stages", "costs", "micro_batches", "factor",
+                 "ep")
 
     def __init__(
         self,
@@ -69,8 +85,9 @@ class Kind:
         costs: StageCosts,
         micro_batches: int,
         factor: int,
+        ep: int = 1,
     ) -> None:
-        self.chip, self.name, self.tp, self.dp = chip, name, tp, dp
+        self.chip, self.name, self.tp, self.dp, self.ep = chip, name, tp, dp, ep
         self.max_stages, self.costs = max_stages, costs
         self.micro_batches, self.factor = micro_batches, factor
 
@@ -123,8 +140,9 @@ class BatchShape(ShapeMemory, RestBound):
                         continue
                     m = self.total // d
                     factor = m * chunks - 1 if schedule == "interleaved" else m - 1
-                    costs = cost.stage_costs(chip.name, tp, mbs, d)
-                    kinds.append(Kind(index, chip.name, tp, d, count, costs, m, factor))
+                    for ep in expert_parallel_degrees(cost, tp, d):
+                        costs = cost.stage_costs(chip.name, tp, mbs, d, ep)
+                        kinds.append(Kind(index, chip.name, tp, d, count, costs, m, factor, ep))
         if cost.model.num_layers % chunks:
             kinds = []  # equal chunks cannot hold the layers
         self.kinds = tuple(kinds)
@@ -224,7 +242,7 @@ class BatchShape(ShapeMemory, RestBound):
         self.embedding_time = (emb - share * emb_weight) * scale
         self.embedding_min = float(self.embedding_time.min())
         self.sync_one = np.array([k.costs.dp_sync(v, False, False) for k in self.kinds])
-        slope = np.array([v * k.costs.layer_params * k.costs.sync_per_param for k in self.kinds])
+        slope = np.array([v * k.costs.sync_per_layer for k in self.kinds])
         with np.errstate(divide="ignore"):
             self.sync_inverse = np.where(slope > 0, 1.0 / np.maximum(slope, 1e-300), INF)
         stages = np.array([k.max_stages for k in self.kinds], dtype=np.float64)

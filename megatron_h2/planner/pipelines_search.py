@@ -250,8 +250,12 @@ def search_pipelines(cost: CostModel, options: SearchOptions,
     limit = options.time_limit_s if time_limit_s is None else time_limit_s
     runner = _Runner(cost, options, started + limit)
     found = groupings(cost.cluster.names)
+    if cost.model.is_moe:
+        found = []
+        runner.result.reason = ("plans of several pipelines are not costed for "
+                                "mixture-of-experts models")
     runner.result.groupings = len(found)
-    if not found:
+    if not found and not cost.model.is_moe:
         runner.result.reason = "one chip type: a plan of pipelines is a plan with DP"
     for mbs in options.micro_batch_candidates():
         total = options.global_batch_size // mbs

@@ -39,7 +39,7 @@ from typing import Any
 import numpy as np
 
 from megatron_h2.errors import ConfigError
-from megatron_h2.planner.bounds import BatchShape
+from megatron_h2.planner.bounds import PLAN_HAS_EXPERT_PARALLEL, BatchShape
 from megatron_h2.planner.cost_model import CostModel
 from megatron_h2.planner.partition import INF
 from megatron_h2.planner.search_options import (
@@ -49,7 +49,14 @@ from megatron_h2.planner.search_options import (
     SearchResult,
     SearchStats,
 )
-from megatron_h2.planner.structure import Found, Suffix, nothing_fits, solve_structure, to_plan
+from megatron_h2.planner.structure import (
+    Found,
+    Suffix,
+    mixed_layers,
+    nothing_fits,
+    solve_structure,
+    to_plan,
+)
 
 __all__ = ["OWN_DP_SPACES", "Candidate", "SearchOptions", "SearchResult", "SearchStats", "search"]
 
@@ -115,7 +122,7 @@ class _Search:
         self.best: list[tuple[float, int, Found]] = []  # max-heap by value via negation
         self.counter = itertools.count()
         self.deadline = time.monotonic() + options.time_limit_s
-        self.evaluated: set[tuple[int, str, int, tuple[tuple[int, int, int, int], ...]]] = set()
+        self.evaluated: set[tuple[int, str, int, tuple[tuple[int, ...], ...]]] = set()
 
     @property
     def threshold(self) -> float:
@@ -137,7 +144,7 @@ class _Search:
         shapes = []
         largest = max(c.count for c in self.cost.cluster.chips)
         variants = self.options.schedule_variants(self.cost.model.num_layers)
-        if own:
+        if own or mixed_layers(self.cost):  # mixed layers: one chunk per stage (module doc)
             variants = [v for v in variants if v[0] != "interleaved"]
         gbs = self.options.global_batch_size
         for mbs in self.options.micro_batch_candidates():
@@ -488,7 +495,8 @@ class _Search:
     def _evaluate(self, shape: BatchShape, suffix: Suffix) -> None:
         """Stage two for a closed pipeline (``suffix`` is in pipeline order from the front)."""
         kinds = shape.kinds
-        blocks = tuple((kinds[k].chip, kinds[k].tp, kinds[k].dp, n) for k, n in suffix)
+        blocks = tuple((kinds[k].chip, kinds[k].tp, kinds[k].dp, kinds[k].ep, n)
+                       for k, n in suffix)
         key = (shape.mbs, shape.schedule, shape.chunks, blocks)  # the same in every shape
         if key in self.evaluated:
             return
@@ -523,6 +531,11 @@ def search(cost: CostModel, options: SearchOptions) -> SearchResult:
     stats = runner.stats
     stats.elapsed_s = time.monotonic() - started
     stats.space = options.space_text(cost.model.num_layers, len(cost.cluster.chips))
+    if cost.model.is_moe:
+        stats.space += (", each stage an expert-parallel degree dividing its DP degree and the "
+                        "experts" if PLAN_HAS_EXPERT_PARALLEL else ", expert parallelism 1")
+        if mixed_layers(cost):
+            stats.space += " (dense and MoE layers: one model chunk per stage)"
     if not found and not stats.exhaustive:
         raise ConfigError(
             f"no plan found within the time limit of {options.time_limit_s:g} s (the search"

@@ -10,9 +10,11 @@ from dataclasses import dataclass, field
 from megatron_h2.plan.schema import ChipSpec, HeteroPlan, StageSpec
 from megatron_h2.planner.bounds import BatchShape, Kind
 from megatron_h2.planner.cost_model import MODES, CostModel
+from megatron_h2.planner.held_activations import held_states
 from megatron_h2.planner.partition import INF, Split, StageSlot, solve_split
+from megatron_h2.planner.partition_ranges import RangeSlot, solve_range_split
 
-__all__ = ["Found", "Suffix", "nothing_fits", "solve_structure", "to_plan"]
+__all__ = ["Found", "Suffix", "mixed_layers", "nothing_fits", "solve_structure", "to_plan"]
 
 Suffix = tuple[tuple[int, int], ...]
 """Blocks of a pipeline (kind index, stages), from the front."""
@@ -32,9 +34,49 @@ class Found:
     kinds: tuple[Kind, ...] = field(compare=False)
 
 
+def mixed_layers(cost: CostModel) -> bool:
+    """Whether the model has both dense and MoE layers (``--moe-layer-freq``): its splits are
+    then solved over layer ranges (:mod:`.partition_ranges`)."""
+    return len(set(cost.layer_is_moe)) > 1
+
+
+def _solve_ranges(shape: BatchShape, suffix: Suffix, cutoff: float) -> Split | None:
+    """Stage two for a model with dense and MoE layers (one chunk per stage)."""
+    stages = [kind for kind, count in suffix for _ in range(count)]
+    p, cost = len(stages), shape.cost
+    warmups = shape.warmups(suffix)
+    slots = []
+    for i, (kind, warmup) in enumerate(zip(stages, warmups)):
+        k = shape.kinds[kind]
+        dense, moe = (cost.stage_costs(k.name, k.tp, shape.mbs, k.dp, k.ep, layer_kind)
+                      for layer_kind in (False, True))
+        states = held_states(shape.schedule, p, k.micro_batches, 1, i,
+                             None if shape.uniform else warmup)
+        slots.append(RangeSlot(dense, moe, i == 0, i == p - 1, states))
+    names = [shape.kinds[k].name for k in stages]
+    links = shape.link_factor * sum(shape.link(a, b) for a, b in zip(names, names[1:]))
+    counts = [shape.kinds[k].micro_batches for k in stages]
+    if not hasattr(shape, "range_rows"):
+        shape.range_rows = {}  # type: ignore[attr-defined]
+    return solve_range_split(slots, cost.layer_is_moe, counts, links, shape.schedule, cutoff,
+                             shape.range_rows)  # type: ignore[attr-defined]
+
+
 def solve_structure(shape: BatchShape, suffix: Suffix, cutoff: float = INF) -> Split | None:
     """Stage two: the exact best split of a closed pipeline of ``shape`` whose blocks ``suffix``
     are (kind index, stages) in pipeline order; None if nothing fits or beats ``cutoff``."""
+    if mixed_layers(shape.cost):
+        # the count split of the kinds' bound costs (each layer its cheaper kind) is a lower
+        # bound on the exact range split: a cheap test against the cutoff first
+        if _solve_counts(shape, suffix, cutoff) is None:
+            return None
+        return _solve_ranges(shape, suffix, cutoff)
+    return _solve_counts(shape, suffix, cutoff)
+
+
+def _solve_counts(shape: BatchShape, suffix: Suffix, cutoff: float) -> Split | None:
+    """The count-based split (:func:`~megatron_h2.planner.partition.solve_split`) of the
+    kinds' costs (exact when every layer is alike)."""
     stages = [kind for kind, count in suffix for _ in range(count)]
     p = len(stages)
     warmups = shape.warmups(suffix)
@@ -69,7 +111,9 @@ def to_plan(found: Found, cost: CostModel, global_batch_size: int) -> HeteroPlan
             layers = found.split.layers[index]
             chunk_layers = (layers // v,) * v if v > 1 else ()
             mode = MODES[found.split.modes[index]]
-            stages.append(StageSpec(kind.name, kind.tp, layers, mode, chunk_layers, own))
+            experts = {"expert_model_parallel_size": kind.ep} if kind.ep > 1 else {}
+            stages.append(StageSpec(kind.name, kind.tp, layers, mode, chunk_layers, own,
+                                    **experts))
             index += 1
     return HeteroPlan(
         found.kinds[found.blocks[0][0]].dp,
