@@ -1,8 +1,9 @@
 """Sizes and times of converting the distributed-optimizer fixtures Megatron-Core saved at DP 2,
 TP 2, PP 2 and TP 2 x PP 2 x DP 2 (tests/fixtures/megatron/*_distopt_*): Megatron-LM ->
 megatron_h2 with ``tools/convert_checkpoint.py``, and back to a Megatron-LM ``torch_dist``
-checkpoint at the saved TP / PP. Each conversion runs ``--repeats`` times in this process;
-prints the median and worst wall time and the directories' sizes.
+checkpoint at the saved TP / PP (vocabulary padded as saved). Each conversion runs
+``--repeats`` times in this process; prints the median and worst wall time and the
+directories' sizes.
 
     python bench/bench_megatron_convert.py [--repeats 5]
 """
@@ -60,7 +61,8 @@ def main() -> None:
                     ("megatron_h2", src, ours, ["--from", "megatron", "--to", "megatron_h2"]),
                     ("megatron", ours, back, ["--from", "megatron_h2", "--to", "megatron",
                                               "--target-tensor-parallel-size", str(tp),
-                                              "--target-pipeline-parallel-size", str(pp)]),
+                                              "--target-pipeline-parallel-size", str(pp),
+                                              "--make-vocab-size-divisible-by", str(64 // tp)]),
                 ]
                 for to, inp, out, flags in steps:
                     times = timed([*flags, "--input", str(inp), "--output", str(out)], out,
