@@ -238,11 +238,26 @@ class BatchShape(ShapeMemory, RestBound):
         emb_weight = np.array([k.costs.embedding_weight_grad for k in self.kinds])
         head = np.array([k.costs.edge_time(False, True) for k in self.kinds])
         emb = np.array([k.costs.edge_time(True, False) for k in self.kinds])
+        # The last stage holds the head and the first the embedding, each with at least one
+        # layer: their folded steady terms are at least these (the fastest mode's layer).
+        self.head_need = folds * (head * scale + times[:, 0])
+        self.embedding_need = folds * (emb * scale + times[:, 0])
         self.head_time = (head - share * head_weight) * scale  # the edges' fill
         self.embedding_time = (emb - share * emb_weight) * scale
         self.embedding_min = float(self.embedding_time.min())
+        # The end-of-step term z: the DP sync, under zero-bubble plus the deferred weight
+        # gradients (1 + b) G, b at least its value on the longest pipeline (it falls with p).
+        grads = np.zeros(len(self.kinds))
+        if self.schedule == "zero-bubble":
+            longest = max(self.positions, 2)
+            shares = [zero_bubble_share(longest, k.micro_batches) for k in self.kinds]
+            grads = 1.0 + np.array(shares)
         self.sync_one = np.array([k.costs.dp_sync(v, False, False) for k in self.kinds])
+        self.sync_one += grads * weight
+        self.head_tail = np.array([k.costs.dp_sync(v, False, True) for k in self.kinds])
+        self.head_tail += grads * (weight + head_weight)  # the last stage: a layer and the head
         slope = np.array([v * k.costs.sync_per_layer for k in self.kinds])
+        slope += grads * weight
         with np.errstate(divide="ignore"):
             self.sync_inverse = np.where(slope > 0, 1.0 / np.maximum(slope, 1e-300), INF)
         stages = np.array([k.max_stages for k in self.kinds], dtype=np.float64)
@@ -259,14 +274,6 @@ class BatchShape(ShapeMemory, RestBound):
         self.w_max = max(max(full) * (1 + 1e-9), 1e-30)
         self.leads = self._lead_grid()
         self.w_floor = self._root_w(range(len(self.kinds))) if self.positions else self.w_max
-
-    def sum_floor(self, work: np.ndarray | float) -> np.ndarray | float:
-        """What the sum term is at least when the largest folded steady term is ``work``: the
-        slowest stage's own fill, at least ``work / max F`` (nothing under zero-bubble, whose
-        tail holds it)."""
-        if self.schedule == "zero-bubble":
-            return 0.0 * work
-        return self._own_work(work)
 
     def _own_work(self, work: np.ndarray | float) -> np.ndarray | float:
         """The slowest stage's own work when the largest folded steady term is ``work`` (the
@@ -334,8 +341,9 @@ class BatchShape(ShapeMemory, RestBound):
             return INF
         if not self.prepared:
             return self.pre_bound
-        w = self.w_floor
-        return self.steady * w + max(self.sum_floor(w), self.layers * float(self.fill_unit.min()))
+        w = max(self.w_floor, float(self.head_need.min()))  # some kind holds the head
+        # the slowest stage's own work counts under every schedule (zero-bubble: in its tail)
+        return self.steady * w + max(self._own_work(w), self.layers * float(self.fill_unit.min()))
 
     def build_grid(self, w_high: float, points: int, coarse: int = 32) -> None:
         """Probe values from the root bound up to ``w_high`` (geometric) and their prefix sums.
@@ -372,15 +380,17 @@ class BatchShape(ShapeMemory, RestBound):
         return prefix[:, np.asarray(ends) - start + table] - prefix[:, [table]]
 
     def sync_bound(
-        self, blocks: Sequence[tuple[int, np.ndarray | int]], unused: int
+        self, blocks: Sequence[tuple[int, np.ndarray | int]], unused: int, last: int
     ) -> np.ndarray | float:
-        """Lower bound on the slowest DP synchronisation: the known blocks' one-layer syncs, and
-        the L layers spread so that the largest sync is smallest over every stage that may exist.
+        """Lower bound on the largest end-of-step term ``z`` (the DP sync, under zero-bubble with
+        the deferred weight gradients): the known blocks' one-layer terms, the last stage's (of
+        kind ``last``) with the head, and the L layers spread so that the largest is smallest
+        over every stage that may exist (``z`` grows at least linearly in the layers).
         """
         if not blocks:
             return 0.0
         one, inverse_of = self._sync_floats
-        floor = max(one[kind] for kind, _ in blocks)
+        floor = max(max(one[kind] for kind, _ in blocks), float(self.head_tail[last]))
         inverse: np.ndarray | float = 0.0
         for kind, count in blocks:
             inverse = inverse + count * inverse_of[kind]

@@ -419,10 +419,11 @@ class _Search:
         warmups = shape.warmups(suffix) if suffix else []
         if suffix and shape.closes(position) and not (use_all and mask):
             edges = float(shape.head_time[suffix[-1][0]] + shape.embedding_time[suffix[0][0]])
-            sync = shape.sync_bound(suffix, 0)
+            sync = shape.sync_bound(suffix, 0, suffix[-1][0])
             placed = [(u, caps[:, None], count) for u, caps, count in groups]
             here = np.array([node.lead])
-            leaf = shape.bound(placed, 0, here, node.links, edges, need, sync)
+            first = max(need, float(shape.embedding_need[suffix[0][0]]))  # with the embedding
+            leaf = shape.bound(placed, 0, here, node.links, edges, first, sync)
             if leaf[0] < self.threshold * (1 - _SLACK):  # tighter: the exact memory caps
                 closed, front = [], 0
                 for (kind, count), (unit, _, _) in zip(suffix, reversed(groups)):
@@ -430,7 +431,7 @@ class _Search:
                     caps = shape.closed_block(kind, position, front, qs)
                     closed.append((unit, caps[:, None], count))
                     front += count
-                leaf = shape.bound(closed, 0, here, node.links, edges, need, sync)
+                leaf = shape.bound(closed, 0, here, node.links, edges, first, sync)
             options.append((float(leaf[0]), -1, 0))
         room, fixed = shape.positions - position, None
         for t_index, chip in enumerate(shape.types):  # one bound call per chip type
@@ -467,11 +468,14 @@ class _Search:
             stages = np.zeros(width)
             stages[lo:hi] = count
             parts.append((float(shape.fill_unit[kind]), caps, stages))
-            needs.append(np.full(len(count), max(need, float(shape.unit[kind, 0]))))
+            own = float(shape.unit[kind, 0])
+            if not node.suffix:  # the block ends the pipeline: its last stage holds the head
+                own = max(own, float(shape.head_need[kind]))
+            needs.append(np.full(len(count), max(need, own)))
             last = node.suffix[-1][0] if node.suffix else kind
             edges.append(np.full(len(count), shape.head_time[last] + shape.embedding_min))
             child_links.append(node.links + self._block_links(shape, node, kind, count))
-            syncs.append(shape.sync_bound(node.suffix + ((kind, count),), others))
+            syncs.append(shape.sync_bound(node.suffix + ((kind, count),), others, last))
             leads.append(shape.kinds[kind].dp * (start + count))
             lo = hi
         bounds = shape.bound(
@@ -516,8 +520,12 @@ class _Search:
 
 
 def _need(shape: BatchShape, node: _Node) -> float:
-    """The least folded steady term below ``node``: one layer on its slowest kind."""
-    return max((float(shape.unit[kind, 0]) for kind, _ in node.suffix), default=0.0)
+    """The least folded steady term below ``node``: one layer on its slowest kind, or the last
+    stage's layer and the head (:attr:`BatchShape.head_need`)."""
+    if not node.suffix:
+        return 0.0
+    need = float(shape.head_need[node.suffix[-1][0]])
+    return max(need, max(float(shape.unit[kind, 0]) for kind, _ in node.suffix))
 
 
 def search(cost: CostModel, options: SearchOptions) -> SearchResult:
