@@ -24,7 +24,8 @@ _OPTIONAL_KEYS = ("schedule", "transports")
 _PIPELINE_KEYS = ("batch_share", "stages")
 _PIPELINE_OPTIONAL_KEYS = ("data_parallel_size", "schedule")
 _CHIP_KEYS = ("device", "emulate_slowdown")
-_STAGE_KEYS = ("chip", "tensor_parallel_size", "num_layers", "recompute", "data_parallel_size")
+_STAGE_KEYS = ("chip", "tensor_parallel_size", "num_layers", "recompute", "data_parallel_size",
+               "expert_model_parallel_size", "expert_tensor_parallel_size")
 _LINK_KEYS = ("chips", "transport")
 
 
@@ -153,6 +154,10 @@ def _stage_dicts(plan: HeteroPlan) -> list[dict[str, Any]]:
             "recompute": s.recompute,
             **({} if s.data_parallel_size is None
                else {"data_parallel_size": s.data_parallel_size}),
+            **({} if s.expert_model_parallel_size == 1
+               else {"expert_model_parallel_size": s.expert_model_parallel_size}),
+            **({} if s.expert_tensor_parallel_size is None
+               else {"expert_tensor_parallel_size": s.expert_tensor_parallel_size}),
         }
         for s in plan.stages
     ]

@@ -43,6 +43,10 @@ is cut into ``M = global_batch_size / micro_batch_size`` micro-batches numbered 
 every stage processes all ``M``, its replica ``r`` the micro-batches ``j`` with
 ``j mod DP_s == r`` (:meth:`HeteroPlan.stage_micro_batches` of them per step).
 
+Experts (MoE models): a stage may set ``expert_model_parallel_size`` (EP, default 1) and
+``expert_tensor_parallel_size`` (ETP, default the stage's TP); ``EP x ETP`` must divide the
+stage's ``TP x DP`` ranks and EP the experts (:meth:`StageSpec.check_experts`).
+
 Rank layout (what the runtime must build its process groups from):
 
 * Stage ``s`` owns ``tensor_parallel_size * DP_s`` consecutive global ranks, stages in pipeline
@@ -313,6 +317,10 @@ class HeteroPlan:
                     f"{closest(stage.chip, list(self.chips))};"
                     f" known chips: {', '.join(self.chips)}"
                 )
+            try:
+                stage.check_experts(self.stage_dp(index))
+            except ConfigError as exc:
+                raise ConfigError(f"stage {index}: {exc}") from None
             if stage.num_layers == 0 and 0 < index < last:
                 raise ConfigError(
                     f"stage {index} has no layer and holds neither the embedding (first stage) nor"
@@ -509,12 +517,15 @@ class HeteroPlan:
         num_attention_heads: int,
         num_query_groups: int | None = None,
         world_size: int | None = None,
+        num_experts: int | None = None,
     ) -> None:
         """Check the plan against the model flags (and the launched world size if given).
 
         Raises ConfigError when the stage layers do not add up to ``num_layers``, when a stage's
-        TP degree does not divide the attention heads or the query groups, or when ``world_size``
-        differs from :attr:`world_size`. ``num_query_groups`` defaults to the number of heads.
+        TP degree does not divide the attention heads or the query groups, when a stage's
+        ``expert_model_parallel_size`` does not divide ``num_experts`` (MoE models; a dense
+        model, ``None``, needs EP 1), or when ``world_size`` differs from :attr:`world_size`.
+        ``num_query_groups`` defaults to the number of heads.
         """
         positive_int(num_layers, "num_layers")
         positive_int(num_attention_heads, "num_attention_heads")
@@ -522,11 +533,11 @@ class HeteroPlan:
         positive_int(groups, "num_query_groups")
         for index, pipe in enumerate(self.pipelines):
             try:
-                pipe.validate(num_layers, num_attention_heads, groups)
+                pipe.validate(num_layers, num_attention_heads, groups, num_experts=num_experts)
             except ConfigError as exc:
                 raise ConfigError(f"pipeline {index}: {exc}") from None
         if not self.pipelines:
-            self._validate_stages(num_layers, num_attention_heads, groups)
+            self._validate_stages(num_layers, num_attention_heads, groups, num_experts)
         if world_size is not None and world_size != self.world_size:
             raise ConfigError(
                 f"the plan needs world size {self.world_size} (sum of TP x DP over stages"
@@ -534,7 +545,8 @@ class HeteroPlan:
                 f"launched; launch {self.world_size}"
             )
 
-    def _validate_stages(self, num_layers: int, num_attention_heads: int, groups: int) -> None:
+    def _validate_stages(self, num_layers: int, num_attention_heads: int, groups: int,
+                         num_experts: int | None) -> None:
         if self.num_layers != num_layers:
             split = "+".join(str(stage.num_layers) for stage in self.stages)
             raise ConfigError(
@@ -542,6 +554,7 @@ class HeteroPlan:
                 f" {num_layers}; make the stage num_layers add up to {num_layers}"
             )
         for index, stage in enumerate(self.stages):
+            self._validate_experts(index, num_experts)
             tp = stage.tensor_parallel_size
             for count, name in ((num_attention_heads, "attention heads"), (groups, "query groups")):
                 if count % tp:
@@ -550,6 +563,12 @@ class HeteroPlan:
                         f" {count} {name};"
                         " pick a TP degree that divides both heads and query groups"
                     )
+
+    def _validate_experts(self, index: int, num_experts: int | None) -> None:
+        try:
+            self.stages[index].check_experts(self.stage_dp(index), num_experts, validate=True)
+        except ConfigError as exc:
+            raise ConfigError(f"stage {index}: {exc}") from None
 
     # ------------------------------------------------------------------------------- conversion
     @classmethod

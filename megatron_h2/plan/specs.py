@@ -41,6 +41,12 @@ class StageSpec:
 
     ``num_layers`` is the stage's total; ``chunk_layers`` splits it over model chunks (virtual
     pipeline stages, see the module docstring), empty for one chunk.
+
+    ``expert_model_parallel_size`` (EP, default 1) and ``expert_tensor_parallel_size`` (ETP,
+    default ``None``: the stage's TP degree, as Megatron's ``--expert-tensor-parallel-size``)
+    say how the stage's MoE layers split their experts: the stage's ``TP x DP`` ranks are carved
+    into ``ETP x EP x expert-DP`` as Megatron-Core carves a pipeline stage's ranks
+    (:meth:`check_experts`).
     """
 
     chip: str
@@ -49,8 +55,13 @@ class StageSpec:
     recompute: Recompute = "none"
     chunk_layers: tuple[int, ...] = ()
     data_parallel_size: int | None = None  # None: the plan's data_parallel_size
+    expert_model_parallel_size: int = 1
+    expert_tensor_parallel_size: int | None = None  # None: tensor_parallel_size
 
     def __post_init__(self) -> None:
+        positive_int(self.expert_model_parallel_size, "expert_model_parallel_size")
+        if self.expert_tensor_parallel_size is not None:
+            positive_int(self.expert_tensor_parallel_size, "expert_tensor_parallel_size")
         if self.data_parallel_size is not None:
             positive_int(self.data_parallel_size, "data_parallel_size")
         if not isinstance(self.chip, str) or not self.chip:
@@ -73,6 +84,32 @@ class StageSpec:
     def chunks(self) -> tuple[int, ...]:
         """Layer count of each model chunk of the stage (one entry without interleaving)."""
         return self.chunk_layers or (self.num_layers,)
+
+    @property
+    def expert_tp(self) -> int:
+        """The experts' TP degree: ``expert_tensor_parallel_size``, else the stage's TP."""
+        etp = self.expert_tensor_parallel_size
+        return self.tensor_parallel_size if etp is None else etp
+
+    def check_experts(self, data_parallel_size: int, num_experts: int | None = None,
+                      validate: bool = False) -> None:
+        """Raise a one-line ConfigError unless ``ETP x EP`` divides the stage's ``TP x DP``
+        ranks (``data_parallel_size``: the stage's DP degree) and, when ``num_experts`` is
+        given, EP divides the experts; ``validate``: the model is known, so EP > 1 without
+        experts (``num_experts`` None) is an error too."""
+        ep, etp = self.expert_model_parallel_size, self.expert_tp
+        if validate and num_experts is None and ep > 1:
+            raise ConfigError(f"expert_model_parallel_size {ep} is set but the model has no "
+                              "experts (--num-experts); remove it or make the model MoE")
+        ranks = self.tensor_parallel_size * data_parallel_size
+        if ranks % (ep * etp):
+            raise ConfigError(f"expert_model_parallel_size {ep} x expert_tensor_parallel_size "
+                              f"{etp} = {ep * etp} does not divide the stage's TP x DP = "
+                              f"{ranks} ranks; pick EP x ETP dividing {ranks}")
+        if num_experts is not None and num_experts % ep:
+            raise ConfigError(f"expert_model_parallel_size {ep} does not divide the "
+                              f"{num_experts} experts (--num-experts); pick an EP dividing "
+                              f"{num_experts}")
 
 
 @dataclass(frozen=True)

@@ -20,7 +20,8 @@ from megatron_h2.plan.schema import HeteroPlan
 from megatron_h2.planner.bounds import BatchShape
 from megatron_h2.planner.cost_model import CostModel
 from megatron_h2.planner.interleaved_dp import interleaved_variant, order_stall
-from megatron_h2.planner.search import Candidate, SearchOptions, _Found, solve_structure, to_plan
+from megatron_h2.planner.search import Candidate, SearchOptions
+from megatron_h2.planner.structure import Found, solve_structure, to_plan
 
 
 @dataclass(frozen=True)
@@ -84,7 +85,7 @@ def schedule_alternatives(
         if split is None:
             out.append(Alternative(schedule, chunks, None, "no layer split fits in memory"))
             continue
-        found = _Found(split.step_time_s, shape.mbs, schedule, chunks, suffix, split, shape.kinds)
+        found = Found(split.step_time_s, shape.mbs, schedule, chunks, suffix, split, shape.kinds)
         alternative = to_plan(found, cost, plan.global_batch_size)
         out.append(
             Alternative(schedule, chunks, Candidate(alternative, cost.evaluate(alternative)))

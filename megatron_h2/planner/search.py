@@ -33,22 +33,15 @@ from __future__ import annotations
 import heapq
 import itertools
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from megatron_h2.errors import ConfigError
-from megatron_h2.plan.schema import (
-    ChipSpec,
-    HeteroPlan,
-    StageSpec,
-)
-from megatron_h2.planner.bounds import PLAN_HAS_EXPERT_PARALLEL, BatchShape, Kind
-from megatron_h2.planner.cost_model import MODES, CostModel
-from megatron_h2.planner.held_activations import held_states
-from megatron_h2.planner.partition import INF, Split, StageSlot, solve_split
-from megatron_h2.planner.partition_ranges import RangeSlot, solve_range_split
+from megatron_h2.planner.bounds import BatchShape
+from megatron_h2.planner.cost_model import CostModel
+from megatron_h2.planner.partition import INF
 from megatron_h2.planner.search_options import (
     OWN_DP_SPACES,
     Candidate,
@@ -56,25 +49,20 @@ from megatron_h2.planner.search_options import (
     SearchResult,
     SearchStats,
 )
+from megatron_h2.planner.structure import (
+    Found,
+    Suffix,
+    mixed_layers,
+    nothing_fits,
+    solve_structure,
+    to_plan,
+)
 
 __all__ = ["OWN_DP_SPACES", "Candidate", "SearchOptions", "SearchResult", "SearchStats", "search"]
 
 _SLACK = 1e-9  # relative tolerance when comparing a bound with the K-th best
 
 
-
-@dataclass(frozen=True)
-class _Found:
-    value: float
-    micro_batch_size: int
-    schedule: str
-    chunks: int
-    blocks: tuple[tuple[int, int], ...]  # (kind index, stages), pipeline order
-    split: Split
-    kinds: tuple[Kind, ...] = field(compare=False)
-
-
-_Suffix = tuple[tuple[int, int], ...]
 _Groups = tuple[tuple[float, np.ndarray, int], ...]  # (per-layer time, capacity, stages)
 
 
@@ -84,7 +72,7 @@ class _Node:
     stages, the chip types still unused (bit mask), its link time and its lead (the lead the
     stage in front of it must have, :mod:`.bounds`)."""
 
-    suffix: _Suffix
+    suffix: Suffix
     groups: _Groups
     position: int
     mask: int
@@ -131,7 +119,7 @@ class _Search:
     def __init__(self, cost: CostModel, options: SearchOptions) -> None:
         self.cost, self.options = cost, options
         self.stats = SearchStats()
-        self.best: list[tuple[float, int, _Found]] = []  # max-heap by value via negation
+        self.best: list[tuple[float, int, Found]] = []  # max-heap by value via negation
         self.counter = itertools.count()
         self.deadline = time.monotonic() + options.time_limit_s
         self.evaluated: set[tuple[int, str, int, tuple[tuple[int, ...], ...]]] = set()
@@ -156,7 +144,7 @@ class _Search:
         shapes = []
         largest = max(c.count for c in self.cost.cluster.chips)
         variants = self.options.schedule_variants(self.cost.model.num_layers)
-        if own or mixed_layers(self.cost):  # mixed layers: one chunk per stage (module doc)
+        if own or mixed_layers(self.cost):  # mixed layers: one chunk per stage (structure.py)
             variants = [v for v in variants if v[0] != "interleaved"]
         gbs = self.options.global_batch_size
         for mbs in self.options.micro_batch_candidates():
@@ -189,7 +177,7 @@ class _Search:
                     shapes.append(shape)
         return shapes
 
-    def run(self) -> list[_Found]:
+    def run(self) -> list[Found]:
         """Uniform-DP shapes first, until all but :attr:`SearchOptions.own_dp_share` of the
         time limit is used (their plans set the threshold), then the re-splits of the best
         one-DP plans (:meth:`_derive`, good own-DP plans early), then in the time left the rest:
@@ -504,7 +492,7 @@ class _Search:
             total = total + shape.link(name, shape.kinds[node.suffix[0][0]].name)
         return shape.link_factor * total
 
-    def _evaluate(self, shape: BatchShape, suffix: _Suffix) -> None:
+    def _evaluate(self, shape: BatchShape, suffix: Suffix) -> None:
         """Stage two for a closed pipeline (``suffix`` is in pipeline order from the front)."""
         kinds = shape.kinds
         blocks = tuple((kinds[k].chip, kinds[k].tp, kinds[k].dp, kinds[k].ep, n)
@@ -519,7 +507,7 @@ class _Search:
         split = solve_structure(shape, suffix, cutoff=self.threshold)
         if split is None:
             return
-        found = _Found(
+        found = Found(
             split.step_time_s, shape.mbs, shape.schedule, shape.chunks, suffix, split, shape.kinds
         )
         heapq.heappush(self.best, (-found.value, next(self.counter), found))
@@ -532,97 +520,6 @@ def _need(shape: BatchShape, node: _Node) -> float:
     return max((float(shape.unit[kind, 0]) for kind, _ in node.suffix), default=0.0)
 
 
-def mixed_layers(cost: CostModel) -> bool:
-    """Whether the model has both dense and MoE layers (``--moe-layer-freq``): its splits are
-    then solved over layer ranges (:mod:`.partition_ranges`)."""
-    return len(set(cost.layer_is_moe)) > 1
-
-
-def _solve_ranges(shape: BatchShape, suffix: _Suffix, cutoff: float) -> Split | None:
-    """Stage two for a model with dense and MoE layers (one chunk per stage)."""
-    stages = [kind for kind, count in suffix for _ in range(count)]
-    p, cost = len(stages), shape.cost
-    warmups = shape.warmups(suffix)
-    slots = []
-    for i, (kind, warmup) in enumerate(zip(stages, warmups)):
-        k = shape.kinds[kind]
-        dense, moe = (cost.stage_costs(k.name, k.tp, shape.mbs, k.dp, k.ep, layer_kind)
-                      for layer_kind in (False, True))
-        states = held_states(shape.schedule, p, k.micro_batches, 1, i,
-                             None if shape.uniform else warmup)
-        slots.append(RangeSlot(dense, moe, i == 0, i == p - 1, states))
-    names = [shape.kinds[k].name for k in stages]
-    links = shape.link_factor * sum(shape.link(a, b) for a, b in zip(names, names[1:]))
-    counts = [shape.kinds[k].micro_batches for k in stages]
-    if not hasattr(shape, "range_rows"):
-        shape.range_rows = {}  # type: ignore[attr-defined]
-    return solve_range_split(slots, cost.layer_is_moe, counts, links, shape.schedule, cutoff,
-                             shape.range_rows)  # type: ignore[attr-defined]
-
-
-def solve_structure(shape: BatchShape, suffix: _Suffix, cutoff: float = INF) -> Split | None:
-    """Stage two: the exact best split of a closed pipeline of ``shape`` whose blocks ``suffix``
-    are (kind index, stages) in pipeline order; None if nothing fits or beats ``cutoff``."""
-    if mixed_layers(shape.cost):
-        # the count split of the kinds' bound costs (each layer its cheaper kind) is a lower
-        # bound on the exact range split: a cheap test against the cutoff first
-        if _solve_counts(shape, suffix, cutoff) is None:
-            return None
-        return _solve_ranges(shape, suffix, cutoff)
-    return _solve_counts(shape, suffix, cutoff)
-
-
-def _solve_counts(shape: BatchShape, suffix: _Suffix, cutoff: float) -> Split | None:
-    """The count-based split (:func:`~megatron_h2.planner.partition.solve_split`) of the
-    kinds' costs (exact when every layer is alike)."""
-    stages = [kind for kind, count in suffix for _ in range(count)]
-    p = len(stages)
-    warmups = shape.warmups(suffix)
-    slots, caps = [], []
-    for i, (kind, warmup) in enumerate(zip(stages, warmups)):
-        slots.append(StageSlot(shape.kinds[kind].costs, i == 0, i == p - 1))
-        caps.append(shape.mode_caps(kind, p, i, warmup))
-    names = [shape.kinds[k].name for k in stages]
-    links = shape.link_factor * sum(shape.link(a, b) for a, b in zip(names, names[1:]))
-    if shape.chunks > 1:
-        links += 2.0 * (shape.chunks - 1) * shape.link(names[-1], names[0])
-    layers = shape.cost.model.num_layers
-    counts = [shape.kinds[k].micro_batches for k in stages]
-    return solve_split(
-        slots, layers, counts, links, caps, cutoff, schedule=shape.schedule, chunks=shape.chunks
-    )
-
-
-def to_plan(found: _Found, cost: CostModel, global_batch_size: int) -> HeteroPlan:
-    """Turn a search result into the plan file object (every stage names its DP degree when
-    they differ)."""
-    stages, index = [], 0
-    chips: dict[str, ChipSpec] = {}
-    v = found.chunks
-    degrees = {found.kinds[kind].dp for kind, _ in found.blocks}
-    for kind_index, count in found.blocks:
-        kind = found.kinds[kind_index]
-        chip = cost.cluster.chip(kind.name)
-        chips[kind.name] = ChipSpec(chip.device, chip.emulate_slowdown)
-        own = kind.dp if len(degrees) > 1 else None
-        for _ in range(count):
-            layers = found.split.layers[index]
-            chunk_layers = (layers // v,) * v if v > 1 else ()
-            mode = MODES[found.split.modes[index]]
-            experts = {"expert_model_parallel_size": kind.ep} if kind.ep > 1 else {}
-            stages.append(StageSpec(kind.name, kind.tp, layers, mode, chunk_layers, own,
-                                    **experts))
-            index += 1
-    return HeteroPlan(
-        found.kinds[found.blocks[0][0]].dp,
-        found.micro_batch_size,
-        global_batch_size,
-        chips,
-        stages,
-        schedule=found.schedule,
-    )
-
-
 def search(cost: CostModel, options: SearchOptions) -> SearchResult:
     """Find the ``options.top_k`` fastest plans that fit in memory (best first).
 
@@ -633,19 +530,18 @@ def search(cost: CostModel, options: SearchOptions) -> SearchResult:
     found = runner.run()
     stats = runner.stats
     stats.elapsed_s = time.monotonic() - started
-    stats.space = options.space_text(cost.model.num_layers, len(cost.cluster.chips))
+    stats.space = options.space_text(cost.model.num_layers, len(cost.cluster.chips),
+                                     mixed_layers(cost))
     if cost.model.is_moe:
-        stats.space += (", each stage an expert-parallel degree dividing its DP degree and the "
-                        "experts" if PLAN_HAS_EXPERT_PARALLEL else ", expert parallelism 1")
-        if mixed_layers(cost):
-            stats.space += " (dense and MoE layers: one model chunk per stage)"
+        stats.space += (", each stage kind an expert-parallel degree dividing its DP degree and "
+                        "the experts")
     if not found and not stats.exhaustive:
         raise ConfigError(
             f"no plan found within the time limit of {options.time_limit_s:g} s (the search"
             " stopped before it reached one); raise the time limit (--time-limit)"
         )
     if not found:
-        raise ConfigError(_nothing_fits(cost, options))
+        raise ConfigError(nothing_fits(cost))
     candidates = []
     for item in found:
         plan = to_plan(item, cost, options.global_batch_size)
@@ -653,15 +549,3 @@ def search(cost: CostModel, options: SearchOptions) -> SearchResult:
     candidates.sort(key=lambda c: c.estimate.step_time_s)
     stats.lower_bound_s = min(stats.lower_bound_s, candidates[0].estimate.step_time_s)
     return SearchResult(tuple(candidates), stats)
-
-
-def _nothing_fits(cost: CostModel, options: SearchOptions) -> str:
-    model = cost.model
-    need = model.layer_params_per_chip(1) * cost.config.bytes_per_param(1) / 2**30
-    largest = max(cost.usable_bytes(chip) for chip in cost.cluster.chips) / 2**30
-    return (
-        f"no plan fits in memory: {model.num_layers} layers need about"
-        f" {need * model.num_layers:.1f} GiB of weights and optimizer state (plus activations)"
-        f" against at most {largest:.1f} GiB usable per chip; add chips, use"
-        " --use-distributed-optimizer, or plan a smaller model"
-    )

@@ -110,7 +110,7 @@ def check_plan_for_model(plan: HeteroPlan, model: ModelConfig, parallel: Paralle
     """Everything about the layout that must hold before any process group starts (of every
     pipeline of a plan of several, each error naming its pipeline)."""
     plan.validate(model.num_layers, model.num_attention_heads, model.num_query_groups,
-                  world_size=world_size)
+                  world_size=world_size, num_experts=model.num_experts)
     check_routing(plan, [plan.global_batch_size])
     for index, pipe in enumerate(plan.pipelines):
         try:
@@ -132,6 +132,11 @@ def _check_stages_for_model(plan: HeteroPlan, model: ModelConfig,
         if model.ffn_hidden_size % tp:
             raise ConfigError(f"stage {index} tensor parallel size {tp} does not divide "
                               f"--ffn-hidden-size {model.ffn_hidden_size}")
+        if stage.expert_model_parallel_size != 1 or stage.expert_tp != tp:
+            raise ConfigError(f"stage {index}: expert_model_parallel_size "
+                              f"{stage.expert_model_parallel_size} / expert_tensor_parallel_size "
+                              f"{stage.expert_tp}: the runtime runs EP 1 and ETP = TP so far; "
+                              "remove them from the plan")
         if model.is_moe and tp > 1 and parallel.sequence_parallel:
             raise ConfigError(f"stage {index} has tensor parallel size {tp}: mixture-of-experts "
                               "layers under sequence parallelism are not implemented yet; drop "

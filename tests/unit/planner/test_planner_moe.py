@@ -181,8 +181,39 @@ def test_search_plans_a_moe_model_and_its_estimate_is_evaluate():
     cost = CostModel(CLUSTER, model)
     result = search(cost, SearchOptions(global_batch_size=8, top_k=2, max_micro_batch_size=2))
     assert result.stats.exhaustive
-    assert "one model chunk per stage" in result.stats.space
+    assert "interleaved" not in result.stats.space  # mixed layers: one chunk per stage
+    assert "expert-parallel degree" in result.stats.space
     for cand in result.candidates:
         assert cand.estimate.step_time_s == pytest.approx(
             cost.evaluate(cand.plan).step_time_s, rel=1e-12)
         assert cand.plan.schedule != "interleaved"
+
+
+def test_search_chooses_expert_parallelism_per_stage_kind():
+    """A chip type with room for a stage's experts at EP 1 only just: the best plan shards the
+    experts (EP 2, less memory, no expert gradient sync at expert-DP 1), each estimate is
+    evaluate's, EP divides DP and the experts, and the best plan at EP 1 is slower."""
+    model = moe_model(layers=2, experts=8)
+    cost = CostModel(CLUSTER, model, CostConfig(use_distributed_optimizer=True))
+    ep1 = cost.stage_costs("fast", 1, 1, 4, 1, True).layer_static
+    ep2 = cost.stage_costs("fast", 1, 1, 4, 2, True).layer_static
+    room = Cluster((chip("fast", count=8, per_node=1, memory_mib=(ep1 + ep2) / 2**20 * 1.2),),
+                   1.0)  # one chip per node: TP 1 only
+    cost = CostModel(room, model, CostConfig(use_distributed_optimizer=True))
+    result = search(cost, SearchOptions(global_batch_size=8, top_k=3, max_micro_batch_size=1,
+                                        schedules=("1f1b",)))
+    assert result.stats.exhaustive and result.candidates
+    for cand in result.candidates:
+        for index, stage in enumerate(cand.plan.stages):
+            ep, dp = stage.expert_model_parallel_size, cand.plan.stage_dp(index)
+            assert dp % ep == 0 and 8 % ep == 0
+        assert cand.estimate.step_time_s == pytest.approx(
+            cost.evaluate(cand.plan).step_time_s, rel=1e-12)
+    best = result.best.plan
+    assert {s.expert_model_parallel_size for s in best.stages} == {2}
+    flat = HeteroPlan(best.data_parallel_size, 1, 8, best.chips,
+                      [StageSpec(s.chip, s.tensor_parallel_size, s.num_layers, s.recompute)
+                       for s in best.stages])
+    flat_estimate = cost.evaluate(flat)
+    assert not flat_estimate.fits or flat_estimate.step_time_s > result.best.estimate.step_time_s
+    assert flat_estimate.stages[0].memory_bytes > result.best.estimate.stages[0].memory_bytes
