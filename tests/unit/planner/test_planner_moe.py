@@ -16,9 +16,11 @@ from megatron_h2.planner import CostModel
 from megatron_h2.planner.cluster import ChipType, Cluster
 from megatron_h2.planner.cost_model import CostConfig
 from megatron_h2.planner.held_activations import held_states
+from megatron_h2.planner.moe_report import moe_why, stage_dispatch_s
 from megatron_h2.planner.partition import StageSlot, solve_split
 from megatron_h2.planner.partition_ranges import RangeSlot, solve_range_split
-from megatron_h2.planner.search import SearchOptions, search
+from megatron_h2.planner.report import stage_summary
+from megatron_h2.planner.search import Candidate, SearchOptions, search
 
 LLAMA = {"swiglu": True, "normalization": "RMSNorm", "position_embedding_type": "rope",
          "add_bias_linear": False, "untie_embeddings_and_output_weights": True}
@@ -217,3 +219,23 @@ def test_search_chooses_expert_parallelism_per_stage_kind():
     flat_estimate = cost.evaluate(flat)
     assert not flat_estimate.fits or flat_estimate.step_time_s > result.best.estimate.step_time_s
     assert flat_estimate.stages[0].memory_bytes > result.best.estimate.stages[0].memory_bytes
+
+
+def test_why_lines_and_summary_name_expert_parallelism_and_the_dispatch():
+    model = moe_model(layers=2, experts=8)
+    room = Cluster((chip("fast", count=8, per_node=4, memory_mib=8.0),), 1.0)
+    cost = CostModel(room, model, CostConfig(use_distributed_optimizer=True))
+    stages = [StageSpec("fast", 1, 1, expert_model_parallel_size=2),
+              StageSpec("fast", 1, 1, expert_model_parallel_size=4)]
+    p = HeteroPlan(4, 1, 8, {"fast": ChipSpec("cpu")}, stages)
+    cand = Candidate(p, cost.evaluate(p))
+    assert stage_summary(p) == "fast TP1 EP2 x1 [1] | fast TP1 EP4 x1 [1]"
+    lines = moe_why(cost, cand)
+    assert lines[0].startswith("MoE on fast: 2 MoE and 0 dense layers on 2 stage(s), EP 2/4")
+    k = cand.estimate.bottleneck
+    dispatch = stage_dispatch_s(cost, cand, k)
+    assert dispatch == pytest.approx(4 * cost.alltoall_s(
+        model.moe_dispatch_bytes(model.seq_length) * 1.2, (2, 4)[k], room.chip("fast")))
+    assert f"{1e3 * dispatch:.2f} ms" in lines[-1]
+    # EP 4 spans a node of 4: intra-node; every a2a of stage 1 is costlier than stage 0's
+    assert stage_dispatch_s(cost, cand, 1) > stage_dispatch_s(cost, cand, 0) > 0
