@@ -39,12 +39,10 @@ admissible ``j``.
 
 from __future__ import annotations
 
-from dataclasses import fields
 from typing import TYPE_CHECKING
 
 import numpy as np
 
-from megatron_h2.plan.schema import StageSpec
 from megatron_h2.planner.cost_model import MODES, CostModel, zero_bubble_share
 from megatron_h2.planner.partition import INF
 from megatron_h2.planner.rest_bound import RestBound, running_sum
@@ -53,19 +51,6 @@ from megatron_h2.planner.stage_costs import StageCosts
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
-
-
-PLAN_HAS_EXPERT_PARALLEL = "expert_model_parallel_size" in {
-    f.name for f in fields(StageSpec)}
-"""Whether a plan's stage can name its EP degree (else the search keeps EP 1)."""
-
-
-def expert_parallel_degrees(cost: CostModel, tp: int, dp: int) -> list[int]:
-    """The EP degrees the search gives a stage kind of TP ``tp`` and DP ``dp`` (1 for dense
-    models: :meth:`CostModel.expert_parallel_options`)."""
-    if not PLAN_HAS_EXPERT_PARALLEL:
-        return [1]
-    return cost.expert_parallel_options(tp, dp)
 
 
 class Kind:
@@ -140,7 +125,7 @@ class BatchShape(ShapeMemory, RestBound):
                         continue
                     m = self.total // d
                     factor = m * chunks - 1 if schedule == "interleaved" else m - 1
-                    for ep in expert_parallel_degrees(cost, tp, d):
+                    for ep in cost.expert_parallel_options(tp, d):  # [1] if dense
                         costs = cost.stage_costs(chip.name, tp, mbs, d, ep)
                         kinds.append(Kind(index, chip.name, tp, d, count, costs, m, factor, ep))
         if cost.model.num_layers % chunks:
@@ -155,6 +140,8 @@ class BatchShape(ShapeMemory, RestBound):
         self._mode_caps: dict[tuple[int, int, int, int | None], tuple[int, int, int]] = {}
         self._placed_caps: dict[tuple[int, int, int, int], tuple[int, int, int]] = {}
         self._links: dict[tuple[str, str], float] = {}
+        self.range_rows: dict[tuple[object, ...], tuple[np.ndarray, ...]] = {}
+        """Per-stage rows of the range split (:mod:`.partition_ranges`), kept across splits."""
         self.grid = np.zeros(1)
         self._grid_key: tuple[float, int, int] | None = None
         self.grid_is_max = True

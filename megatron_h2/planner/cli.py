@@ -26,6 +26,7 @@ from megatron_h2.planner.compare import compare_homogeneous
 from megatron_h2.planner.cost_model import CostConfig, CostModel
 from megatron_h2.planner.launch import launch_script
 from megatron_h2.planner.model_input import add_model_arguments, describe, model_from_arguments
+from megatron_h2.planner.moe_report import moe_why
 from megatron_h2.planner.pipelines_cost import PipelinesSimulation, simulate_pipelines
 from megatron_h2.planner.pipelines_report import (
     Choice,
@@ -198,7 +199,7 @@ def _run(args: argparse.Namespace) -> int:
     print("\nwhy:")
     if multi is None:
         alternatives = schedule_alternatives(cost, best.plan, options)
-        for line in explain(best, simulation, cluster, alternatives):
+        for line in explain(best, simulation, cluster, alternatives) + moe_why(cost, best):
             print(f"  - {line}")
         print(f"  - {search_summary(result)}")
     for line in pipelines_why(choice, None if multi is None else many):

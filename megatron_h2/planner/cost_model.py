@@ -428,12 +428,10 @@ class CostModel:
         return self._kinds[key]  # type: ignore[index]
 
     def stage_expert_parallel(self, spec: StageSpec, dp: int) -> int:
-        """The EP degree of a plan's stage (``expert_model_parallel_size``, 1 where the plan
-        has no such field), checked: it divides the experts and ``dp``, and the experts' TP
-        degree is the stage's (what the cost model models)."""
-        ep = getattr(spec, "expert_model_parallel_size", 1)
-        etp = getattr(spec, "expert_tensor_parallel_size", None)
-        if etp is not None and etp != spec.tensor_parallel_size:
+        """The EP degree of a plan's stage, checked against what the cost model models: EP
+        dividing the experts and ``dp`` (the experts' TP degree is the stage's)."""
+        ep, etp = spec.expert_model_parallel_size, spec.expert_tp
+        if etp != spec.tensor_parallel_size:
             raise ConfigError(f"expert_tensor_parallel_size {etp}: the planner's cost model "
                               "gives the experts the stage's TP degree; omit it")
         if ep not in self.expert_parallel_options(spec.tensor_parallel_size, dp):
@@ -592,7 +590,8 @@ class CostModel:
         against the schedule with :func:`~megatron_h2.planner.held_activations.check_schedule`.
         """
         model = self.model
-        plan.validate(model.num_layers, model.num_attention_heads, model.num_query_groups)
+        plan.validate(model.num_layers, model.num_attention_heads, model.num_query_groups,
+                      num_experts=model.num_experts)
         p, mbs = plan.pipeline_parallel_size, plan.micro_batch_size
         schedule, chunks = str(plan.schedule), plan.virtual_pipeline_size
         dps = [plan.stage_dp(s) for s in range(p)]

@@ -39,7 +39,7 @@ from typing import Any
 import numpy as np
 
 from megatron_h2.errors import ConfigError
-from megatron_h2.planner.bounds import PLAN_HAS_EXPERT_PARALLEL, BatchShape
+from megatron_h2.planner.bounds import BatchShape
 from megatron_h2.planner.cost_model import CostModel
 from megatron_h2.planner.partition import INF
 from megatron_h2.planner.search_options import (
@@ -144,7 +144,7 @@ class _Search:
         shapes = []
         largest = max(c.count for c in self.cost.cluster.chips)
         variants = self.options.schedule_variants(self.cost.model.num_layers)
-        if own or mixed_layers(self.cost):  # mixed layers: one chunk per stage (module doc)
+        if own or mixed_layers(self.cost):  # mixed layers: one chunk per stage (structure.py)
             variants = [v for v in variants if v[0] != "interleaved"]
         gbs = self.options.global_batch_size
         for mbs in self.options.micro_batch_candidates():
@@ -538,12 +538,11 @@ def search(cost: CostModel, options: SearchOptions) -> SearchResult:
     found = runner.run()
     stats = runner.stats
     stats.elapsed_s = time.monotonic() - started
-    stats.space = options.space_text(cost.model.num_layers, len(cost.cluster.chips))
+    stats.space = options.space_text(cost.model.num_layers, len(cost.cluster.chips),
+                                     mixed_layers(cost))
     if cost.model.is_moe:
-        stats.space += (", each stage an expert-parallel degree dividing its DP degree and the "
-                        "experts" if PLAN_HAS_EXPERT_PARALLEL else ", expert parallelism 1")
-        if mixed_layers(cost):
-            stats.space += " (dense and MoE layers: one model chunk per stage)"
+        stats.space += (", each stage kind an expert-parallel degree dividing its DP degree and "
+                        "the experts")
     if not found and not stats.exhaustive:
         raise ConfigError(
             f"no plan found within the time limit of {options.time_limit_s:g} s (the search"

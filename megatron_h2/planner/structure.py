@@ -36,8 +36,20 @@ class Found:
 
 def mixed_layers(cost: CostModel) -> bool:
     """Whether the model has both dense and MoE layers (``--moe-layer-freq``): its splits are
-    then solved over layer ranges (:mod:`.partition_ranges`)."""
+    then solved over layer ranges (:mod:`.partition_ranges`), one model chunk per stage."""
     return len(set(cost.layer_is_moe)) > 1
+
+
+def solve_structure(shape: BatchShape, suffix: Suffix, cutoff: float = INF) -> Split | None:
+    """Stage two: the exact best split of a closed pipeline of ``shape`` whose blocks ``suffix``
+    are (kind index, stages) in pipeline order; None if nothing fits or beats ``cutoff``."""
+    if mixed_layers(shape.cost):
+        # the count split of the kinds' bound costs (each layer at most its cheaper kind's
+        # cost) is a lower bound on the exact range split: a cheap test against the cutoff
+        if _solve_counts(shape, suffix, cutoff) is None:
+            return None
+        return _solve_ranges(shape, suffix, cutoff)
+    return _solve_counts(shape, suffix, cutoff)
 
 
 def _solve_ranges(shape: BatchShape, suffix: Suffix, cutoff: float) -> Split | None:
@@ -56,27 +68,13 @@ def _solve_ranges(shape: BatchShape, suffix: Suffix, cutoff: float) -> Split | N
     names = [shape.kinds[k].name for k in stages]
     links = shape.link_factor * sum(shape.link(a, b) for a, b in zip(names, names[1:]))
     counts = [shape.kinds[k].micro_batches for k in stages]
-    if not hasattr(shape, "range_rows"):
-        shape.range_rows = {}  # type: ignore[attr-defined]
     return solve_range_split(slots, cost.layer_is_moe, counts, links, shape.schedule, cutoff,
-                             shape.range_rows)  # type: ignore[attr-defined]
-
-
-def solve_structure(shape: BatchShape, suffix: Suffix, cutoff: float = INF) -> Split | None:
-    """Stage two: the exact best split of a closed pipeline of ``shape`` whose blocks ``suffix``
-    are (kind index, stages) in pipeline order; None if nothing fits or beats ``cutoff``."""
-    if mixed_layers(shape.cost):
-        # the count split of the kinds' bound costs (each layer its cheaper kind) is a lower
-        # bound on the exact range split: a cheap test against the cutoff first
-        if _solve_counts(shape, suffix, cutoff) is None:
-            return None
-        return _solve_ranges(shape, suffix, cutoff)
-    return _solve_counts(shape, suffix, cutoff)
+                             shape.range_rows)
 
 
 def _solve_counts(shape: BatchShape, suffix: Suffix, cutoff: float) -> Split | None:
-    """The count-based split (:func:`~megatron_h2.planner.partition.solve_split`) of the
-    kinds' costs (exact when every layer is alike)."""
+    """The count-based split (:func:`~megatron_h2.planner.partition.solve_split`) of the kinds'
+    costs (exact when every layer is alike)."""
     stages = [kind for kind, count in suffix for _ in range(count)]
     p = len(stages)
     warmups = shape.warmups(suffix)
@@ -111,9 +109,8 @@ def to_plan(found: Found, cost: CostModel, global_batch_size: int) -> HeteroPlan
             layers = found.split.layers[index]
             chunk_layers = (layers // v,) * v if v > 1 else ()
             mode = MODES[found.split.modes[index]]
-            experts = {"expert_model_parallel_size": kind.ep} if kind.ep > 1 else {}
             stages.append(StageSpec(kind.name, kind.tp, layers, mode, chunk_layers, own,
-                                    **experts))
+                                    expert_model_parallel_size=kind.ep))
             index += 1
     return HeteroPlan(
         found.kinds[found.blocks[0][0]].dp,

@@ -16,9 +16,11 @@ from megatron_h2.planner import CostModel
 from megatron_h2.planner.cluster import ChipType, Cluster
 from megatron_h2.planner.cost_model import CostConfig
 from megatron_h2.planner.held_activations import held_states
+from megatron_h2.planner.moe_report import moe_why, stage_dispatch_s
 from megatron_h2.planner.partition import StageSlot, solve_split
 from megatron_h2.planner.partition_ranges import RangeSlot, solve_range_split
-from megatron_h2.planner.search import SearchOptions, search
+from megatron_h2.planner.report import stage_summary
+from megatron_h2.planner.search import Candidate, SearchOptions, search
 
 LLAMA = {"swiglu": True, "normalization": "RMSNorm", "position_embedding_type": "rope",
          "add_bias_linear": False, "untie_embeddings_and_output_weights": True}
@@ -181,8 +183,59 @@ def test_search_plans_a_moe_model_and_its_estimate_is_evaluate():
     cost = CostModel(CLUSTER, model)
     result = search(cost, SearchOptions(global_batch_size=8, top_k=2, max_micro_batch_size=2))
     assert result.stats.exhaustive
-    assert "one model chunk per stage" in result.stats.space
+    assert "interleaved" not in result.stats.space  # mixed layers: one chunk per stage
+    assert "expert-parallel degree" in result.stats.space
     for cand in result.candidates:
         assert cand.estimate.step_time_s == pytest.approx(
             cost.evaluate(cand.plan).step_time_s, rel=1e-12)
         assert cand.plan.schedule != "interleaved"
+
+
+def test_search_chooses_expert_parallelism_per_stage_kind():
+    """A chip type with room for a stage's experts at EP 1 only just: the best plan shards the
+    experts (EP 2, less memory, no expert gradient sync at expert-DP 1), each estimate is
+    evaluate's, EP divides DP and the experts, and the best plan at EP 1 is slower."""
+    model = moe_model(layers=2, experts=8)
+    cost = CostModel(CLUSTER, model, CostConfig(use_distributed_optimizer=True))
+    ep1 = cost.stage_costs("fast", 1, 1, 4, 1, True).layer_static
+    ep2 = cost.stage_costs("fast", 1, 1, 4, 2, True).layer_static
+    room = Cluster((chip("fast", count=8, per_node=1, memory_mib=(ep1 + ep2) / 2**20 * 1.2),),
+                   1.0)  # one chip per node: TP 1 only
+    cost = CostModel(room, model, CostConfig(use_distributed_optimizer=True))
+    result = search(cost, SearchOptions(global_batch_size=8, top_k=3, max_micro_batch_size=1,
+                                        schedules=("1f1b",)))
+    assert result.stats.exhaustive and result.candidates
+    for cand in result.candidates:
+        for index, stage in enumerate(cand.plan.stages):
+            ep, dp = stage.expert_model_parallel_size, cand.plan.stage_dp(index)
+            assert dp % ep == 0 and 8 % ep == 0
+        assert cand.estimate.step_time_s == pytest.approx(
+            cost.evaluate(cand.plan).step_time_s, rel=1e-12)
+    best = result.best.plan
+    assert {s.expert_model_parallel_size for s in best.stages} == {2}
+    flat = HeteroPlan(best.data_parallel_size, 1, 8, best.chips,
+                      [StageSpec(s.chip, s.tensor_parallel_size, s.num_layers, s.recompute)
+                       for s in best.stages])
+    flat_estimate = cost.evaluate(flat)
+    assert not flat_estimate.fits or flat_estimate.step_time_s > result.best.estimate.step_time_s
+    assert flat_estimate.stages[0].memory_bytes > result.best.estimate.stages[0].memory_bytes
+
+
+def test_why_lines_and_summary_name_expert_parallelism_and_the_dispatch():
+    model = moe_model(layers=2, experts=8)
+    room = Cluster((chip("fast", count=8, per_node=4, memory_mib=8.0),), 1.0)
+    cost = CostModel(room, model, CostConfig(use_distributed_optimizer=True))
+    stages = [StageSpec("fast", 1, 1, expert_model_parallel_size=2),
+              StageSpec("fast", 1, 1, expert_model_parallel_size=4)]
+    p = HeteroPlan(4, 1, 8, {"fast": ChipSpec("cpu")}, stages)
+    cand = Candidate(p, cost.evaluate(p))
+    assert stage_summary(p) == "fast TP1 EP2 x1 [1] | fast TP1 EP4 x1 [1]"
+    lines = moe_why(cost, cand)
+    assert lines[0].startswith("MoE on fast: 2 MoE and 0 dense layers on 2 stage(s), EP 2/4")
+    k = cand.estimate.bottleneck
+    dispatch = stage_dispatch_s(cost, cand, k)
+    assert dispatch == pytest.approx(4 * cost.alltoall_s(
+        model.moe_dispatch_bytes(model.seq_length) * 1.2, (2, 4)[k], room.chip("fast")))
+    assert f"{1e3 * dispatch:.2f} ms" in lines[-1]
+    # EP 4 spans a node of 4: intra-node; every a2a of stage 1 is costlier than stage 0's
+    assert stage_dispatch_s(cost, cand, 1) > stage_dispatch_s(cost, cand, 0) > 0
