@@ -1,4 +1,4 @@
-"""CPU emulation in the cost model: a profile's ``cpu_fraction`` and a cluster's ``host_cores``
+"""CPU emulation in the cost model: a profile's CPU times and a cluster's ``host_cores``
 (megatron_h2.planner.cost_model, profile, cluster, pipelines_cost, simulator)."""
 
 import copy
@@ -29,10 +29,13 @@ TIMES = {1: {"layer_forward_ms": 10.0, "layer_backward_ms": 20.0, "embedding_for
 
 
 def profile(fraction: float | None, optimizer_ns: float = 0.0) -> ProfileTable:
+    """Measured at the wall times of TIMES, ``fraction`` of them CPU time (None: not given)."""
     entry: dict = {"micro_batch_sizes": copy.deepcopy(TIMES),
                    "optimizer_ns_per_param": optimizer_ns}
     if fraction is not None:
-        entry["cpu_fraction"] = fraction
+        entry["cpu_micro_batch_sizes"] = {
+            size: {k: v * fraction for k, v in row.items()} for size, row in TIMES.items()}
+        entry["optimizer_cpu_ns_per_param"] = optimizer_ns * fraction
     return ProfileTable.from_dict({"chips": {"fast": entry, "slow": copy.deepcopy(entry)}})
 
 
@@ -49,12 +52,18 @@ def plan(*stages: tuple[str, int, int], global_batch: int = 8) -> HeteroPlan:
                       [StageSpec(c, 1, n, data_parallel_size=d) for c, n, d in stages])
 
 
-def test_profile_reads_and_checks_cpu_fraction():
-    assert profile(None).for_chip("fast").cpu_fraction == 1.0
-    assert profile(0.25).for_chip("slow").cpu_fraction == 0.25
-    for bad in (0.0, 1.5, -1):
-        with pytest.raises(ConfigError, match="cpu_fraction"):
-            profile(bad)
+def test_profile_reads_and_checks_cpu_times():
+    assert profile(None).for_chip("fast").times(1, cpu=True).layer_forward_ms == 10.0
+    chip = profile(0.25, 4.0).for_chip("slow")
+    assert chip.times(1, cpu=True).head_backward_ms == 2.0
+    assert chip.times(2, cpu=True).layer_forward_ms == 5.0  # scaled as the wall times are
+    assert chip.times(1).layer_forward_ms == 10.0 and chip.optimizer_cpu_ns_per_param == 1.0
+    entry = {"micro_batch_sizes": TIMES, "cpu_micro_batch_sizes": {2: TIMES[1]}}
+    with pytest.raises(ConfigError, match="cpu_micro_batch_sizes"):
+        ProfileTable.from_dict({"chips": {"fast": entry}})
+    entry = {"micro_batch_sizes": TIMES, "optimizer_cpu_ns_per_param": -1}
+    with pytest.raises(ConfigError, match="optimizer_cpu_ns_per_param"):
+        ProfileTable.from_dict({"chips": {"fast": entry}})
 
 
 def test_cluster_reads_writes_and_checks_host_cores():
@@ -71,7 +80,7 @@ def test_cluster_reads_writes_and_checks_host_cores():
 
 
 def test_a_slowed_pass_is_padded_by_its_cpu_time():
-    """The runtime sleeps (s - 1) x CPU time: a pass measured at t with cpu_fraction f takes
+    """The runtime sleeps (s - 1) x CPU time: a pass measured at t with CPU time f t takes
     t (1 + (s - 1) f) on a chip s times slower, t itself at s = 1."""
     for fraction in (1.0, 0.4):
         layer = cost(fraction).stage_costs("slow", 1, 1, 1).layer_forward
