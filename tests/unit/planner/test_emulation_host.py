@@ -2,6 +2,7 @@
 (megatron_h2.planner.cost_model, profile, cluster, pipelines_cost, simulator)."""
 
 import copy
+import json
 
 import pytest
 import yaml
@@ -21,9 +22,9 @@ CHIP = {"device": "cpu", "count": 4, "chips_per_node": 1, "tflops_bf16": 1, "mem
 CLUSTER = {"chips": {"fast": dict(CHIP), "slow": dict(CHIP, emulate_slowdown=3.0)},
            "cross_chip_gb_per_s": 1000}
 CHIPS = {"fast": ChipSpec("cpu"), "slow": ChipSpec("cpu", 3.0)}
-MODEL = model_from_dict({"num_layers": 4, "hidden_size": 64, "ffn_hidden_size": 128,
-                         "num_attention_heads": 4, "seq_length": 32,
-                         "max_position_embeddings": 32, "vocab_size": 256})
+SHAPE = {"num_layers": 4, "hidden_size": 64, "ffn_hidden_size": 128, "num_attention_heads": 4,
+         "seq_length": 32, "max_position_embeddings": 32, "vocab_size": 256}
+MODEL = model_from_dict(SHAPE)
 TIMES = {1: {"layer_forward_ms": 10.0, "layer_backward_ms": 20.0, "embedding_forward_ms": 1.0,
              "embedding_backward_ms": 1.0, "head_forward_ms": 4.0, "head_backward_ms": 8.0}}
 
@@ -122,3 +123,27 @@ def test_pipelines_share_the_host():
     work = sum(e.host_cpu_s for e in est.pipelines)
     assert work > 0 and est.step_time_s == pytest.approx(work / 0.5)
     assert simulate_plan(model, two).step_time_s == pytest.approx(est.step_time_s)
+
+
+def test_step_time_command_says_what_the_cpu_work_bound_gives(tmp_path, capsys):
+    from megatron_h2.commands.step_time import main
+
+    many = plan(("slow", 1, 2), ("fast", 1, 1), ("fast", 1, 1), ("fast", 1, 1))
+    many.to_yaml(tmp_path / "plan.yaml")
+    (tmp_path / "cluster.yaml").write_text(yaml.safe_dump(dict(CLUSTER, host_cores=1.0)))
+    (tmp_path / "model.yaml").write_text(yaml.safe_dump(SHAPE))
+    entry = {"micro_batch_sizes": TIMES, "cpu_micro_batch_sizes": TIMES}
+    (tmp_path / "profile.yaml").write_text(yaml.safe_dump(
+        {"chips": {"fast": entry, "slow": entry}}))
+    (tmp_path / "m.jsonl").write_text("".join(
+        json.dumps({"iteration": i, "iteration_ms": 500.0}) + "\n" for i in range(1, 5)))
+    assert main(["--plan", str(tmp_path / "plan.yaml"), "--cluster", str(tmp_path / "cluster.yaml"),
+                 "--model", str(tmp_path / "model.yaml"), "--profile",
+                 str(tmp_path / "profile.yaml"), "--metrics", str(tmp_path / "m.jsonl"),
+                 "--skip", "1"]) == 0
+    est = cost(1.0, host_cores=1.0).evaluate(many)
+    out = capsys.readouterr().out
+    assert f"predicted step time: {est.step_time_s:.2f} s" in out
+    assert f"take {est.host_cpu_s:.2f} s of CPU time per step" in out
+    assert f"over the 1.00 cores the processes got when measured (host_cores) that is " \
+           f"{est.host_cpu_s:.2f} s" in out
