@@ -31,7 +31,8 @@ def with_counts(cluster: Cluster, counts: dict[str, int]) -> Cluster:
                   if counts.get(chip.name, 0) > 0)
     if not chips:
         raise ConfigError("no chip is left to train on")
-    return Cluster(chips, cluster.cross_chip_gb_per_s if len(chips) > 1 else None)
+    return Cluster(chips, cluster.cross_chip_gb_per_s if len(chips) > 1 else None,
+                   cluster.host_cores)
 
 
 @dataclass(frozen=True)

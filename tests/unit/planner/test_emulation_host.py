@@ -72,6 +72,9 @@ def test_cluster_reads_writes_and_checks_host_cores():
     assert cluster.host_cores == 1.8
     again = Cluster.from_dict(yaml.safe_load(yaml.safe_dump(cluster.to_dict())))
     assert again.host_cores == 1.8 and again.subset(["slow"]).host_cores == 1.8
+    from megatron_h2.elastic.replan import with_counts
+
+    assert with_counts(cluster, {"fast": 1}).host_cores == 1.8  # re-planning on fewer chips
     assert Cluster.from_dict(CLUSTER).host_cores is None
     with pytest.raises(ConfigError, match="host_cores"):
         Cluster.from_dict(dict(CLUSTER, host_cores=0))
