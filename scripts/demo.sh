@@ -21,6 +21,18 @@ WARMUP=$(( ITERS < 10 ? ITERS / 2 : 5 ))  # warm-up ends before the decay does (
 CLUSTER=${CLUSTER:-examples/clusters/cpu_2types.yaml}
 MODEL=${MODEL:-examples/models/tiny.yaml}
 mkdir -p "$OUT"
+# The model as trained: pretrain_gpt.py's embedded demo trains without dropout unless the flags
+# say otherwise, and drawing the masks takes time, so the profile, the plan and the comparison
+# use the model file with the run's dropout (the file's own, else 0).
+"$PYTHON" - "$MODEL" "$OUT/model.yaml" <<'EOF_MODEL'
+import sys, yaml
+data = yaml.safe_load(open(sys.argv[1]))
+for key in ("hidden_dropout", "attention_dropout"):
+    data.setdefault(key, 0.0)
+with open(sys.argv[2], "w") as out:
+    out.write(f"# {sys.argv[1]} with the demo run's dropout\n" + yaml.safe_dump(data, sort_keys=False))
+EOF_MODEL
+MODEL="$OUT/model.yaml"
 
 # Every emulated chip is a single-threaded process of this machine, and the job's processes
 # share its cores: the profile is measured the same way (--emulate: one process per rank of a

@@ -139,8 +139,8 @@ def build_parser() -> argparse.ArgumentParser:
         choices=("search", "none"),
         default="search",
         help="also search plans of several data-parallel pipelines (groupings of the chip types,"
-        " batch splits; within --time-limit of its own) and write them when faster than one"
-        " pipeline (default search)",
+        " batch splits; in what the one-pipeline search leaves of --time-limit) and write them"
+        " when faster than one pipeline (default search)",
     )
     return parser
 
@@ -179,8 +179,9 @@ def _run(args: argparse.Namespace) -> int:
     print(f"model: {describe(model)}; global batch {global_batch}")
     print(f"cluster: {args.cluster}: " + ", ".join(f"{c.count} x {c.name}" for c in cluster.chips))
     result = search(cost, options)
-    pipelines = (search_pipelines(cost, options) if args.data_parallel_pipelines == "search"
-                 else None)
+    left = options.time_limit_s - result.stats.elapsed_s  # one time limit for both searches
+    pipelines = (search_pipelines(cost, options, left)
+                 if args.data_parallel_pipelines == "search" else None)
     choice = Choice(result, pipelines)
     best = result.best
     simulation = simulate(best.plan, cost)

@@ -323,7 +323,9 @@ class CostModel:
         profile = self.profile.for_chip(chip.name) if self.profile else None
         measured = profile.times(mbs) if profile else None
         if measured is not None and measured.selective_recompute_ms is not None:
-            return measured.selective_recompute_ms / 1000.0 / tp * self._pass_factor(chip)
+            cpu = profile.times(mbs, cpu=True).selective_recompute_ms
+            wall = measured.selective_recompute_ms
+            return self._emulated(chip, wall, wall if cpu is None else cpu) / tp
         tokens = mbs * self.model.seq_length
         core_share = (
             self.model.attention_core_flops_per_token()
@@ -332,17 +334,15 @@ class CostModel:
         )
         return layer_forward * core_share
 
-    def _pass_factor(self, chip: ChipType) -> float:
-        """Profiled time -> modelled time of a pass. The runtime pads a pass of a chip with
-        ``emulate_slowdown`` ``s`` by ``s - 1`` times its CPU time (the profile's
-        ``cpu_fraction`` of its measured time). With ``host_cores`` a pass runs as on a core of
-        its own: its CPU time, padded; otherwise as measured, padded."""
-        profile = self.profile.for_chip(chip.name) if self.profile else None
-        fraction = profile.cpu_fraction if profile else 1.0
+    def _emulated(self, chip: ChipType, wall_ms: float, cpu_ms: float) -> float:
+        """Seconds of a pass measured at ``wall_ms`` (``cpu_ms`` of CPU time) on ``chip``. The
+        runtime pads a pass of a chip with ``emulate_slowdown`` ``s`` by ``s - 1`` times its CPU
+        time: ``wall + (s - 1) cpu``; with ``host_cores`` the pass runs as on a core of its
+        own, ``s cpu`` (the cores' sharing is the step's CPU-work bound instead)."""
         slow = chip.emulate_slowdown
         if self.cluster.host_cores is not None:
-            return fraction * slow
-        return 1.0 + (slow - 1.0) * fraction
+            return slow * cpu_ms / 1000.0
+        return (wall_ms + (slow - 1.0) * cpu_ms) / 1000.0
 
     def host_cpu_s(self, plan: HeteroPlan, stages: Sequence[StageEstimate]) -> float:
         """CPU emulation (``host_cores``): the CPU seconds of one step over every rank of a
@@ -365,16 +365,13 @@ class CostModel:
         measured = profile.times(mbs) if profile else None
         slow = chip.emulate_slowdown
         if measured is not None:
-            factor = self._pass_factor(chip)
-            ms = (
-                measured.layer_forward_ms,
-                measured.layer_backward_ms,
-                measured.embedding_forward_ms,
-                measured.embedding_backward_ms,
-                measured.head_forward_ms,
-                measured.head_backward_ms,
+            cpu = profile.times(mbs, cpu=True)
+            parts = ("layer_forward_ms", "layer_backward_ms", "embedding_forward_ms",
+                     "embedding_backward_ms", "head_forward_ms", "head_backward_ms")
+            lf, lb, ef, eb, hf, hb = (
+                self._emulated(chip, getattr(measured, part), getattr(cpu, part)) / tp
+                for part in parts
             )
-            lf, lb, ef, eb, hf, hb = (value / 1000.0 / tp * factor for value in ms)
             return lf, lb, ef, eb, hf, hb
         efficiency = self.config.compute_efficiency
         if profile is not None and profile.efficiency is not None:
@@ -524,8 +521,9 @@ class CostModel:
             chip.intra_node_gb_per_s if sync_group_local else chip.inter_node_gb_per_s)
         profile = self.profile.for_chip(chip.name) if self.profile else None
         optimizer = profile.optimizer_ns_per_param * 1e-9 if profile else 0.0
-        if profile and self.cluster.host_cores is not None:  # as on a core of its own
-            optimizer *= profile.cpu_fraction
+        if (profile and profile.optimizer_cpu_ns_per_param is not None
+                and self.cluster.host_cores is not None):  # as on a core of its own
+            optimizer = profile.optimizer_cpu_ns_per_param * 1e-9
         if cfg.use_distributed_optimizer:  # reduce-scatter fp32 grads + all-gather bf16 params
             optimizer /= dp  # each DP rank updates its shard only
         sync_per_param, fixed_steps = self._sync_rate(dp), 2 * (dp - 1)

@@ -1,7 +1,8 @@
-"""CPU emulation in the cost model: a profile's ``cpu_fraction`` and a cluster's ``host_cores``
+"""CPU emulation in the cost model: a profile's CPU times and a cluster's ``host_cores``
 (megatron_h2.planner.cost_model, profile, cluster, pipelines_cost, simulator)."""
 
 import copy
+import json
 
 import pytest
 import yaml
@@ -21,18 +22,21 @@ CHIP = {"device": "cpu", "count": 4, "chips_per_node": 1, "tflops_bf16": 1, "mem
 CLUSTER = {"chips": {"fast": dict(CHIP), "slow": dict(CHIP, emulate_slowdown=3.0)},
            "cross_chip_gb_per_s": 1000}
 CHIPS = {"fast": ChipSpec("cpu"), "slow": ChipSpec("cpu", 3.0)}
-MODEL = model_from_dict({"num_layers": 4, "hidden_size": 64, "ffn_hidden_size": 128,
-                         "num_attention_heads": 4, "seq_length": 32,
-                         "max_position_embeddings": 32, "vocab_size": 256})
+SHAPE = {"num_layers": 4, "hidden_size": 64, "ffn_hidden_size": 128, "num_attention_heads": 4,
+         "seq_length": 32, "max_position_embeddings": 32, "vocab_size": 256}
+MODEL = model_from_dict(SHAPE)
 TIMES = {1: {"layer_forward_ms": 10.0, "layer_backward_ms": 20.0, "embedding_forward_ms": 1.0,
              "embedding_backward_ms": 1.0, "head_forward_ms": 4.0, "head_backward_ms": 8.0}}
 
 
 def profile(fraction: float | None, optimizer_ns: float = 0.0) -> ProfileTable:
+    """Measured at the wall times of TIMES, ``fraction`` of them CPU time (None: not given)."""
     entry: dict = {"micro_batch_sizes": copy.deepcopy(TIMES),
                    "optimizer_ns_per_param": optimizer_ns}
     if fraction is not None:
-        entry["cpu_fraction"] = fraction
+        entry["cpu_micro_batch_sizes"] = {
+            size: {k: v * fraction for k, v in row.items()} for size, row in TIMES.items()}
+        entry["optimizer_cpu_ns_per_param"] = optimizer_ns * fraction
     return ProfileTable.from_dict({"chips": {"fast": entry, "slow": copy.deepcopy(entry)}})
 
 
@@ -49,12 +53,18 @@ def plan(*stages: tuple[str, int, int], global_batch: int = 8) -> HeteroPlan:
                       [StageSpec(c, 1, n, data_parallel_size=d) for c, n, d in stages])
 
 
-def test_profile_reads_and_checks_cpu_fraction():
-    assert profile(None).for_chip("fast").cpu_fraction == 1.0
-    assert profile(0.25).for_chip("slow").cpu_fraction == 0.25
-    for bad in (0.0, 1.5, -1):
-        with pytest.raises(ConfigError, match="cpu_fraction"):
-            profile(bad)
+def test_profile_reads_and_checks_cpu_times():
+    assert profile(None).for_chip("fast").times(1, cpu=True).layer_forward_ms == 10.0
+    chip = profile(0.25, 4.0).for_chip("slow")
+    assert chip.times(1, cpu=True).head_backward_ms == 2.0
+    assert chip.times(2, cpu=True).layer_forward_ms == 5.0  # scaled as the wall times are
+    assert chip.times(1).layer_forward_ms == 10.0 and chip.optimizer_cpu_ns_per_param == 1.0
+    entry = {"micro_batch_sizes": TIMES, "cpu_micro_batch_sizes": {2: TIMES[1]}}
+    with pytest.raises(ConfigError, match="cpu_micro_batch_sizes"):
+        ProfileTable.from_dict({"chips": {"fast": entry}})
+    entry = {"micro_batch_sizes": TIMES, "optimizer_cpu_ns_per_param": -1}
+    with pytest.raises(ConfigError, match="optimizer_cpu_ns_per_param"):
+        ProfileTable.from_dict({"chips": {"fast": entry}})
 
 
 def test_cluster_reads_writes_and_checks_host_cores():
@@ -62,6 +72,9 @@ def test_cluster_reads_writes_and_checks_host_cores():
     assert cluster.host_cores == 1.8
     again = Cluster.from_dict(yaml.safe_load(yaml.safe_dump(cluster.to_dict())))
     assert again.host_cores == 1.8 and again.subset(["slow"]).host_cores == 1.8
+    from megatron_h2.elastic.replan import with_counts
+
+    assert with_counts(cluster, {"fast": 1}).host_cores == 1.8  # re-planning on fewer chips
     assert Cluster.from_dict(CLUSTER).host_cores is None
     with pytest.raises(ConfigError, match="host_cores"):
         Cluster.from_dict(dict(CLUSTER, host_cores=0))
@@ -71,7 +84,7 @@ def test_cluster_reads_writes_and_checks_host_cores():
 
 
 def test_a_slowed_pass_is_padded_by_its_cpu_time():
-    """The runtime sleeps (s - 1) x CPU time: a pass measured at t with cpu_fraction f takes
+    """The runtime sleeps (s - 1) x CPU time: a pass measured at t with CPU time f t takes
     t (1 + (s - 1) f) on a chip s times slower, t itself at s = 1."""
     for fraction in (1.0, 0.4):
         layer = cost(fraction).stage_costs("slow", 1, 1, 1).layer_forward
@@ -113,3 +126,27 @@ def test_pipelines_share_the_host():
     work = sum(e.host_cpu_s for e in est.pipelines)
     assert work > 0 and est.step_time_s == pytest.approx(work / 0.5)
     assert simulate_plan(model, two).step_time_s == pytest.approx(est.step_time_s)
+
+
+def test_step_time_command_says_what_the_cpu_work_bound_gives(tmp_path, capsys):
+    from megatron_h2.commands.step_time import main
+
+    many = plan(("slow", 1, 2), ("fast", 1, 1), ("fast", 1, 1), ("fast", 1, 1))
+    many.to_yaml(tmp_path / "plan.yaml")
+    (tmp_path / "cluster.yaml").write_text(yaml.safe_dump(dict(CLUSTER, host_cores=1.0)))
+    (tmp_path / "model.yaml").write_text(yaml.safe_dump(SHAPE))
+    entry = {"micro_batch_sizes": TIMES, "cpu_micro_batch_sizes": TIMES}
+    (tmp_path / "profile.yaml").write_text(yaml.safe_dump(
+        {"chips": {"fast": entry, "slow": entry}}))
+    (tmp_path / "m.jsonl").write_text("".join(
+        json.dumps({"iteration": i, "iteration_ms": 500.0}) + "\n" for i in range(1, 5)))
+    assert main(["--plan", str(tmp_path / "plan.yaml"), "--cluster", str(tmp_path / "cluster.yaml"),
+                 "--model", str(tmp_path / "model.yaml"), "--profile",
+                 str(tmp_path / "profile.yaml"), "--metrics", str(tmp_path / "m.jsonl"),
+                 "--skip", "1"]) == 0
+    est = cost(1.0, host_cores=1.0).evaluate(many)
+    out = capsys.readouterr().out
+    assert f"predicted step time: {est.step_time_s:.2f} s" in out
+    assert f"take {est.host_cpu_s:.2f} s of CPU time per step" in out
+    assert f"over the 1.00 cores the processes got when measured (host_cores) that is " \
+           f"{est.host_cpu_s:.2f} s" in out
