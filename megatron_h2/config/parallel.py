@@ -28,9 +28,10 @@ class ParallelConfig:
         None, "Transformer layers on the last pipeline stage (the rest spread evenly).")
     sequence_parallel: bool = flag(False, "Enable sequence parallel optimization.")
     expert_model_parallel_size: int = flag(
-        1, "Degree of expert model parallelism: each of EP ranks of a stage holds 1/EP of every "
-        "MoE layer's experts, tokens travel all-to-all (carved from the stage's TP x DP ranks as "
-        "Megatron-Core does).")
+        1, "Degree of expert model parallelism: each of the EP ranks of a stage holds 1/EP of "
+        "every MoE layer's experts and tokens travel to them (--moe-token-dispatcher-type); "
+        "carved from the stage's TP x DP ranks as Megatron-Core does (EP groups span DP "
+        "replicas; not yet with --sequence-parallel).")
     expert_tensor_parallel_size: int | None = flag(
         None, "Degree of tensor model parallelism of the experts; default (as Megatron's) and "
         "only value so far: the stage's TP.")

@@ -1,4 +1,5 @@
-"""Expert parallelism: the all-to-all token dispatch of Megatron-Core's ``alltoall`` dispatcher.
+"""Expert parallelism: the token dispatch of Megatron-Core's ``alltoall`` and ``allgather``
+dispatchers.
 
 Each rank of an expert-parallel (EP) group of size ``P`` holds ``E / P`` of a MoE layer's
 ``E`` experts (:meth:`EPContext.local_experts`, contiguous global indices) and routes its own
@@ -15,8 +16,13 @@ Order of the rows a rank's experts see: expert by expert, inside an expert sourc
 rank, inside a source in that rank's token order (Megatron-Core sorts the received chunks by
 local expert the same way).
 
-Shapes: h = hidden size, N = rows this rank routes (tokens x top-k, kept ones), E = experts,
-L = E / P local experts, R = rows this rank receives.
+:func:`allgather_to_experts` (``allgather``, Megatron's default): every rank gathers the
+group's tokens, probabilities and routing maps (all ranks route the same number of tokens), runs
+its local experts on the rows routed to them and the partial outputs are summed back to the
+tokens' ranks (a reduce-scatter, built on all-to-all: gloo has no reduce-scatter).
+
+Shapes: h = hidden size, T = tokens a rank routes, N = rows this rank routes (tokens x top-k,
+kept ones), E = experts, L = E / P local experts, R = rows this rank receives.
 """
 
 from __future__ import annotations
@@ -28,7 +34,8 @@ import torch.distributed as dist
 
 from megatron_h2.distributed.topology import EXPERT_PARALLEL_ATTR, EPContext
 
-__all__ = ["EXPERT_PARALLEL_ATTR", "EPContext", "all_to_all", "dispatch_to_experts"]
+__all__ = ["EXPERT_PARALLEL_ATTR", "EPContext", "all_to_all", "allgather_to_experts",
+           "dispatch_to_experts"]
 
 
 class _AllToAll(torch.autograd.Function):
@@ -99,3 +106,63 @@ def dispatch_to_experts(permuted: torch.Tensor, probs: torch.Tensor, counts: tor
     out = experts(rows, recv.sum(dim=0).tolist(), row_probs)  # [R, h] expert-major
     out = _reorder(out, recv, False)  # source-major again
     return all_to_all(out, ep.group, in_splits, out_splits)  # [N, h]
+
+
+class _GatherRows(torch.autograd.Function):
+    """All-gather along dim 0 (every rank the same row count); backward: each rank's rows of
+    the gradient summed over the group (a reduce-scatter, built on all-to-all for gloo)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup, size: int) -> torch.Tensor:
+        ctx.group, ctx.size = group, size
+        out = x.new_empty((size * x.shape[0], *x.shape[1:]))
+        dist.all_gather_into_tensor(out, x.contiguous(), group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return _sum_rows(grad, ctx.group, ctx.size), None, None
+
+
+class _SumRows(torch.autograd.Function):
+    """[P x T, ...] partial sums -> [T, ...]: this rank's T rows summed over the group, in rank
+    order (a reduce-scatter, built on all-to-all for gloo); backward: the all-gather."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup, size: int) -> torch.Tensor:
+        ctx.group, ctx.size = group, size
+        return _sum_rows(x, group, size)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return _GatherRows.apply(grad, ctx.group, ctx.size), None, None
+
+
+def _sum_rows(x: torch.Tensor, group: dist.ProcessGroup, size: int) -> torch.Tensor:
+    chunks = torch.empty_like(x)
+    dist.all_to_all_single(chunks, x.contiguous(), group=group)  # [P, T, ...] from each rank
+    parts = chunks.view(size, x.shape[0] // size, *x.shape[1:])
+    out = parts[0].clone()
+    for part in parts[1:]:
+        out += part
+    return out
+
+
+def allgather_to_experts(tokens: torch.Tensor, probs: torch.Tensor, routing_map: torch.Tensor,
+                         ep: EPContext, run_local: Callable[[torch.Tensor, torch.Tensor,
+                                                             torch.Tensor], torch.Tensor]
+                         ) -> torch.Tensor:
+    """Megatron-Core's ``allgather`` dispatch: every rank of the EP group gathers the group's
+    tokens [P x T, h], probabilities and routing map [P x T, E], runs its local experts on the
+    rows routed to them (``run_local(tokens, probs, routing_map)`` with the local experts'
+    columns -> [P x T, h], each token's local experts' outputs summed) and the partial outputs
+    are summed back to the tokens' ranks. Returns [T, h]."""
+    every = _GatherRows.apply(tokens, ep.group, ep.size)  # [P x T, h]
+    every_probs = _GatherRows.apply(probs, ep.group, ep.size)  # [P x T, E]
+    maps = torch.empty((ep.size * routing_map.shape[0], routing_map.shape[1]),
+                       dtype=routing_map.dtype, device=routing_map.device)
+    dist.all_gather_into_tensor(maps, routing_map.contiguous(), group=ep.group)
+    local = ep.local_experts(routing_map.shape[1])
+    cols = slice(local.start, local.stop)
+    partial = run_local(every, every_probs[:, cols], maps[:, cols])  # [P x T, h]
+    return _SumRows.apply(partial, ep.group, ep.size)

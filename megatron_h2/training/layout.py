@@ -170,9 +170,6 @@ def _check_stage_experts(index: int, stage: StageSpec, model: ModelConfig,
     if ep > 1 and parallel.sequence_parallel and tp > 1:
         raise ConfigError(f"stage {index}: expert parallelism with sequence parallelism is not "
                           "implemented yet; drop --sequence-parallel")
-    if ep > 1 and model.is_moe and model.moe_token_dispatcher_type != "alltoall":
-        raise ConfigError(f"stage {index}: expert parallelism runs the alltoall token "
-                          "dispatcher only so far; use --moe-token-dispatcher-type alltoall")
 
 
 def stage_dps(plan: HeteroPlan) -> tuple[int, ...]:

@@ -34,7 +34,8 @@ def run(nproc: int, arch: str, corpus: str, out, *flags: str):
 @pytest.mark.parametrize("arch", list(ARCHS))
 def test_ep2_matches_single_process(arch, corpus, references, tmp_path):
     """EP 2 over the two DP replicas: each rank holds two of the four experts."""
-    run(2, arch, corpus, tmp_path / "log.jsonl", *EP2)
+    proc = run(2, arch, corpus, tmp_path / "log.jsonl", *EP2)
+    assert "stage 0: chip default (cpu) | TP 1 | EP 2 (expert TP 1) |" in proc.stdout
     assert_same_run(records(tmp_path / "log.jsonl"), references[arch])
 
 
@@ -57,3 +58,29 @@ def test_zero1_with_ep2_and_its_checkpoint_resumes_under_ep1(corpus, references,
     want = {k: v for k, v in references["deepseek"].items() if k > 5}
     assert_same_run(records(tmp_path / "b.jsonl"), want)
 
+
+
+def test_ep2_with_interleaved_pp2(corpus, references, tmp_path):
+    """EP 2 on each of two pipeline stages (DP 2 each), two model chunks per stage, with
+    Megatron's default allgather dispatcher: the MoE layers of every chunk gather the other
+    replica's tokens in schedule order and sum the partial outputs back."""
+    proc = run(4, "mixtral", corpus, tmp_path / "log.jsonl", "--expert-model-parallel-size",
+               "2", "--pipeline-model-parallel-size", "2",
+               "--virtual-pipeline-model-parallel-size", "2")
+    assert "stage 1: chip default (cpu) | TP 1 | EP 2 (expert TP 1) |" in proc.stdout
+    assert_same_run(records(tmp_path / "log.jsonl"), references["mixtral"])
+
+
+def test_two_chip_types_with_their_own_ep(corpus, references, tmp_path):
+    """A heterogeneous plan through the bridge: one MoE layer on chip type 'fast' with DP 2 and
+    EP 2 (each rank two experts), three on 'slow' with DP 1 and EP 1 (all four experts)."""
+    from tests.unit.pipeline.test_hetero_pp import write_plan
+
+    plan = write_plan(tmp_path / "plan.yaml",
+                      [{"chip": "fast", "tensor_parallel_size": 1, "num_layers": 1,
+                        "data_parallel_size": 2, "expert_model_parallel_size": 2},
+                       {"chip": "slow", "tensor_parallel_size": 1, "num_layers": 3}])
+    proc = run(3, "deepseek", corpus, tmp_path / "log.jsonl", "--hetero-plan", plan,
+               "--force-bridge", "--moe-token-dispatcher-type", "alltoall")
+    assert "DP 2 | EP 2 (expert TP 1) | layers 0-0" in proc.stdout
+    assert_same_run(records(tmp_path / "log.jsonl"), references["deepseek"])

@@ -41,8 +41,6 @@ MOE = ["--num-experts", "4", "--moe-token-dispatcher-type", "alltoall"]
      "expert_tensor_parallel_size 1 = 3 does not divide the stage's TP x DP = 2 ranks"),
     (4, [*MOE, "--expert-model-parallel-size", "4", "--num-experts", "6"],
      "expert_model_parallel_size 4 does not divide the 6 experts (--num-experts)"),
-    (2, [*MOE, "--expert-model-parallel-size", "2", "--moe-token-dispatcher-type",
-         "allgather"], "expert parallelism runs the alltoall token dispatcher only so far"),
     (2, [*MOE, "--expert-model-parallel-size", "2", "--num-experts", "0"],
      "expert_model_parallel_size 2 is set but the model has no experts"),
     (2, [*MOE, "--expert-tensor-parallel-size", "2"], "--expert-tensor-parallel-size 2: the "
