@@ -39,10 +39,11 @@ def test_ep2_matches_single_process(arch, corpus, references, tmp_path):
     assert_same_run(records(tmp_path / "log.jsonl"), references[arch])
 
 
-def test_zero1_with_ep2_and_its_checkpoint_resumes_under_ep1(corpus, references, tmp_path):
+def test_zero1_with_ep2_and_its_checkpoint_resumes_under_ep1_and_ep4(corpus, references, tmp_path):
     """ZeRO-1 over the DP group (dense) and the expert-DP group (experts) under EP 2; the
     checkpoint of iteration 5 (each EP rank's experts in a part of its own, keyed by global
-    expert index) resumes in one process (EP 1) with the uninterrupted losses."""
+    expert index) resumes in one process (EP 1) and under EP 4 with the uninterrupted
+    losses."""
     ckpt = tmp_path / "ckpt"
     run(2, "deepseek", corpus, tmp_path / "a.jsonl", *EP2, "--use-distributed-optimizer",
         "--save", str(ckpt), "--save-interval", "5")
@@ -57,6 +58,10 @@ def test_zero1_with_ep2_and_its_checkpoint_resumes_under_ep1(corpus, references,
                  "--ckpt-step", "5", "--log-jsonl", str(tmp_path / "b.jsonl")]) == 0
     want = {k: v for k, v in references["deepseek"].items() if k > 5}
     assert_same_run(records(tmp_path / "b.jsonl"), want)
+    # and under EP 4 (DP 4, one expert per rank, the replicated optimizer)
+    run(4, "deepseek", corpus, tmp_path / "c.jsonl", "--expert-model-parallel-size", "4",
+        "--load", str(ckpt), "--ckpt-step", "5")
+    assert_same_run(records(tmp_path / "c.jsonl"), want)
 
 
 
