@@ -40,6 +40,7 @@ from megatron_h2.devices import Accelerator
 from megatron_h2.distributed.topology import Topology
 from megatron_h2.errors import ConfigError, JobConfigError, TrainingError
 from megatron_h2.optimizer.distributed_optimizer import DataParallelOptimizer
+from megatron_h2.optimizer.expert_optimizer import is_expert_param
 from megatron_h2.parallel import TPContext, gather_tp_tensor, get_tp_shard, shard_tensor
 from megatron_h2.plan.schema import HeteroPlan
 
@@ -162,6 +163,11 @@ def _param_of_state(key: str) -> str:
     return key.rsplit(".", 1)[0]
 
 
+EXPERT_PART_STRIDE = 1000
+"""Part ``stage + 1000 x ep_rank`` holds the routed experts of EP rank ``ep_rank > 0`` of a
+stage (part ``stage`` the rest of the stage); tensors are found by name, whatever the part."""
+
+
 class CheckpointIO:
     """Saves and loads this rank's share of the training state (collective over the job).
 
@@ -250,15 +256,21 @@ class CheckpointIO:
         optim = self.optimizer.named_state(self.names)  # collective over DP under ZeRO
         weights = self.optimizer.main_weights()  # fp32; collective under ZeRO with bf16 weights
         parts: list[tuple[str, int, dict[str, torch.Tensor]]] = []
-        if topo.dp_rank == 0 and topo.pipeline == 0:  # every pipeline holds the same state
-            own = {n: p for n, p in self.params.items() if n not in self.copies}
+        # the first DP replica saves the stage; under expert parallelism the first expert-DP
+        # replica of every other EP rank saves that rank's experts (a part of their own)
+        experts_only = topo.dp_rank != 0 and topo.expert_ranks[2] == 0
+        if (topo.dp_rank == 0 or experts_only) and topo.pipeline == 0:  # pipelines: the same
+            own = {n: p for n, p in self.params.items() if n not in self.copies
+                   and (is_expert_param(p) or not experts_only)}
             model = self._gather_full({n: weights[p] for n, p in own.items()})
-            model.update({n: b.detach().float() for n, b in self.buffers.items()})
+            if not experts_only:
+                model.update({n: b.detach().float() for n, b in self.buffers.items()})
             optim = self._gather_full({k: v for k, v in optim.items()
                                        if _param_of_state(k) in own})
             if topo.tp_rank == 0:
-                parts = [("model", topo.stage, model)] + (
-                    [("optim", topo.stage, optim)] if optim else [])
+                index = topo.stage + EXPERT_PART_STRIDE * topo.expert_ranks[1] * experts_only
+                parts = [("model", index, model)] + (
+                    [("optim", index, optim)] if optim else [])
         # what the commit writes, as of this iteration (a background commit comes later)
         context = {"save_dir": save_dir, "target": target, "iteration": it,
                    "rng": capture_rng(self.acc),

@@ -108,8 +108,10 @@ class MoEFields:
         "probs", "Which tokens an expert over capacity drops: the lowest probabilities (probs) "
         "or the last ones in the micro-batch (position).", choices=TOKEN_DROP_POLICIES)
     moe_token_dispatcher_type: str = flag(
-        "allgather", "How tokens reach the experts of other expert-parallel ranks (with expert "
-        "parallelism 1, the only degree so far, both keep every token on its rank).",
+        "allgather", "How tokens reach the experts of other expert-parallel ranks: allgather "
+        "(every rank gathers the EP group's tokens and the partial outputs are summed back) or "
+        "alltoall (token counts exchanged, then each token sent to its experts' rank, no "
+        "padding); with EP 1 both keep every token on its rank.",
         choices=TOKEN_DISPATCHER_TYPES)
     moe_grouped_gemm: bool = flag(
         False, "Megatron's grouped GEMM of the local experts; here the experts run one after "

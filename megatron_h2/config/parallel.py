@@ -28,11 +28,13 @@ class ParallelConfig:
         None, "Transformer layers on the last pipeline stage (the rest spread evenly).")
     sequence_parallel: bool = flag(False, "Enable sequence parallel optimization.")
     expert_model_parallel_size: int = flag(
-        1, "Degree of expert model parallelism; only 1 so far (every rank of a stage holds all "
-        "of its layers' experts).")
+        1, "Degree of expert model parallelism: each of the EP ranks of a stage holds 1/EP of "
+        "every MoE layer's experts and tokens travel to them (--moe-token-dispatcher-type); "
+        "carved from the stage's TP x DP ranks as Megatron-Core does (EP groups span DP "
+        "replicas; not yet with --sequence-parallel).")
     expert_tensor_parallel_size: int | None = flag(
-        None, "Degree of tensor model parallelism of the experts; only the stage's TP so far "
-        "(the default, as Megatron's).")
+        None, "Degree of tensor model parallelism of the experts; default (as Megatron's) and "
+        "only value so far: the stage's TP.")
     use_distributed_optimizer: bool = flag(
         False, "Use the distributed optimizer (optimizer state sharded over data-parallel ranks, "
         "ZeRO-1).")
@@ -114,10 +116,6 @@ class ParallelConfig:
 
     def _check_experts(self) -> None:
         _positive(self, "expert_model_parallel_size")
-        if self.expert_model_parallel_size != 1:
-            raise ConfigError(f"--expert-model-parallel-size {self.expert_model_parallel_size}: "
-                              "expert parallelism is not implemented yet; use 1 (every rank of "
-                              "a stage holds all experts)")
         etp = self.expert_tensor_parallel_size
         if etp is not None and etp != self.tensor_model_parallel_size:
             raise ConfigError(f"--expert-tensor-parallel-size {etp}: the experts take the "

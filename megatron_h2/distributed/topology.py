@@ -24,6 +24,15 @@ whose ranks start at its ``first_rank``) and :attr:`Topology.job_plan` the whole
 of every pipeline are created on every rank, in pipeline order, plus one gloo group over the job
 for the gradient sum across pipelines (:attr:`Topology.pipelines_group`).
 
+Expert parallelism (MoE layers), carved from each stage's ``TP_s x DP_s`` ranks as Megatron-Core
+carves a pipeline stage's ranks for its experts: with ``o`` a rank's offset in its stage, its
+expert-TP rank is ``o mod ETP``, its EP rank ``(o // ETP) mod EP`` and its expert-DP rank
+``o // (ETP x EP)``. So an ETP group is ``ETP`` consecutive ranks, an EP group every ``ETP``-th
+rank of a run of ``ETP x EP`` (tokens go all-to-all there), and an expert-DP group every
+``ETP x EP``-th rank of the stage (the experts' gradients are summed there, the dense ones over
+the DP group). With ``ETP = TP`` the ETP group is the TP group and an EP group spans DP
+replicas; with EP 1 the expert-DP group is the DP group.
+
 Nothing here is module-level state: :func:`build_topology` creates the groups and returns one
 :class:`Topology` that the caller passes on.
 """
@@ -42,6 +51,9 @@ from megatron_h2.errors import ConfigError, RankConfigError
 from megatron_h2.plan.schema import ChipSpec, HeteroPlan, StageSpec
 
 CHIP_ENV = "MEGATRON_H2_CHIP"
+EXPERT_PARALLEL_ATTR = "expert_parallel"
+"""Set (True) on a MoE layer's routed experts' parameters: each is held by one EP rank and its
+gradient is summed over the expert-data-parallel group (the others' over the DP group)."""
 
 
 @dataclass(frozen=True)
@@ -92,6 +104,14 @@ def default_backend(plan: HeteroPlan) -> str:
     return ACCELERATORS[devices.pop()].dist_backend if len(devices) == 1 else "gloo"
 
 
+def _check_group_place(kind: str, group: dist.ProcessGroup | None, rank: int,
+                       size: int) -> None:
+    if size < 1 or not 0 <= rank < size:
+        raise ValueError(f"invalid {kind} rank {rank} of size {size}")
+    if size > 1 and group is None:
+        raise ValueError(f"the {kind} group of size {size} needs an explicit process group")
+
+
 @dataclass(frozen=True)
 class TPContext:
     """The tensor-parallel group this rank belongs to.
@@ -107,10 +127,7 @@ class TPContext:
     sequence_parallel: bool = False
 
     def __post_init__(self) -> None:
-        if self.size < 1 or not 0 <= self.rank < self.size:
-            raise ValueError(f"invalid TP rank {self.rank} of size {self.size}")
-        if self.size > 1 and self.group is None:
-            raise ValueError("a TP group of size > 1 needs an explicit process group")
+        _check_group_place("TP", self.group, self.rank, self.size)
 
     @staticmethod
     def single() -> TPContext:
@@ -122,6 +139,37 @@ class TPContext:
         """The context of the calling rank in an initialised process group."""
         return TPContext(group=group, rank=dist.get_rank(group),
                          size=dist.get_world_size(group), sequence_parallel=sequence_parallel)
+
+
+@dataclass(frozen=True)
+class EPContext:
+    """The expert-parallel group this rank belongs to: ``size`` ranks that each hold
+    ``1 / size`` of every MoE layer's experts and exchange tokens all-to-all; ``rank`` is this
+    rank's place in ``group`` (None where the group has one rank)."""
+
+    group: dist.ProcessGroup | None
+    rank: int
+    size: int
+
+    def __post_init__(self) -> None:
+        _check_group_place("EP", self.group, self.rank, self.size)
+
+    @staticmethod
+    def single() -> EPContext:
+        """No expert parallelism: every expert on this rank."""
+        return EPContext(group=None, rank=0, size=1)
+
+    def local_experts(self, num_experts: int) -> range:
+        """The global indices of the experts this rank holds (a contiguous ``1 / size``)."""
+        per = num_experts // self.size
+        return range(self.rank * per, (self.rank + 1) * per)
+
+
+def expert_coordinates(stage: StageSpec, offset: int) -> tuple[int, int, int]:
+    """``(expert-TP rank, EP rank, expert-DP rank)`` of the rank ``offset`` ranks into its
+    stage (Megatron-Core's order: ETP fastest, then EP, then expert DP)."""
+    etp, ep = stage.expert_tp, stage.expert_model_parallel_size
+    return offset % etp, (offset // etp) % ep, offset // (etp * ep)
 
 
 @dataclass
@@ -151,6 +199,14 @@ class Topology:
     job_plan: HeteroPlan | None = None
     pipeline: int = 0
     pipelines_group: dist.ProcessGroup | None = None  # gloo over the job, with pipelines
+    # expert parallelism (MoE layers): EP group (tokens all-to-all), ETP group (the experts'
+    # TP: the TP group where ETP = TP) and expert-DP group (expert gradients)
+    ep_group: dist.ProcessGroup | None = None
+    ep_ranks: list[int] = field(default_factory=list)
+    etp_group: dist.ProcessGroup | None = None
+    etp_ranks: list[int] = field(default_factory=list)
+    edp_group: dist.ProcessGroup | None = None
+    edp_ranks: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if self.job_plan is None:
@@ -221,6 +277,26 @@ class Topology:
         return TPContext(group=self.tp_group, rank=self.tp_rank, size=self.tp_size,
                          sequence_parallel=sequence_parallel and self.tp_size > 1)
 
+    @property
+    def ep_size(self) -> int:
+        """Expert-parallel degree of this rank's stage."""
+        return self.stage_spec.expert_model_parallel_size
+
+    @property
+    def edp_size(self) -> int:
+        """Expert-data-parallel degree: the stage's ranks / (ETP x EP)."""
+        return self.tp_size * self.dp_size // (self.stage_spec.expert_tp * self.ep_size)
+
+    @property
+    def expert_ranks(self) -> tuple[int, int, int]:
+        """``(expert-TP rank, EP rank, expert-DP rank)`` of this rank."""
+        offset = self.rank - self.plan.stage_ranks(self.stage).start
+        return expert_coordinates(self.stage_spec, offset)
+
+    def ep_context(self) -> EPContext:
+        """This rank's expert-parallel context."""
+        return EPContext(group=self.ep_group, rank=self.expert_ranks[1], size=self.ep_size)
+
     def describe(self) -> str:
         layers = ", ".join(f"{a}-{b - 1}" for a, b in self.chunk_ranges)
         pipeline = (f"pipeline {self.pipeline}/{self.num_pipelines} "
@@ -241,6 +317,7 @@ def build_topology(plan: HeteroPlan, rank: int, world_size: int) -> Topology:
                     tp_rank=tp_rank, job_plan=plan, pipeline=pipeline)
     if world_size == 1:
         topo.tp_ranks, topo.dp_ranks = [0], [0]
+        topo.ep_ranks, topo.etp_ranks, topo.edp_ranks = [0], [0], [0]
         return topo
     if dist.get_backend() != "gloo":
         topo.cpu_group = dist.new_group(list(range(world_size)), backend="gloo")
@@ -271,6 +348,38 @@ def _build_stage_groups(topo: Topology, plan: HeteroPlan) -> None:
             group = dist.new_group(ranks, backend=backend) if dp > 1 else None
             if rank in ranks:
                 topo.dp_group, topo.dp_ranks = group, ranks
+        _build_expert_groups(topo, plan, s, backend)
+
+
+def _build_expert_groups(topo: Topology, plan: HeteroPlan, s: int, backend: str) -> None:
+    """Stage ``s``'s ETP, EP and expert-DP groups (reusing the TP / DP groups where they have
+    the same ranks, so dense stages create nothing new)."""
+    spec, stage = plan.stages[s], plan.stage_ranks(s)
+    tp, etp, ep = spec.tensor_parallel_size, spec.expert_tp, spec.expert_model_parallel_size
+    coords = {r: expert_coordinates(spec, r - stage.start) for r in stage}
+    mine = coords.get(topo.rank)
+
+    def groups(key, same_as):  # key: the coordinates a group shares; same_as: reuse check
+        members: dict[tuple, list[int]] = {}
+        for r, c in coords.items():
+            members.setdefault(key(c), []).append(r)
+        for shared, ranks in members.items():
+            if same_as:
+                group = None  # filled in from the TP / DP group below
+            else:
+                group = dist.new_group(ranks, backend=backend) if len(ranks) > 1 else None
+            if mine is not None and key(mine) == shared:
+                yield group, ranks
+
+    for group, ranks in groups(lambda c: (c[1], c[2]), etp == tp):
+        topo.etp_group, topo.etp_ranks = (topo.tp_group if etp == tp else group), ranks
+    for group, ranks in groups(lambda c: (c[0], c[2]), False) if ep > 1 else ():
+        topo.ep_group, topo.ep_ranks = group, ranks
+    if ep == 1 and mine is not None:
+        topo.ep_ranks = [topo.rank]
+    for group, ranks in groups(lambda c: (c[0], c[1]), ep == 1 and etp == tp):
+        same = ep == 1 and etp == tp
+        topo.edp_group, topo.edp_ranks = (topo.dp_group if same else group), ranks
 
 
 def _build_wrap_groups(topo: Topology, plan: HeteroPlan) -> None:

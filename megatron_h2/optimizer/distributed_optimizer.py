@@ -44,7 +44,6 @@ from megatron_h2.errors import ConfigError
 from megatron_h2.optimizer.adamw import (
     ADAM_STATES,
     adamw_kwargs,
-    build_optimizer,
     load_named_optimizer_state,
     optimizer_state_to_named,
     param_groups,
@@ -549,12 +548,16 @@ def build_data_parallel_optimizer(model: nn.Module, config: OptimizerConfig,
                                   kernels: Kernels | None = None,
                                   deferred: Sequence[nn.Parameter] = (),
                                   grad_dtype: torch.dtype = torch.float32,
-                                  overlap_param_gather: bool = False) -> DataParallelOptimizer:
-    """GradBuckets (in ``grad_dtype``) over ``model``'s trainable parameters plus the matching
-    optimizer (``deferred``: see :class:`GradBuckets`; ``overlap_param_gather``: see
-    :class:`DistributedOptimizer`, which installs its forward pre-hooks on ``model``).
-    Parameters that are not fp32 get fp32 main weights, taken from their current values."""
-    params = [p for p in model.parameters() if p.requires_grad]
+                                  overlap_param_gather: bool = False,
+                                  params: Sequence[nn.Parameter] | None = None
+                                  ) -> DataParallelOptimizer:
+    """GradBuckets (in ``grad_dtype``) over ``model``'s trainable parameters (or ``params``,
+    some of them) plus the matching optimizer (``deferred``: see :class:`GradBuckets`;
+    ``overlap_param_gather``: see :class:`DistributedOptimizer`, which installs its forward
+    pre-hooks on ``model``). Parameters that are not fp32 get fp32 main weights, taken from
+    their current values."""
+    if params is None:
+        params = [p for p in model.parameters() if p.requires_grad]
     buckets = GradBuckets(params, dp_group, bucket_size_mb, overlap,
                           reduce_scatter=use_distributed_optimizer, deferred=deferred,
                           grad_dtype=grad_dtype)
@@ -567,7 +570,9 @@ def build_data_parallel_optimizer(model: nn.Module, config: OptimizerConfig,
     if overlap_param_gather:
         raise ValueError("overlap_param_gather needs the distributed optimizer")
     if buckets.param_dtype == torch.float32:
-        return ReplicatedOptimizer(build_optimizer(model, config, kernels), buckets)
+        inner = torch.optim.AdamW(param_groups([(names[p], p, p) for p in params], config),
+                                  **adamw_kwargs(config, kernels))
+        return ReplicatedOptimizer(inner, buckets)
     grads = Fp32Grads(buckets, [b.buffer for b in buckets.buckets])
     mains = make_main_params(buckets, grads)
     inner = torch.optim.AdamW(param_groups([(names[p], p, mains[p]) for p in params], config),

@@ -35,10 +35,8 @@ from megatron_h2.models.gpt import GPTModel, cast_parameters, init_parameters
 from megatron_h2.monitoring.metrics import MetricsWriter, log
 from megatron_h2.monitoring.precision_monitor import PrecisionMonitor
 from megatron_h2.monitoring.timeline import Timeline
-from megatron_h2.optimizer.distributed_optimizer import (
-    DataParallelOptimizer,
-    build_data_parallel_optimizer,
-)
+from megatron_h2.optimizer.distributed_optimizer import DataParallelOptimizer
+from megatron_h2.optimizer.expert_optimizer import build_stage_optimizer
 from megatron_h2.optimizer.lr_schedule import OptimizerParamScheduler
 from megatron_h2.plan.schema import HeteroPlan
 from megatron_h2.training.arguments import LaunchOptions
@@ -104,7 +102,8 @@ def build_model(cfg: RunConfig, topo: Topology, accelerator: Accelerator
     probe = KernelProbe(accelerator.kernels) if cfg.training.precision_check_interval else None
     model = GPTModel(stage_cfg, probe.kernels if probe else accelerator.kernels,
                      pre_process=topo.is_first_stage, post_process=topo.is_last_stage,
-                     tp=topo.tp_context(cfg.parallel.sequence_parallel), chunks=topo.chunk_ranges)
+                     tp=topo.tp_context(cfg.parallel.sequence_parallel), chunks=topo.chunk_ranges,
+                     ep=topo.ep_context())
     init_parameters(model, cfg.model, cfg.training.seed)
     model.to(accelerator.device)
     cast_parameters(model, DTYPES[cfg.training.precision.params])  # fp32 main weights: optimizer
@@ -113,11 +112,12 @@ def build_model(cfg: RunConfig, topo: Topology, accelerator: Accelerator
 
 def build_optimizer(cfg: RunConfig, topo: Topology, model: GPTModel,
                     accelerator: Accelerator) -> DataParallelOptimizer:
-    """The data-parallel (or ZeRO-1) optimizer over the stage's own DP group."""
+    """The data-parallel (or ZeRO-1) optimizer over the stage's own DP group (the routed
+    experts' parameters over the expert-DP group under expert parallelism)."""
     tied = model.tied_embedding_weight()  # its gradient is summed across stages before DP sync
     par = cfg.parallel
-    return build_data_parallel_optimizer(
-        model, cfg.optimizer, topo.dp_group,
+    return build_stage_optimizer(
+        model, cfg.optimizer, topo.dp_group, topo.dp_ranks, topo.edp_group, topo.edp_ranks,
         use_distributed_optimizer=par.use_distributed_optimizer,
         bucket_size_mb=par.bucket_size_mb(topo.dp_size), overlap=par.overlap_grad_reduce,
         kernels=accelerator.kernels, deferred=[tied] if tied is not None else [],

@@ -38,6 +38,8 @@ PLAN_OWNED: tuple[tuple[type, str], ...] = (
     (TrainingConfig, "device"),
     (ParallelConfig, "virtual_pipeline_model_parallel_size"),
     (ParallelConfig, "num_layers_per_virtual_pipeline_stage"),
+    (ParallelConfig, "expert_model_parallel_size"),
+    (ParallelConfig, "expert_tensor_parallel_size"),
 )
 
 
@@ -66,7 +68,9 @@ def uniform_plan(parallel: ParallelConfig, model: ModelConfig, training: Trainin
                         training.global_batch_size // (training.micro_batch_size * dp))
     stages = [StageSpec(chip="default", tensor_parallel_size=tp, num_layers=sum(counts),
                         recompute=model.recompute,
-                        chunk_layers=tuple(counts) if chunks > 1 else ())
+                        chunk_layers=tuple(counts) if chunks > 1 else (),
+                        expert_model_parallel_size=parallel.expert_model_parallel_size,
+                        expert_tensor_parallel_size=parallel.expert_tensor_parallel_size)
               for counts in layers]
     return HeteroPlan(data_parallel_size=dp, micro_batch_size=training.micro_batch_size,
                       global_batch_size=training.global_batch_size,
@@ -113,6 +117,10 @@ def check_plan_for_model(plan: HeteroPlan, model: ModelConfig, parallel: Paralle
                   world_size=world_size, num_experts=model.num_experts)
     check_routing(plan, [plan.global_batch_size])
     for index, pipe in enumerate(plan.pipelines):
+        if any(stage.expert_model_parallel_size > 1 for stage in pipe.stages):
+            raise ConfigError(f"pipeline {index} sets expert_model_parallel_size > 1, which "
+                              "plans of several data-parallel pipelines do not run yet; use EP "
+                              "1 there or one pipeline")
         try:
             _check_stages_for_model(pipe, model, parallel)
         except ConfigError as exc:
@@ -132,11 +140,7 @@ def _check_stages_for_model(plan: HeteroPlan, model: ModelConfig,
         if model.ffn_hidden_size % tp:
             raise ConfigError(f"stage {index} tensor parallel size {tp} does not divide "
                               f"--ffn-hidden-size {model.ffn_hidden_size}")
-        if stage.expert_model_parallel_size != 1 or stage.expert_tp != tp:
-            raise ConfigError(f"stage {index}: expert_model_parallel_size "
-                              f"{stage.expert_model_parallel_size} / expert_tensor_parallel_size "
-                              f"{stage.expert_tp}: the runtime runs EP 1 and ETP = TP so far; "
-                              "remove them from the plan")
+        _check_stage_experts(index, stage, model, parallel)
         if model.is_moe and tp > 1 and parallel.sequence_parallel:
             raise ConfigError(f"stage {index} has tensor parallel size {tp}: mixture-of-experts "
                               "layers under sequence parallelism are not implemented yet; drop "
@@ -151,6 +155,21 @@ def _check_stages_for_model(plan: HeteroPlan, model: ModelConfig,
                               f"divisible by the tensor parallel size {tp} (stage {index})")
     if len(plan.stages) == 1 and plan.stages[0].num_layers == 0:
         raise ConfigError("the only pipeline stage has no transformer layer")
+
+
+def _check_stage_experts(index: int, stage: StageSpec, model: ModelConfig,
+                         parallel: ParallelConfig) -> None:
+    """What expert parallelism runs so far: experts split over TP like the dense MLP (ETP =
+    TP) and EP groups across data-parallel replicas (which hold different tokens)."""
+    tp, etp, ep = stage.tensor_parallel_size, stage.expert_tp, stage.expert_model_parallel_size
+    if etp != tp:
+        raise ConfigError(f"stage {index}: expert tensor parallel size {etp} differs from the "
+                          f"stage's TP {tp}; only ETP = TP runs so far: omit "
+                          "--expert-tensor-parallel-size (or the plan's "
+                          "expert_tensor_parallel_size)")
+    if ep > 1 and parallel.sequence_parallel and tp > 1:
+        raise ConfigError(f"stage {index}: expert parallelism with sequence parallelism is not "
+                          "implemented yet; drop --sequence-parallel")
 
 
 def stage_dps(plan: HeteroPlan) -> tuple[int, ...]:

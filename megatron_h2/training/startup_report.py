@@ -107,7 +107,7 @@ def pipeline_line(plan: HeteroPlan) -> str:
 
 
 def stage_lines(plan: HeteroPlan) -> list[str]:
-    """One line per pipeline stage: chip, TP, DP, layers, recompute, emulated slowdown."""
+    """One line per pipeline stage: chip, TP, DP, EP, layers, recompute, emulated slowdown."""
     lines = []
     for index, (spec, chunks) in enumerate(zip(plan.stages, plan.chunk_layer_ranges())):
         chip = plan.chips[spec.chip]
@@ -115,6 +115,8 @@ def stage_lines(plan: HeteroPlan) -> list[str]:
                 "sleep)" if chip.emulate_slowdown != 1.0 else "")
         layers = ", ".join(f"{r.start}-{r.stop - 1}" if len(r) else "none" for r in chunks)
         dp = "" if plan.uniform_dp else f" | DP {plan.stage_dp(index)}"
+        ep = spec.expert_model_parallel_size
+        dp += f" | EP {ep} (expert TP {spec.expert_tp})" if ep > 1 else ""
         lines.append(f"stage {index}: chip {spec.chip} ({chip.device}) | TP "
                      f"{spec.tensor_parallel_size}{dp} | layers {layers} ({spec.num_layers}) | "
                      f"recompute {spec.recompute}{slow}")

@@ -49,6 +49,7 @@ from megatron_h2.monitoring.stage_clock import StageClock, stage_report
 from megatron_h2.monitoring.timeline import Timeline
 from megatron_h2.monitoring.timers import Timers, report_timers
 from megatron_h2.optimizer.distributed_optimizer import DataParallelOptimizer
+from megatron_h2.optimizer.expert_optimizer import is_expert_param
 from megatron_h2.optimizer.grad_scaler import build_grad_scaler
 from megatron_h2.parallel import TPContext, allreduce_coalesced_, get_tp_shard
 from megatron_h2.pipeline.schedule_runner import StageChunks, forward_only, run_schedule
@@ -155,6 +156,12 @@ class StepRunner:
         self.norm_weight = {p: (0.0 if getattr(p, TIED_COPY_ATTR, False)
                                 else 1.0 if get_tp_shard(p) is not None else 1.0 / tp.size)
                             for p in model.parameters()}
+        if not optimizer.sharded and topo.edp_size != topo.dp_size:
+            # a replicated expert gradient is on edp_size ranks, not dp_size: the sums below
+            # divide by dp_size
+            for p in model.parameters():
+                if is_expert_param(p):
+                    self.norm_weight[p] *= topo.dp_size / topo.edp_size
         self.tied = tied_embedding_sync(topo, model.tied_embedding_weight(), m.vocab_size)
         self.needs_data = topo.is_first_stage or topo.is_last_stage
         job = topo.job_plan or topo.plan  # per-stage figures where some pipeline has stages

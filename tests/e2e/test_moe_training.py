@@ -49,6 +49,12 @@ def assert_same_run(got: dict[int, dict], want: dict[int, dict], rel: float = 1e
 
 @pytest.fixture(scope="module")
 def references(corpus, tmp_path_factory) -> dict[str, dict[int, dict]]:
+    """``{arch: {iteration: log record}}`` of one process training each MoE command line."""
+    return moe_references(corpus, tmp_path_factory)
+
+
+def moe_references(corpus, tmp_path_factory) -> dict[str, dict[int, dict]]:
+    """Run each of :data:`ARCHS` in one process; its log records by iteration."""
     out = {}
     for name, arch in ARCHS.items():
         log = tmp_path_factory.mktemp(f"ref_{name}") / "log.jsonl"

@@ -45,6 +45,7 @@ from megatron_h2.parallel import (
     mark_sequence_parallel,
     vocab_parallel_cross_entropy,
 )
+from megatron_h2.parallel.expert_parallel import EPContext
 
 WORD_EMBEDDING = "embedding.word_embeddings.weight"
 OUTPUT_WEIGHT = "output_layer.weight"
@@ -59,7 +60,7 @@ class Decoder(nn.Module):
 
     def __init__(self, config: ModelConfig, kernels: Kernels,
                  chunks: Sequence[tuple[int, int]], post_process: bool, tp: TPContext,
-                 moe_state: MoEState | None = None) -> None:
+                 moe_state: MoEState | None = None, ep: EPContext | None = None) -> None:
         super().__init__()
         self.chunks = [range(*r) for r in chunks]
         has_layers = any(len(r) for r in self.chunks)
@@ -68,7 +69,7 @@ class Decoder(nn.Module):
         moe_state = moe_state or MoEState()
 
         def layer(i: int) -> TransformerLayer:
-            mlp = (MoELayer(config, kernels, tp, i, moe_state) if config.is_moe_layer(i)
+            mlp = (MoELayer(config, kernels, tp, i, moe_state, ep) if config.is_moe_layer(i)
                    else None)
             return TransformerLayer(config, kernels, rotary, tp, mlp)
 
@@ -105,7 +106,8 @@ class GPTModel(nn.Module):
     def __init__(self, config: ModelConfig, kernels: Kernels | None = None,
                  layer_range: tuple[int, int] | None = None, pre_process: bool = True,
                  post_process: bool = True, tp: TPContext | None = None,
-                 chunks: Sequence[tuple[int, int]] | None = None) -> None:
+                 chunks: Sequence[tuple[int, int]] | None = None,
+                 ep: EPContext | None = None) -> None:
         super().__init__()
         if config.vocab_size <= 0:
             raise ValueError("ModelConfig.vocab_size must be set (padded tokenizer vocabulary)")
@@ -121,8 +123,11 @@ class GPTModel(nn.Module):
         self.embedding = _Embedding(config, tp) if pre_process else None
         self.moe_state = MoEState()
         """The aux-loss gradient scale and the losses the MoE layers recorded."""
+        self.ep = ep or EPContext.single()
+        """Expert parallelism: this rank holds ``ep.local_experts(num_experts)`` of each MoE
+        layer."""
         self.decoder = Decoder(config, kernels, self.chunk_ranges, post_process, tp,
-                               self.moe_state)
+                               self.moe_state, self.ep)
         shares = config.tied_embeddings and pre_process  # uses the embedding's own weight
         self.output_layer = (ColumnParallelLinear(config.hidden_size, config.vocab_size, tp,
                                                   skip_weight=shares)

@@ -12,6 +12,13 @@ order, the tokens permuted so that each expert's are contiguous (in token order)
 MLP with its tokens' probabilities applied as Megatron applies them, and the outputs summed back
 per token (scatter-add in expert order), plus the shared experts' output.
 
+Under expert parallelism (an :class:`EPContext` of size P) a rank holds the experts
+``ep.local_experts(E)`` only and its routed tokens go all-to-all to the experts' ranks and back
+(:mod:`megatron_h2.parallel.expert_parallel`; ``--moe-token-dispatcher-type allgather``: every
+rank gathers the group's tokens instead and the outputs are summed back); the expert
+parameters carry ``param.expert_parallel = True`` (their gradients are summed over the
+expert-data-parallel group, the others' over the data-parallel group).
+
 Shapes: b = micro-batch size, s = sequence length, h = hidden size, T = s x b tokens,
 E = experts, n_e = tokens routed to expert e.
 """
@@ -27,6 +34,12 @@ from megatron_h2.devices.kernels import Kernels
 from megatron_h2.models.gpt.layers import MLP
 from megatron_h2.models.gpt.router import MoEState, TopKRouter, in_backward_recompute
 from megatron_h2.parallel import TPContext
+from megatron_h2.parallel.expert_parallel import (
+    EXPERT_PARALLEL_ATTR,
+    EPContext,
+    allgather_to_experts,
+    dispatch_to_experts,
+)
 
 
 def permute(tokens: torch.Tensor, routing_map: torch.Tensor
@@ -58,6 +71,8 @@ class SequentialMLP(nn.Module):
         self.local_experts = nn.ModuleDict({
             str(e): MLP(config, kernels, tp, ffn_hidden_size=config.moe_ffn_hidden_size)
             for e in experts})
+        for param in self.local_experts.parameters():
+            setattr(param, EXPERT_PARALLEL_ATTR, True)
 
     def forward(self, tokens: torch.Tensor, tokens_per_expert: list[int],
                 probs: torch.Tensor) -> torch.Tensor:
@@ -89,15 +104,25 @@ class MoELayer(nn.Module):
     """Router, experts and optional shared experts of one layer. [b, s, h] -> [b, s, h]."""
 
     def __init__(self, config: ModelConfig, kernels: Kernels, tp: TPContext, layer: int,
-                 state: MoEState) -> None:
+                 state: MoEState, ep: EPContext | None = None) -> None:
         super().__init__()
+        self.ep = ep = ep or EPContext.single()
         if tp.size > 1 and tp.sequence_parallel:
             raise ValueError("MoE layers under sequence parallelism are not implemented")
         self.config, self.layer, self.state = config, layer, state
         self.router = TopKRouter(config, layer, state)
-        self.experts = SequentialMLP(config, kernels, tp, range(config.num_experts))
+        self.experts = SequentialMLP(config, kernels, tp, ep.local_experts(config.num_experts))
         self.shared_experts = (SharedExpertMLP(config, kernels, tp)
                                if config.moe_shared_expert_intermediate_size else None)
+
+    def _run_local(self, tokens: torch.Tensor, probs: torch.Tensor, routing_map: torch.Tensor
+                   ) -> torch.Tensor:
+        """The local experts on ``tokens`` [N, h] routed by ``routing_map`` [N, L] (this rank's
+        experts' columns) with ``probs`` [N, L] -> [N, h], each token's outputs summed."""
+        permuted, rows = permute(tokens, routing_map)
+        permuted_probs = probs.t().contiguous().masked_select(routing_map.t())
+        out = self.experts(permuted, routing_map.sum(dim=0).tolist(), permuted_probs)
+        return unpermute(out, rows, tokens.shape[0])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, s, h = x.shape
@@ -107,10 +132,14 @@ class MoELayer(nn.Module):
         counts = routing_map.sum(dim=0)  # [E]
         if self.training and torch.is_grad_enabled() and not in_backward_recompute():
             self.state.count_tokens(self.layer, counts)
-        permuted, rows = permute(tokens, routing_map)  # [sum n_e, h]
-        permuted_probs = probs.t().contiguous().masked_select(routing_map.t())  # [sum n_e]
-        expert_out = self.experts(permuted, counts.tolist(), permuted_probs)
-        out = unpermute(expert_out, rows, s * b)  # [T, h]
+        if self.ep.size > 1 and self.config.moe_token_dispatcher_type == "allgather":
+            out = allgather_to_experts(tokens, probs, routing_map, self.ep, self._run_local)
+        else:
+            permuted, rows = permute(tokens, routing_map)  # [sum n_e, h]
+            permuted_probs = probs.t().contiguous().masked_select(routing_map.t())  # [sum n_e]
+            expert_out = dispatch_to_experts(permuted, permuted_probs, counts, self.ep,
+                                             self.experts)  # [sum n_e, h]
+            out = unpermute(expert_out, rows, s * b)  # [T, h]
         if shared is not None:
             out = out + shared
         return out.view(s, b, h).transpose(0, 1)  # [b, s, h]

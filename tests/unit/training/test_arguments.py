@@ -35,8 +35,8 @@ REQUIRED = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads",
                               "mixture-of-experts option is not implemented"),
     (["--num-experts", "4", "--moe-router-topk", "5"], "--moe-router-topk 5 must be between 1 "
                                                        "and --num-experts 4"),
-    (["--expert-model-parallel-size", "2"], "--expert-model-parallel-size 2: expert "
-                                            "parallelism is not implemented yet"),
+    (["--expert-model-parallel-size", "0"], "--expert-model-parallel-size must be a positive "
+                                            "number, got 0"),
     (["--num-experts", "4", "--moe-layer-freq", "[1]*"], "--moe-layer-freq takes an integer"),
 ])
 def test_bad_flags_are_one_line(argv, expected):

@@ -20,3 +20,15 @@ def test_moe_under_sequence_parallelism_is_one_line(corpus, tmp_path, monkeypatc
     assert "stage 0 has tensor parallel size 2: mixture-of-experts layers under sequence " \
         "parallelism are not implemented yet" in err
     assert not dist.is_initialized()
+
+
+def test_plan_stage_ep_conflicts_with_the_flag(corpus, tmp_path, monkeypatch, capsys):
+    plan = write_plan(tmp_path / "plan.yaml", GOOD)
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    monkeypatch.setenv("RANK", "0")
+    assert main([*MODEL, "--data-path", corpus, "--hetero-plan", plan, "--num-experts", "4",
+                 "--expert-model-parallel-size", "2"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: ") and "\n" not in err, err
+    assert "--expert-model-parallel-size conflicts with --hetero-plan" in err
+    assert not dist.is_initialized()

@@ -18,6 +18,8 @@ MODEL = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4
          "--tokenizer-type", "NullTokenizer", "--vocab-size", "256", "--split", "90,10,0",
          "--log-params-norm", "--log-num-zeros-in-grad", "--max-position-embeddings", "48"]
 
+MOE = ["--num-experts", "4", "--moe-token-dispatcher-type", "alltoall"]
+
 
 @pytest.mark.parametrize("world, flags, fragment", [
     (3, ["--tensor-model-parallel-size", "2"], "world size 3 is not TP x PP x DP"),
@@ -35,6 +37,14 @@ MODEL = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4
      "stage 1 has no layer"),
     (2, ["--pipeline-model-parallel-size", "2", "--decoder-first-pipeline-num-layers", "5"],
      "cannot be split over 2 stages"),
+    (2, [*MOE, "--expert-model-parallel-size", "3"], "expert_model_parallel_size 3 x "
+     "expert_tensor_parallel_size 1 = 3 does not divide the stage's TP x DP = 2 ranks"),
+    (4, [*MOE, "--expert-model-parallel-size", "4", "--num-experts", "6"],
+     "expert_model_parallel_size 4 does not divide the 6 experts (--num-experts)"),
+    (2, [*MOE, "--expert-model-parallel-size", "2", "--num-experts", "0"],
+     "expert_model_parallel_size 2 is set but the model has no experts"),
+    (2, [*MOE, "--expert-tensor-parallel-size", "2"], "--expert-tensor-parallel-size 2: the "
+     "experts take the stage's TP degree"),
 ])
 def test_bad_layout_is_one_line_before_any_process_group(world, flags, fragment, corpus,
                                                          monkeypatch, capsys):
