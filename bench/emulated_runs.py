@@ -217,12 +217,15 @@ def median_profile(tables: list[dict]) -> dict:
     """Per-entry median over the rounds' profile tables (same shape)."""
     merged = copy.deepcopy(tables[0])
     for name, chip in merged["chips"].items():
-        chip["optimizer_ns_per_param"] = round(statistics.median(
-            t["chips"][name]["optimizer_ns_per_param"] for t in tables), 4)
-        for size, row in chip["micro_batch_sizes"].items():
-            for key in row:
-                row[key] = round(statistics.median(
-                    t["chips"][name]["micro_batch_sizes"][size][key] for t in tables), 4)
+        for entry in ("optimizer_ns_per_param", "optimizer_cpu_ns_per_param"):
+            if entry in chip:
+                chip[entry] = round(statistics.median(
+                    t["chips"][name][entry] for t in tables), 4)
+        for times in ("micro_batch_sizes", "cpu_micro_batch_sizes"):  # wall and CPU times
+            for size, row in chip.get(times, {}).items():
+                for key in row:
+                    row[key] = round(statistics.median(
+                        t["chips"][name][times][size][key] for t in tables), 4)
     return merged
 
 

@@ -21,12 +21,29 @@ WARMUP=$(( ITERS < 10 ? ITERS / 2 : 5 ))  # warm-up ends before the decay does (
 CLUSTER=${CLUSTER:-examples/clusters/cpu_2types.yaml}
 MODEL=${MODEL:-examples/models/tiny.yaml}
 mkdir -p "$OUT"
+# The model as trained: pretrain_gpt.py's embedded demo trains without dropout unless the flags
+# say otherwise, and drawing the masks takes time, so the profile, the plan and the comparison
+# use the model file with the run's dropout (the file's own, else 0).
+"$PYTHON" - "$MODEL" "$OUT/model.yaml" <<'EOF_MODEL'
+import sys, yaml
+data = yaml.safe_load(open(sys.argv[1]))
+for key in ("hidden_dropout", "attention_dropout"):
+    data.setdefault(key, 0.0)
+with open(sys.argv[2], "w") as out:
+    out.write(f"# {sys.argv[1]} with the demo run's dropout\n" + yaml.safe_dump(data, sort_keys=False))
+EOF_MODEL
+MODEL="$OUT/model.yaml"
 
 # Every emulated chip is a single-threaded process of this machine, and the job's processes
 # share its cores: the profile is measured the same way (--emulate: one process per rank of a
 # plan, all at once). Which chips compute at once depends on the plan, so plan first with the
 # chips measured alone, then measure as that plan's processes and plan again, until the plan
-# runs the processes it was measured with. PROFILE_FLAGS go to every tools/profile_chip.py.
+# runs the processes it was measured with. That measurement also gives the cores the processes
+# get together (host_cores in the calibrated cluster: a step takes at least their CPU work over
+# those cores) and the share of a core each pass got (cpu_fraction in the profile), both under
+# whatever else runs on the machine then, as the run meets it: measured afresh each time, at
+# once (not cached, not waiting for other processes to leave the cores). PROFILE_FLAGS go to
+# every tools/profile_chip.py.
 echo "== 1/4 measuring this machine (cached in ${MEGATRON_H2_CACHE:-~/.cache/megatron_h2}/profiles)"
 "$PYTHON" tools/profile_chip.py --model "$MODEL" --cluster "$CLUSTER" \
   --calibrated-cluster "$OUT/cluster.yaml" --cache --output "$OUT/profile_alone.yaml" \
@@ -40,8 +57,8 @@ print(sorted(p.chips[p.rank_chip(r)].emulate_slowdown for r in range(p.world_siz
 for round in 1 2 3; do
   echo "-- measuring as the processes of: $(grep '^# stages:' "$OUT/measured_as.yaml" | cut -c11-)"
   "$PYTHON" tools/profile_chip.py --model "$MODEL" --cluster "$CLUSTER" \
-    --emulate "$OUT/measured_as.yaml" --micro-batch-sizes 1,2 --cache \
-    --output "$OUT/profile.yaml" ${PROFILE_FLAGS:-}
+    --emulate "$OUT/measured_as.yaml" --micro-batch-sizes 1,2 --max-wait 0 \
+    --calibrated-cluster "$OUT/cluster.yaml" --output "$OUT/profile.yaml" ${PROFILE_FLAGS:-}
   "$PYTHON" tools/plan.py --cluster "$OUT/cluster.yaml" --model "$MODEL" \
     --profile "$OUT/profile.yaml" --output "$OUT/plan.yaml" \
     --timeline "$OUT/predicted_timeline.png" --top 3 > "$OUT/plan.txt"

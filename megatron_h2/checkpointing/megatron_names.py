@@ -23,7 +23,7 @@ import torch
 
 from megatron_h2.config import ARCHITECTURE_FIELDS, ModelConfig
 from megatron_h2.errors import ConfigError
-from megatron_h2.parallel.sharding import TPShard
+from megatron_h2.parallel.sharding import TPShard, unshard_tensors
 
 MODEL_ARG_FIELDS = ("num_layers", "hidden_size", "num_attention_heads", "seq_length",
                     "max_position_embeddings", *ARCHITECTURE_FIELDS)
@@ -146,3 +146,21 @@ def megatron_padded_vocab(vocab: int, divisible_by: int, tp: int) -> int:
     """Megatron-LM's vocabulary padding: a multiple of ``divisible_by`` x TP."""
     multiple = divisible_by * tp
     return -(-vocab // multiple) * multiple
+
+
+def merge_tp(name: str, shards: list[torch.Tensor], swiglu: bool, where: Path) -> torch.Tensor:
+    """The whole tensor ``name`` (a parameter, or its ``.exp_avg|exp_avg_sq|main|step``) from
+    its TP shards in rank order, by :func:`tp_rule`; a replicated one must agree on every rank."""
+    base = name.rsplit(".", 1)[0] if name.endswith((".exp_avg", ".exp_avg_sq", ".main",
+                                                    ".step")) else name
+    spec = tp_rule(base, swiglu)
+    if spec is None or shards[0].dim() == 0:
+        if any(not torch.equal(shards[0], s) for s in shards[1:]):
+            raise ConfigError(f"checkpoint {where}: {name} should be the same on every "
+                              "tensor-parallel rank but differs; the shards are inconsistent")
+        return shards[0]
+    try:
+        return unshard_tensors(shards, spec)
+    except (ValueError, RuntimeError) as exc:
+        raise ConfigError(f"checkpoint {where}: cannot merge the TP shards of {name} "
+                          f"({' '.join(str(exc).split())[:100]})") from None

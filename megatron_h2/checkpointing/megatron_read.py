@@ -42,14 +42,13 @@ from megatron_h2.checkpointing.megatron_names import (
     MODEL_ARG_FIELDS,
     args_dict,
     is_no_weight_decay,
+    merge_tp,
     model_config_from_args,
     safe_torch_load,
     split_layer_name,
-    tp_rule,
 )
 from megatron_h2.config import ModelConfig
 from megatron_h2.errors import ConfigError
-from megatron_h2.parallel.sharding import unshard_tensors
 
 ADAM_KEYS = ("exp_avg", "exp_avg_sq")
 _SAME_ARGS = (*MODEL_ARG_FIELDS, "padded_vocab_size", "tensor_model_parallel_size",
@@ -223,11 +222,7 @@ def read_torch_dist(ckpt_dir: Path, load_optim: bool = True) -> MegatronState:
         missing = sorted(set(state.model) - set(mains))
         raise ConfigError(f"checkpoint {ckpt_dir} has fp32 main weights for some parameters but "
                           f"not {missing[0] if missing else 'others'}; a file is incomplete")
-    for name, main in mains.items():  # the fp32 main weights are the weights
-        if name not in state.model or main.shape != state.model[name].shape:
-            raise ConfigError(f"checkpoint {ckpt_dir}: fp32 main weight of {name} matches no "
-                              "model tensor")
-        state.model[name] = main
+    _take_mains(state, mains)
     state.not_read = objects
     if state.optimizer and not flat_mains:
         step = _common_step(optim)
@@ -238,6 +233,21 @@ def read_torch_dist(ckpt_dir: Path, load_optim: bool = True) -> MegatronState:
             state.optimizer[f"{name}.step"] = torch.as_tensor(step, dtype=torch.float32)
     _check_complete(state)
     return state
+
+
+def _take_mains(state: MegatronState, mains: dict[str, torch.Tensor]) -> None:
+    """The fp32 main weights are the weights. An fp32 run's are its weights themselves: one
+    that differs is another parameter's (a misread optimizer layout), one line."""
+    for name, main in mains.items():
+        model = state.model.get(name)
+        if model is None or main.shape != model.shape:
+            raise ConfigError(f"checkpoint {state.path}: fp32 main weight of {name} matches no "
+                              "model tensor")
+        if model.dtype == torch.float32 and not torch.equal(main, model):
+            raise ConfigError(f"checkpoint {state.path}: the optimizer's fp32 main weight of "
+                              f"{name} differs from the fp32 weight itself; the optimizer state "
+                              "is not this model's (load with --no-load-optim)")
+        state.model[name] = main
 
 
 def _common_step(optim: Any) -> Any:
@@ -320,22 +330,6 @@ def _optimizer_by_name(optim: Any, model_sd: dict[str, Any],
     return out
 
 
-def _merge_tp(name: str, shards: list[torch.Tensor], swiglu: bool, where: Path) -> torch.Tensor:
-    base = name.rsplit(".", 1)[0] if name.endswith((".exp_avg", ".exp_avg_sq", ".main",
-                                                    ".step")) else name
-    spec = tp_rule(base, swiglu)
-    if spec is None or shards[0].dim() == 0:
-        if any(not torch.equal(shards[0], s) for s in shards[1:]):
-            raise ConfigError(f"checkpoint {where}: {name} should be the same on every "
-                              "tensor-parallel rank but differs; the shards are inconsistent")
-        return shards[0]
-    try:
-        return unshard_tensors(shards, spec)
-    except (ValueError, RuntimeError) as exc:
-        raise ConfigError(f"checkpoint {where}: cannot merge the TP shards of {name} "
-                          f"({' '.join(str(exc).split())[:100]})") from None
-
-
 def read_legacy(ckpt_dir: Path, load_optim: bool = True) -> MegatronState:
     """A legacy ``torch`` iteration directory (``mp_rank_TT[_PPP]/model_optim_rng.pt``)."""
     dirs = _rank_dirs(ckpt_dir)
@@ -375,7 +369,8 @@ def read_legacy(ckpt_dir: Path, load_optim: bool = True) -> MegatronState:
             state.not_read += [f"{where.parent.name}/{k}" for k in model_sd if k not in tensors]
             if (distrib := where.parent / "distrib_optim.pt").exists() and load_optim:
                 optim = read_distrib_optim(distrib, sd.get("optimizer"),
-                                           megatron_shapes(config), its_args)
+                                           {k: tuple(v.shape) for k, v in tensors.items()},
+                                           its_args, p)
             else:
                 optim = (_optimizer_by_name(sd["optimizer"], model_sd, where)
                          if load_optim and sd.get("optimizer") is not None else {})
@@ -394,14 +389,14 @@ def read_legacy(ckpt_dir: Path, load_optim: bool = True) -> MegatronState:
         if len(shards) != tp:
             raise ConfigError(f"checkpoint {ckpt_dir}: {name} is on {len(shards)} shards, "
                               f"expected {tp}")
-        full = _merge_tp(name, shards, config.swiglu, ckpt_dir)
+        full = merge_tp(name, shards, config.swiglu, ckpt_dir)
         if name.endswith(".main"):
             mains[name[: -len(".main")]] = full
         elif name.rsplit(".", 1)[-1] in (*ADAM_KEYS, "step"):
             state.optimizer[name] = full
         else:
             state.model[name] = full
-    state.model.update(mains)
+    _take_mains(state, mains)
     _fold_tied_copy(state)
     _check_complete(state)
     return state

@@ -15,8 +15,13 @@ Measure with the thread count your training processes use (`--threads`).
 CPU emulation (every chip of a cluster is a single-threaded process on this machine):
 `--emulate PLAN` measures while one process per rank of PLAN measures at once, those of chips
 with `emulate_slowdown` padding with sleep as the runtime does, so the times are those of one
-chip of that cluster sharing this machine's cores. `--cluster FILE --calibrated-cluster OUT`
-also measures gloo between two processes and writes FILE with bandwidths fitted to it.
+chip of that cluster sharing this machine's cores. The table also records each pass's CPU time
+(`cpu_micro_batch_sizes`: what it computes, however much of a core it got), and with
+`--emulate` the calibrated cluster (below) records the cores the processes got together
+(`host_cores`: their CPU time over the wall time), so that the planner times a step of such
+processes from their CPU work (the cluster's `host_cores` in megatron_h2/planner/cluster.py).
+`--cluster FILE --calibrated-cluster OUT` also measures gloo between two processes and writes
+FILE with bandwidths fitted to it.
 `--cache` reuses an earlier measurement of the same inputs on this machine (same torch).
 """
 
@@ -35,7 +40,7 @@ from pathlib import Path
 from megatron_h2.errors import ConfigError
 from megatron_h2.planner.model_input import add_model_arguments, model_from_arguments
 
-CACHE_FORMAT = 1
+CACHE_FORMAT = 3  # 3: CPU times and, with --emulate, host_cores
 
 
 def parse(argv: list[str] | None):
@@ -138,10 +143,15 @@ def worker(a) -> None:
         slowdown = rank_slowdowns(a.emulate)[rank]
         pace = Pace(slowdown, a.window, dist.barrier)
         acc = get_accelerator("cpu")
+        dist.barrier()
+        cpu, wall = time.process_time(), time.perf_counter()
         table = profile_model(cfg, acc, micro_batch_sizes(a), a.bf16, a.warmup, a.reps,
                               log=lambda message: None, pace=pace)
-        mine = {"slowdown": slowdown, "table": table,
-                "optimizer_ns": optimizer_ns_per_param(cfg, acc, a.warmup, a.reps, pace)}
+        cpu_ns: list[float] = []
+        optimizer_ns = optimizer_ns_per_param(cfg, acc, a.warmup, a.reps, pace, cpu_ns)
+        mine = {"slowdown": slowdown, "table": table, "optimizer_ns": optimizer_ns,
+                "optimizer_cpu_ns": cpu_ns[0], "cpu_s": time.process_time() - cpu,
+                "wall_s": time.perf_counter() - wall}
         gathered: list = [None] * dist.get_world_size()
         dist.all_gather_object(gathered, mine)
         result = gathered
@@ -182,10 +192,15 @@ def measure(a, argv: list[str], cfg, sizes: list[int], work: Path) -> dict:
         chosen = [r for r in ranks if r["slowdown"] == steady]
         result["table"] = median_tables([r["table"] for r in chosen])
         result["optimizer_ns"] = median([r["optimizer_ns"] for r in chosen])
+        result["optimizer_cpu_ns"] = median([r["optimizer_cpu_ns"] for r in chosen])
+        # the cores the processes got together: their CPU time over the common wall time
+        result["host_cores"] = round(sum(r["cpu_s"] for r in ranks)
+                                     / median([r["wall_s"] for r in ranks]), 3)
         mix = ", ".join(f"{slowdowns.count(x)} at slowdown {x:g}" for x in sorted(set(slowdowns)))
         result["note"] = (f"measured by tools/profile_chip.py --emulate: {len(ranks)} "
                           f"single-threaded processes at once ({mix}) on {describe_machine()};"
-                          f" median of the {len(chosen)} at slowdown {steady:g}")
+                          f" median of the {len(chosen)} at slowdown {steady:g}; the processes "
+                          f"got {result['host_cores']:.2f} cores together")
     else:
         import torch
 
@@ -195,8 +210,12 @@ def measure(a, argv: list[str], cfg, sizes: list[int], work: Path) -> dict:
         torch.set_num_threads(a.threads)
         acc = get_accelerator(a.device)
         table = profile_model(cfg, acc, sizes, a.bf16, a.warmup, a.reps)
+        cpu_ns: list[float] = []
         result.update(table=table, optimizer_ns=optimizer_ns_per_param(cfg, acc, a.warmup,
-                                                                       a.reps))
+                                                                       a.reps, cpu_ns=cpu_ns))
+        result["optimizer_cpu_ns"] = cpu_ns[0]
+        # the thread's CPU time is the work only single-threaded on the CPU
+        result["cpu"] = acc.device_type == "cpu" and a.threads == 1
         result["note"] = (f"measured by tools/profile_chip.py on {acc.device_type} "
                           f"({describe_machine()}), {a.threads} thread(s), bf16 {a.bf16}")
     if a.calibrated_cluster:
@@ -278,7 +297,8 @@ def write_outputs(a, cfg, result: dict) -> None:
     from megatron_h2.measurement.chip_timing import write_profile
 
     write_profile(a.output, cfg, a.chip, result["table"], result["note"],
-                  result["optimizer_ns"])
+                  result["optimizer_ns"], result.get("optimizer_cpu_ns"),
+                  result.get("cpu", True))
     print(f"profile table written to {a.output} (optimizer step "
           f"{result['optimizer_ns']:.2f} ns per parameter)")
     if a.calibrated_cluster:
@@ -288,13 +308,17 @@ def write_outputs(a, cfg, result: dict) -> None:
         from megatron_h2.planner.calibration import LinkTimes, calibrated_cluster
 
         links = LinkTimes.from_dict(result["links"])
-        data = calibrated_cluster(load_yaml_mapping(a.cluster, "cluster"), links)
+        host = result.get("host_cores")
+        data = calibrated_cluster(load_yaml_mapping(a.cluster, "cluster"), links,
+                                  host_cores=host)
         Path(a.calibrated_cluster).parent.mkdir(parents=True, exist_ok=True)
         Path(a.calibrated_cluster).write_text(
             f"# {a.cluster} with bandwidths fitted to gloo on {describe_machine()}: all-reduce "
             f"of {links.allreduce_bytes / 2**20:.1f} MiB over 2 processes "
             f"{1e3 * links.allreduce_s:.1f} ms, point-to-point of {links.p2p_bytes / 2**10:.0f} "
-            f"KiB {1e3 * links.p2p_s:.2f} ms\n" + yaml.safe_dump(data, sort_keys=False))
+            f"KiB {1e3 * links.p2p_s:.2f} ms"
+            + (f"; host_cores: what the processes of {a.emulate} got together" if host else "")
+            + "\n" + yaml.safe_dump(data, sort_keys=False))
         print(f"calibrated cluster written to {a.calibrated_cluster}")
 
 

@@ -37,7 +37,8 @@ def main(argv: list[str] | None = None) -> int:
         profile = ProfileTable.from_yaml(a.profile) if a.profile else None
         cost = CostModel(Cluster.from_yaml(a.cluster), model_from_yaml(a.model), CostConfig(),
                          profile)
-        predicted = evaluate_plan(cost, HeteroPlan.from_yaml(a.plan)).step_time_s
+        estimate = evaluate_plan(cost, HeteroPlan.from_yaml(a.plan))
+        predicted = estimate.step_time_s
         if not Path(a.metrics).is_file():
             raise ConfigError(f"--metrics file {a.metrics} does not exist")
         times = steady_step_ms(a.metrics, a.skip)
@@ -45,6 +46,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     print(f"predicted step time: {predicted:.2f} s (cost model, {a.plan})")
+    cores = cost.cluster.host_cores
+    if cores is not None:  # CPU emulation: what bounds the step
+        cpu = sum(e.host_cpu_s for e in getattr(estimate, "pipelines", (estimate,)))
+        print(f"  CPU emulation: the ranks' passes take {cpu:.2f} s of CPU time per step; over "
+              f"the {cores:.2f} cores the processes got when measured (host_cores) that is "
+              f"{cpu / cores:.2f} s (other load on the cores since changes it)")
     if not times:
         print(f"measured step time: none (no logged iteration after the {a.skip} warm-up ones)")
         return 0

@@ -172,6 +172,91 @@ class MoEFields:
         dense = self._mlp_params(self.ffn_hidden_size)[0]
         return len(self.moe_layers) * (self._moe_block()[1] - dense)
 
+    # ------------------------------------------------------------ per-layer counts (planner)
+    def _dense_mlp_per_chip(self, tp: int) -> float:
+        """Parameters of one dense MLP on one TP rank (fc1 and its bias split, fc2's bias
+        replicated), as :meth:`ModelCounts.layer_params_per_chip` counts them."""
+        matrix, _ = self._mlp_params(self.ffn_hidden_size)
+        bias = self.fc1_size / tp + self.hidden_size if self.add_bias_linear else 0.0
+        return matrix / tp + bias
+
+    def moe_layer_params_per_chip(self, tp: int, ep: int) -> tuple[float, float]:
+        """(non-expert, expert) parameters of one MoE layer on one rank of a stage with TP
+        ``tp`` and expert parallelism ``ep`` (the experts' TP degree is the stage's, Megatron's
+        default): attention, norms, the router (replicated) and the shared experts (split by TP)
+        sync over the DP group; the ``num_experts / ep`` local experts (split by TP) over the
+        expert-data-parallel group."""
+        e, h = self.num_experts, self.hidden_size
+        router = e * h + (e if self.add_bias_linear else 0)
+        shared = 0.0
+        if self.moe_shared_expert_intermediate_size:
+            matrix, bias = self._mlp_params(self.moe_shared_expert_intermediate_size)
+            shared = (matrix + bias) / tp + (h if self.moe_shared_expert_gate else 0)
+        dense = self.layer_params_per_chip(tp) - self._dense_mlp_per_chip(tp) + router + shared
+        matrix, bias = self._mlp_params(self.moe_ffn_hidden_size)
+        return dense, e // ep * (matrix + bias) / tp
+
+    def moe_layer_forward_flops(self, tokens: int, causal: bool = True) -> tuple[float, float]:
+        """(non-expert, expert) forward FLOPs of one MoE layer over ``tokens`` tokens: attention,
+        router and shared experts; the top-k routed experts (``k`` expert MLPs per token)."""
+        block_per_token = self._moe_block()[1]  # router + top-k experts + shared experts
+        experts = self.moe_router_topk * self._mlp_params(self.moe_ffn_hidden_size)[0]
+        dense_mlp = self._mlp_params(self.ffn_hidden_size)[0]
+        rest = self.layer_forward_flops(tokens, causal) + 2.0 * tokens * (
+            block_per_token - experts - dense_mlp)
+        return rest, 2.0 * tokens * experts
+
+    def moe_layer_weight_grad_flops(self, tokens: int) -> float:
+        """FLOPs of one MoE layer's weight gradients (the dense layer's with the MLP replaced by
+        the router, the top-k experts and the shared experts)."""
+        dense_mlp = self._mlp_params(self.ffn_hidden_size)[0]
+        return self.layer_weight_grad_flops(tokens) + 2.0 * tokens * (
+            self._moe_block()[1] - dense_mlp)
+
+    def _mlp_held(self, ffn: int, tp: int, recompute: str) -> float:
+        """Bytes per token one MLP of FFN size ``ffn`` keeps for backward beyond its input
+        (bf16): the activation's input (fc1's output) and fc2's input, split by TP; selective
+        recompute keeps only the activation's input, full recompute nothing."""
+        fc1 = 2 * ffn if self.swiglu else ffn
+        if recompute == "none":
+            return (2 * fc1 + 2 * ffn) / tp
+        return 2 * fc1 / tp if recompute == "selective" else 0.0
+
+    def moe_layer_activation_bytes(self, tokens: int, tp: int, recompute: str) -> float:
+        """Bytes one MoE layer keeps for backward per micro-batch (the dense layer's count with
+        its MLP replaced): each token's ``k`` copies at the experts (their inputs, bf16, and what
+        each expert MLP keeps), the router's fp32 scores and the shared experts' MLP."""
+        dense = self.layer_activation_bytes(tokens, tp, recompute)  # type: ignore[arg-type]
+        if recompute == "full":
+            return dense
+        k, h = self.moe_router_topk, self.hidden_size
+        mine = k * (2 * h + self._mlp_held(self.moe_ffn_hidden_size, tp, recompute))
+        mine += 4 * self.num_experts  # router scores, fp32
+        if self.moe_shared_expert_intermediate_size:
+            mine += self._mlp_held(self.moe_shared_expert_intermediate_size, tp, recompute)
+        return dense + tokens * (mine - self._mlp_held(self.ffn_hidden_size, tp, recompute))
+
+    def moe_layer_weight_grad_bytes(self, tokens: int, tp: int) -> float:
+        """The zero-bubble count of :meth:`ModelCounts.layer_weight_grad_bytes` for a MoE layer:
+        the dense MLP's matrices' inputs and output gradients replaced by the top-k experts'
+        (per routed copy) and the shared experts'."""
+        h = self.hidden_size
+
+        def mlp(ffn: int) -> float:  # fc1: h in, fc1 / t out; fc2: f / t in, h out
+            fc1 = 2 * ffn if self.swiglu else ffn
+            return 4 * h + (2 * fc1 + 2 * ffn) / tp
+
+        mine = self.moe_router_topk * mlp(self.moe_ffn_hidden_size) + 2 * h  # + router input
+        if self.moe_shared_expert_intermediate_size:
+            mine += mlp(self.moe_shared_expert_intermediate_size)
+        return self.layer_weight_grad_bytes(tokens, tp) + tokens * (
+            mine - mlp(self.ffn_hidden_size))
+
+    def moe_dispatch_bytes(self, tokens: int) -> float:
+        """Bytes one all-to-all of a MoE layer moves for ``tokens`` tokens: each token's hidden
+        state (bf16) to each of its ``k`` experts (dispatch; the combine moves as many back)."""
+        return 2.0 * tokens * self.moe_router_topk * self.hidden_size
+
     # ------------------------------------------------------------------ checks
     def _fill_moe_defaults(self) -> None:
         if self.num_experts == 0:

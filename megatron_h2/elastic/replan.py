@@ -31,7 +31,8 @@ def with_counts(cluster: Cluster, counts: dict[str, int]) -> Cluster:
                   if counts.get(chip.name, 0) > 0)
     if not chips:
         raise ConfigError("no chip is left to train on")
-    return Cluster(chips, cluster.cross_chip_gb_per_s if len(chips) > 1 else None)
+    return Cluster(chips, cluster.cross_chip_gb_per_s if len(chips) > 1 else None,
+                   cluster.host_cores)
 
 
 @dataclass(frozen=True)
@@ -69,7 +70,8 @@ def best_plan(cluster: Cluster, cfg: RunConfig, global_batch: int, micro_batch: 
                             time_limit_s=time_limit_s)
     result = search(cost, options)
     ranked = [Planned(c.plan, c.estimate.tokens_per_s) for c in result.candidates]
-    multi = search_pipelines(cost, options).best  # data-parallel pipelines, when faster
+    # data-parallel pipelines, when faster, in what is left of the one time limit
+    multi = search_pipelines(cost, options, time_limit_s - result.stats.elapsed_s).best
     if multi is not None:
         ranked.append(Planned(multi.plan, multi.estimate.tokens_per_s))
         ranked.sort(key=lambda planned: -planned.tokens_per_s)

@@ -40,6 +40,9 @@ PROFILE_MODEL_KEYS = ("hidden_size", "ffn_hidden_size", "num_attention_heads",
                       "num_query_groups", "seq_length", "vocab_size", "hidden_dropout",
                       "attention_dropout")
 
+CPU = "_cpu_ms"
+"""Suffix of a table key holding CPU milliseconds rather than wall milliseconds."""
+
 Sample = Callable[[], float]
 """Runs once and returns the milliseconds it measured."""
 
@@ -64,22 +67,27 @@ def _timed_ms(acc: Accelerator, fn: Callable[[], object]) -> float:
     return (time.perf_counter() - start) * 1e3
 
 
-def repeat(pace: Pace, warmup: int, reps: int, *samples: Sample) -> list[list[float]]:
+def repeat(pace: Pace, warmup: int, reps: int, *samples: Sample,
+           cpu_ms: list[list[float]] | None = None) -> list[list[float]]:
     """Run ``samples`` in turn, round after round: ``warmup`` rounds, then rounds until there
     are ``reps`` and ``pace.window_s`` has passed; returns each sample's milliseconds per
-    counted round."""
+    counted round. ``cpu_ms`` (one list per sample) receives this thread's CPU milliseconds of
+    each counted one: what a pass computes, however much of a core other processes left it."""
     if pace.sync is not None:
         pace.sync()
     results: list[list[float]] = [[] for _ in samples]
+    cpu_out = cpu_ms if cpu_ms is not None else [[] for _ in samples]
 
     def one_round(keep: bool) -> None:
-        for sample, out in zip(samples, results):
+        for sample, out, cpu_list in zip(samples, results, cpu_out):
             cpu = time.thread_time()
             ms = sample()
+            cpu = time.thread_time() - cpu
             if pace.slowdown > 1.0:  # padded as the runtime pads a CPU-emulated chip
-                time.sleep(emulation_pad_s(pace.slowdown, ms / 1e3, time.thread_time() - cpu))
+                time.sleep(emulation_pad_s(pace.slowdown, ms / 1e3, cpu))
             if keep:
                 out.append(ms)
+                cpu_list.append(cpu * 1e3)
 
     for _ in range(warmup):
         one_round(False)
@@ -93,6 +101,8 @@ def repeat(pace: Pace, warmup: int, reps: int, *samples: Sample) -> list[list[fl
 class PartTimes:
     forward_ms: float
     backward_ms: float
+    forward_cpu_ms: float
+    backward_cpu_ms: float
 
 
 def _time_part(acc: Accelerator, model: GPTModel, make_input: Callable[[], dict],
@@ -120,13 +130,17 @@ def _time_part(acc: Accelerator, model: GPTModel, make_input: Callable[[], dict]
         clear()
         return ms
 
-    fwd, bwd = repeat(pace, warmup, reps, lambda: _timed_ms(acc, forward), backward_ms)
-    return PartTimes(forward_ms=statistics.median(fwd), backward_ms=statistics.median(bwd))
+    cpu: list[list[float]] = [[], []]
+    fwd, bwd = repeat(pace, warmup, reps, lambda: _timed_ms(acc, forward), backward_ms,
+                      cpu_ms=cpu)
+    med = statistics.median
+    return PartTimes(med(fwd), med(bwd), med(cpu[0]), med(cpu[1]))
 
 
 def _selective_extra_ms(acc: Accelerator, layers: dict[str, GPTModel], hidden: torch.Tensor,
-                        warmup: int, reps: int, pace: Pace) -> float:
-    """A layer's forward + backward with ``recompute: selective`` minus without (medians)."""
+                        warmup: int, reps: int, pace: Pace) -> tuple[float, float]:
+    """A layer's forward + backward with ``recompute: selective`` minus without (medians): wall
+    and CPU milliseconds."""
 
     def step(layer: GPTModel) -> Sample:
         def run() -> None:
@@ -135,8 +149,11 @@ def _selective_extra_ms(acc: Accelerator, layers: dict[str, GPTModel], hidden: t
             hidden.grad = None
         return lambda: _timed_ms(acc, run)
 
-    plain, selective = repeat(pace, warmup, reps, step(layers["none"]), step(layers["selective"]))
-    return max(statistics.median(selective) - statistics.median(plain), 0.0)
+    cpu: list[list[float]] = [[], []]
+    plain, selective = repeat(pace, warmup, reps, step(layers["none"]), step(layers["selective"]),
+                              cpu_ms=cpu)
+    med = statistics.median
+    return (max(med(selective) - med(plain), 0.0), max(med(cpu[1]) - med(cpu[0]), 0.0))
 
 
 def _part_inputs(cfg: ModelConfig, mbs: int, dev: torch.device,
@@ -162,7 +179,7 @@ def profile_model(config: ModelConfig, acc: Accelerator, micro_batch_sizes: list
                   log: Callable[[str], None] = print,
                   pace: Pace = Pace()) -> dict[int, dict[str, float]]:
     """``{micro_batch_size: {layer_forward_ms, layer_backward_ms, embedding_..., head_...,
-    selective_recompute_ms}}``."""
+    selective_recompute_ms}}``, each also as CPU milliseconds (the key with ``_cpu_ms``)."""
     cfg = replace(config, num_layers=1, recompute="none")
     dev = acc.device
     layer = GPTModel(cfg, acc.kernels, (0, 1), pre_process=False, post_process=False).to(dev)
@@ -183,9 +200,13 @@ def profile_model(config: ModelConfig, acc: Accelerator, micro_batch_sizes: list
             t = _time_part(acc, model, inputs[name], warmup, reps, pace)
             row[f"{name}_forward_ms"] = round(t.forward_ms, 4)
             row[f"{name}_backward_ms"] = round(t.backward_ms, 4)
-        extra = _selective_extra_ms(acc, {"none": layer, "selective": recomputing},
-                                    inputs["layer"]()["hidden_states"], warmup, reps, pace)
+            row[f"{name}_forward{CPU}"] = round(t.forward_cpu_ms, 4)
+            row[f"{name}_backward{CPU}"] = round(t.backward_cpu_ms, 4)
+        extra, extra_cpu = _selective_extra_ms(acc, {"none": layer, "selective": recomputing},
+                                               inputs["layer"]()["hidden_states"], warmup, reps,
+                                               pace)
         row["selective_recompute_ms"] = round(extra, 4)
+        row[f"selective_recompute{CPU}"] = round(extra_cpu, 4)
         log(f"micro-batch {mbs}: layer forward {row['layer_forward_ms']:.2f} ms, backward "
             f"{row['layer_backward_ms']:.2f} ms | embedding {row['embedding_forward_ms']:.2f}/"
             f"{row['embedding_backward_ms']:.2f} ms | head {row['head_forward_ms']:.2f}/"
@@ -195,7 +216,8 @@ def profile_model(config: ModelConfig, acc: Accelerator, micro_batch_sizes: list
 
 
 def optimizer_ns_per_param(config: ModelConfig, acc: Accelerator, warmup: int = 2,
-                           reps: int = 7, pace: Pace = Pace()) -> float:
+                           reps: int = 7, pace: Pace = Pace(),
+                           cpu_ns: list[float] | None = None) -> float:
     """The work a training step does after the last backward with the replicated optimizer
     (gradient norm, clip, AdamW step) plus the next step's zero_grad, on the whole model, per
     parameter: memory-bound, so it scales with the parameters a chip holds."""
@@ -220,17 +242,30 @@ def optimizer_ns_per_param(config: ModelConfig, acc: Accelerator, warmup: int = 
             opt.zero_grad()
         return _timed_ms(acc, update)
 
-    (times,) = repeat(pace, warmup, reps, step)
+    cpu: list[list[float]] = [[]]
+    (times,) = repeat(pace, warmup, reps, step, cpu_ms=cpu)
+    if cpu_ns is not None:  # receives the CPU nanoseconds per parameter
+        cpu_ns.append(statistics.median(cpu[0]) * 1e6 / params)
     return statistics.median(times) * 1e6 / params
 
 
 def write_profile(path: str | Path, config: ModelConfig, chips: list[str],
                   table: dict[int, dict[str, float]], note: str,
-                  optimizer_ns: float | None = None) -> None:
-    """Write the profile table YAML (the same measurement under every name in ``chips``)."""
-    entry: dict = {"micro_batch_sizes": {k: dict(v) for k, v in table.items()}}
+                  optimizer_ns: float | None = None, optimizer_cpu_ns: float | None = None,
+                  cpu: bool = True) -> None:
+    """Write the profile table YAML (the same measurement under every name in ``chips``); the
+    CPU times of ``table`` (keys with ``_cpu_ms``) go to ``cpu_micro_batch_sizes`` when ``cpu``
+    (a single-threaded measurement on the CPU, whose thread's CPU time is the work)."""
+    wall = {k: {key: x for key, x in v.items() if not key.endswith(CPU)} for k, v in table.items()}
+    entry: dict = {"micro_batch_sizes": wall}
+    if cpu:
+        entry["cpu_micro_batch_sizes"] = {
+            k: {key[: -len(CPU)] + "_ms": x for key, x in v.items() if key.endswith(CPU)}
+            for k, v in table.items()}
     if optimizer_ns is not None:
         entry["optimizer_ns_per_param"] = round(optimizer_ns, 4)
+    if cpu and optimizer_cpu_ns is not None:
+        entry["optimizer_cpu_ns_per_param"] = round(optimizer_cpu_ns, 4)
     data = {"model": {k: getattr(config, k) for k in PROFILE_MODEL_KEYS},
             "chips": {name: copy.deepcopy(entry) for name in chips}}
     Path(path).parent.mkdir(parents=True, exist_ok=True)

@@ -20,7 +20,8 @@ from megatron_h2.plan.schema import HeteroPlan
 from megatron_h2.planner.bounds import BatchShape
 from megatron_h2.planner.cost_model import CostModel
 from megatron_h2.planner.interleaved_dp import interleaved_variant, order_stall
-from megatron_h2.planner.search import Candidate, SearchOptions, _Found, solve_structure, to_plan
+from megatron_h2.planner.search import Candidate, SearchOptions
+from megatron_h2.planner.structure import Found, solve_structure, to_plan
 
 
 @dataclass(frozen=True)
@@ -49,6 +50,10 @@ def schedule_alternatives(
     out = []
     for schedule, chunks in options.schedule_variants(layers):
         problem = None
+        if schedule == "interleaved" and len(set(cost.layer_is_moe)) > 1:
+            out.append(Alternative(schedule, chunks, None, "not searched for a model with "
+                                   "dense and MoE layers (one chunk per stage)"))
+            continue
         if schedule == "interleaved" and not plan.uniform_dp:
             out.append(_own_dp_interleaved(cost, plan, chunks))
             continue
@@ -65,10 +70,12 @@ def schedule_alternatives(
         shape = BatchShape(
             cost, plan.global_batch_size, plan.micro_batch_size, schedule, chunks, dp, lazy=True
         )
-        kinds = [(k.name, k.tp, k.dp) for k in shape.kinds]
+        kinds = [(k.name, k.tp, k.dp, k.ep) for k in shape.kinds]
         blocks: list[list[int]] = []
         for index, stage in enumerate(plan.stages):
-            kind = kinds.index((stage.chip, stage.tensor_parallel_size, plan.stage_dp(index)))
+            dp = plan.stage_dp(index)
+            ep = cost.stage_expert_parallel(stage, dp)
+            kind = kinds.index((stage.chip, stage.tensor_parallel_size, dp, ep))
             if blocks and blocks[-1][0] == kind:
                 blocks[-1][1] += 1
             else:
@@ -78,7 +85,7 @@ def schedule_alternatives(
         if split is None:
             out.append(Alternative(schedule, chunks, None, "no layer split fits in memory"))
             continue
-        found = _Found(split.step_time_s, shape.mbs, schedule, chunks, suffix, split, shape.kinds)
+        found = Found(split.step_time_s, shape.mbs, schedule, chunks, suffix, split, shape.kinds)
         alternative = to_plan(found, cost, plan.global_batch_size)
         out.append(
             Alternative(schedule, chunks, Candidate(alternative, cost.evaluate(alternative)))

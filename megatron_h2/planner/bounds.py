@@ -45,6 +45,7 @@ import numpy as np
 
 from megatron_h2.planner.cost_model import MODES, CostModel, zero_bubble_share
 from megatron_h2.planner.partition import INF
+from megatron_h2.planner.rest_bound import RestBound, running_sum
 from megatron_h2.planner.shape_memory import ShapeMemory
 from megatron_h2.planner.stage_costs import StageCosts
 
@@ -52,15 +53,12 @@ if TYPE_CHECKING:
     from collections.abc import Sequence
 
 
-EXACT_REST_TYPES = 4
-"""Most unused chip types whose joint capacity :meth:`BatchShape.rest` computes exactly."""
-
-
 class Kind:
     """A stage kind: chip type (index and name), TP and DP degree, most stages, its costs, the
     micro-batches of each of its DP replicas and the step formula's factor ``F``."""
 
-    __slots__ = ("chip", "name", "tp", "dp", "max_stages", "costs", "micro_batches", "factor")
+    __slots__ = ("chip", "name", "tp", "dp", "max_stages", "costs", "micro_batches", "factor",
+                 "ep")
 
     def __init__(
         self,
@@ -72,13 +70,14 @@ class Kind:
         costs: StageCosts,
         micro_batches: int,
         factor: int,
+        ep: int = 1,
     ) -> None:
-        self.chip, self.name, self.tp, self.dp = chip, name, tp, dp
+        self.chip, self.name, self.tp, self.dp, self.ep = chip, name, tp, dp, ep
         self.max_stages, self.costs = max_stages, costs
         self.micro_batches, self.factor = micro_batches, factor
 
 
-class BatchShape(ShapeMemory):
+class BatchShape(ShapeMemory, RestBound):
     """Stage kinds, memory caps, link times and bound tables for one batch shape: micro-batch
     size and pipeline schedule (with its number of model chunks ``V``), and for ``interleaved``
     the one DP degree ``dp`` of every stage. ``only`` keeps just the kinds with those (chip
@@ -126,8 +125,9 @@ class BatchShape(ShapeMemory):
                         continue
                     m = self.total // d
                     factor = m * chunks - 1 if schedule == "interleaved" else m - 1
-                    costs = cost.stage_costs(chip.name, tp, mbs, d)
-                    kinds.append(Kind(index, chip.name, tp, d, count, costs, m, factor))
+                    for ep in cost.expert_parallel_options(tp, d):  # [1] if dense
+                        costs = cost.stage_costs(chip.name, tp, mbs, d, ep)
+                        kinds.append(Kind(index, chip.name, tp, d, count, costs, m, factor, ep))
         if cost.model.num_layers % chunks:
             kinds = []  # equal chunks cannot hold the layers
         self.kinds = tuple(kinds)
@@ -140,6 +140,8 @@ class BatchShape(ShapeMemory):
         self._mode_caps: dict[tuple[int, int, int, int | None], tuple[int, int, int]] = {}
         self._placed_caps: dict[tuple[int, int, int, int], tuple[int, int, int]] = {}
         self._links: dict[tuple[str, str], float] = {}
+        self.range_rows: dict[tuple[object, ...], tuple[np.ndarray, ...]] = {}
+        """Per-stage rows of the range split (:mod:`.partition_ranges`), kept across splits."""
         self.grid = np.zeros(1)
         self._grid_key: tuple[float, int, int] | None = None
         self.grid_is_max = True
@@ -223,11 +225,26 @@ class BatchShape(ShapeMemory):
         emb_weight = np.array([k.costs.embedding_weight_grad for k in self.kinds])
         head = np.array([k.costs.edge_time(False, True) for k in self.kinds])
         emb = np.array([k.costs.edge_time(True, False) for k in self.kinds])
+        # The last stage holds the head and the first the embedding, each with at least one
+        # layer: their folded steady terms are at least these (the fastest mode's layer).
+        self.head_need = folds * (head * scale + times[:, 0])
+        self.embedding_need = folds * (emb * scale + times[:, 0])
         self.head_time = (head - share * head_weight) * scale  # the edges' fill
         self.embedding_time = (emb - share * emb_weight) * scale
         self.embedding_min = float(self.embedding_time.min())
+        # The end-of-step term z: the DP sync, under zero-bubble plus the deferred weight
+        # gradients (1 + b) G, b at least its value on the longest pipeline (it falls with p).
+        grads = np.zeros(len(self.kinds))
+        if self.schedule == "zero-bubble":
+            longest = max(self.positions, 2)
+            shares = [zero_bubble_share(longest, k.micro_batches) for k in self.kinds]
+            grads = 1.0 + np.array(shares)
         self.sync_one = np.array([k.costs.dp_sync(v, False, False) for k in self.kinds])
-        slope = np.array([v * k.costs.layer_params * k.costs.sync_per_param for k in self.kinds])
+        self.sync_one += grads * weight
+        self.head_tail = np.array([k.costs.dp_sync(v, False, True) for k in self.kinds])
+        self.head_tail += grads * (weight + head_weight)  # the last stage: a layer and the head
+        slope = np.array([v * k.costs.sync_per_layer for k in self.kinds])
+        slope += grads * weight
         with np.errstate(divide="ignore"):
             self.sync_inverse = np.where(slope > 0, 1.0 / np.maximum(slope, 1e-300), INF)
         stages = np.array([k.max_stages for k in self.kinds], dtype=np.float64)
@@ -244,28 +261,6 @@ class BatchShape(ShapeMemory):
         self.w_max = max(max(full) * (1 + 1e-9), 1e-30)
         self.leads = self._lead_grid()
         self.w_floor = self._root_w(range(len(self.kinds))) if self.positions else self.w_max
-
-    def _lead_grid(self) -> np.ndarray:
-        """Leads at which the programme over unused chip types (:meth:`rest`) is tabled: under
-        uniform DP the multiples of ``d`` (exact), else every integer up to 8 and then about 25%
-        apart, up to the lead from which every kind reads the last warm-up of its table (a lead
-        between two grid points reads the lower one, which only adds capacity)."""
-        if self.uniform:
-            return self.dp * np.arange(self.depth + 1, dtype=np.int64)
-        largest = self.depth * max(k.dp for k in self.kinds)
-        values, value = set(range(min(largest, 8) + 1)), 8.0
-        while value < largest:
-            value *= 1.25
-            values.add(min(int(value), largest))
-        return np.array(sorted(values), dtype=np.int64)
-
-    def sum_floor(self, work: np.ndarray | float) -> np.ndarray | float:
-        """What the sum term is at least when the largest folded steady term is ``work``: the
-        slowest stage's own fill, at least ``work / max F`` (nothing under zero-bubble, whose
-        tail holds it)."""
-        if self.schedule == "zero-bubble":
-            return 0.0 * work
-        return self._own_work(work)
 
     def _own_work(self, work: np.ndarray | float) -> np.ndarray | float:
         """The slowest stage's own work when the largest folded steady term is ``work`` (the
@@ -333,8 +328,9 @@ class BatchShape(ShapeMemory):
             return INF
         if not self.prepared:
             return self.pre_bound
-        w = self.w_floor
-        return self.steady * w + max(self.sum_floor(w), self.layers * float(self.fill_unit.min()))
+        w = max(self.w_floor, float(self.head_need.min()))  # some kind holds the head
+        # the slowest stage's own work counts under every schedule (zero-bubble: in its tail)
+        return self.steady * w + max(self._own_work(w), self.layers * float(self.fill_unit.min()))
 
     def build_grid(self, w_high: float, points: int, coarse: int = 32) -> None:
         """Probe values from the root bound up to ``w_high`` (geometric) and their prefix sums.
@@ -362,54 +358,6 @@ class BatchShape(ShapeMemory):
         self._placed: dict[tuple[int, int, int, int, int], np.ndarray] = {}
         self._timed: dict[int, np.ndarray] = {}
 
-    def lead_index(self, lead: int | np.ndarray) -> np.ndarray:
-        """Index of the largest grid lead not above ``lead``."""
-        return np.searchsorted(self.leads, lead, side="right") - 1
-
-    def _block_from_leads(
-        self, prefix: np.ndarray, kind: int, counts: np.ndarray
-    ) -> tuple[np.ndarray, np.ndarray]:
-        """Capacity of ``counts`` stages of ``kind`` in front of each grid lead (probe x lead x
-        count) and the lead they leave (lead x count)."""
-        starts = -(-self.leads // self.kinds[kind].dp)  # exact warm-ups at the grid leads
-        table = np.minimum(starts, self.depth - 1)
-        ends = table[:, None] + counts[None, :]
-        caps = prefix[kind][:, ends] - prefix[kind][:, table][:, :, None]
-        return caps, self.kinds[kind].dp * (starts[:, None] + counts[None, :])
-
-    def segment_units(self, chip: int) -> np.ndarray:
-        """The distinct per-layer fills of the kinds of chip type ``chip``, cheapest first (kinds
-        that differ only in their DP degree have the same)."""
-        if chip not in self._segment_units:
-            self._segment_units[chip] = np.unique(self.fill_unit[self.kinds_of[chip]])
-        return self._segment_units[chip]
-
-    def segment_table(self, chip: int) -> np.ndarray:
-        """A convex lower bound on the cost of taking layers from unused chip type ``chip`` in
-        front of each grid lead: widths per segment (cheapest first) x probe x grid lead (a lead
-        between grid leads reads the lower one, which only adds capacity; exact under uniform
-        DP).
-
-        Its kinds sorted by per-layer fill ``u_1 <= u_2 <= ...``: the first ``C_1`` layers cost
-        ``u_1`` each, the next ``C_2 - C_1`` cost ``u_2`` (``C_j``: most layers any of the first
-        ``j`` kinds can hold in a block in front of the lead), and so on. Taking ``x`` layers
-        from a block of one kind costs at least that much, whichever kind it is.
-        """
-        if chip not in self._segment_tables:
-            running = np.zeros((len(self.grid), len(self.leads)))
-            widths = []
-            for unit in self.segment_units(chip):  # kinds of equal fill make one segment
-                group = running
-                for kind in self.kinds_of[chip]:
-                    if self.fill_unit[kind] == unit:
-                        most = np.array([min(self.kinds[kind].max_stages, self.positions)])
-                        caps, _ = self._block_from_leads(self.prefix, kind, most)
-                        group = np.maximum(group, caps[:, :, 0])
-                widths.append(group - running)
-                running = group
-            self._segment_tables[chip] = np.stack(widths)  # segment x probe x grid lead
-        return self._segment_tables[chip]
-
     def block(self, kind: int, start: int, ends: np.ndarray) -> np.ndarray:
         """Capacity bound of stages of ``kind`` with warm-ups ``start .. end - 1``: probe x
         len(ends) (``start`` from :meth:`start`; warm-ups beyond the table share its last
@@ -418,75 +366,18 @@ class BatchShape(ShapeMemory):
         prefix = self.prefix[kind]
         return prefix[:, np.asarray(ends) - start + table] - prefix[:, [table]]
 
-    def rest(self, mask: int) -> np.ndarray:
-        """Most units the chip types in ``mask`` can add, in any order, in front of each grid
-        lead: fine probe x lead (a max-plus programme over subsets of types, kinds and stage
-        counts; the lead each block leaves is rounded down to the grid).
-
-        Masks of more than :data:`EXACT_REST_TYPES` types are split in two halves and the
-        halves' values added: an upper bound, since the value falls with the lead and a type
-        placed behind others starts from a larger lead than in its half alone (each block
-        leaves a lead at least as large as the one it starts from, and the next lead is
-        monotone in it). So the programme visits ``O(T ** EXACT_REST_TYPES)`` masks of ``T``
-        types, not ``2 ** T``."""
-        return self._rest_coarse(mask)[self.coarse_of]
-
-    def _rest_coarse(self, mask: int) -> np.ndarray:
-        if mask in self._rest:
-            return self._rest[mask]
-        bits = [t for t in range(len(self.types)) if mask >> t & 1]
-        if len(bits) > EXACT_REST_TYPES:
-            low = sum(1 << t for t in bits[: len(bits) // 2])
-            result = self._rest_coarse(low) + self._rest_coarse(mask & ~low)
-            self._rest[mask] = result
-            return result
-        result = np.zeros((self.coarse_prefix.shape[1], len(self.leads)))
-        for t_index, chip in enumerate(self.types):
-            if not mask >> t_index & 1:
-                continue
-            after = self._rest_coarse(mask & ~(1 << t_index))
-            for kind in self.kinds_of[chip]:
-                if self.uniform:
-                    np.maximum(result, self._rest_uniform(kind, after), out=result)
-                    continue
-                if kind not in self._from_leads:  # the same for every mask
-                    most = min(self.kinds[kind].max_stages, self.positions)
-                    counts = np.arange(1, most + 1)
-                    caps, leads = self._block_from_leads(self.coarse_prefix, kind, counts)
-                    self._from_leads[kind] = (caps, self.lead_index(leads))
-                caps, index = self._from_leads[kind]
-                value = caps + after[:, index]
-                np.maximum(result, value.max(axis=2), out=result)
-        self._rest[mask] = result
-        return result
-
-    def _rest_uniform(self, kind: int, after: np.ndarray) -> np.ndarray:
-        """Under one DP degree (grid lead ``i`` = ``i`` stages behind): the most units a block
-        of ``kind`` plus ``after`` (what the types in front of it add) hold in front of each grid
-        lead, as the general case computes it: ``max over c of P[i + c] - P[i] + after[i + c]``
-        (``P`` the kind's prefix sums; whole numbers, so the sums are exact in any order), with
-        a sliding maximum over ``c = 1 .. most`` instead of every ``c`` of every lead."""
-        most, depth = min(self.kinds[kind].max_stages, self.positions), self.depth
-        prefix = self.coarse_prefix[kind]  # coarse probe x (warm-up + 1)
-        ends = np.arange(depth + most)
-        windows = _window_max(prefix[:, ends] + after[:, np.minimum(ends, depth)], most)
-        out = np.empty((prefix.shape[0], depth + 1))
-        out[:, :depth] = windows[:, 1 : depth + 1] - prefix[:, :depth]
-        # the last grid lead reads the table's last warm-up, and what it leaves is the last lead
-        last = prefix[:, depth : depth + most] - prefix[:, [depth - 1]]
-        out[:, depth] = last.max(axis=1) + after[:, depth]
-        return out
-
     def sync_bound(
-        self, blocks: Sequence[tuple[int, np.ndarray | int]], unused: int
+        self, blocks: Sequence[tuple[int, np.ndarray | int]], unused: int, last: int
     ) -> np.ndarray | float:
-        """Lower bound on the slowest DP synchronisation: the known blocks' one-layer syncs, and
-        the L layers spread so that the largest sync is smallest over every stage that may exist.
+        """Lower bound on the largest end-of-step term ``z`` (the DP sync, under zero-bubble with
+        the deferred weight gradients): the known blocks' one-layer terms, the last stage's (of
+        kind ``last``) with the head, and the L layers spread so that the largest is smallest
+        over every stage that may exist (``z`` grows at least linearly in the layers).
         """
         if not blocks:
             return 0.0
         one, inverse_of = self._sync_floats
-        floor = max(one[kind] for kind, _ in blocks)
+        floor = max(max(one[kind] for kind, _ in blocks), float(self.head_tail[last]))
         inverse: np.ndarray | float = 0.0
         for kind, count in blocks:
             inverse = inverse + count * inverse_of[kind]
@@ -543,7 +434,7 @@ class BatchShape(ShapeMemory):
         if r_widths is not None:
             stacked[place[len(widths) :]] = r_widths
         remaining = self.layers - np.asarray(mandatory_layers, dtype=np.float64)
-        before = _running_sum(stacked)
+        before = running_sum(stacked)
         before -= stacked
         take = np.minimum(np.maximum(remaining - before, 0.0), stacked)
         flat = take.reshape(len(units), -1)
@@ -571,37 +462,3 @@ class BatchShape(ShapeMemory):
                 beyond = self.steady * top + self._own_work(top) + sync
             best = np.minimum(best, beyond)
         return best + links
-
-    def _unused_segments(self, mask: int) -> tuple[np.ndarray, np.ndarray]:
-        """The cost segments of the unused chip types in ``mask`` (:meth:`segment_table`),
-        cheapest first, with widths capped so that together they add at most :meth:`rest`:
-        (per-layer fills, widths segment x probe x grid lead; cached per grid)."""
-        if mask not in self._unused:
-            chips = [chip for t, chip in enumerate(self.types) if mask >> t & 1]
-            units = np.concatenate([self.segment_units(chip) for chip in chips])
-            order = np.argsort(units, kind="stable")
-            table = np.concatenate([self.segment_table(chip) for chip in chips])[order]
-            cumulative = np.minimum(_running_sum(table), self.rest(mask)[None])
-            self._unused[mask] = (units[order], np.diff(cumulative, axis=0, prepend=0.0))
-        return self._unused[mask]
-
-
-def _running_sum(stack: np.ndarray) -> np.ndarray:
-    """``stack.cumsum(axis=0)`` (the same sums in the same order), one row at a time: numpy's
-    cumsum along the first axis of a short, wide stack is several times slower."""
-    out = stack.copy()
-    for row in range(1, len(stack)):
-        np.add(out[row - 1], stack[row], out=out[row])
-    return out
-
-
-def _window_max(values: np.ndarray, width: int) -> np.ndarray:
-    """``out[:, a] = values[:, a : a + width].max(axis=1)`` for every full window (by doubling
-    spans: a few passes instead of ``width``)."""
-    span = 1
-    while 2 * span <= width:
-        values = np.maximum(values[:, :-span], values[:, span:])  # spans of 2 * span
-        span *= 2
-    if span == width:
-        return values
-    return np.maximum(values[:, : values.shape[1] - (width - span)], values[:, width - span :])

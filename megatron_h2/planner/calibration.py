@@ -54,7 +54,8 @@ def fitted_gb_per_s(links: LinkTimes, config: CostConfig | None = None) -> tuple
 
 
 def calibrated_cluster(cluster: Mapping[str, Any], links: LinkTimes,
-                       config: CostConfig | None = None) -> dict[str, Any]:
+                       config: CostConfig | None = None,
+                       host_cores: float | None = None) -> dict[str, Any]:
     """A copy of the cluster YAML mapping whose bandwidths are those measured on this machine.
 
     For CPU emulation, where every chip is a process of this machine and every link is gloo
@@ -63,7 +64,9 @@ def calibrated_cluster(cluster: Mapping[str, Any], links: LinkTimes,
     matters little: a step waits for each link only while the pipeline fills and drains. Every
     chip becomes its own node (``chips_per_node: 1``), so plans have no tensor parallelism:
     TP all-reduces among processes that share the cores (each waits for a core) are neither
-    measured here nor described by the cost model's TP formula.
+    measured here nor described by the cost model's TP formula. ``host_cores`` (the cores the
+    emulating processes got together, measured) goes into the copy as the cluster's
+    ``host_cores``.
     """
     collective, p2p = fitted_gb_per_s(links, config)
     data = copy.deepcopy(dict(cluster))
@@ -75,6 +78,8 @@ def calibrated_cluster(cluster: Mapping[str, Any], links: LinkTimes,
         chip["inter_node_gb_per_s"] = collective
     if "cross_chip_gb_per_s" in data or len(data["chips"]) > 1:
         data["cross_chip_gb_per_s"] = p2p
+    if host_cores is not None:
+        data["host_cores"] = host_cores
     return data
 
 

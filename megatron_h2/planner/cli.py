@@ -26,6 +26,7 @@ from megatron_h2.planner.compare import compare_homogeneous
 from megatron_h2.planner.cost_model import CostConfig, CostModel
 from megatron_h2.planner.launch import launch_script
 from megatron_h2.planner.model_input import add_model_arguments, describe, model_from_arguments
+from megatron_h2.planner.moe_report import moe_why
 from megatron_h2.planner.pipelines_cost import PipelinesSimulation, simulate_pipelines
 from megatron_h2.planner.pipelines_report import (
     Choice,
@@ -138,8 +139,8 @@ def build_parser() -> argparse.ArgumentParser:
         choices=("search", "none"),
         default="search",
         help="also search plans of several data-parallel pipelines (groupings of the chip types,"
-        " batch splits; within --time-limit of its own) and write them when faster than one"
-        " pipeline (default search)",
+        " batch splits; in what the one-pipeline search leaves of --time-limit) and write them"
+        " when faster than one pipeline (default search)",
     )
     return parser
 
@@ -178,8 +179,9 @@ def _run(args: argparse.Namespace) -> int:
     print(f"model: {describe(model)}; global batch {global_batch}")
     print(f"cluster: {args.cluster}: " + ", ".join(f"{c.count} x {c.name}" for c in cluster.chips))
     result = search(cost, options)
-    pipelines = (search_pipelines(cost, options) if args.data_parallel_pipelines == "search"
-                 else None)
+    left = options.time_limit_s - result.stats.elapsed_s  # one time limit for both searches
+    pipelines = (search_pipelines(cost, options, left)
+                 if args.data_parallel_pipelines == "search" else None)
     choice = Choice(result, pipelines)
     best = result.best
     simulation = simulate(best.plan, cost)
@@ -198,7 +200,7 @@ def _run(args: argparse.Namespace) -> int:
     print("\nwhy:")
     if multi is None:
         alternatives = schedule_alternatives(cost, best.plan, options)
-        for line in explain(best, simulation, cluster, alternatives):
+        for line in explain(best, simulation, cluster, alternatives) + moe_why(cost, best):
             print(f"  - {line}")
         print(f"  - {search_summary(result)}")
     for line in pipelines_why(choice, None if multi is None else many):

@@ -17,6 +17,11 @@ Cluster YAML (units are in the key names; GB/s are 1e9 bytes per second, one dir
   cluster has more than one type); only pipeline point-to-point traffic crosses types.
 * ``emulate_slowdown`` (optional, >= 1): CPU emulation only; multiplies compute times and is
   copied into the plan so that the runtime slows that chip down by the same factor.
+* ``host_cores`` (optional, top level): CPU emulation only, where every chip is a
+  single-threaded process of one host: the cores those processes get together (measured by
+  ``tools/profile_chip.py --emulate``). A step then takes at least the CPU time of all its
+  passes divided by ``host_cores`` (:meth:`~megatron_h2.planner.cost_model.CostModel.evaluate`),
+  and each pass as long as on a core of its own (its profiled CPU time, padded by the slowdown).
 
 Different chip types never share a node; a chip type's chips fill nodes of ``chips_per_node``.
 """
@@ -110,6 +115,8 @@ class Cluster:
 
     chips: tuple[ChipType, ...]
     cross_chip_gb_per_s: float | None = None
+    host_cores: float | None = None
+    """CPU emulation: the cores the emulated chips' processes share (None: not emulated)."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "chips", tuple(self.chips))
@@ -127,6 +134,8 @@ class Cluster:
         else:
             value = positive_float(self.cross_chip_gb_per_s, "cross_chip_gb_per_s")
             object.__setattr__(self, "cross_chip_gb_per_s", value)
+        if self.host_cores is not None:
+            object.__setattr__(self, "host_cores", positive_float(self.host_cores, "host_cores"))
 
     @property
     def names(self) -> list[str]:
@@ -159,12 +168,12 @@ class Cluster:
         wanted = list(names)
         chips = tuple(self.chip(name) for name in wanted)
         cross = self.cross_chip_gb_per_s if len(chips) > 1 else None
-        return Cluster(chips, cross)
+        return Cluster(chips, cross, self.host_cores)
 
     @classmethod
     def from_dict(cls, data: Any, source: str = "cluster") -> Cluster:
         """Build from the YAML-shaped mapping; ``source`` names it in error messages."""
-        top = check_keys(data, ("chips",), ("cross_chip_gb_per_s",), source)
+        top = check_keys(data, ("chips",), ("cross_chip_gb_per_s", "host_cores"), source)
         raw = top["chips"]
         if not isinstance(raw, Mapping) or not raw:
             raise ConfigError(f"'chips' in {source} must map chip type names to their figures")
@@ -173,7 +182,7 @@ class Cluster:
             where = f"chip type '{name}' of {source}"
             fields = check_keys(entry, _REQUIRED_CHIP_KEYS, _OPTIONAL_CHIP_KEYS, where)
             chips.append(ChipType(name=str(name), **dict(fields)))
-        return cls(tuple(chips), top.get("cross_chip_gb_per_s"))
+        return cls(tuple(chips), top.get("cross_chip_gb_per_s"), top.get("host_cores"))
 
     @classmethod
     def from_yaml(cls, path: str | Path) -> Cluster:
@@ -191,6 +200,8 @@ class Cluster:
         data: dict[str, Any] = {"chips": chips}
         if self.cross_chip_gb_per_s is not None:
             data["cross_chip_gb_per_s"] = self.cross_chip_gb_per_s
+        if self.host_cores is not None:
+            data["host_cores"] = self.host_cores
         return data
 
 

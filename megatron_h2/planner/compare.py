@@ -146,11 +146,14 @@ def type_roles(comparison: Comparison) -> list[TypeRole]:
         if stages:
             tps = sorted({plan.stages[i].tensor_parallel_size for i in stages})
             dps = sorted({plan.stage_dp(i) for i in stages})
+            eps = sorted({plan.stages[i].expert_model_parallel_size for i in stages})
+            experts = f", EP {'/'.join(map(str, eps))}" if eps != [1] else ""
             chips = sum(plan.stages[i].tensor_parallel_size * plan.stage_dp(i) for i in stages)
             text = (
                 f"{layers} of {total_layers} layers on {_stages(len(stages))},"
                 f" {_recompute_text([plan.stages[i].recompute for i in stages])},"
-                f" TP {'/'.join(map(str, tps))}, DP {'/'.join(map(str, dps))}, {chips} chips"
+                f" TP {'/'.join(map(str, tps))}, DP {'/'.join(map(str, dps))}{experts},"
+                f" {chips} chips"
             )
         else:
             text = ""

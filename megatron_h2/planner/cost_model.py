@@ -74,6 +74,11 @@ class CostConfig:
     memory_usable_fraction: float = 0.9
     memory_reserved_gib: float = 0.0
     use_distributed_optimizer: bool = False
+    moe_imbalance: float = 1.2
+    """Token imbalance of MoE layers under expert parallelism: the busiest expert-parallel
+    rank's routed tokens over the even share (1 = perfect balance). With EP > 1 the experts'
+    compute and the all-to-all's bytes are multiplied by it (the slowest rank sets the pace);
+    with EP 1 every rank holds every expert and the imbalance costs nothing."""
 
     def __post_init__(self) -> None:
         for name in ("compute_efficiency", "comm_efficiency", "memory_usable_fraction"):
@@ -82,6 +87,9 @@ class CostConfig:
                 raise ConfigError(f"{name} must be a fraction in (0, 1], got {value}")
         for name in ("collective_latency_s", "p2p_latency_s", "memory_reserved_gib"):
             positive_float(getattr(self, name), name, 0.0, inclusive=True)
+        if positive_float(self.moe_imbalance, "moe_imbalance") < 1.0:
+            raise ConfigError(f"moe_imbalance must be >= 1 (1: perfectly balanced experts), "
+                              f"got {self.moe_imbalance}")
         if not isinstance(self.use_distributed_optimizer, bool):
             raise ConfigError("use_distributed_optimizer must be true or false")
 
@@ -161,6 +169,9 @@ class PlanEstimate:
     stage_micro_batches: tuple[int, ...] = ()
     """Micro-batches per DP replica of each stage (``num_micro_batches`` on every stage when
     the DP degree is uniform)."""
+    host_cpu_s: float = 0.0
+    """CPU emulation (the cluster's ``host_cores``): the step's CPU seconds over all ranks;
+    the step takes at least ``host_cpu_s / host_cores``. 0 otherwise."""
 
     def micro_batches(self, stage: int) -> int:
         """Micro-batches each DP replica of ``stage`` runs per step."""
@@ -269,17 +280,19 @@ class CostModel:
         config: CostConfig | None = None,
         profile: ProfileTable | None = None,
     ) -> None:
-        if model.is_moe:
-            raise ConfigError("the planner does not model mixture-of-experts layers yet "
-                              f"(--num-experts {model.num_experts}); write the plan by hand "
-                              "(see docs/heterogeneity.md) instead of planning the model as dense")
+        if model.is_moe and profile is not None:
+            raise ConfigError("a profile table measures one layer kind; plan the "
+                              f"mixture-of-experts model (--num-experts {model.num_experts}) "
+                              "with the analytic cost model (drop --profile)")
         self.cluster = cluster
         self.model = model
         self.config = config or CostConfig()
         self.profile = profile
         if profile is not None:
             profile.check(model, cluster.names)
-        self._kinds: dict[tuple[str, int, int, int], StageCosts] = {}
+        self._kinds: dict[tuple[str, int, int, int, int, bool], StageCosts] = {}
+        self.layer_is_moe = tuple(model.is_moe_layer(i) for i in range(model.num_layers))
+        """Per global layer: whether it is a MoE layer (``--moe-layer-freq``)."""
 
     # ----------------------------------------------------------------------------- primitives
     def _bandwidth(self, gb_per_s: float) -> float:
@@ -310,7 +323,9 @@ class CostModel:
         profile = self.profile.for_chip(chip.name) if self.profile else None
         measured = profile.times(mbs) if profile else None
         if measured is not None and measured.selective_recompute_ms is not None:
-            return measured.selective_recompute_ms / 1000.0 / tp * chip.emulate_slowdown
+            cpu = profile.times(mbs, cpu=True).selective_recompute_ms
+            wall = measured.selective_recompute_ms
+            return self._emulated(chip, wall, wall if cpu is None else cpu) / tp
         tokens = mbs * self.model.seq_length
         core_share = (
             self.model.attention_core_flops_per_token()
@@ -318,6 +333,28 @@ class CostModel:
             / self.model.layer_forward_flops(tokens)
         )
         return layer_forward * core_share
+
+    def _emulated(self, chip: ChipType, wall_ms: float, cpu_ms: float) -> float:
+        """Seconds of a pass measured at ``wall_ms`` (``cpu_ms`` of CPU time) on ``chip``. The
+        runtime pads a pass of a chip with ``emulate_slowdown`` ``s`` by ``s - 1`` times its CPU
+        time: ``wall + (s - 1) cpu``; with ``host_cores`` the pass runs as on a core of its
+        own, ``s cpu`` (the cores' sharing is the step's CPU-work bound instead)."""
+        slow = chip.emulate_slowdown
+        if self.cluster.host_cores is not None:
+            return slow * cpu_ms / 1000.0
+        return (wall_ms + (slow - 1.0) * cpu_ms) / 1000.0
+
+    def host_cpu_s(self, plan: HeteroPlan, stages: Sequence[StageEstimate]) -> float:
+        """CPU emulation (``host_cores``): the CPU seconds of one step over every rank of a
+        one-pipeline ``plan``: each replica's forwards and backwards without the slowdown's
+        padding, and its optimizer step."""
+        total = 0.0
+        for index, (spec, est) in enumerate(zip(plan.stages, stages)):
+            ranks = spec.tensor_parallel_size * plan.stage_dp(index)
+            passes = plan.stage_micro_batches(index) * (est.forward_s + est.backward_s)
+            slow = self.cluster.chip(spec.chip).emulate_slowdown
+            total += ranks * (passes / slow + est.optimizer_s)
+        return total
 
     def _compute_times(
         self, chip: ChipType, tp: int, mbs: int
@@ -328,15 +365,13 @@ class CostModel:
         measured = profile.times(mbs) if profile else None
         slow = chip.emulate_slowdown
         if measured is not None:
-            ms = (
-                measured.layer_forward_ms,
-                measured.layer_backward_ms,
-                measured.embedding_forward_ms,
-                measured.embedding_backward_ms,
-                measured.head_forward_ms,
-                measured.head_backward_ms,
+            cpu = profile.times(mbs, cpu=True)
+            parts = ("layer_forward_ms", "layer_backward_ms", "embedding_forward_ms",
+                     "embedding_backward_ms", "head_forward_ms", "head_backward_ms")
+            lf, lb, ef, eb, hf, hb = (
+                self._emulated(chip, getattr(measured, part), getattr(cpu, part)) / tp
+                for part in parts
             )
-            lf, lb, ef, eb, hf, hb = (value / 1000.0 / tp * slow for value in ms)
             return lf, lb, ef, eb, hf, hb
         efficiency = self.config.compute_efficiency
         if profile is not None and profile.efficiency is not None:
@@ -346,45 +381,157 @@ class CostModel:
         head = model.head_forward_flops(tokens) / rate
         return layer, 2.0 * layer, 0.0, 0.0, head, 2.0 * head
 
-    def stage_costs(self, chip_name: str, tp: int, mbs: int, dp: int) -> StageCosts:
-        """Costs of a stage kind (cached per model instance)."""
-        key = (chip_name, tp, mbs, dp)
+    def stage_costs(
+        self, chip_name: str, tp: int, mbs: int, dp: int, ep: int = 1, moe: bool | None = None
+    ) -> StageCosts:
+        """Costs of a stage kind (cached per model instance) for its dense layers (``moe``
+        False) or its MoE layers (True) with expert parallelism ``ep``; ``moe`` None: the
+        model's only layer kind, or for a model mixing both the cheaper of the two per term
+        (:meth:`bound_costs`, for the search's bounds)."""
+        if moe is None:
+            kinds = set(self.layer_is_moe)
+            if len(kinds) > 1:
+                return self.bound_costs(chip_name, tp, mbs, dp, ep)
+            moe = kinds.pop()
+        key = (chip_name, tp, mbs, dp, ep, moe)
         if key not in self._kinds:
-            self._kinds[key] = self._build(self.cluster.chip(chip_name), tp, mbs, dp)
+            self._kinds[key] = self._build(self.cluster.chip(chip_name), tp, mbs, dp, ep, moe)
         return self._kinds[key]
 
-    def _build(self, chip: ChipType, tp: int, mbs: int, dp: int) -> StageCosts:
+    def bound_costs(self, chip_name: str, tp: int, mbs: int, dp: int, ep: int) -> StageCosts:
+        """For a model with dense and MoE layers: every per-layer time, activation and sync
+        term the smaller of the two kinds' (a stage of ``l`` layers costs at least ``l`` such
+        layers, which keeps the search's bounds valid; splits are costed exactly by layer kind).
+        The weights' and optimizer's bytes per layer are the larger kind's, less a fixed credit
+        of what the model's ``D`` layers of the smaller kind save (a stage holds at most ``D`` of
+        them), which keeps the memory caps of MoE-heavy models tight and still a bound."""
+        key = (chip_name, tp, mbs, dp, ep, None)
+        if key not in self._kinds:  # type: ignore[comparison-overlap]
+            dense = self.stage_costs(chip_name, tp, mbs, dp, ep, False)
+            moe = self.stage_costs(chip_name, tp, mbs, dp, ep, True)
+            low = dense.blend(moe, 1, 1)  # sets layer_sync; every per-layer term replaced below
+            fields = {name: min(getattr(dense, name), getattr(moe, name))
+                      for name in ("layer_forward", "layer_static", "working", "layer_params",
+                                   "sync_fixed", "layer_weight_grad", "layer_weight_inputs")}
+            for name in ("layer_backward", "layer_activation"):
+                fields[name] = tuple(map(min, getattr(dense, name), getattr(moe, name)))
+            fields["layer_sync"] = min(dense.sync_per_layer, moe.sync_per_layer)
+            few, many = sorted((dense, moe), key=lambda c: c.layer_static)
+            count = sum(self.layer_is_moe) if few is moe else \
+                len(self.layer_is_moe) - sum(self.layer_is_moe)
+            fields["layer_static"] = many.layer_static
+            fields["working"] -= count * (many.layer_static - few.layer_static)
+            self._kinds[key] = replace(low, **fields)  # type: ignore[index]
+        return self._kinds[key]  # type: ignore[index]
+
+    def stage_expert_parallel(self, spec: StageSpec, dp: int) -> int:
+        """The EP degree of a plan's stage, checked against what the cost model models: EP
+        dividing the experts and ``dp`` (the experts' TP degree is the stage's)."""
+        ep, etp = spec.expert_model_parallel_size, spec.expert_tp
+        if etp != spec.tensor_parallel_size:
+            raise ConfigError(f"expert_tensor_parallel_size {etp}: the planner's cost model "
+                              "gives the experts the stage's TP degree; omit it")
+        if ep not in self.expert_parallel_options(spec.tensor_parallel_size, dp):
+            raise ConfigError(f"expert_model_parallel_size {ep} must divide the stage's DP "
+                              f"degree {dp} and the experts ({self.model.num_experts}); "
+                              "pick such a degree")
+        return ep
+
+    def expert_parallel_options(self, tp: int, dp: int) -> list[int]:
+        """EP degrees a stage of TP ``tp`` and DP ``dp`` may take: 1 for a dense model, else
+        the divisors of ``--num-experts`` that divide the stage's ``TP x DP`` ranks over the
+        experts' TP degree (the stage's TP, Megatron's default), i.e. that divide ``dp``."""
+        experts = self.model.num_experts
+        if experts is None:
+            return [1]
+        return [e for e in range(1, dp + 1) if dp % e == 0 and experts % e == 0]
+
+    def stage_layer_costs(
+        self, chip_name: str, tp: int, mbs: int, dp: int, ep: int, layers: Sequence[int]
+    ) -> StageCosts:
+        """The costs of a stage kind for the global ``layers`` it runs (dense and MoE layers
+        blended by count: :meth:`StageCosts.blend`)."""
+        moe = sum(self.layer_is_moe[i] for i in layers)
+        dense = self.stage_costs(chip_name, tp, mbs, dp, ep, False)
+        if moe == 0:
+            return dense
+        return dense.blend(self.stage_costs(chip_name, tp, mbs, dp, ep, True),
+                           len(layers) - moe, moe)
+
+    def alltoall_s(self, nbytes: float, group: int, chip: ChipType) -> float:
+        """All-to-all of ``nbytes`` per chip over ``group`` chips (the EP group, intra-node when
+        ``group`` divides the chip type's node): the share ``(group - 1) / group`` leaves it."""
+        if group <= 1:
+            return 0.0
+        gb_per_s = chip.intra_node_gb_per_s if chip.chips_per_node % group == 0 \
+            else chip.inter_node_gb_per_s
+        return (group - 1) * self.config.collective_latency_s + \
+            nbytes * (group - 1) / group / self._bandwidth(gb_per_s)
+
+    def _layer_terms(
+        self, chip: ChipType, tp: int, mbs: int, ep: int, moe: bool
+    ) -> tuple[float, float, float, float]:
+        """(compute forward, all-to-all per direction, weight-gradient FLOP share, attention
+        core's FLOP share) of one layer; compute from FLOPs (or the profile's times for dense
+        layers)."""
+        model, tokens = self.model, mbs * self.model.seq_length
+        core = model.attention_core_flops_per_token() * tokens
+        if not moe:
+            forward = self._compute_times(chip, tp, mbs)[0]
+            flops = model.layer_forward_flops(tokens)
+            return forward, 0.0, model.layer_weight_grad_flops(tokens) / (2.0 * flops), \
+                core / flops
+        imbalance = self.config.moe_imbalance if ep > 1 else 1.0
+        rest, experts = model.moe_layer_forward_flops(tokens)
+        efficiency = self.config.compute_efficiency
+        rate = tp * chip.tflops_bf16 * 1e12 * efficiency / chip.emulate_slowdown
+        forward = (rest + experts * imbalance) / rate
+        # each TP rank dispatches its sequence-parallel share of the tokens
+        alltoall = self.alltoall_s(model.moe_dispatch_bytes(tokens) / tp * imbalance, ep, chip)
+        flops = rest + experts
+        return forward, alltoall, model.moe_layer_weight_grad_flops(tokens) / (2.0 * flops), \
+            core / flops
+
+    def _build(self, chip: ChipType, tp: int, mbs: int, dp: int, ep: int, moe: bool
+               ) -> StageCosts:
         model, cfg = self.model, self.config
         h = model.hidden_size
         tokens = mbs * model.seq_length
-        lf, lb, ef, eb, hf, hb = self._compute_times(chip, tp, mbs)
+        _, _, ef, eb, hf, hb = self._compute_times(chip, tp, mbs)
+        lf, alltoall, weight_share, core_share = self._layer_terms(chip, tp, mbs, ep, moe)
+        lb = 2.0 * lf if moe else self._compute_times(chip, tp, mbs)[1]
         hidden_bytes = tokens * h * BF16_BYTES
         tp_ar = self.allreduce_s(hidden_bytes, tp, chip.intra_node_gb_per_s)
-        fwd = lf + 2 * tp_ar
-        bwd_plain = lb + 2 * tp_ar
-        backward = (
-            bwd_plain,
-            bwd_plain + self._selective_extra(chip, tp, mbs, lf),
-            bwd_plain + fwd,
-        )
+        fwd = lf + 2 * tp_ar + 2 * alltoall  # MoE: dispatch and combine each way
+        bwd_plain = lb + 2 * tp_ar + 2 * alltoall
+        selective = lf * core_share if moe else self._selective_extra(chip, tp, mbs, lf)
+        backward = (bwd_plain, bwd_plain + selective, bwd_plain + fwd)
         bpp = cfg.bytes_per_param(dp)
-        activation = tuple(model.layer_activation_bytes(tokens, tp, mode) for mode in MODES)
-        layer_params = model.layer_params_per_chip(tp)
+        if moe:
+            activation = tuple(model.moe_layer_activation_bytes(tokens, tp, m) for m in MODES)
+            shared, experts = model.moe_layer_params_per_chip(tp, ep)
+            weight_inputs = model.moe_layer_weight_grad_bytes(tokens, tp)
+        else:
+            activation = tuple(model.layer_activation_bytes(tokens, tp, mode) for mode in MODES)
+            shared, experts = model.layer_params_per_chip(tp), 0.0
+            weight_inputs = model.layer_weight_grad_bytes(tokens, tp)
+        expert_dp = dp // ep  # the experts' data-parallel group (ETP = TP)
         sync_group_local = chip.chips_per_node % (tp * dp) == 0
-        sync_bw = chip.intra_node_gb_per_s if sync_group_local else chip.inter_node_gb_per_s
-        steps = dp - 1
+        sync_bw = self._bandwidth(
+            chip.intra_node_gb_per_s if sync_group_local else chip.inter_node_gb_per_s)
         profile = self.profile.for_chip(chip.name) if self.profile else None
         optimizer = profile.optimizer_ns_per_param * 1e-9 if profile else 0.0
+        if (profile and profile.optimizer_cpu_ns_per_param is not None
+                and self.cluster.host_cores is not None):  # as on a core of its own
+            optimizer = profile.optimizer_cpu_ns_per_param * 1e-9
         if cfg.use_distributed_optimizer:  # reduce-scatter fp32 grads + all-gather bf16 params
             optimizer /= dp  # each DP rank updates its shard only
-            per_param, fixed_steps = 6.0 * steps / dp, 2 * steps
-        else:  # all-reduce fp32 grads
-            per_param, fixed_steps = 2.0 * 4.0 * steps / dp, 2 * steps
-        # the weight-gradient share of the backward: dW of the matrices (FLOP share, also for
-        # measured times); TP all-reduces and recompute belong to the input-gradient part
-        weight_share = model.layer_weight_grad_flops(tokens) / (
-            2.0 * model.layer_forward_flops(tokens)
-        )
+        sync_per_param, fixed_steps = self._sync_rate(dp), 2 * (dp - 1)
+        if experts:
+            fixed_steps += 2 * (expert_dp - 1)
+        layer_sync = (  # None for dense layers: layer_params x sync_per_param
+            (shared * sync_per_param + experts * self._sync_rate(expert_dp)) / sync_bw
+            if moe else None)
         return StageCosts(
             chip=chip.name,
             tensor_parallel_size=tp,
@@ -396,28 +543,41 @@ class CostModel:
             embedding_backward=eb,
             head_forward=hf,
             head_backward=hb + tp_ar,
-            layer_static=layer_params * bpp,
+            layer_static=shared * bpp + experts * cfg.bytes_per_param(expert_dp),
             embedding_static=model.embedding_params_per_chip(tp) * bpp,
             head_static=model.head_params_per_chip(tp) * bpp,
             layer_activation=activation,
             head_activation=model.head_activation_bytes(tokens, tp),
             working=activation[0],
             capacity=self.usable_bytes(chip),
-            layer_params=layer_params,
+            layer_params=shared + experts,
             embedding_params=model.embedding_params_per_chip(tp),
             head_params=model.head_params_per_chip(tp),
-            sync_per_param=per_param / self._bandwidth(sync_bw),
+            sync_per_param=sync_per_param / sync_bw,
             sync_fixed=fixed_steps * cfg.collective_latency_s,
             optimizer_per_param=optimizer,
+            # the weight-gradient share of the backward: dW of the matrices (FLOP share, also
+            # for measured times); TP all-reduces, all-to-alls and recompute belong to the
+            # input-gradient part
             layer_weight_grad=lb * weight_share,
             embedding_weight_grad=eb,
             head_weight_grad=hb
             * model.head_weight_grad_flops(tokens)
             / (2.0 * model.head_forward_flops(tokens)),
-            layer_weight_inputs=model.layer_weight_grad_bytes(tokens, tp),
+            layer_weight_inputs=weight_inputs,
             embedding_weight_inputs=model.embedding_weight_grad_bytes(tokens),
             head_weight_inputs=model.head_weight_grad_bytes(tokens, tp),
+            layer_sync=layer_sync,
         )
+
+    def _sync_rate(self, dp: int) -> float:
+        """Bytes per parameter and chip the end-of-step gradient sync moves over a DP group of
+        ``dp``: reduce-scatter of fp32 gradients + all-gather of bf16 weights with the
+        distributed optimizer, else an all-reduce of fp32 gradients."""
+        steps = dp - 1
+        if self.config.use_distributed_optimizer:
+            return 6.0 * steps / dp
+        return 2.0 * 4.0 * steps / dp
 
     # ------------------------------------------------------------------------------ whole plan
     def evaluate(self, plan: HeteroPlan) -> PlanEstimate:
@@ -428,7 +588,8 @@ class CostModel:
         against the schedule with :func:`~megatron_h2.planner.held_activations.check_schedule`.
         """
         model = self.model
-        plan.validate(model.num_layers, model.num_attention_heads, model.num_query_groups)
+        plan.validate(model.num_layers, model.num_attention_heads, model.num_query_groups,
+                      num_experts=model.num_experts)
         p, mbs = plan.pipeline_parallel_size, plan.micro_batch_size
         schedule, chunks = str(plan.schedule), plan.virtual_pipeline_size
         dps = [plan.stage_dp(s) for s in range(p)]
@@ -438,8 +599,9 @@ class CostModel:
         if not plan.uniform_dp:
             check_replica_micro_batches(schedule, dps, chunks, plan.total_micro_batches)
         warmups = replica_warmups(schedule, dps, chunks, plan.total_micro_batches)
+        ranges = plan.chunk_layer_ranges()
         stages = tuple(
-            self.stage_estimate(spec, index, p, m, mbs, dp, schedule, warmup)
+            self.stage_estimate(spec, index, p, m, mbs, dp, schedule, warmup, ranges[index])
             for index, (spec, m, dp, warmup) in enumerate(zip(plan.stages, counts, dps, warmups))
         )
         links = tuple(
@@ -449,8 +611,12 @@ class CostModel:
         pipeline, link_total = step_time_terms(schedule, counts, chunks, stages, links, wrap)
         sync = max(s.dp_sync_s for s in stages)
         step = pipeline + sync + link_total
+        cpu = self.host_cpu_s(plan, stages) if self.cluster.host_cores is not None else 0.0
+        if cpu:
+            step = max(step, cpu / self.cluster.host_cores)
         estimate = self._finish(plan, stages, links, pipeline, link_total, sync, step)
-        return replace(estimate, schedule=schedule, virtual_pipeline_size=chunks, wrap_link_s=wrap)
+        return replace(estimate, schedule=schedule, virtual_pipeline_size=chunks, wrap_link_s=wrap,
+                       host_cpu_s=cpu)
 
     def stage_estimate(
         self,
@@ -462,17 +628,32 @@ class CostModel:
         dp: int,
         schedule: str,
         warmup: int | None = None,
+        chunk_ranges: Sequence[range] = (),
     ) -> StageEstimate:
         """Times per chunk, peak memory and end-of-step work of stage ``index`` of ``p``, whose
         DP replicas run ``m`` micro-batches each (with ``warmup`` warm-up forwards when not the
-        schedule's own rule, :func:`replica_warmups`)."""
-        costs = self.stage_costs(spec.chip, spec.tensor_parallel_size, mbs, dp)
+        schedule's own rule, :func:`replica_warmups`); ``chunk_ranges``: the global layers of
+        each of its chunks (:meth:`HeteroPlan.chunk_layer_ranges`), which set the dense and
+        MoE layers' shares (needed when the model has both)."""
+        tp, ep = spec.tensor_parallel_size, self.stage_expert_parallel(spec, dp)
+        if chunk_ranges:
+            per_chunk = tuple(self.stage_layer_costs(spec.chip, tp, mbs, dp, ep, r)
+                              for r in chunk_ranges)
+            whole = self.stage_layer_costs(
+                spec.chip, tp, mbs, dp, ep, [i for r in chunk_ranges for i in r])
+        elif len(set(self.layer_is_moe)) > 1:
+            raise ConfigError("a stage of a model with dense and MoE layers needs its layer "
+                              "range (chunk_ranges)")
+        else:
+            whole = self.stage_costs(spec.chip, tp, mbs, dp, ep)
+            per_chunk = (whole,) * len(spec.chunks)
+        costs = whole
         first, last, mode = index == 0, index == p - 1, MODES.index(spec.recompute)
         chunks = spec.chunks
         v = len(chunks)
         times = [
-            costs.chunk_times(n, mode, first and c == 0, last and c == v - 1)
-            for c, n in enumerate(chunks)
+            part.chunk_times(n, mode, first and c == 0, last and c == v - 1)
+            for c, (n, part) in enumerate(zip(chunks, per_chunk))
         ]
         states = held_states(schedule, p, m, v, index, warmup)
         optimizer = costs.optimizer_step(spec.num_layers, first, last)
@@ -484,7 +665,7 @@ class CostModel:
             forward_s=sum(t[0] for t in times),
             backward_s=sum(t[1] for t in times),
             in_flight=max(sum(active) for active, _ in states),
-            memory_bytes=costs.held_memory(chunks, mode, states, first, last),
+            memory_bytes=costs.held_memory(chunks, mode, states, first, last, per_chunk),
             capacity_bytes=costs.capacity,
             dp_sync_s=costs.dp_sync(spec.num_layers, first, last) + optimizer,
             optimizer_s=optimizer,

@@ -76,6 +76,8 @@ def _architecture_value(key: str, value: Any) -> Any:
             raise ConfigError(f"{key} must be true or false (the flag {flag_name(f)} given or "
                               f"not), got {value!r}")
         return not value if meta["negative"] else value
+    if meta["parse"] is not None and isinstance(value, str):
+        return meta["parse"](value)  # e.g. --moe-layer-freq "([0]*1+[1]*3)"
     if meta["choices"] is not None and value not in meta["choices"]:
         raise ConfigError(f"{key} must be one of {', '.join(meta['choices'])}, got {value!r}")
     if isinstance(f.default, float) and (isinstance(value, bool)
@@ -155,7 +157,9 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
         if isinstance(f.default, bool):
             group.add_argument(flag, action="store_true", default=None)
         else:
-            group.add_argument(flag, type=type(f.default) if f.default is not None else int,
+            parse = f.metadata["cli"]["parse"]
+            kind = type(f.default) if f.default is not None else int
+            group.add_argument(flag, type=str if parse else kind,
                                choices=f.metadata["cli"]["choices"])
     group.add_argument("--global-batch-size", type=int, metavar="N")
 

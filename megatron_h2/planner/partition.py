@@ -115,10 +115,10 @@ class StageTable:
         )
         forward = column(lambda c: c.layer_forward)
         work = (edge("forward") + layers * forward) + (edge("backward") + layers * backward)
-        params = edge("params") + layers * column(lambda c: c.layer_params)
         synced = column(lambda c: c.data_parallel_size > 1) > 0  # one replica: no DP sync
         per_param = column(lambda c: c.sync_per_param)
-        sync = np.where(synced, column(lambda c: c.sync_fixed) + params * per_param, 0.0)
+        seconds = edge("params") * per_param + layers * column(lambda c: c.sync_per_layer)
+        sync = np.where(synced, column(lambda c: c.sync_fixed) + seconds, 0.0)
         weight = edge("weight_grad") + layers * column(lambda c: c.layer_weight_grad)
         fill, tail = work, sync
         if schedule == "interleaved":

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from megatron_h2.errors import ConfigError
 from megatron_h2.plan.schema import HeteroPlan
 from megatron_h2.planner.cost_model import CostModel, PlanEstimate
 from megatron_h2.planner.simulator import SimulationResult, simulate
@@ -119,6 +120,10 @@ def stage_exchange_s(cost: CostModel, plan: HeteroPlan, k: int, s: int) -> float
 def evaluate_pipelines(cost: CostModel, plan: HeteroPlan) -> PipelinesEstimate:
     """Predict the step of a plan of several pipelines (see the module docstring)."""
     model = cost.model
+    if model.is_moe:
+        raise ConfigError("plans of several data-parallel pipelines are not costed for "
+                          "mixture-of-experts models (the experts' gradient exchange between "
+                          "pipelines is not modelled); plan one pipeline")
     plan.validate(model.num_layers, model.num_attention_heads, model.num_query_groups)
     estimates = tuple(cost.evaluate(pipe) for pipe in plan.pipelines)
     exchange = tuple(
@@ -127,6 +132,8 @@ def evaluate_pipelines(cost: CostModel, plan: HeteroPlan) -> PipelinesEstimate:
     slowest = max(e.step_time_s for e in estimates)
     worst = max(max(row) for row in exchange)
     step = slowest + worst
+    if cost.cluster.host_cores is not None:  # CPU emulation: every pipeline shares the cores
+        step = max(step, sum(e.host_cpu_s for e in estimates) / cost.cluster.host_cores)
     return _combine(cost, plan, estimates, exchange, step)
 
 
@@ -153,6 +160,8 @@ def simulate_pipelines(cost: CostModel, plan: HeteroPlan) -> PipelinesSimulation
     estimate = evaluate_pipelines(cost, plan)
     runs = tuple(simulate(pipe, cost) for pipe in plan.pipelines)
     step = max(run.step_time_s for run in runs) + estimate.exchange_s
+    if cost.cluster.host_cores is not None:
+        step = max(step, sum(run.estimate.host_cpu_s for run in runs) / cost.cluster.host_cores)
     return PipelinesSimulation(plan, estimate, runs, step)
 
 

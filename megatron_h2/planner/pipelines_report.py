@@ -62,14 +62,15 @@ def pipelines_why(choice: Choice, simulation: PipelinesSimulation | None = None)
     if result is None:
         return ["data-parallel pipelines: not searched (--data-parallel-pipelines none)"]
     if result.best is None:
-        return [f"data-parallel pipelines: none ({result.reason})"]
+        return [f"data-parallel pipelines: none ({result.reason}); {bound_text(choice)}"]
     found, one = result.best, choice.one.best.estimate.step_time_s
     step = found.estimate.step_time_s
     space = (f"{result.groupings} groupings of the chip types, {result.splits_tried} batch "
              f"splits, {result.searches} pipeline searches in {result.elapsed_s:.1f} s; "
              + ("every split tried and every pipeline's search exhaustive (each pipeline gets "
                 "its fastest plan alone; the exchange is then added)" if result.exhaustive else
-                "splits searched locally or a time limit hit: not proven optimal over pipelines"))
+                "splits searched locally or a time limit hit")
+             + f"; {bound_text(choice)}")
     shares = "/".join(str(p.global_batch_size) for p in found.plan.pipelines)
     lines = []
     if choice.multi is None:
@@ -92,6 +93,21 @@ def pipelines_why(choice: Choice, simulation: PipelinesSimulation | None = None)
                      f"{simulation.step_time_s:.3f} s ({gap:+.1f}% vs the formula)")
     lines.append(f"searched: {space}")
     return lines
+
+
+def bound_text(choice: Choice) -> str:
+    """What is proven of the chosen plan against every plan of data-parallel pipelines."""
+    result = choice.pipelines
+    assert result is not None
+    bound = result.lower_bound_s
+    chosen = choice.multi
+    step = chosen.estimate.step_time_s if chosen else choice.one.best.estimate.step_time_s
+    if bound >= step * (1 - 1e-9):
+        return "proven: no plan of data-parallel pipelines is faster than the plan chosen"
+    how = ("the least over every split of its slowest pipeline's step" if result.bound_by_splits
+           else "every micro-batch's passes at the chips' summed rate")
+    return (f"no plan of data-parallel pipelines takes under {bound:.3f} s ({how}): the plan "
+            f"chosen is proven within {100 * (step / bound - 1):.1f}% of every one")
 
 
 def comparison_pipelines_line(comparison: Comparison, choice: Choice) -> str:

@@ -26,7 +26,13 @@ micro-batches):
   recompute) each pipeline gets.
 
 The result is proven optimal over this space only when every split was tried and every
-pipeline's search was exhaustive (:attr:`PipelinesResult.exhaustive`).
+pipeline's search was exhaustive (:attr:`PipelinesResult.exhaustive`). Otherwise
+:func:`lower_bound_s` bounds every plan of the cluster, of one pipeline or several, from below
+(:attr:`PipelinesResult.lower_bound_s`), so a plan can be proven within a gap of any of them
+without trying every split.
+
+The search runs within what is left of the one time limit (``time_limit_s``; the planner gives
+it what the one-pipeline search left); with nothing left it searches nothing and says so.
 """
 
 from __future__ import annotations
@@ -74,6 +80,12 @@ class PipelinesResult:
     elapsed_s: float = 0.0
     reason: str = ""
     """Why there is no plan of pipelines (fewer than two chip types, nothing fits...)."""
+    lower_bound_s: float = 0.0
+    """No plan of pipelines takes less: :func:`lower_bound_s` (which covers one pipeline too),
+    or, when the search was exhaustive, the least over the splits of their slowest pipeline's
+    fastest step where that is more (the exchange comes on top)."""
+    bound_by_splits: bool = False
+    """:attr:`lower_bound_s` is the exhaustive search's (else :func:`lower_bound_s`)."""
 
 
 def groupings(names: Sequence[str]) -> list[Grouping]:
@@ -117,6 +129,8 @@ class _Runner:
         self.result = PipelinesResult(None)
         self.plans: dict[tuple[tuple[str, ...], int, int], Candidate | None] = {}
         self.costs: dict[tuple[str, ...], CostModel] = {}
+        self.floor = float("inf")
+        """The least over the splits evaluated of their slowest pipeline's step."""
 
     def group_cost(self, group: tuple[str, ...]) -> CostModel:
         if group not in self.costs:
@@ -156,7 +170,10 @@ class _Runner:
         if any(f is None for f in found):
             return None
         plan = HeteroPlan.of_pipelines([f.plan for f in found if f is not None])
-        return PipelinesCandidate(plan, evaluate_pipelines(self.cost, plan), grouping)
+        estimate = evaluate_pipelines(self.cost, plan)
+        # every plan of this split takes at least its slowest pipeline's fastest step
+        self.floor = min(self.floor, max(e.step_time_s for e in estimate.pipelines))
+        return PipelinesCandidate(plan, estimate, grouping)
 
     def offer(self, candidate: PipelinesCandidate | None) -> None:
         best = self.result.best
@@ -242,17 +259,64 @@ def proportional(total: int, weights: Sequence[float]) -> tuple[int, ...]:
     return tuple(split)
 
 
+def lower_bound_s(cost: CostModel, options: SearchOptions) -> float:
+    """A step time that no plan of ``cost``'s cluster reaches, of one pipeline or several, for
+    any grouping, batch split, TP, DP, layer split, recompute or schedule (a relaxation).
+
+    For each micro-batch size, every one of the ``M`` micro-batches needs a forward and backward
+    of every layer, the embedding and the head on some chip, and a chip computes at most a step
+    long: with ``a[p][c]`` the seconds one chip of type ``c`` takes for part ``p`` at TP 1
+    without recompute (TP divides a part's work among its chips and adds communication,
+    recompute adds work, so neither takes fewer chip-seconds), and ``w[c]`` its seconds for a
+    whole micro-batch, weak duality with weights ``1 / w[c]`` gives
+
+        step >= M x sum_p n_p min_c (a[p][c] / w[c]) / sum_c (count_c / w[c])
+
+    (``n_p`` parts of kind ``p`` per micro-batch): the chips' summed rate where every type is
+    equally suited to every part. With ``host_cores`` (CPU emulation) the step also takes at
+    least the passes' CPU time over those cores. The least over the micro-batch sizes."""
+    cluster, model = cost.cluster, cost.model
+    names = cluster.names
+    best = float("inf")
+    for mbs in options.micro_batch_candidates():
+        total = options.global_batch_size // mbs
+        kinds = {name: cost.stage_costs(name, 1, mbs, 1) for name in names}
+        parts = [(model.num_layers, {n: k.layer_forward + k.layer_backward[0]
+                                     for n, k in kinds.items()}),
+                 (1, {n: k.embedding_forward + k.embedding_backward for n, k in kinds.items()}),
+                 (1, {n: k.head_forward + k.head_backward for n, k in kinds.items()})]
+        whole = {n: sum(count * seconds[n] for count, seconds in parts) for n in names}
+        rate = sum(cluster.chip(n).count / whole[n] for n in names)
+        need = sum(count * min(seconds[n] / whole[n] for n in names) for count, seconds in parts)
+        bound = total * need / rate
+        if cluster.host_cores is not None:  # every pass's CPU time, on the cores shared
+            cpu = min(whole[n] / cluster.chip(n).emulate_slowdown for n in names)
+            bound = max(bound, total * cpu / cluster.host_cores)
+        best = min(best, bound)
+    return best
+
+
 def search_pipelines(cost: CostModel, options: SearchOptions,
                      time_limit_s: float | None = None) -> PipelinesResult:
     """The best plan of two or more data-parallel pipelines for ``cost``'s cluster and model
-    (see the module docstring), within ``time_limit_s`` (default: the options' limit)."""
+    (see the module docstring), within ``time_limit_s`` (default: the options' limit; at most
+    0: nothing is searched)."""
     started = time.monotonic()
     limit = options.time_limit_s if time_limit_s is None else time_limit_s
     runner = _Runner(cost, options, started + limit)
     found = groupings(cost.cluster.names)
+    if cost.model.is_moe:
+        found = []
+        runner.result.reason = ("plans of several pipelines are not costed for "
+                                "mixture-of-experts models")
     runner.result.groupings = len(found)
-    if not found:
+    runner.result.lower_bound_s = lower_bound_s(cost, options)
+    if not found and not cost.model.is_moe:
         runner.result.reason = "one chip type: a plan of pipelines is a plan with DP"
+    elif found and limit <= 0:
+        runner.result.exhaustive = False
+        runner.result.reason = "not searched: the time limit was spent on one pipeline for all"
+        found = []
     for mbs in options.micro_batch_candidates():
         total = options.global_batch_size // mbs
         for grouping in found:
@@ -262,6 +326,11 @@ def search_pipelines(cost: CostModel, options: SearchOptions,
             runner.grouping(grouping, mbs, total)
     result = runner.result
     if found and result.best is None:
-        result.reason = "no grouping of the chip types into pipelines fits in memory"
+        result.reason = ("no grouping of the chip types into pipelines fits in memory"
+                         if result.exhaustive else "none found within the time limit")
+    every_grouping = len(cost.cluster.names) <= ALL_GROUPINGS_UP_TO
+    if result.exhaustive and found and every_grouping and runner.floor > result.lower_bound_s:
+        result.lower_bound_s = runner.floor  # no plan of a split beats its slowest pipeline
+        result.bound_by_splits = True
     result.elapsed_s = time.monotonic() - started
     return result

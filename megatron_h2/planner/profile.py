@@ -23,6 +23,9 @@ chip; it can also be written by hand::
           2: {layer_forward_ms: 2.3, layer_backward_ms: 4.6,
               selective_recompute_ms: 0.9}   # optional: see below
         optimizer_ns_per_param: 6.5  # optional: once-per-step optimizer work per parameter
+        cpu_micro_batch_sizes:       # optional (CPU emulation): the same passes' CPU time
+          1: {layer_forward_ms: 0.6, layer_backward_ms: 1.2}
+        optimizer_cpu_ns_per_param: 3.2  # optional (CPU emulation): the optimizer's CPU time
 
 Times are measured on ONE chip at tensor-parallel size 1 without recompute and without
 ``emulate_slowdown``; the cost model divides them by the TP degree, adds the TP communication it
@@ -44,6 +47,15 @@ norm, clipping, the AdamW update and zeroing the gradient buffers. It is memory-
 scales with the parameters a chip holds (divided by DP under the distributed optimizer) rather
 than with tokens. ``emulate_slowdown`` does not scale it: the runtime pads only forwards and
 backwards. ``tools/profile_chip.py`` measures both with the runtime's own model and optimizer.
+
+``cpu_micro_batch_sizes`` and ``optimizer_cpu_ns_per_param`` (optional; default: the wall
+times) are, for CPU emulation, the same passes' CPU time: less than their wall time when the
+measuring process shared the cores with others (``tools/profile_chip.py`` records them for a
+single-threaded measurement on the CPU). The runtime pads a chip with ``emulate_slowdown``
+``s`` by ``s - 1`` times a pass's CPU time ``c``, not its wall time ``t``, so the cost model
+times such a pass as ``t + (s - 1) c``; where the cluster names the cores its emulated chips
+share (``host_cores``, :mod:`.cluster`), as ``s c`` (on a core of its own), and a step takes
+at least the CPU time of all its passes over those cores.
 """
 
 from __future__ import annotations
@@ -116,8 +128,20 @@ class ChipProfile:
     efficiency: float | None = None
     micro_batch_sizes: Mapping[int, MeasuredTimes] | None = None
     optimizer_ns_per_param: float = 0.0
+    cpu_micro_batch_sizes: Mapping[int, MeasuredTimes] | None = None
+    """CPU emulation: the CPU milliseconds of the passes of ``micro_batch_sizes``."""
+    optimizer_cpu_ns_per_param: float | None = None
+    """CPU emulation: the CPU time of ``optimizer_ns_per_param``."""
 
     def __post_init__(self) -> None:
+        if self.cpu_micro_batch_sizes is not None:
+            if sorted(self.cpu_micro_batch_sizes) != sorted(self.micro_batch_sizes or {}):
+                raise ConfigError("cpu_micro_batch_sizes must list the micro-batch sizes of "
+                                  "micro_batch_sizes")
+            object.__setattr__(self, "cpu_micro_batch_sizes", dict(self.cpu_micro_batch_sizes))
+        if self.optimizer_cpu_ns_per_param is not None:
+            object.__setattr__(self, "optimizer_cpu_ns_per_param", positive_float(
+                self.optimizer_cpu_ns_per_param, "optimizer_cpu_ns_per_param", 0.0, inclusive=True))
         object.__setattr__(
             self,
             "optimizer_ns_per_param",
@@ -134,9 +158,11 @@ class ChipProfile:
                 positive_int(size, "profiled micro batch size")
             object.__setattr__(self, "micro_batch_sizes", dict(self.micro_batch_sizes))
 
-    def times(self, micro_batch_size: int) -> MeasuredTimes | None:
-        """Timings for ``micro_batch_size`` (nearest measured size scaled linearly), or None."""
-        table = self.micro_batch_sizes
+    def times(self, micro_batch_size: int, cpu: bool = False) -> MeasuredTimes | None:
+        """Timings for ``micro_batch_size`` (nearest measured size scaled linearly), or None;
+        with ``cpu`` their CPU times (the wall times where none were measured)."""
+        table = (self.cpu_micro_batch_sizes or self.micro_batch_sizes if cpu
+                 else self.micro_batch_sizes)
         if not table:
             return None
         if micro_batch_size in table:
@@ -206,13 +232,26 @@ class ProfileTable:
 
 def _chip_profile(entry: Any, where: str) -> ChipProfile:
     fields_ = check_keys(
-        entry, (), ("efficiency", "micro_batch_sizes", "optimizer_ns_per_param"), where
+        entry, (), ("efficiency", "micro_batch_sizes", "optimizer_ns_per_param",
+                    "cpu_micro_batch_sizes", "optimizer_cpu_ns_per_param"), where,
     )
+    try:
+        return ChipProfile(
+            fields_.get("efficiency"),
+            _times_table(fields_.get("micro_batch_sizes"), "micro_batch_sizes", where),
+            fields_.get("optimizer_ns_per_param", 0.0),
+            _times_table(fields_.get("cpu_micro_batch_sizes"), "cpu_micro_batch_sizes", where),
+            fields_.get("optimizer_cpu_ns_per_param"),
+        )
+    except ConfigError as exc:
+        raise ConfigError(f"{where}: {exc}") from None
+
+
+def _times_table(raw: Any, key: str, where: str) -> dict[int, MeasuredTimes] | None:
     table = None
-    raw = fields_.get("micro_batch_sizes")
     if raw is not None:
         if not isinstance(raw, Mapping) or not raw:
-            raise ConfigError(f"'micro_batch_sizes' of {where} must map sizes to measured times")
+            raise ConfigError(f"'{key}' of {where} must map sizes to measured times")
         table = {}
         names = [f.name for f in fields(MeasuredTimes)]
         for size, times in raw.items():
@@ -224,9 +263,4 @@ def _chip_profile(entry: Any, where: str) -> ChipProfile:
                 )
             except ConfigError as exc:
                 raise ConfigError(f"{inner}: {exc}") from None
-    try:
-        return ChipProfile(
-            fields_.get("efficiency"), table, fields_.get("optimizer_ns_per_param", 0.0)
-        )
-    except ConfigError as exc:
-        raise ConfigError(f"{where}: {exc}") from None
+    return table

@@ -35,14 +35,16 @@ def _runs(values: list[int]) -> str:
     return ",".join(out)
 
 
-def _blocks(plan: HeteroPlan) -> list[tuple[str, int, int, list[int], list[str]]]:
-    """Runs of stages of one chip type, TP and DP degree: (chip, TP, DP, layers, recompute)."""
-    blocks: list[tuple[str, int, int, list[int], list[str]]] = []
+def _blocks(plan: HeteroPlan) -> list[tuple[str, int, int, int, list[int], list[str]]]:
+    """Runs of stages of one chip type, TP, DP and EP degree: (chip, TP, DP, EP, layers,
+    recompute)."""
+    blocks: list[tuple[str, int, int, int, list[int], list[str]]] = []
     for index, stage in enumerate(plan.stages):
-        key = (stage.chip, stage.tensor_parallel_size, plan.stage_dp(index))
-        if blocks and blocks[-1][:3] == key:
-            blocks[-1][3].append(stage.num_layers)
-            blocks[-1][4].append(stage.recompute)
+        key = (stage.chip, stage.tensor_parallel_size, plan.stage_dp(index),
+               stage.expert_model_parallel_size)
+        if blocks and blocks[-1][:4] == key:
+            blocks[-1][4].append(stage.num_layers)
+            blocks[-1][5].append(stage.recompute)
         else:
             blocks.append((*key, [stage.num_layers], [stage.recompute]))
     return blocks
@@ -50,12 +52,14 @@ def _blocks(plan: HeteroPlan) -> list[tuple[str, int, int, list[int], list[str]]
 
 def stage_summary(plan: HeteroPlan) -> str:
     """Blocks of stages, e.g. ``H100 TP2 x8 [6x8] | MI250X TP4 x4 [4x4 sel]``; with per-stage
-    DP degrees each block names its own, e.g. ``H100 TP2 DP32 x4 [...]``."""
+    DP degrees each block names its own, e.g. ``H100 TP2 DP32 x4 [...]``; expert parallelism
+    above 1 shows as ``EP8``."""
     parts = []
-    for chip, tp, dp, layers, modes in _blocks(plan):
+    for chip, tp, dp, ep, layers, modes in _blocks(plan):
         used = sorted({m for m in modes if m != "none"})
         extra = (" " + "/".join(m[:3] for m in used)) if used else ""
         own = "" if plan.uniform_dp else f" DP{dp}"
+        own += f" EP{ep}" if ep > 1 else ""
         parts.append(f"{chip} TP{tp}{own} x{len(layers)} [{_runs(layers)}{extra}]")
     return " | ".join(parts)
 
@@ -64,14 +68,14 @@ def dp_label(plan: HeteroPlan) -> str:
     """``16``, or with per-stage DP degrees each block's, front to back: ``32/16/8``."""
     if plan.uniform_dp:
         return str(plan.data_parallel_size)
-    return "/".join(str(dp) for _, _, dp, _, _ in _blocks(plan))
+    return "/".join(str(dp) for _, _, dp, _, _, _ in _blocks(plan))
 
 
 def micro_batch_label(plan: HeteroPlan) -> str:
     """Micro-batches per DP replica: ``128``, or each block's: ``64/128/256``."""
     if plan.uniform_dp:
         return str(plan.num_micro_batches)
-    return "/".join(str(plan.total_micro_batches // dp) for _, _, dp, _, _ in _blocks(plan))
+    return "/".join(str(plan.total_micro_batches // dp) for _, _, dp, _, _, _ in _blocks(plan))
 
 
 def schedule_short(plan: HeteroPlan) -> str:
@@ -140,7 +144,9 @@ def plan_detail(candidate: Candidate, simulation: SimulationResult | None) -> st
     small = min(stage.capacity_bytes for stage in est.stages) < 4 * GIB
     unit, scale = ("MiB", 2**20) if small else ("GiB", GIB)
     split = plan.schedule == "zero-bubble"
-    header = ["stage", "chip", "TP", "DP", "ranks", "layers", "recompute", "in flight"]
+    experts = any(s.expert_model_parallel_size > 1 for s in plan.stages)
+    header = ["stage", "chip", "TP", "DP"] + (["EP"] if experts else [])
+    header += ["ranks", "layers", "recompute", "in flight"]
     header += ["W held"] if split else []
     header += ["F+B ms", "sync ms", f"peak {unit}", f"usable {unit}", "busy"]
     rows = []
@@ -152,6 +158,7 @@ def plan_detail(candidate: Candidate, simulation: SimulationResult | None) -> st
             stage.chip,
             str(stage.tensor_parallel_size),
             str(plan.stage_dp(index)),
+            *([str(plan.stages[index].expert_model_parallel_size)] if experts else []),
             f"{ranks.start}-{ranks.stop - 1}",
             "+".join(str(n) for n in plan.stages[index].chunks),
             stage.recompute,

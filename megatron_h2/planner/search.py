@@ -33,20 +33,15 @@ from __future__ import annotations
 import heapq
 import itertools
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from megatron_h2.errors import ConfigError
-from megatron_h2.plan.schema import (
-    ChipSpec,
-    HeteroPlan,
-    StageSpec,
-)
-from megatron_h2.planner.bounds import BatchShape, Kind
-from megatron_h2.planner.cost_model import MODES, CostModel
-from megatron_h2.planner.partition import INF, Split, StageSlot, solve_split
+from megatron_h2.planner.bounds import BatchShape
+from megatron_h2.planner.cost_model import CostModel
+from megatron_h2.planner.partition import INF
 from megatron_h2.planner.search_options import (
     OWN_DP_SPACES,
     Candidate,
@@ -54,25 +49,20 @@ from megatron_h2.planner.search_options import (
     SearchResult,
     SearchStats,
 )
+from megatron_h2.planner.structure import (
+    Found,
+    Suffix,
+    mixed_layers,
+    nothing_fits,
+    solve_structure,
+    to_plan,
+)
 
 __all__ = ["OWN_DP_SPACES", "Candidate", "SearchOptions", "SearchResult", "SearchStats", "search"]
 
 _SLACK = 1e-9  # relative tolerance when comparing a bound with the K-th best
 
 
-
-@dataclass(frozen=True)
-class _Found:
-    value: float
-    micro_batch_size: int
-    schedule: str
-    chunks: int
-    blocks: tuple[tuple[int, int], ...]  # (kind index, stages), pipeline order
-    split: Split
-    kinds: tuple[Kind, ...] = field(compare=False)
-
-
-_Suffix = tuple[tuple[int, int], ...]
 _Groups = tuple[tuple[float, np.ndarray, int], ...]  # (per-layer time, capacity, stages)
 
 
@@ -82,7 +72,7 @@ class _Node:
     stages, the chip types still unused (bit mask), its link time and its lead (the lead the
     stage in front of it must have, :mod:`.bounds`)."""
 
-    suffix: _Suffix
+    suffix: Suffix
     groups: _Groups
     position: int
     mask: int
@@ -129,10 +119,10 @@ class _Search:
     def __init__(self, cost: CostModel, options: SearchOptions) -> None:
         self.cost, self.options = cost, options
         self.stats = SearchStats()
-        self.best: list[tuple[float, int, _Found]] = []  # max-heap by value via negation
+        self.best: list[tuple[float, int, Found]] = []  # max-heap by value via negation
         self.counter = itertools.count()
         self.deadline = time.monotonic() + options.time_limit_s
-        self.evaluated: set[tuple[int, str, int, tuple[tuple[int, int, int, int], ...]]] = set()
+        self.evaluated: set[tuple[int, str, int, tuple[tuple[int, ...], ...]]] = set()
 
     @property
     def threshold(self) -> float:
@@ -154,7 +144,7 @@ class _Search:
         shapes = []
         largest = max(c.count for c in self.cost.cluster.chips)
         variants = self.options.schedule_variants(self.cost.model.num_layers)
-        if own:
+        if own or mixed_layers(self.cost):  # mixed layers: one chunk per stage (structure.py)
             variants = [v for v in variants if v[0] != "interleaved"]
         gbs = self.options.global_batch_size
         for mbs in self.options.micro_batch_candidates():
@@ -187,7 +177,7 @@ class _Search:
                     shapes.append(shape)
         return shapes
 
-    def run(self) -> list[_Found]:
+    def run(self) -> list[Found]:
         """Uniform-DP shapes first, until all but :attr:`SearchOptions.own_dp_share` of the
         time limit is used (their plans set the threshold), then the re-splits of the best
         one-DP plans (:meth:`_derive`, good own-DP plans early), then in the time left the rest:
@@ -429,10 +419,11 @@ class _Search:
         warmups = shape.warmups(suffix) if suffix else []
         if suffix and shape.closes(position) and not (use_all and mask):
             edges = float(shape.head_time[suffix[-1][0]] + shape.embedding_time[suffix[0][0]])
-            sync = shape.sync_bound(suffix, 0)
+            sync = shape.sync_bound(suffix, 0, suffix[-1][0])
             placed = [(u, caps[:, None], count) for u, caps, count in groups]
             here = np.array([node.lead])
-            leaf = shape.bound(placed, 0, here, node.links, edges, need, sync)
+            first = max(need, float(shape.embedding_need[suffix[0][0]]))  # with the embedding
+            leaf = shape.bound(placed, 0, here, node.links, edges, first, sync)
             if leaf[0] < self.threshold * (1 - _SLACK):  # tighter: the exact memory caps
                 closed, front = [], 0
                 for (kind, count), (unit, _, _) in zip(suffix, reversed(groups)):
@@ -440,7 +431,7 @@ class _Search:
                     caps = shape.closed_block(kind, position, front, qs)
                     closed.append((unit, caps[:, None], count))
                     front += count
-                leaf = shape.bound(closed, 0, here, node.links, edges, need, sync)
+                leaf = shape.bound(closed, 0, here, node.links, edges, first, sync)
             options.append((float(leaf[0]), -1, 0))
         room, fixed = shape.positions - position, None
         for t_index, chip in enumerate(shape.types):  # one bound call per chip type
@@ -477,11 +468,14 @@ class _Search:
             stages = np.zeros(width)
             stages[lo:hi] = count
             parts.append((float(shape.fill_unit[kind]), caps, stages))
-            needs.append(np.full(len(count), max(need, float(shape.unit[kind, 0]))))
+            own = float(shape.unit[kind, 0])
+            if not node.suffix:  # the block ends the pipeline: its last stage holds the head
+                own = max(own, float(shape.head_need[kind]))
+            needs.append(np.full(len(count), max(need, own)))
             last = node.suffix[-1][0] if node.suffix else kind
             edges.append(np.full(len(count), shape.head_time[last] + shape.embedding_min))
             child_links.append(node.links + self._block_links(shape, node, kind, count))
-            syncs.append(shape.sync_bound(node.suffix + ((kind, count),), others))
+            syncs.append(shape.sync_bound(node.suffix + ((kind, count),), others, last))
             leads.append(shape.kinds[kind].dp * (start + count))
             lo = hi
         bounds = shape.bound(
@@ -502,10 +496,11 @@ class _Search:
             total = total + shape.link(name, shape.kinds[node.suffix[0][0]].name)
         return shape.link_factor * total
 
-    def _evaluate(self, shape: BatchShape, suffix: _Suffix) -> None:
+    def _evaluate(self, shape: BatchShape, suffix: Suffix) -> None:
         """Stage two for a closed pipeline (``suffix`` is in pipeline order from the front)."""
         kinds = shape.kinds
-        blocks = tuple((kinds[k].chip, kinds[k].tp, kinds[k].dp, n) for k, n in suffix)
+        blocks = tuple((kinds[k].chip, kinds[k].tp, kinds[k].dp, kinds[k].ep, n)
+                       for k, n in suffix)
         key = (shape.mbs, shape.schedule, shape.chunks, blocks)  # the same in every shape
         if key in self.evaluated:
             return
@@ -516,7 +511,7 @@ class _Search:
         split = solve_structure(shape, suffix, cutoff=self.threshold)
         if split is None:
             return
-        found = _Found(
+        found = Found(
             split.step_time_s, shape.mbs, shape.schedule, shape.chunks, suffix, split, shape.kinds
         )
         heapq.heappush(self.best, (-found.value, next(self.counter), found))
@@ -525,57 +520,12 @@ class _Search:
 
 
 def _need(shape: BatchShape, node: _Node) -> float:
-    """The least folded steady term below ``node``: one layer on its slowest kind."""
-    return max((float(shape.unit[kind, 0]) for kind, _ in node.suffix), default=0.0)
-
-
-def solve_structure(shape: BatchShape, suffix: _Suffix, cutoff: float = INF) -> Split | None:
-    """Stage two: the exact best split of a closed pipeline of ``shape`` whose blocks ``suffix``
-    are (kind index, stages) in pipeline order; None if nothing fits or beats ``cutoff``."""
-    stages = [kind for kind, count in suffix for _ in range(count)]
-    p = len(stages)
-    warmups = shape.warmups(suffix)
-    slots, caps = [], []
-    for i, (kind, warmup) in enumerate(zip(stages, warmups)):
-        slots.append(StageSlot(shape.kinds[kind].costs, i == 0, i == p - 1))
-        caps.append(shape.mode_caps(kind, p, i, warmup))
-    names = [shape.kinds[k].name for k in stages]
-    links = shape.link_factor * sum(shape.link(a, b) for a, b in zip(names, names[1:]))
-    if shape.chunks > 1:
-        links += 2.0 * (shape.chunks - 1) * shape.link(names[-1], names[0])
-    layers = shape.cost.model.num_layers
-    counts = [shape.kinds[k].micro_batches for k in stages]
-    return solve_split(
-        slots, layers, counts, links, caps, cutoff, schedule=shape.schedule, chunks=shape.chunks
-    )
-
-
-def to_plan(found: _Found, cost: CostModel, global_batch_size: int) -> HeteroPlan:
-    """Turn a search result into the plan file object (every stage names its DP degree when
-    they differ)."""
-    stages, index = [], 0
-    chips: dict[str, ChipSpec] = {}
-    v = found.chunks
-    degrees = {found.kinds[kind].dp for kind, _ in found.blocks}
-    for kind_index, count in found.blocks:
-        kind = found.kinds[kind_index]
-        chip = cost.cluster.chip(kind.name)
-        chips[kind.name] = ChipSpec(chip.device, chip.emulate_slowdown)
-        own = kind.dp if len(degrees) > 1 else None
-        for _ in range(count):
-            layers = found.split.layers[index]
-            chunk_layers = (layers // v,) * v if v > 1 else ()
-            mode = MODES[found.split.modes[index]]
-            stages.append(StageSpec(kind.name, kind.tp, layers, mode, chunk_layers, own))
-            index += 1
-    return HeteroPlan(
-        found.kinds[found.blocks[0][0]].dp,
-        found.micro_batch_size,
-        global_batch_size,
-        chips,
-        stages,
-        schedule=found.schedule,
-    )
+    """The least folded steady term below ``node``: one layer on its slowest kind, or the last
+    stage's layer and the head (:attr:`BatchShape.head_need`)."""
+    if not node.suffix:
+        return 0.0
+    need = float(shape.head_need[node.suffix[-1][0]])
+    return max(need, max(float(shape.unit[kind, 0]) for kind, _ in node.suffix))
 
 
 def search(cost: CostModel, options: SearchOptions) -> SearchResult:
@@ -588,14 +538,18 @@ def search(cost: CostModel, options: SearchOptions) -> SearchResult:
     found = runner.run()
     stats = runner.stats
     stats.elapsed_s = time.monotonic() - started
-    stats.space = options.space_text(cost.model.num_layers, len(cost.cluster.chips))
+    stats.space = options.space_text(cost.model.num_layers, len(cost.cluster.chips),
+                                     mixed_layers(cost))
+    if cost.model.is_moe:
+        stats.space += (", each stage kind an expert-parallel degree dividing its DP degree and "
+                        "the experts")
     if not found and not stats.exhaustive:
         raise ConfigError(
             f"no plan found within the time limit of {options.time_limit_s:g} s (the search"
             " stopped before it reached one); raise the time limit (--time-limit)"
         )
     if not found:
-        raise ConfigError(_nothing_fits(cost, options))
+        raise ConfigError(nothing_fits(cost))
     candidates = []
     for item in found:
         plan = to_plan(item, cost, options.global_batch_size)
@@ -603,15 +557,3 @@ def search(cost: CostModel, options: SearchOptions) -> SearchResult:
     candidates.sort(key=lambda c: c.estimate.step_time_s)
     stats.lower_bound_s = min(stats.lower_bound_s, candidates[0].estimate.step_time_s)
     return SearchResult(tuple(candidates), stats)
-
-
-def _nothing_fits(cost: CostModel, options: SearchOptions) -> str:
-    model = cost.model
-    need = model.layer_params_per_chip(1) * cost.config.bytes_per_param(1) / 2**30
-    largest = max(cost.usable_bytes(chip) for chip in cost.cluster.chips) / 2**30
-    return (
-        f"no plan fits in memory: {model.num_layers} layers need about"
-        f" {need * model.num_layers:.1f} GiB of weights and optimizer state (plus activations)"
-        f" against at most {largest:.1f} GiB usable per chip; add chips, use"
-        " --use-distributed-optimizer, or plan a smaller model"
-    )

@@ -93,9 +93,12 @@ class SearchOptions:
                 variants.append((schedule, 1))
         return variants
 
-    def space_text(self, num_layers: int, chip_types: int) -> str:
-        """The plan space the search covers, in words (what its "optimal" and gap are over)."""
+    def space_text(self, num_layers: int, chip_types: int, mixed_layers: bool = False) -> str:
+        """The plan space the search covers, in words (what its "optimal" and gap are over);
+        ``mixed_layers``: a model with dense and MoE layers (no interleaving)."""
         variants = self.schedule_variants(num_layers)
+        if mixed_layers:
+            variants = [v for v in variants if v[0] != "interleaved"]
         names = [s for s, v in variants if v == 1]
         chunks = [v for s, v in variants if s == "interleaved"]
         if chunks:

@@ -185,6 +185,8 @@ def simulate(plan: HeteroPlan, cost: CostModel) -> SimulationResult:
         done = max(free[(s, r)] for r in range(dps[s]))
         events.append(Event(s, "sync", -1, done, done + stage.dp_sync_s))
         step = max(step, done + stage.dp_sync_s)
+    if cost.cluster.host_cores is not None:  # CPU emulation: the processes share the cores
+        step = max(step, estimate.host_cpu_s / cost.cluster.host_cores)
     shown = [e for e in events if e.replica == 0]
     busy = tuple(
         sum(e.end_s - e.start_s for e in shown if e.stage == s and e.kind != "sync")
@@ -201,9 +203,14 @@ def _walk_memory(
 ) -> tuple[int, float]:
     """Peak chunk-micro-batches in flight and peak memory of stage ``s`` along its events."""
     spec, p = plan.stages[s], plan.pipeline_parallel_size
-    costs = cost.stage_costs(
-        spec.chip, spec.tensor_parallel_size, plan.micro_batch_size, plan.stage_dp(s)
-    )
+    dp, ranges = plan.stage_dp(s), plan.chunk_layer_ranges()[s]
+    ep = cost.stage_expert_parallel(spec, dp)
+    per_chunk = tuple(
+        cost.stage_layer_costs(spec.chip, spec.tensor_parallel_size, plan.micro_batch_size, dp,
+                               ep, r)
+        for r in ranges
+    )  # by the dense and MoE layers each chunk holds
+    costs = per_chunk[0]
     mode = RECOMPUTE_MODES.index(spec.recompute)
     chunks = spec.chunks
     active, deferred = [0] * len(chunks), [0] * len(chunks)
@@ -219,7 +226,8 @@ def _walk_memory(
             deferred[e.chunk] -= 1
         state = ((tuple(active), tuple(deferred)),)
         peak_count = max(peak_count, sum(active))
-        peak_bytes = max(peak_bytes, costs.held_memory(chunks, mode, state, s == 0, s == p - 1))
+        held = costs.held_memory(chunks, mode, state, s == 0, s == p - 1, per_chunk)
+        peak_bytes = max(peak_bytes, held)
     return peak_count, peak_bytes
 
 

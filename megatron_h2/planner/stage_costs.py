@@ -10,7 +10,7 @@ The formulas are documented in ``docs/planner.md``.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from megatron_h2.planner.held_activations import State, Totals
 
@@ -54,9 +54,52 @@ class StageCosts:
     """Bytes per layer and micro-batch kept from input gradient to weight gradient."""
     embedding_weight_inputs: float = 0.0
     head_weight_inputs: float = 0.0
+    layer_sync: float | None = None
+    """Seconds of the end-of-step gradient sync per layer (None: ``layer_params x
+    sync_per_param``; a MoE layer's experts sync over the smaller expert-data-parallel group)."""
     _unit_caps: dict[tuple[int, tuple[Totals, ...], bool, bool], tuple[int, ...]] = field(
         default_factory=dict, init=False, repr=False, compare=False
     )
+
+    @property
+    def sync_per_layer(self) -> float:
+        """Seconds of the end-of-step gradient sync per layer (when DP > 1)."""
+        if self.layer_sync is not None:
+            return self.layer_sync
+        return self.layer_params * self.sync_per_param
+
+    def blend(self, moe: StageCosts, dense_layers: int, moe_layers: int) -> StageCosts:
+        """These costs (of dense layers) and ``moe``'s (of MoE layers, same chip type, TP,
+        micro-batch and DP) as one kind whose per-layer numbers are the means over
+        ``dense_layers`` + ``moe_layers`` layers: every per-layer term of a stage is linear in
+        the layers, so a stage of that many layers costs what the two kinds add up to (the
+        working space is the larger kind's, the sync's fixed part the MoE kind's)."""
+        total = dense_layers + moe_layers
+        if moe_layers == 0 or total == 0:
+            return self
+        if dense_layers == 0:
+            return moe
+        a, b = dense_layers / total, moe_layers / total
+
+        def mean(x: float, y: float) -> float:
+            return a * x + b * y
+
+        def means(x: tuple[float, ...], y: tuple[float, ...]) -> tuple[float, float, float]:
+            return tuple(mean(u, v) for u, v in zip(x, y))  # type: ignore[return-value]
+
+        return replace(
+            self,
+            layer_forward=mean(self.layer_forward, moe.layer_forward),
+            layer_backward=means(self.layer_backward, moe.layer_backward),
+            layer_static=mean(self.layer_static, moe.layer_static),
+            layer_activation=means(self.layer_activation, moe.layer_activation),
+            working=max(self.working, moe.working),
+            layer_params=mean(self.layer_params, moe.layer_params),
+            sync_fixed=moe.sync_fixed,
+            layer_weight_grad=mean(self.layer_weight_grad, moe.layer_weight_grad),
+            layer_weight_inputs=mean(self.layer_weight_inputs, moe.layer_weight_inputs),
+            layer_sync=mean(self.sync_per_layer, moe.sync_per_layer),
+        )
 
     def layer_time(self, mode: int) -> float:
         """Forward + backward of one layer for one micro-batch under recompute ``MODES[mode]``.
@@ -105,6 +148,7 @@ class StageCosts:
         states: tuple[State, ...],
         first: bool,
         last: bool,
+        chunk_costs: tuple[StageCosts, ...] = (),
     ) -> float:
         """Peak bytes per chip of a stage whose chunks hold ``chunk_layers`` layers, over the
         held ``states`` of its schedule (:func:`~megatron_h2.planner.held_activations.held_states`).
@@ -112,13 +156,20 @@ class StageCosts:
         A micro-batch between a chunk's forward and backward keeps the chunk's activations
         (by recompute mode; the head's on the last stage's last chunk); between a zero-bubble
         backward and its weight-gradient work, the weight gradients' inputs instead.
+        ``chunk_costs``: per chunk, the costs of its layers where chunks differ (MoE models
+        whose chunks mix dense and MoE layers differently; :meth:`blend`), else these costs.
         """
+        per_chunk = chunk_costs or (self,) * len(chunk_layers)
         layers = sum(chunk_layers)
-        static = layers * self.layer_static + (self.working if layers > 0 else 0.0)
+        static = sum(n * c.layer_static for n, c in zip(chunk_layers, per_chunk))
+        static += max(c.working for c in per_chunk) if layers > 0 else 0.0
         static += (self.embedding_static if first else 0.0) + (self.head_static if last else 0.0)
-        act, keep, peak = self.layer_activation[mode], self.layer_weight_inputs, 0.0
+        acts = [c.layer_activation[mode] for c in per_chunk]
+        keeps = [c.layer_weight_inputs for c in per_chunk]
+        peak = 0.0
         for active, deferred in states:
-            held = sum(n * (a * act + d * keep) for n, a, d in zip(chunk_layers, active, deferred))
+            held = sum(n * (a * act + d * keep) for n, a, d, act, keep
+                       in zip(chunk_layers, active, deferred, acts, keeps))
             if first:
                 held += deferred[0] * self.embedding_weight_inputs
             if last:
@@ -230,4 +281,5 @@ class StageCosts:
         """Seconds of the once-per-step gradient synchronisation across the DP replicas."""
         if self.data_parallel_size == 1:
             return 0.0
-        return self.sync_fixed + self.params(layers, first, last) * self.sync_per_param
+        edge = self.params(0, first, last) * self.sync_per_param
+        return self.sync_fixed + edge + layers * self.sync_per_layer

@@ -37,4 +37,11 @@ def test_demo_runs_the_whole_path(tmp_path):
     # all at once) and the cluster file with gloo's bandwidths
     assert "# measured by tools/profile_chip.py --emulate" in (out / "profile.yaml").read_text()
     assert "bandwidths fitted to gloo" in (out / "cluster.yaml").read_text()
+    # and with what the plan's processes got of the cores together, each pass's CPU time
+    host_cores = yaml.safe_load((out / "cluster.yaml").read_text())["host_cores"]
+    assert 0 < host_cores <= 2 * os.cpu_count()
+    profile = yaml.safe_load((out / "profile.yaml").read_text())
+    assert profile["model"]["hidden_dropout"] == 0.0  # measured with the run's dropout
+    fast = profile["chips"]["fast"]
+    assert 0 < fast["cpu_micro_batch_sizes"][1]["layer_forward_ms"]
     assert "predicted step time:" in proc.stdout and "measured step time:" in proc.stdout

@@ -22,6 +22,7 @@ from megatron_h2.planner.pipelines_cost import evaluate_pipelines
 from megatron_h2.planner.pipelines_search import (
     compositions,
     groupings,
+    lower_bound_s,
     proportional,
     search_pipelines,
 )
@@ -60,29 +61,30 @@ def test_proportional_split_is_whole_and_positive() -> None:
     assert sorted(compositions(4, 2)) == [(1, 3), (2, 2), (3, 1)]
 
 
-def brute_force(cost: CostModel, options: SearchOptions) -> float:
-    """Best step over every grouping, split and micro-batch size, each pipeline's plan the
-    enumerator's fastest for its chip types and share."""
-    best = float("inf")
+def every_split(cost: CostModel, options: SearchOptions):  # type: ignore[no-untyped-def]
+    """Every plan of pipelines over every grouping, split and micro-batch size, each pipeline's
+    plan the enumerator's fastest for its chip types and share (splits where one has none are
+    left out)."""
     names = cost.cluster.names
     fastest: dict[tuple, HeteroPlan | None] = {}
     for mbs in options.micro_batch_candidates():
         total = options.global_batch_size // mbs
         for partition in label_groupings(names):
             groups = [tuple(n for n in names if n in g) for g in partition]
-            for split in itertools.product(range(1, total), repeat=len(groups)):
-                if sum(split) != total:
-                    continue
+            for split in compositions(total, len(groups)):
                 keys = [(group, mbs, n) for group, n in zip(groups, split)]
                 for key in keys:
                     if key not in fastest:
                         fastest[key] = fastest_plan(cost, *key)
                 plans = [fastest[key] for key in keys]
-                if None in plans:
-                    continue
-                plan = HeteroPlan.of_pipelines(plans)
-                best = min(best, evaluate_pipelines(cost, plan).step_time_s)
-    return best
+                if None not in plans:
+                    yield HeteroPlan.of_pipelines(plans)
+
+
+def brute_force(cost: CostModel, options: SearchOptions) -> float:
+    """Best step over :func:`every_split`."""
+    return min((evaluate_pipelines(cost, plan).step_time_s
+                for plan in every_split(cost, options)), default=float("inf"))
 
 
 def fastest_plan(cost: CostModel, group: tuple[str, ...], mbs: int, micro_batches: int
@@ -140,3 +142,25 @@ def test_large_batch_falls_back_to_a_local_search_and_says_so() -> None:
     shares = [p.global_batch_size for p in result.best.plan.pipelines]
     # A computes four times as fast: the split follows the speeds
     assert shares[0] > 3 * shares[1]
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_lower_bound_holds_for_every_plan_on_random_clusters(seed: int) -> None:
+    """No plan beats :func:`lower_bound_s`: not any plan of one pipeline the enumerator lists
+    (every recompute mode), nor any plan of pipelines (each at least its slowest pipeline's
+    fastest plan for its share, over every grouping and split); and the bound of an exhaustive
+    search lies between it and the best plan of pipelines."""
+    cost, options = random_case(seed)
+    bound = lower_bound_s(cost, options)
+    assert 0 < bound < float("inf")
+    one = min((step for step, _, _ in Enumerator(cost, options).plans(all_modes=True)),
+              default=float("inf"))
+    assert bound <= one * (1 + 1e-9)
+    # the least over the splits of their slowest pipeline's fastest step
+    floor = min((max(e.step_time_s for e in evaluate_pipelines(cost, plan).pipelines)
+                 for plan in every_split(cost, options)), default=float("inf"))
+    assert bound <= floor * (1 + 1e-9)
+    result = search_pipelines(cost, options)
+    assert result.exhaustive and result.lower_bound_s == pytest.approx(max(bound, floor))
+    if result.best is not None:
+        assert result.lower_bound_s <= result.best.estimate.step_time_s * (1 + 1e-9)

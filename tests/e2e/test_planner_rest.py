@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-import megatron_h2.planner.bounds as bounds
+import megatron_h2.planner.rest_bound as rest_bound
 from megatron_h2.planner.bounds import BatchShape
 from megatron_h2.planner.cluster import ChipType, Cluster
 from megatron_h2.planner.cost_model import CostConfig, CostModel
@@ -34,7 +34,7 @@ def test_split_masks_bound_the_exact_programme(monkeypatch, dp: int | None) -> N
     full = (1 << 5) - 1
     values = {}
     for exact in (5, 1):
-        monkeypatch.setattr(bounds, "EXACT_REST_TYPES", exact)
+        monkeypatch.setattr(rest_bound, "EXACT_REST_TYPES", exact)
         shape = BatchShape(cost, 8, 1, "1f1b", 1, dp)
         shape.build_grid(shape.w_max, 64)
         values[exact] = {mask: shape.rest(mask) for mask in range(1, full + 1)}
@@ -47,7 +47,7 @@ def test_split_masks_bound_the_exact_programme(monkeypatch, dp: int | None) -> N
 @pytest.mark.parametrize("seed", range(4))
 def test_search_with_split_masks_matches_brute_force(monkeypatch, seed: int) -> None:
     """Every mask of two or more types split: the bound is looser, the plans the same."""
-    monkeypatch.setattr(bounds, "EXACT_REST_TYPES", 1)
+    monkeypatch.setattr(rest_bound, "EXACT_REST_TYPES", 1)
     cost, options = random_case(seed)
     expected = brute_force_best(cost, options, 2, own_dp=options.own_dp)
     found = [c.estimate.step_time_s for c in search(cost, options).candidates]
@@ -61,7 +61,7 @@ def test_five_types_same_plans_with_split_masks(monkeypatch) -> None:
     )
     found = {}
     for exact in (5, 2):
-        monkeypatch.setattr(bounds, "EXACT_REST_TYPES", exact)
+        monkeypatch.setattr(rest_bound, "EXACT_REST_TYPES", exact)
         result = search(cost, options)
         assert result.stats.exhaustive
         found[exact] = [(c.plan, c.estimate.step_time_s) for c in result.candidates]

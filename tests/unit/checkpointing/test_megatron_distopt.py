@@ -20,9 +20,12 @@ ITER = FIXTURE / "fully_reshardable" / "iter_0000002"
 DP_ITER = FIXTURE / "dp_reshardable" / "iter_0000002"
 BUCKETS_ITER = FIXTURE / "dp_reshardable_buckets" / "iter_0000002"  # --ddp-bucket-size 2000
 LEGACY_ITER = FIXTURE / "torch" / "iter_0000002"
+# --overlap-grad-reduce --ddp-bucket-size 10: a bucket per parameter, coalesced unpadded
+LEGACY_BUCKETS_ITER = FIXTURE / "torch_buckets" / "iter_0000002"
 
 
-@pytest.mark.parametrize("where", [ITER, DP_ITER, BUCKETS_ITER, LEGACY_ITER])
+@pytest.mark.parametrize("where", [ITER, DP_ITER, BUCKETS_ITER, LEGACY_ITER,
+                                   LEGACY_BUCKETS_ITER])
 def test_distributed_optimizer_state_is_the_one_megatron_core_held(where):
     state = read_megatron(where)
     held = torch.load(FIXTURE / "optim_reference.pt")
@@ -33,6 +36,19 @@ def test_distributed_optimizer_state_is_the_one_megatron_core_held(where):
         assert torch.equal(state.optimizer[f"{name}.exp_avg_sq"], tensors["exp_avg_sq"]), name
         assert float(state.optimizer[f"{name}.step"]) == 2.0
     assert all(t["exp_avg_sq"].abs().sum() > 0 for t in held.values())
+
+
+def test_legacy_buckets_split_by_megatron_cores_rule(tmp_path):
+    """distrib_optim.pt records only the buffer's total: the split comes from the args' bucket
+    size; the same file read as one bucket does not fit, one line."""
+    where = tmp_path / "iter_0000002"
+    shutil.copytree(LEGACY_BUCKETS_ITER, where)
+    path = where / "mp_rank_00" / "model_optim_rng.pt"
+    state = torch.load(path, weights_only=False)
+    state["args"].overlap_grad_reduce = False
+    torch.save(state, path)
+    with pytest.raises(ConfigError, match=r"buckets of \[7744\] elements.*lays out \[8448\]"):
+        read_megatron(where)
 
 
 def test_a_missing_step_is_one_line(tmp_path):

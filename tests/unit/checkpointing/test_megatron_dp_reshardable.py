@@ -11,6 +11,7 @@ from collections.abc import Callable
 import pytest
 import torch
 
+from megatron_h2.checkpointing import megatron_distopt
 from megatron_h2.checkpointing.hf_tensors import megatron_shapes
 from megatron_h2.checkpointing.megatron_dist import read_dist_tensors
 from megatron_h2.checkpointing.megatron_distopt import (
@@ -104,15 +105,16 @@ def _unknown_parameter(flat, objects, shapes, args):
 @pytest.mark.parametrize(("change", "says"), [
     (_drop_bias, r"buckets of \[8448\] elements.*lays out \[8384\]"),
     (_rename("bucket_idx_0", "bucket_idx_1"), r"has buckets \[1\]"),
-    (_rename("gbuf_idx_0", "gbuf_idx_1"), "several groups or buffers"),
-    (_rename("shard_0_1", "shard_0_2"), "2 data-parallel ranks"),
+    (_rename("gbuf_idx_0", "gbuf_idx_1"), "several buffers"),
+    (_rename("shard_0_1", "shard_0_2"), "one of 2 pieces"),
+    (_rename("dp_group_idx_0", "dp_group_idx_1"), r"model-parallel ranks \[1\], a TP 1 x PP 1"),
     (_without(".exp_avg_sq"), "no exp_avg_sq buffer"),
     (_without("per_bucket_numel_unpadded"), "no object per_bucket_numel_unpadded"),
     (_without("optimizer/shard_0_1"), "no object optimizer"),
     (_rename(".param", ".master"), "holds .*master of shape.*not a flat"),
     (_shorter, "buffers of different sizes"),
     (_all_shorter, r"buffers of \[8320\]"),
-    (_tp2, "not read at .*TP 1 / PP 1"),
+    (_tp2, "buffers of model-parallel ranks .0., a TP 2 x PP 1 run has 2"),
     (_unknown_parameter, "mlp.router.weight in the distributed optimizer's buffer is not known"),
 ])
 def test_what_cannot_be_read_is_one_line(saved, change, says):
@@ -120,6 +122,26 @@ def test_what_cannot_be_read_is_one_line(saved, change, says):
     with pytest.raises(ConfigError, match=says) as err:
         read_dp_reshardable(DP_ITER, flat, objects, shapes, args)
     assert "\n" not in str(err.value) and "--no-load-optim" in str(err.value)
+
+
+@pytest.mark.parametrize(("extra", "args"), [(64, {}), (0, {"data_parallel_size": 5}),
+                                           (0, {"ddp_pad_buckets_for_high_nccl_busbw": True})])
+def test_bucket_padding_off_megatron_cores_rule_is_one_line(saved, monkeypatch, extra, args):
+    """per_bucket_numel is the unpadded size padded to lcm(DP, 128) (x 2^16 for NCCL's bus
+    bandwidth): saved [8448] for [8448] at DP 1; another size, or another DP, does not match."""
+    flat, objects, shapes, saved_args = saved
+    read = megatron_distopt.read_dist_objects
+
+    def padded_more(where, keys):
+        got = read(where, keys)
+        for key in [k for k in got if k.endswith(".per_bucket_numel/shard_0_1")]:
+            got[key] = [[{d: [n + extra for n in v] for d, v in got[key][0][0].items()}]]
+        return got
+
+    monkeypatch.setattr(megatron_distopt, "read_dist_objects", padded_more)
+    with pytest.raises(ConfigError, match=r"padded buckets of \[\d+\] elements; Megatron-Core "
+                       r"at DP \d pads \[8448\] to \[\d+\]"):
+        read_dp_reshardable(DP_ITER, flat, objects, shapes, {**saved_args, **args})
 
 
 def test_a_layout_shifted_by_one_parameter_would_not_match(saved):
@@ -169,9 +191,13 @@ def test_a_damaged_distrib_optim_is_one_line(tmp_path, change, says):
 
 
 @pytest.mark.parametrize(("args", "says"), [
-    ({"pipeline_model_parallel_size": 2}, "not read at .*TP 1 / PP 1"),
-    ({"data_parallel_size": 2}, "saved by 2 data-parallel ranks"),
-    ({"overlap_grad_reduce": True, "ddp_bucket_size": 4096}, "several gradient buckets of 4096"),
+    ({"context_parallel_size": 2}, "not read with context_parallel_size=2"),
+    ({"decoder_first_pipeline_num_layers": 1}, "not read with decoder_first_pipeline"),
+    ({"expert_model_parallel_size": 2}, "not read with expert_model_parallel_size=2"),
+    ({"overlap_grad_reduce": True, "ddp_num_buckets": 4}, "--ddp-num-buckets 4"),
+    ({"num_layers_per_virtual_pipeline_stage": 1}, "not read with num_layers_per_virtual"),
+    # one bucket per parameter: concatenated unpadded, they are not the saved buffer
+    ({"overlap_grad_reduce": True, "ddp_bucket_size": 10}, r"buckets of \[8448\].*lays out \[16, "),
 ])
 def test_an_unread_legacy_layout_is_one_line(args, says):
     with pytest.raises(ConfigError, match=says):

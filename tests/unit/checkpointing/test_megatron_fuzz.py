@@ -60,7 +60,7 @@ def _bad_metadata(root: Path, rng: random.Random) -> str:
 
 def _state_edit(root: Path, rng: random.Random) -> str:
     """Missing keys, wrong shapes and a different model in the pickled state dicts."""
-    pts = [p for p in _files(root) if p.suffix == ".pt"]
+    pts = [p for p in _files(root) if p.suffix == ".pt" and p.name != "distrib_optim.pt"]
     target = rng.choice(pts)
     state = torch.load(target, weights_only=False)
     choice = rng.randrange(4)
@@ -94,17 +94,46 @@ def _state_edit(root: Path, rng: random.Random) -> str:
     return f"state {choice} {target.parent.name}"
 
 
+def _buffer_edit(root: Path, rng: random.Random) -> str:
+    """The distributed optimizer's flat buffers: one shorter, or sized as another bucket."""
+    legacy = [p for p in _files(root) if p.name == "distrib_optim.pt"]
+    if legacy:
+        target = rng.choice(legacy)
+        saved = torch.load(target, weights_only=False)
+        (entry,) = saved[0].values()
+        kind = rng.choice(["param", "exp_avg", "exp_avg_sq", "numel_unpadded"])
+        cut = rng.choice([1, 63, 64, 640])
+        entry[kind] = entry[kind] - cut if kind == "numel_unpadded" else entry[kind][:-cut]
+        torch.save(saved, target)
+        return f"distrib_optim {target.parent.name} {kind} -{cut}"
+    meta_path = root / "iter_0000002" / ".metadata"
+    with open(meta_path, "rb") as fh:
+        meta = pickle.load(fh)
+    key = rng.choice([k for k in meta.state_dict_metadata if ".bucket_idx_" in k])
+    item = meta.state_dict_metadata[key]
+    item.size = torch.Size([item.size[0] - rng.choice([1, 64, 128])])
+    with open(meta_path, "wb") as fh:
+        pickle.dump(meta, fh)
+    return f"dist buffer {key}"
+
+
 FAMILIES = [_truncate, _delete, _bad_metadata, _state_edit]
+DISTOPT_SOURCES = [("gpt_distopt_tp2_pp2_dp2", "dp_reshardable"),
+                   ("gpt_distopt_tp2_pp2_dp2", "torch"), ("llama_distopt_tp2", "dp_reshardable"),
+                   ("gpt_distopt_pp2", "torch"), ("gpt_distopt_dp2", "dp_reshardable")]
 
 
-def test_100_corruptions_each_one_line(tmp_path):
+@pytest.mark.parametrize(("sources", "families", "cases"), [
+    (SOURCES, FAMILIES, 100), (DISTOPT_SOURCES, [*FAMILIES, _buffer_edit], 50)])
+def test_corruptions_each_one_line(tmp_path, sources, families, cases):
+    """100 of the plain fixtures; 50 of the distributed optimizer's (its buffers too)."""
     rng = random.Random(2026)
     outcomes = []
-    for case in range(100):
-        name, fmt = SOURCES[(case // len(FAMILIES)) % len(SOURCES)]  # every pairing
+    for case in range(cases):
+        name, fmt = sources[(case // len(families)) % len(sources)]  # every pairing
         root = tmp_path / f"c{case}"
         shutil.copytree(FIXTURES / name / fmt, root)
-        what = FAMILIES[case % len(FAMILIES)](root, rng)
+        what = families[case % len(families)](root, rng)
         try:
             open_any_checkpoint(root)
         except ConfigError as exc:
@@ -114,4 +143,4 @@ def test_100_corruptions_each_one_line(tmp_path):
         assert "\n" not in message and message, (what, message)
         outcomes.append((what, message))
         shutil.rmtree(root)
-    assert len(outcomes) == 100
+    assert len(outcomes) == cases

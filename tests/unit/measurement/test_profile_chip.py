@@ -21,7 +21,27 @@ def test_profile_table_round_trip(tmp_path, capsys):
         assert sorted(prof.micro_batch_sizes) == [1, 2]
         times = prof.micro_batch_sizes[2]
         assert times.layer_forward_ms > 0 and times.head_forward_ms > 0
+        cpu = prof.times(2, cpu=True)  # measured (single-threaded on the CPU)
+        assert cpu is not prof.times(2) and 0 < cpu.layer_forward_ms
+        assert 0 < prof.optimizer_cpu_ns_per_param
     assert "micro-batch 2: layer forward" in capsys.readouterr().out
+
+
+def test_repeat_gives_each_passs_cpu_time():
+    """A pass that sleeps takes wall time but almost no CPU time."""
+    import time
+
+    from megatron_h2.measurement.chip_timing import Pace, repeat
+
+    def asleep() -> float:
+        start = time.perf_counter()
+        time.sleep(0.02)
+        return (time.perf_counter() - start) * 1e3
+
+    cpu: list[list[float]] = [[]]
+    (times,) = repeat(Pace(), 1, 3, asleep, cpu_ms=cpu)
+    assert len(times) == 3 and len(cpu[0]) == 3
+    assert min(times) >= 20 and max(cpu[0]) < 10
 
 
 def test_bad_input_is_one_line(tmp_path, capsys):

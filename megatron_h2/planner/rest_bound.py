@@ -1,0 +1,195 @@
+"""What the chip types not yet placed in front of a pipeline suffix can add, for the bounds of
+:class:`~megatron_h2.planner.bounds.BatchShape`: per unused type a convex lower bound on the
+cost of the layers it takes (:meth:`RestBound.segment_table`), and for a set of unused types the
+most layers they hold together in any order (:meth:`RestBound.rest`, a max-plus programme over
+subsets of types, kinds and stage counts on a grid of leads), which caps those segments
+(:meth:`RestBound._unused_segments`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+EXACT_REST_TYPES = 4
+"""Most unused chip types whose joint capacity :meth:`RestBound.rest` computes exactly."""
+
+
+class RestBound:
+    """The unused-types bound of :class:`~megatron_h2.planner.bounds.BatchShape` (its kinds,
+    grid and prefix tables; kept apart so that each module stays short)."""
+
+    kinds: tuple[Any, ...]
+    types: list[int]
+    kinds_of: dict[int, list[int]]
+    uniform: bool
+    dp: int | None
+    depth: int
+    positions: int
+    grid: np.ndarray
+    fill_unit: np.ndarray
+    prefix: np.ndarray
+    coarse_prefix: np.ndarray
+    coarse_of: np.ndarray
+    leads: np.ndarray
+    _segment_units: dict[int, np.ndarray]
+    _segment_tables: dict[int, np.ndarray]
+    _rest: dict[int, np.ndarray]
+    _from_leads: dict[int, tuple[np.ndarray, np.ndarray]]
+    _unused: dict[int, tuple[np.ndarray, np.ndarray]]
+
+    def _lead_grid(self) -> np.ndarray:
+        """Leads at which the programme over unused chip types (:meth:`rest`) is tabled: under
+        uniform DP the multiples of ``d`` (exact), else every integer up to 8 and then about 25%
+        apart, up to the lead from which every kind reads the last warm-up of its table (a lead
+        between two grid points reads the lower one, which only adds capacity)."""
+        if self.uniform:
+            return self.dp * np.arange(self.depth + 1, dtype=np.int64)
+        largest = self.depth * max(k.dp for k in self.kinds)
+        values, value = set(range(min(largest, 8) + 1)), 8.0
+        while value < largest:
+            value *= 1.25
+            values.add(min(int(value), largest))
+        return np.array(sorted(values), dtype=np.int64)
+
+    def lead_index(self, lead: int | np.ndarray) -> np.ndarray:
+        """Index of the largest grid lead not above ``lead``."""
+        return np.searchsorted(self.leads, lead, side="right") - 1
+
+    def _block_from_leads(
+        self, prefix: np.ndarray, kind: int, counts: np.ndarray
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """Capacity of ``counts`` stages of ``kind`` in front of each grid lead (probe x lead x
+        count) and the lead they leave (lead x count)."""
+        starts = -(-self.leads // self.kinds[kind].dp)  # exact warm-ups at the grid leads
+        table = np.minimum(starts, self.depth - 1)
+        ends = table[:, None] + counts[None, :]
+        caps = prefix[kind][:, ends] - prefix[kind][:, table][:, :, None]
+        return caps, self.kinds[kind].dp * (starts[:, None] + counts[None, :])
+
+    def segment_units(self, chip: int) -> np.ndarray:
+        """The distinct per-layer fills of the kinds of chip type ``chip``, cheapest first (kinds
+        that differ only in their DP degree have the same)."""
+        if chip not in self._segment_units:
+            self._segment_units[chip] = np.unique(self.fill_unit[self.kinds_of[chip]])
+        return self._segment_units[chip]
+
+    def segment_table(self, chip: int) -> np.ndarray:
+        """A convex lower bound on the cost of taking layers from unused chip type ``chip`` in
+        front of each grid lead: widths per segment (cheapest first) x probe x grid lead (a lead
+        between grid leads reads the lower one, which only adds capacity; exact under uniform
+        DP).
+
+        Its kinds sorted by per-layer fill ``u_1 <= u_2 <= ...``: the first ``C_1`` layers cost
+        ``u_1`` each, the next ``C_2 - C_1`` cost ``u_2`` (``C_j``: most layers any of the first
+        ``j`` kinds can hold in a block in front of the lead), and so on. Taking ``x`` layers
+        from a block of one kind costs at least that much, whichever kind it is.
+        """
+        if chip not in self._segment_tables:
+            running = np.zeros((len(self.grid), len(self.leads)))
+            widths = []
+            for unit in self.segment_units(chip):  # kinds of equal fill make one segment
+                group = running
+                for kind in self.kinds_of[chip]:
+                    if self.fill_unit[kind] == unit:
+                        most = np.array([min(self.kinds[kind].max_stages, self.positions)])
+                        caps, _ = self._block_from_leads(self.prefix, kind, most)
+                        group = np.maximum(group, caps[:, :, 0])
+                widths.append(group - running)
+                running = group
+            self._segment_tables[chip] = np.stack(widths)  # segment x probe x grid lead
+        return self._segment_tables[chip]
+
+    def rest(self, mask: int) -> np.ndarray:
+        """Most units the chip types in ``mask`` can add, in any order, in front of each grid
+        lead: fine probe x lead (a max-plus programme over subsets of types, kinds and stage
+        counts; the lead each block leaves is rounded down to the grid).
+
+        Masks of more than :data:`EXACT_REST_TYPES` types are split in two halves and the
+        halves' values added: an upper bound, since the value falls with the lead and a type
+        placed behind others starts from a larger lead than in its half alone (each block
+        leaves a lead at least as large as the one it starts from, and the next lead is
+        monotone in it). So the programme visits ``O(T ** EXACT_REST_TYPES)`` masks of ``T``
+        types, not ``2 ** T``."""
+        return self._rest_coarse(mask)[self.coarse_of]
+
+    def _rest_coarse(self, mask: int) -> np.ndarray:
+        if mask in self._rest:
+            return self._rest[mask]
+        bits = [t for t in range(len(self.types)) if mask >> t & 1]
+        if len(bits) > EXACT_REST_TYPES:
+            low = sum(1 << t for t in bits[: len(bits) // 2])
+            result = self._rest_coarse(low) + self._rest_coarse(mask & ~low)
+            self._rest[mask] = result
+            return result
+        result = np.zeros((self.coarse_prefix.shape[1], len(self.leads)))
+        for t_index, chip in enumerate(self.types):
+            if not mask >> t_index & 1:
+                continue
+            after = self._rest_coarse(mask & ~(1 << t_index))
+            for kind in self.kinds_of[chip]:
+                if self.uniform:
+                    np.maximum(result, self._rest_uniform(kind, after), out=result)
+                    continue
+                if kind not in self._from_leads:  # the same for every mask
+                    most = min(self.kinds[kind].max_stages, self.positions)
+                    counts = np.arange(1, most + 1)
+                    caps, leads = self._block_from_leads(self.coarse_prefix, kind, counts)
+                    self._from_leads[kind] = (caps, self.lead_index(leads))
+                caps, index = self._from_leads[kind]
+                value = caps + after[:, index]
+                np.maximum(result, value.max(axis=2), out=result)
+        self._rest[mask] = result
+        return result
+
+    def _rest_uniform(self, kind: int, after: np.ndarray) -> np.ndarray:
+        """Under one DP degree (grid lead ``i`` = ``i`` stages behind): the most units a block
+        of ``kind`` plus ``after`` (what the types in front of it add) hold in front of each grid
+        lead, as the general case computes it: ``max over c of P[i + c] - P[i] + after[i + c]``
+        (``P`` the kind's prefix sums; whole numbers, so the sums are exact in any order), with
+        a sliding maximum over ``c = 1 .. most`` instead of every ``c`` of every lead."""
+        most, depth = min(self.kinds[kind].max_stages, self.positions), self.depth
+        prefix = self.coarse_prefix[kind]  # coarse probe x (warm-up + 1)
+        ends = np.arange(depth + most)
+        windows = _window_max(prefix[:, ends] + after[:, np.minimum(ends, depth)], most)
+        out = np.empty((prefix.shape[0], depth + 1))
+        out[:, :depth] = windows[:, 1 : depth + 1] - prefix[:, :depth]
+        # the last grid lead reads the table's last warm-up, and what it leaves is the last lead
+        last = prefix[:, depth : depth + most] - prefix[:, [depth - 1]]
+        out[:, depth] = last.max(axis=1) + after[:, depth]
+        return out
+
+    def _unused_segments(self, mask: int) -> tuple[np.ndarray, np.ndarray]:
+        """The cost segments of the unused chip types in ``mask`` (:meth:`segment_table`),
+        cheapest first, with widths capped so that together they add at most :meth:`rest`:
+        (per-layer fills, widths segment x probe x grid lead; cached per grid)."""
+        if mask not in self._unused:
+            chips = [chip for t, chip in enumerate(self.types) if mask >> t & 1]
+            units = np.concatenate([self.segment_units(chip) for chip in chips])
+            order = np.argsort(units, kind="stable")
+            table = np.concatenate([self.segment_table(chip) for chip in chips])[order]
+            cumulative = np.minimum(running_sum(table), self.rest(mask)[None])
+            self._unused[mask] = (units[order], np.diff(cumulative, axis=0, prepend=0.0))
+        return self._unused[mask]
+
+
+def running_sum(stack: np.ndarray) -> np.ndarray:
+    """``stack.cumsum(axis=0)`` (the same sums in the same order), one row at a time: numpy's
+    cumsum along the first axis of a short, wide stack is several times slower."""
+    out = stack.copy()
+    for row in range(1, len(stack)):
+        np.add(out[row - 1], stack[row], out=out[row])
+    return out
+
+
+def _window_max(values: np.ndarray, width: int) -> np.ndarray:
+    """``out[:, a] = values[:, a : a + width].max(axis=1)`` for every full window (by doubling
+    spans: a few passes instead of ``width``)."""
+    span = 1
+    while 2 * span <= width:
+        values = np.maximum(values[:, :-span], values[:, span:])  # spans of 2 * span
+        span *= 2
+    if span == width:
+        return values
+    return np.maximum(values[:, : values.shape[1] - (width - span)], values[:, width - span :])
