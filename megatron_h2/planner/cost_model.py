@@ -53,6 +53,7 @@ from megatron_h2.plan.schema import HeteroPlan, StageSpec
 from megatron_h2.plan.yaml_io import positive_float
 from megatron_h2.planner.cluster import ChipType, Cluster
 from megatron_h2.planner.held_activations import check_schedule, held_states
+from megatron_h2.planner.moe_costs import MoECosts
 from megatron_h2.planner.stage_costs import StageCosts
 
 if TYPE_CHECKING:
@@ -270,8 +271,9 @@ def step_time_terms(
     return steady + sum(work), link
 
 
-class CostModel:
-    """Cost model of one model on one cluster (optionally refined by a profile table)."""
+class CostModel(MoECosts):
+    """Cost model of one model on one cluster (optionally refined by a profile table); its
+    mixture-of-experts terms are :class:`~megatron_h2.planner.moe_costs.MoECosts`'."""
 
     def __init__(
         self,
@@ -397,100 +399,6 @@ class CostModel:
         if key not in self._kinds:
             self._kinds[key] = self._build(self.cluster.chip(chip_name), tp, mbs, dp, ep, moe)
         return self._kinds[key]
-
-    def bound_costs(self, chip_name: str, tp: int, mbs: int, dp: int, ep: int) -> StageCosts:
-        """For a model with dense and MoE layers: every per-layer time, activation and sync
-        term the smaller of the two kinds' (a stage of ``l`` layers costs at least ``l`` such
-        layers, which keeps the search's bounds valid; splits are costed exactly by layer kind).
-        The weights' and optimizer's bytes per layer are the larger kind's, less a fixed credit
-        of what the model's ``D`` layers of the smaller kind save (a stage holds at most ``D`` of
-        them), which keeps the memory caps of MoE-heavy models tight and still a bound."""
-        key = (chip_name, tp, mbs, dp, ep, None)
-        if key not in self._kinds:  # type: ignore[comparison-overlap]
-            dense = self.stage_costs(chip_name, tp, mbs, dp, ep, False)
-            moe = self.stage_costs(chip_name, tp, mbs, dp, ep, True)
-            low = dense.blend(moe, 1, 1)  # sets layer_sync; every per-layer term replaced below
-            fields = {name: min(getattr(dense, name), getattr(moe, name))
-                      for name in ("layer_forward", "layer_static", "working", "layer_params",
-                                   "sync_fixed", "layer_weight_grad", "layer_weight_inputs")}
-            for name in ("layer_backward", "layer_activation"):
-                fields[name] = tuple(map(min, getattr(dense, name), getattr(moe, name)))
-            fields["layer_sync"] = min(dense.sync_per_layer, moe.sync_per_layer)
-            few, many = sorted((dense, moe), key=lambda c: c.layer_static)
-            count = sum(self.layer_is_moe) if few is moe else \
-                len(self.layer_is_moe) - sum(self.layer_is_moe)
-            fields["layer_static"] = many.layer_static
-            fields["working"] -= count * (many.layer_static - few.layer_static)
-            self._kinds[key] = replace(low, **fields)  # type: ignore[index]
-        return self._kinds[key]  # type: ignore[index]
-
-    def stage_expert_parallel(self, spec: StageSpec, dp: int) -> int:
-        """The EP degree of a plan's stage, checked against what the cost model models: EP
-        dividing the experts and ``dp`` (the experts' TP degree is the stage's)."""
-        ep, etp = spec.expert_model_parallel_size, spec.expert_tp
-        if etp != spec.tensor_parallel_size:
-            raise ConfigError(f"expert_tensor_parallel_size {etp}: the planner's cost model "
-                              "gives the experts the stage's TP degree; omit it")
-        if ep not in self.expert_parallel_options(spec.tensor_parallel_size, dp):
-            raise ConfigError(f"expert_model_parallel_size {ep} must divide the stage's DP "
-                              f"degree {dp} and the experts ({self.model.num_experts}); "
-                              "pick such a degree")
-        return ep
-
-    def expert_parallel_options(self, tp: int, dp: int) -> list[int]:
-        """EP degrees a stage of TP ``tp`` and DP ``dp`` may take: 1 for a dense model, else
-        the divisors of ``--num-experts`` that divide the stage's ``TP x DP`` ranks over the
-        experts' TP degree (the stage's TP, Megatron's default), i.e. that divide ``dp``."""
-        experts = self.model.num_experts
-        if experts is None:
-            return [1]
-        return [e for e in range(1, dp + 1) if dp % e == 0 and experts % e == 0]
-
-    def stage_layer_costs(
-        self, chip_name: str, tp: int, mbs: int, dp: int, ep: int, layers: Sequence[int]
-    ) -> StageCosts:
-        """The costs of a stage kind for the global ``layers`` it runs (dense and MoE layers
-        blended by count: :meth:`StageCosts.blend`)."""
-        moe = sum(self.layer_is_moe[i] for i in layers)
-        dense = self.stage_costs(chip_name, tp, mbs, dp, ep, False)
-        if moe == 0:
-            return dense
-        return dense.blend(self.stage_costs(chip_name, tp, mbs, dp, ep, True),
-                           len(layers) - moe, moe)
-
-    def alltoall_s(self, nbytes: float, group: int, chip: ChipType) -> float:
-        """All-to-all of ``nbytes`` per chip over ``group`` chips (the EP group, intra-node when
-        ``group`` divides the chip type's node): the share ``(group - 1) / group`` leaves it."""
-        if group <= 1:
-            return 0.0
-        gb_per_s = chip.intra_node_gb_per_s if chip.chips_per_node % group == 0 \
-            else chip.inter_node_gb_per_s
-        return (group - 1) * self.config.collective_latency_s + \
-            nbytes * (group - 1) / group / self._bandwidth(gb_per_s)
-
-    def _layer_terms(
-        self, chip: ChipType, tp: int, mbs: int, ep: int, moe: bool
-    ) -> tuple[float, float, float, float]:
-        """(compute forward, all-to-all per direction, weight-gradient FLOP share, attention
-        core's FLOP share) of one layer; compute from FLOPs (or the profile's times for dense
-        layers)."""
-        model, tokens = self.model, mbs * self.model.seq_length
-        core = model.attention_core_flops_per_token() * tokens
-        if not moe:
-            forward = self._compute_times(chip, tp, mbs)[0]
-            flops = model.layer_forward_flops(tokens)
-            return forward, 0.0, model.layer_weight_grad_flops(tokens) / (2.0 * flops), \
-                core / flops
-        imbalance = self.config.moe_imbalance if ep > 1 else 1.0
-        rest, experts = model.moe_layer_forward_flops(tokens)
-        efficiency = self.config.compute_efficiency
-        rate = tp * chip.tflops_bf16 * 1e12 * efficiency / chip.emulate_slowdown
-        forward = (rest + experts * imbalance) / rate
-        # each TP rank dispatches its sequence-parallel share of the tokens
-        alltoall = self.alltoall_s(model.moe_dispatch_bytes(tokens) / tp * imbalance, ep, chip)
-        flops = rest + experts
-        return forward, alltoall, model.moe_layer_weight_grad_flops(tokens) / (2.0 * flops), \
-            core / flops
 
     def _build(self, chip: ChipType, tp: int, mbs: int, dp: int, ep: int, moe: bool
                ) -> StageCosts:
