@@ -39,10 +39,14 @@ build reads (TEGroupedMLP's stacked ``weight{e}`` tensors, token dropping, a bia
 dense layers among the MoE ones)."""
 
 
-def expert_parallel_size(args: dict[str, Any], where: Path) -> int:
+def expert_parallel_size(args: dict[str, Any], where: Path, load_optim: bool) -> int:
     """The EP size the checkpoint was saved at (1 for a dense model), its MoE args checked."""
     if not args.get("num_experts"):
         return 1
+    if load_optim and args.get("use_distributed_optimizer"):
+        raise ConfigError(f"checkpoint {where}: the distributed optimizer's state of a "
+                          "mixture-of-experts model is not read by this build; load with "
+                          "--no-load-optim")
     for name, default in UNSUPPORTED_MOE_ARGS.items():
         if args.get(name, default) not in (default, 0):
             raise ConfigError(f"checkpoint {where}: args.{name} is {args[name]!r}; this build "

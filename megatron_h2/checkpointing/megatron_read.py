@@ -182,7 +182,7 @@ def read_torch_dist(ckpt_dir: Path, load_optim: bool = True) -> MegatronState:
     common = safe_torch_load(common_path)
     args, iteration = _check_common(common, common_path)
     config = model_config_from_args(args, common_path)
-    expert_parallel_size(args, common_path)
+    expert_parallel_size(args, common_path, load_optim)
     optim = common.get("optimizer")
     sharding = optim.get("param_state_sharding_type") if isinstance(optim, dict) else None
     if load_optim and sharding not in (None, "fully_reshardable", "dp_reshardable"):
@@ -389,7 +389,7 @@ def read_legacy(ckpt_dir: Path, load_optim: bool = True) -> MegatronState:
     if not all(isinstance(v, int) and v >= 1 for v in (tp, pp)):
         raise ConfigError(f"checkpoint file {first}: args name no valid TP / PP size")
     config = model_config_from_args(args, first)
-    ep = expert_parallel_size(args, first)
+    ep = expert_parallel_size(args, first, load_optim)
     dirs = _rank_dirs(ckpt_dir, pp, ep)
     _check_grid(ckpt_dir, dirs, tp, pp, ep)
     files = {key: d / "model_optim_rng.pt" for key, d in dirs.items()}

@@ -105,3 +105,13 @@ def test_moe_args_it_does_not_read_are_named(arg, value, tmp_path):
     _edit(root / "common.pt", lambda s: setattr(s["args"], arg, value))
     with pytest.raises(ConfigError, match=f"args.{arg} is {value!r}"):
         read_megatron(root)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_distributed_optimizer_of_moe_is_refused_in_one_line(fmt, tmp_path):
+    root = _copy("moe_ep2", fmt, tmp_path)
+    for path in [*root.glob("common.pt"), *root.glob("mp_rank_*/model_optim_rng.pt")]:
+        _edit(path, lambda s: setattr(s["args"], "use_distributed_optimizer", True))
+    with pytest.raises(ConfigError, match="distributed optimizer's state of a mixture-of-experts"):
+        read_megatron(root)
+    assert read_megatron(root, load_optim=False).optimizer == {}
