@@ -7,6 +7,9 @@ them two ways:
 - ``torch_dist``: one tensor per expert weight, stacked over layers and global experts,
   ``decoder.layers.mlp.experts.experts.linear_fc1.weight`` of shape ``[layers, experts, ...]``
   (``SequentialMLP.sharded_state_dict``), whatever the expert-parallel size it was saved at;
+  with dense layers among the MoE ones (``--moe-layer-freq`` other than 1) Megatron-Core keys
+  every layer apart (``decoder.layers.{i}.mlp.experts.experts.linear_fc1.weight`` of shape
+  ``[experts, ...]``, ``decoder.layers.{i}.self_attention...``): :func:`per_layer_keys`;
 - legacy ``torch``: each expert-parallel rank ``e`` saves its ``experts / EP`` local experts in
   ``mp_rank_TT[_PPP]_EEE/`` (the ``_EEE`` only when EP > 1, as Megatron-LM's
   ``get_checkpoint_name``), numbered from 0 on every rank; the other tensors are replicated.
@@ -20,6 +23,7 @@ from typing import Any
 
 import torch
 
+from megatron_h2.checkpointing.megatron_names import OUR_NORM_NAMES, split_layer_name
 from megatron_h2.config import ModelConfig
 from megatron_h2.errors import ConfigError
 
@@ -32,11 +36,9 @@ _MP_RANK = re.compile(r"^mp_rank_(\d{2})((?:_\d{3}){0,2})$")
 UNSUPPORTED_MOE_ARGS = {
     "moe_grouped_gemm": False, "moe_use_legacy_grouped_gemm": False,
     "moe_expert_capacity_factor": None, "moe_router_enable_expert_bias": False,
-    "moe_layer_freq": 1,
 }
 """MoE args whose other values change the checkpoint's layout or the model beyond what this
-build reads (TEGroupedMLP's stacked ``weight{e}`` tensors, token dropping, a bias buffer,
-dense layers among the MoE ones)."""
+build reads (TEGroupedMLP's stacked ``weight{e}`` tensors, token dropping, a bias buffer)."""
 
 
 def expert_parallel_size(args: dict[str, Any], where: Path, load_optim: bool) -> int:
@@ -90,17 +92,27 @@ def globalize(name: str, ep_rank: int, local_experts: int, where: Path) -> str |
     return f"{match.group(1)}{ep_rank * local_experts + local}{match.group(3)}"
 
 
+def per_layer_keys(config: ModelConfig) -> bool:
+    """Whether Megatron-Core keys each layer apart in torch_dist (its ``non_homogeneous_layers``:
+    a ``--moe-layer-freq`` list, or an integer above 1)."""
+    freq = config.moe_layer_freq
+    return config.num_experts is not None and (isinstance(freq, list) or freq > 1)
+
+
 def unstack_experts(key: str, sub: str, tensor: torch.Tensor, config: ModelConfig,
-                    where: Path) -> dict[str, torch.Tensor]:
-    """torch_dist's ``[layers, experts, ...]`` tensor of ``decoder.layers.<sub>`` -> our
-    per-layer, per-expert tensors."""
-    want = (config.num_layers, config.num_experts or 0)
-    if tensor.dim() < 3 or tuple(tensor.shape[:2]) != want:
+                    where: Path, layer: int | None = None) -> dict[str, torch.Tensor]:
+    """torch_dist's ``[layers, experts, ...]`` tensor of ``decoder.layers.<sub>`` (or the
+    ``[experts, ...]`` one of ``decoder.layers.<layer>.<sub>``) -> our per-layer, per-expert
+    tensors."""
+    layers = [layer] if layer is not None else list(range(config.num_layers))
+    want = (*([] if layer is not None else [config.num_layers]), config.num_experts or 0)
+    if tensor.dim() < len(want) + 1 or tuple(tensor.shape[:len(want)]) != want:
         raise ConfigError(f"checkpoint {where}: {key} has shape {tuple(tensor.shape)}, expected "
-                          f"{want[0]} layers x {want[1]} experts first")
+                          f"{' x '.join(map(str, want))} (layers x) experts first")
     rest = sub[len(DIST_EXPERTS):]
-    return {f"decoder.layers.{i}.{OUR_EXPERTS}{e}.{rest}": tensor[i, e]
-            for i in range(want[0]) for e in range(want[1])}
+    stacked = tensor if layer is None else tensor.unsqueeze(0)
+    return {f"decoder.layers.{i}.{OUR_EXPERTS}{e}.{rest}": stacked[n, e]
+            for n, i in enumerate(layers) for e in range(want[-1])}
 
 
 def is_expert(name: str) -> bool:
@@ -139,4 +151,48 @@ def expert_extra_states(layers: int, experts: int, shared: bool) -> dict[str, li
             if shared:
                 out[f"decoder.layers.mlp.shared_experts.{linear}._extra_state/"
                     f"shard_{i}_{layers}"] = [None]
+    return out
+
+
+def layer_keyed(tensors: dict[str, torch.Tensor], config: ModelConfig
+                ) -> dict[str, torch.Tensor]:
+    """Our tensors -> Megatron-Core's torch_dist keys when it keys each layer apart
+    (:func:`per_layer_keys`): the layer norms under their fused names, each MoE layer's experts
+    stacked ``[experts, ...]``."""
+    experts = config.num_experts or 0
+    out: dict[str, torch.Tensor] = {}
+    grouped: dict[tuple[int, str], dict[int, torch.Tensor]] = {}
+    for name, tensor in tensors.items():
+        layer = split_layer_name(name)
+        if layer is None:
+            out[name] = tensor
+        elif layer[1].startswith(OUR_EXPERTS):
+            index, rest = layer[1][len(OUR_EXPERTS):].split(".", 1)
+            grouped.setdefault((layer[0], rest), {})[int(index)] = tensor
+        else:
+            out[f"decoder.layers.{layer[0]}.{OUR_NORM_NAMES.get(layer[1], layer[1])}"] = tensor
+    for (i, rest), per_expert in grouped.items():
+        if sorted(per_expert) != list(range(experts)):
+            raise ConfigError(f"state has layer {i}'s {rest} for experts {sorted(per_expert)}, "
+                              f"not all {experts}")
+        out[f"decoder.layers.{i}.{DIST_EXPERTS}{rest}"] = torch.stack(
+            [per_expert[e] for e in range(experts)])
+    return out
+
+
+def layer_keyed_extra_states(config: ModelConfig) -> dict[str, list[None]]:
+    """The ``_extra_state`` objects Megatron-Core saves when it keys each layer apart."""
+    experts, shared = config.num_experts or 0, bool(config.moe_shared_expert_intermediate_size)
+    out: dict[str, list[None]] = {}
+    for i in range(config.num_layers):
+        prefix = f"decoder.layers.{i}."
+        linears = ["self_attention.linear_proj", "self_attention.linear_qkv"]
+        if config.is_moe_layer(i):
+            linears += [f"mlp.shared_experts.{x}" for x in ("linear_fc1", "linear_fc2") if shared]
+            for linear in ("linear_fc1", "linear_fc2"):
+                out.update({f"{prefix}{DIST_EXPERTS}{linear}._extra_state/shard_{e}_{experts}":
+                            [None] for e in range(experts)})
+        else:
+            linears += ["mlp.linear_fc1", "mlp.linear_fc2"]
+        out.update({f"{prefix}{linear}._extra_state/shard_0_1": [None] for linear in linears})
     return out

@@ -168,6 +168,8 @@ def _check_complete(state: MegatronState) -> None:
 
 def _dist_name(key: str, layers: int) -> list[str] | str | None:
     """Our name(s) for a torch_dist model key: a list of per-layer names for a stacked key."""
+    if (layer := split_layer_name(key)) is not None:  # keyed per layer (non-homogeneous)
+        return f"{LAYER_PREFIX}{layer[0]}.{DIST_NORM_NAMES.get(layer[1], layer[1])}"
     if key.startswith(LAYER_PREFIX):
         sub = key[len(LAYER_PREFIX):]
         sub = DIST_NORM_NAMES.get(sub, sub)
@@ -212,7 +214,10 @@ def read_torch_dist(ckpt_dir: Path, load_optim: bool = True) -> MegatronState:
                               "--no-load-optim or convert it with Megatron-LM's "
                               "--dist-ckpt-optim-fully-reshardable")
         names = _dist_name(model_key, layers)
-        if model_key.startswith(LAYER_PREFIX + DIST_EXPERTS):
+        layer = split_layer_name(model_key)
+        if layer is not None and layer[1].startswith(DIST_EXPERTS):
+            pieces = unstack_experts(key, layer[1], tensor, config, ckpt_dir, layer[0])
+        elif model_key.startswith(LAYER_PREFIX + DIST_EXPERTS):
             pieces = unstack_experts(key, model_key[len(LAYER_PREFIX):], tensor, config, ckpt_dir)
         elif isinstance(names, list):
             if tensor.dim() < 1 or tensor.shape[0] != layers:

@@ -26,7 +26,14 @@ from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint import save as dcp_save
 
 from megatron_h2.checkpointing.format import LATEST_FILE, iteration_dir
-from megatron_h2.checkpointing.megatron_moe import expert_extra_states, is_expert, stack_experts
+from megatron_h2.checkpointing.megatron_moe import (
+    expert_extra_states,
+    is_expert,
+    layer_keyed,
+    layer_keyed_extra_states,
+    per_layer_keys,
+    stack_experts,
+)
 from megatron_h2.checkpointing.megatron_names import (
     CHECKPOINT_VERSION,
     LAYER_PREFIX,
@@ -87,6 +94,13 @@ def stack_layers(tensors: dict[str, torch.Tensor], layers: int, experts: int = 0
     return out
 
 
+def _keyed(tensors: dict[str, torch.Tensor], config: ModelConfig) -> dict[str, torch.Tensor]:
+    """Our tensors under Megatron-Core's torch_dist keys for this model."""
+    if per_layer_keys(config):
+        return layer_keyed(tensors, config)
+    return stack_layers(tensors, config.num_layers, config.num_experts or 0)
+
+
 def megatron_args(config: ModelConfig, tp: int, pp: int, vocab: int, divisible_by: int,
                   iteration: int, consumed: int, consumed_valid: int) -> argparse.Namespace:
     """The args Megatron-LM records (the model-defining ones and the run's position)."""
@@ -105,6 +119,8 @@ def megatron_args(config: ModelConfig, tp: int, pp: int, vocab: int, divisible_b
 def _extra_states(config: ModelConfig) -> dict[str, list[None]]:
     """The per-layer ``_extra_state`` objects Megatron-Core's linear layers save (no FP8
     state: ``[None]``, which the checkpoint writer pickles), under its sharded-object keys."""
+    if per_layer_keys(config):
+        return layer_keyed_extra_states(config)
     layers, experts = config.num_layers, config.num_experts or 0
     linears = LINEARS[:2] if experts else LINEARS
     out = {f"{LAYER_PREFIX}{linear}._extra_state/shard_{i}_{layers}": [None]
@@ -142,15 +158,14 @@ def write_torch_dist(save_dir: str | os.PathLike, iteration: int, config: ModelC
                           f"{config.num_layers} layers")
     vocab = target_vocab(config, divisible_by, tp)
     model = {k: _pad_rows(v, vocab) if k in VOCAB_ROWS else v for k, v in model.items()}
-    experts = config.num_experts or 0
-    state: dict[str, Any] = dict(stack_layers(model, config.num_layers, experts))
+    state: dict[str, Any] = dict(_keyed(model, config))
     step = None
     if optimizer:
         for kind in ("exp_avg", "exp_avg_sq"):
             moments = {name: optimizer[f"{name}.{kind}"] for name in model}
             moments = {k: _pad_rows(v, vocab) if k in VOCAB_ROWS else v
                        for k, v in moments.items()}
-            for key, tensor in stack_layers(moments, config.num_layers, experts).items():
+            for key, tensor in _keyed(moments, config).items():
                 state[f"optimizer.state.{kind}.{key}"] = tensor
         step = optimizer[f"{next(iter(model))}.step"].clone()
     state.update(_extra_states(config))

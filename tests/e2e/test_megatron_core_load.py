@@ -57,10 +57,10 @@ def test_megatron_core_loads_what_we_write(name, tp, pp, tmp_path):
 
 @pytest.mark.skipif(PYTHON is None, reason="megatron-core is not installed "
                     "(set MEGATRON_CORE_PYTHON to an interpreter that has it)")
-@pytest.mark.parametrize("name, ep", [("moe_ep2", 1), ("moe_ep1", 2)])
+@pytest.mark.parametrize("name, ep", [("moe_ep2", 1), ("moe_ep1", 2), ("moe_freq", 2)])
 def test_megatron_core_loads_our_moe_at_any_expert_parallel_size(name, ep, tmp_path):
     """What we write holds every expert at its global index: Megatron-Core loads it at EP 1 and
-    EP 2, whichever EP the fixture was saved at."""
+    EP 2, whichever EP the fixture was saved at (with a dense layer among the MoE ones too)."""
     assert convert("--from", "megatron", "--to", "megatron_h2", "--input",
                    FIXTURES / name / "torch", "--output", tmp_path / "ours") == 0
     assert convert("--from", "megatron_h2", "--to", "megatron", "--input", tmp_path / "ours",

@@ -135,7 +135,8 @@ def _expert_edit(root: Path, rng: random.Random) -> str:
 
 
 FAMILIES = [_truncate, _delete, _bad_metadata, _state_edit]
-MOE_SOURCES = [("moe_ep2", "torch"), ("moe_ep2", "torch_dist"), ("moe_ep1", "torch")]
+MOE_SOURCES = [("moe_ep2", "torch"), ("moe_ep2", "torch_dist"), ("moe_ep1", "torch"),
+               ("moe_freq", "torch_dist")]
 DISTOPT_SOURCES = [("gpt_distopt_tp2_pp2_dp2", "dp_reshardable"),
                    ("gpt_distopt_tp2_pp2_dp2", "torch"), ("llama_distopt_tp2", "dp_reshardable"),
                    ("gpt_distopt_pp2", "torch"), ("gpt_distopt_dp2", "dp_reshardable")]
@@ -143,9 +144,9 @@ DISTOPT_SOURCES = [("gpt_distopt_tp2_pp2_dp2", "dp_reshardable"),
 
 @pytest.mark.parametrize(("sources", "families", "cases"), [
     (SOURCES, FAMILIES, 100), (DISTOPT_SOURCES, [*FAMILIES, _buffer_edit], 50),
-    (MOE_SOURCES, [*FAMILIES, _expert_edit], 45)])
+    (MOE_SOURCES, [*FAMILIES, _expert_edit], 60)])
 def test_corruptions_each_one_line(tmp_path, sources, families, cases):
-    """100 of the plain fixtures; 50 of the distributed optimizer's (its buffers too); 45 of
+    """100 of the plain fixtures; 50 of the distributed optimizer's (its buffers too); 60 of
     the mixture-of-experts ones (their experts too)."""
     rng = random.Random(2026)
     outcomes = []

@@ -1,6 +1,6 @@
 """Megatron-LM mixture-of-experts checkpoints (fixtures made by Megatron-Core with
 tests/fixtures/megatron/generate_moe.py: 4 SequentialMLP experts, top-2, a shared expert, saved
-at EP 1 and EP 2)."""
+at EP 1 and EP 2, and at EP 1 with --moe-layer-freq [1,0]: layer 1 dense)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from megatron_h2.checkpointing.megatron_read import read_megatron
 from megatron_h2.errors import ConfigError
 from tests.unit.checkpointing.test_megatron_read import FIXTURES, FORMATS, logits_of
 
-NAMES = ["moe_ep1", "moe_ep2"]
+NAMES = ["moe_ep1", "moe_ep2", "moe_freq"]
 EXPERT = "decoder.layers.1.mlp.experts.local_experts.3.linear_fc2.weight"
 
 
@@ -30,7 +30,9 @@ def test_moe_fixture_gives_megatron_cores_logits(name, fmt):
     c = state.config
     assert (c.num_experts, c.moe_router_topk, c.moe_ffn_hidden_size,
             c.moe_shared_expert_intermediate_size) == (4, 2, 8, 16)
-    assert EXPERT in state.model and state.model[EXPERT].shape == (16, 8)
+    assert c.moe_layer_freq == ([1, 0] if name == "moe_freq" else 1)
+    expert = EXPERT.replace("layers.1", "layers.0") if name == "moe_freq" else EXPERT
+    assert expert in state.model and state.model[expert].shape == (16, 8)
     assert set(state.optimizer) == {f"{n}.{k}" for n in state.model
                                    for k in ("exp_avg", "exp_avg_sq", "step")}
     assert (state.iteration, state.consumed_samples) == (2, 8)
@@ -84,7 +86,7 @@ def test_missing_expert_parallel_rank_is_named(tmp_path):
 
 
 @pytest.mark.parametrize(("fmt", "count", "says"), [
-    ("torch_dist", 8, "expected 2 layers x 8 experts"),
+    ("torch_dist", 8, "expected 2 x 8 \\(layers x\\) experts first"),
     ("torch", 8, "has no tensor decoder.layers.0.mlp.experts.local_experts.2.linear_fc1"),
     ("torch", 2, "holds decoder.layers.0.mlp.experts.local_experts.1.linear_fc1.weight, but its "
                  "args give each EP rank 1 experts")])

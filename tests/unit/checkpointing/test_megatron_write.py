@@ -41,7 +41,8 @@ def load_object(ckpt_dir: Path, key: str):
                                            ("gpt_tp1_pp2", "torch_dist", 1),
                                            ("llama_tp2_pp1", "torch_dist", 2),
                                            ("moe_ep1", "torch_dist", 1),
-                                           ("moe_ep2", "torch", 1)])
+                                           ("moe_ep2", "torch", 1),
+                                           ("moe_freq", "torch", 1)])
 def test_round_trip_is_exact(name, fmt, tp, tmp_path):
     src = FIXTURES / name / fmt
     assert convert("--from", "megatron", "--to", "megatron_h2", "--input", src,
