@@ -35,6 +35,14 @@ from megatron_h2.checkpointing.hf_tensors import megatron_shapes
 from megatron_h2.checkpointing.megatron_dist import read_dist_tensors
 from megatron_h2.checkpointing.megatron_distopt import PREFIX as DISTOPT_PREFIX
 from megatron_h2.checkpointing.megatron_distopt import read_distrib_optim, read_dp_reshardable
+from megatron_h2.checkpointing.megatron_moe import (
+    DIST_EXPERTS,
+    expert_parallel_size,
+    globalize,
+    parse_rank_dir,
+    rank_dir_name,
+    unstack_experts,
+)
 from megatron_h2.checkpointing.megatron_names import (
     CHECKPOINT_VERSION,
     DIST_NORM_NAMES,
@@ -52,8 +60,8 @@ from megatron_h2.errors import ConfigError
 
 ADAM_KEYS = ("exp_avg", "exp_avg_sq")
 _SAME_ARGS = (*MODEL_ARG_FIELDS, "padded_vocab_size", "tensor_model_parallel_size",
-              "pipeline_model_parallel_size")
-_MP_RANK = re.compile(r"^mp_rank_(\d{2})(?:_(\d{3}))?$")
+              "pipeline_model_parallel_size", "expert_model_parallel_size")
+_MP_RANK = re.compile(r"^mp_rank_(\d{2})(?:_\d{3}){0,2}$")
 
 
 @dataclass
@@ -160,6 +168,8 @@ def _check_complete(state: MegatronState) -> None:
 
 def _dist_name(key: str, layers: int) -> list[str] | str | None:
     """Our name(s) for a torch_dist model key: a list of per-layer names for a stacked key."""
+    if (layer := split_layer_name(key)) is not None:  # keyed per layer (non-homogeneous)
+        return f"{LAYER_PREFIX}{layer[0]}.{DIST_NORM_NAMES.get(layer[1], layer[1])}"
     if key.startswith(LAYER_PREFIX):
         sub = key[len(LAYER_PREFIX):]
         sub = DIST_NORM_NAMES.get(sub, sub)
@@ -174,6 +184,7 @@ def read_torch_dist(ckpt_dir: Path, load_optim: bool = True) -> MegatronState:
     common = safe_torch_load(common_path)
     args, iteration = _check_common(common, common_path)
     config = model_config_from_args(args, common_path)
+    expert_parallel_size(args, common_path, load_optim)
     optim = common.get("optimizer")
     sharding = optim.get("param_state_sharding_type") if isinstance(optim, dict) else None
     if load_optim and sharding not in (None, "fully_reshardable", "dp_reshardable"):
@@ -203,7 +214,12 @@ def read_torch_dist(ckpt_dir: Path, load_optim: bool = True) -> MegatronState:
                               "--no-load-optim or convert it with Megatron-LM's "
                               "--dist-ckpt-optim-fully-reshardable")
         names = _dist_name(model_key, layers)
-        if isinstance(names, list):
+        layer = split_layer_name(model_key)
+        if layer is not None and layer[1].startswith(DIST_EXPERTS):
+            pieces = unstack_experts(key, layer[1], tensor, config, ckpt_dir, layer[0])
+        elif model_key.startswith(LAYER_PREFIX + DIST_EXPERTS):
+            pieces = unstack_experts(key, model_key[len(LAYER_PREFIX):], tensor, config, ckpt_dir)
+        elif isinstance(names, list):
             if tensor.dim() < 1 or tensor.shape[0] != layers:
                 raise ConfigError(f"checkpoint {ckpt_dir}: {key} has shape "
                                   f"{tuple(tensor.shape)}, expected {layers} stacked layers")
@@ -264,30 +280,41 @@ def _common_step(optim: Any) -> Any:
 
 # --- legacy torch -------------------------------------------------------------------------------
 
-def _rank_dirs(ckpt_dir: Path) -> dict[tuple[int, int], Path]:
-    found: dict[tuple[int, int], Path] = {}
-    for sub in ckpt_dir.iterdir():
-        match = _MP_RANK.match(sub.name)
-        if match and sub.is_dir():
-            found[(int(match.group(1)), int(match.group(2) or 0))] = sub
-    if (0, 0) not in found:
-        raise ConfigError(f"checkpoint {ckpt_dir} is missing shard directory mp_rank_00 "
-                          "(or mp_rank_00_000)")
+def _rank_dirs(ckpt_dir: Path, pp: int, ep: int) -> dict[tuple[int, int, int], Path]:
+    """Every (TP, PP, EP) rank's shard directory; one outside the args' TP x PP x EP grid, or
+    missing from it, is one line."""
+    names = sorted(p.name for p in ckpt_dir.iterdir() if p.is_dir() and _MP_RANK.match(p.name))
+    found = {key: ckpt_dir / n for n in names if (key := parse_rank_dir(n, pp, ep)) is not None}
+    strays = [n for n in names if parse_rank_dir(n, pp, ep) is None]
+    if strays:
+        raise ConfigError(f"checkpoint {ckpt_dir} has shard directory {strays[0]}, not of the "
+                          f"PP {pp} x EP {ep} layout its args name")
     return found
 
 
-def _check_grid(ckpt_dir: Path, found: dict[tuple[int, int], Path], tp: int, pp: int) -> None:
-    """Every TP rank of every stage that the args name, and nothing else."""
+def _first_rank_dir(ckpt_dir: Path) -> Path:
+    first = next((ckpt_dir / n for n in ("mp_rank_00", "mp_rank_00_000", "mp_rank_00_000_000")
+                  if (ckpt_dir / n).is_dir()), None)
+    if first is None:
+        raise ConfigError(f"checkpoint {ckpt_dir} is missing shard directory mp_rank_00 "
+                          "(or mp_rank_00_000)")
+    return first
+
+
+def _check_grid(ckpt_dir: Path, found: dict[tuple[int, int, int], Path], tp: int, pp: int,
+                ep: int) -> None:
+    """Every TP rank of every stage and EP rank that the args name, and nothing else."""
     for t in range(tp):
         for p in range(pp):
-            if (t, p) not in found:
-                name = f"mp_rank_{t:02d}" + (f"_{p:03d}" if pp > 1 else "")
-                raise ConfigError(f"checkpoint {ckpt_dir} is missing shard directory {name} "
-                                  f"(a TP {tp} x PP {pp} checkpoint)")
-    extra = sorted(found[k].name for k in found if k[0] >= tp or k[1] >= pp)
+            for e in range(ep):
+                if (t, p, e) not in found:
+                    raise ConfigError(f"checkpoint {ckpt_dir} is missing shard directory "
+                                      f"{rank_dir_name(t, p, e, pp, ep)} (a TP {tp} x PP {pp}"
+                                      f"{f' x EP {ep}' if ep > 1 else ''} checkpoint)")
+    extra = sorted(found[k].name for k in found if k[0] >= tp or k[1] >= pp or k[2] >= ep)
     if extra:
         raise ConfigError(f"checkpoint {ckpt_dir} has shard directory {extra[0]}, outside the "
-                          f"TP {tp} x PP {pp} its args name")
+                          f"TP {tp} x PP {pp}{f' x EP {ep}' if ep > 1 else ''} its args name")
 
 
 def _param_names(model_sd: dict[str, Any]) -> list[str]:
@@ -330,56 +357,78 @@ def _optimizer_by_name(optim: Any, model_sd: dict[str, Any],
     return out
 
 
+def _legacy_rank(sd: Any, where: Path, args: dict[str, Any], iteration: int, stage: int,
+                 load_optim: bool, state: MegatronState) -> list[tuple[str, torch.Tensor]]:
+    """One shard file's tensors and optimizer state under its local names, checked to be of
+    the same run as the first shard; its non-tensor entries go to ``state.not_read``."""
+    its_args, its_iteration = _check_common(sd, where)
+    if its_iteration != iteration:
+        raise ConfigError(f"checkpoint file {where} is of iteration {its_iteration}, "
+                          f"not {iteration}")
+    differs = [k for k in _SAME_ARGS if its_args.get(k) != args.get(k)]
+    if differs:
+        raise ConfigError(f"checkpoint file {where} has {differs[0]}="
+                          f"{str(its_args.get(differs[0]))[:20]}, the first shard "
+                          f"{str(args.get(differs[0]))[:20]}; the shards are of different runs")
+    model_sd = sd.get("model")
+    if not isinstance(model_sd, dict):
+        raise ConfigError(f"checkpoint file {where} has no model state")
+    tensors = {k: v for k, v in model_sd.items() if isinstance(v, torch.Tensor)}
+    state.not_read += [f"{where.parent.name}/{k}" for k in model_sd if k not in tensors]
+    if (distrib := where.parent / "distrib_optim.pt").exists() and load_optim:
+        optim = read_distrib_optim(distrib, sd.get("optimizer"),
+                                   {k: tuple(v.shape) for k, v in tensors.items()},
+                                   its_args, stage)
+    else:
+        optim = (_optimizer_by_name(sd["optimizer"], model_sd, where)
+                 if load_optim and sd.get("optimizer") is not None else {})
+    return [*tensors.items(), *optim.items()]
+
+
 def read_legacy(ckpt_dir: Path, load_optim: bool = True) -> MegatronState:
-    """A legacy ``torch`` iteration directory (``mp_rank_TT[_PPP]/model_optim_rng.pt``)."""
-    dirs = _rank_dirs(ckpt_dir)
-    first = dirs[(0, 0)] / "model_optim_rng.pt"
+    """A legacy ``torch`` iteration directory (``mp_rank_TT[_PPP][_EEE]/model_optim_rng.pt``)."""
+    first = _first_rank_dir(ckpt_dir) / "model_optim_rng.pt"
     head = safe_torch_load(first)
     args, iteration = _check_common(head, first)
     tp, pp = (args.get(k) for k in ("tensor_model_parallel_size", "pipeline_model_parallel_size"))
     if not all(isinstance(v, int) and v >= 1 for v in (tp, pp)):
         raise ConfigError(f"checkpoint file {first}: args name no valid TP / PP size")
-    _check_grid(ckpt_dir, dirs, tp, pp)
+    config = model_config_from_args(args, first)
+    ep = expert_parallel_size(args, first, load_optim)
+    dirs = _rank_dirs(ckpt_dir, pp, ep)
+    _check_grid(ckpt_dir, dirs, tp, pp, ep)
     files = {key: d / "model_optim_rng.pt" for key, d in dirs.items()}
-    loaded = {key: head if key == (0, 0) else safe_torch_load(path)
+    loaded = {key: head if files[key] == first else safe_torch_load(path)
               for key, path in sorted(files.items())}
-    config = model_config_from_args(args, files[(0, 0)])
     state = MegatronState(ckpt_dir, "torch", iteration, args, config, {},
-                          scheduler=_scheduler(loaded[(0, 0)], files[(0, 0)]))
+                          scheduler=_scheduler(head, first))
     per_name: dict[str, list[torch.Tensor]] = {}
     offset = 0
     for p in range(pp):
         stage_layers = set()
         for t in range(tp):
-            sd, where = loaded[(t, p)], files[(t, p)]
-            its_args, its_iteration = _check_common(sd, where)
-            if its_iteration != iteration:
-                raise ConfigError(f"checkpoint file {where} is of iteration "
-                                  f"{its_iteration}, not {iteration}")
-            differs = [k for k in _SAME_ARGS if its_args.get(k) != args.get(k)]
-            if differs:
-                raise ConfigError(f"checkpoint file {where} has {differs[0]}="
-                                  f"{str(its_args.get(differs[0]))[:20]}, the first shard "
-                                  f"{str(args.get(differs[0]))[:20]}; the shards are of "
-                                  "different runs")
-            model_sd = sd.get("model")
-            if not isinstance(model_sd, dict):
-                raise ConfigError(f"checkpoint file {where} has no model state")
-            tensors = {k: v for k, v in model_sd.items() if isinstance(v, torch.Tensor)}
-            state.not_read += [f"{where.parent.name}/{k}" for k in model_sd if k not in tensors]
-            if (distrib := where.parent / "distrib_optim.pt").exists() and load_optim:
-                optim = read_distrib_optim(distrib, sd.get("optimizer"),
-                                           {k: tuple(v.shape) for k, v in tensors.items()},
-                                           its_args, p)
-            else:
-                optim = (_optimizer_by_name(sd["optimizer"], model_sd, where)
-                         if load_optim and sd.get("optimizer") is not None else {})
-            for local, tensor in [*tensors.items(), *optim.items()]:
-                layer = split_layer_name(local)
-                if layer is not None:
-                    stage_layers.add(layer[0])
-                    local = f"{LAYER_PREFIX}{offset + layer[0]}.{layer[1]}"
-                per_name.setdefault(local, []).append(tensor)
+            replicated: dict[str, torch.Tensor] = {}
+            for e in range(ep):
+                where, seen = files[(t, p, e)], set()
+                for local, tensor in _legacy_rank(loaded[(t, p, e)], where, args, iteration, p,
+                                                  load_optim, state):
+                    layer = split_layer_name(local)
+                    if layer is not None:
+                        stage_layers.add(layer[0])
+                        local = f"{LAYER_PREFIX}{offset + layer[0]}.{layer[1]}"
+                    if ep > 1 and (name := globalize(local, e, config.num_experts // ep, where)):
+                        per_name.setdefault(name, []).append(tensor)
+                        continue
+                    seen.add(local)
+                    if e == 0:
+                        replicated[local] = tensor
+                        per_name.setdefault(local, []).append(tensor)
+                    elif not torch.equal(replicated.get(local, tensor.new_empty(0)), tensor):
+                        raise ConfigError(f"checkpoint file {where}: {local} differs from EP "
+                                          "rank 0's copy (or it has none)")
+                if lacking := sorted(set(replicated) - seen):
+                    raise ConfigError(f"checkpoint file {where} has no {lacking[0]}, which EP "
+                                      "rank 0's file has; the file is incomplete")
         offset += len(stage_layers)
     if offset != config.num_layers:
         raise ConfigError(f"checkpoint {ckpt_dir} holds {offset} layers across its {pp} stages, "
@@ -424,7 +473,7 @@ def read_header(ckpt_dir: Path) -> MegatronState:
     if fmt == "torch_dist":
         path = ckpt_dir / "common.pt"
     elif fmt == "torch":
-        path = _rank_dirs(ckpt_dir)[(0, 0)] / "model_optim_rng.pt"
+        path = _first_rank_dir(ckpt_dir) / "model_optim_rng.pt"
     else:
         raise ConfigError(f"{ckpt_dir} is a megatron_h2 checkpoint, not a Megatron-LM one")
     common = safe_torch_load(path)

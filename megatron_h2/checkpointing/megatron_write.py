@@ -26,6 +26,14 @@ from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint import save as dcp_save
 
 from megatron_h2.checkpointing.format import LATEST_FILE, iteration_dir
+from megatron_h2.checkpointing.megatron_moe import (
+    expert_extra_states,
+    is_expert,
+    layer_keyed,
+    layer_keyed_extra_states,
+    per_layer_keys,
+    stack_experts,
+)
 from megatron_h2.checkpointing.megatron_names import (
     CHECKPOINT_VERSION,
     LAYER_PREFIX,
@@ -64,11 +72,15 @@ def _megatron_key(name: str, layers: int) -> tuple[str, int | None]:
     return LAYER_PREFIX + OUR_NORM_NAMES.get(layer[1], layer[1]), layer[0]
 
 
-def stack_layers(tensors: dict[str, torch.Tensor], layers: int) -> dict[str, torch.Tensor]:
-    """Our per-layer tensors -> Megatron's torch_dist keys, layers stacked on dim 0."""
-    out: dict[str, torch.Tensor] = {}
+def stack_layers(tensors: dict[str, torch.Tensor], layers: int, experts: int = 0
+                 ) -> dict[str, torch.Tensor]:
+    """Our per-layer tensors -> Megatron's torch_dist keys, layers stacked on dim 0 (and an
+    MoE model's experts on dim 1)."""
+    out: dict[str, torch.Tensor] = stack_experts(tensors, layers, experts)
     stacked: dict[str, dict[int, torch.Tensor]] = {}
     for name, tensor in tensors.items():
+        if is_expert(name):
+            continue
         key, index = _megatron_key(name, layers)
         if index is None:
             out[key] = tensor
@@ -82,6 +94,13 @@ def stack_layers(tensors: dict[str, torch.Tensor], layers: int) -> dict[str, tor
     return out
 
 
+def _keyed(tensors: dict[str, torch.Tensor], config: ModelConfig) -> dict[str, torch.Tensor]:
+    """Our tensors under Megatron-Core's torch_dist keys for this model."""
+    if per_layer_keys(config):
+        return layer_keyed(tensors, config)
+    return stack_layers(tensors, config.num_layers, config.num_experts or 0)
+
+
 def megatron_args(config: ModelConfig, tp: int, pp: int, vocab: int, divisible_by: int,
                   iteration: int, consumed: int, consumed_valid: int) -> argparse.Namespace:
     """The args Megatron-LM records (the model-defining ones and the run's position)."""
@@ -89,6 +108,7 @@ def megatron_args(config: ModelConfig, tp: int, pp: int, vocab: int, divisible_b
     values.update(
         padded_vocab_size=vocab, make_vocab_size_divisible_by=divisible_by,
         tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+        expert_model_parallel_size=1,
         add_position_embedding=config.position_embedding_type == "learned_absolute",
         consumed_train_samples=consumed, consumed_valid_samples=consumed_valid,
         iteration=iteration, ckpt_format="torch_dist", use_distributed_optimizer=False,
@@ -96,11 +116,19 @@ def megatron_args(config: ModelConfig, tp: int, pp: int, vocab: int, divisible_b
     return argparse.Namespace(**values)
 
 
-def _extra_states(layers: int) -> dict[str, list[None]]:
+def _extra_states(config: ModelConfig) -> dict[str, list[None]]:
     """The per-layer ``_extra_state`` objects Megatron-Core's linear layers save (no FP8
     state: ``[None]``, which the checkpoint writer pickles), under its sharded-object keys."""
-    return {f"{LAYER_PREFIX}{linear}._extra_state/shard_{i}_{layers}": [None]
-            for linear in LINEARS for i in range(layers)}
+    if per_layer_keys(config):
+        return layer_keyed_extra_states(config)
+    layers, experts = config.num_layers, config.num_experts or 0
+    linears = LINEARS[:2] if experts else LINEARS
+    out = {f"{LAYER_PREFIX}{linear}._extra_state/shard_{i}_{layers}": [None]
+           for linear in linears for i in range(layers)}
+    if experts:
+        out.update(expert_extra_states(layers, experts,
+                                       bool(config.moe_shared_expert_intermediate_size)))
+    return out
 
 
 def _param_groups(optimizer: dict[str, Any]) -> list[dict[str, Any]]:
@@ -130,17 +158,17 @@ def write_torch_dist(save_dir: str | os.PathLike, iteration: int, config: ModelC
                           f"{config.num_layers} layers")
     vocab = target_vocab(config, divisible_by, tp)
     model = {k: _pad_rows(v, vocab) if k in VOCAB_ROWS else v for k, v in model.items()}
-    state: dict[str, Any] = dict(stack_layers(model, config.num_layers))
+    state: dict[str, Any] = dict(_keyed(model, config))
     step = None
     if optimizer:
         for kind in ("exp_avg", "exp_avg_sq"):
             moments = {name: optimizer[f"{name}.{kind}"] for name in model}
             moments = {k: _pad_rows(v, vocab) if k in VOCAB_ROWS else v
                        for k, v in moments.items()}
-            for key, tensor in stack_layers(moments, config.num_layers).items():
+            for key, tensor in _keyed(moments, config).items():
                 state[f"optimizer.state.{kind}.{key}"] = tensor
         step = optimizer[f"{next(iter(model))}.step"].clone()
-    state.update(_extra_states(config.num_layers))
+    state.update(_extra_states(config))
     out = iteration_dir(save_dir, iteration)
     out.mkdir(parents=True, exist_ok=False)
     with warnings.catch_warnings():  # "assuming ... a single process": that is the intent

@@ -53,3 +53,26 @@ def test_megatron_core_loads_what_we_write(name, tp, pp, tmp_path):
     found = re.search(r"MAX_LOGIT_DIFF (\S+)", proc.stdout)
     assert proc.returncode == 0 and found, proc.stderr[-3000:]
     assert float(found.group(1)) <= 1e-6
+
+
+@pytest.mark.skipif(PYTHON is None, reason="megatron-core is not installed "
+                    "(set MEGATRON_CORE_PYTHON to an interpreter that has it)")
+@pytest.mark.parametrize("name, ep", [("moe_ep2", 1), ("moe_ep1", 2), ("moe_freq", 2)])
+def test_megatron_core_loads_our_moe_at_any_expert_parallel_size(name, ep, tmp_path):
+    """What we write holds every expert at its global index: Megatron-Core loads it at EP 1 and
+    EP 2, whichever EP the fixture was saved at (with a dense layer among the MoE ones too)."""
+    assert convert("--from", "megatron", "--to", "megatron_h2", "--input",
+                   FIXTURES / name / "torch", "--output", tmp_path / "ours") == 0
+    assert convert("--from", "megatron_h2", "--to", "megatron", "--input", tmp_path / "ours",
+                   "--output", tmp_path / "megatron", "--target-tensor-parallel-size", 1,
+                   "--target-pipeline-parallel-size", 1, "--make-vocab-size-divisible-by",
+                   64) == 0
+    proc = subprocess.run(
+        [PYTHON, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ep),
+         str(FIXTURES / "mcore_load.py"), name, "1", "1",
+         str(tmp_path / "megatron" / "iter_0000002"), str(ep)],
+        capture_output=True, text=True, timeout=600,
+        env=dict(os.environ, OMP_NUM_THREADS="1"))
+    found = re.search(r"MAX_LOGIT_DIFF (\S+)", proc.stdout)
+    assert proc.returncode == 0 and found, proc.stderr[-3000:]
+    assert float(found.group(1)) <= 1e-6

@@ -117,16 +117,37 @@ def _buffer_edit(root: Path, rng: random.Random) -> str:
     return f"dist buffer {key}"
 
 
+def _expert_edit(root: Path, rng: random.Random) -> str:
+    """A mixture-of-experts checkpoint: an expert missing, or args with another expert count or
+    expert-parallel size."""
+    target = rng.choice([p for p in _files(root) if p.suffix == ".pt"])
+    state = torch.load(target, weights_only=False)
+    choice = rng.randrange(3)
+    if choice == 0 and "model" in state:
+        key = rng.choice([k for k in state["model"] if ".local_experts." in k])
+        del state["model"][key]
+    elif choice == 1 or "model" not in state:
+        state["args"].num_experts = rng.choice([2, 3, 8])
+    else:
+        state["args"].expert_model_parallel_size = rng.choice([1, 3, 4])
+    torch.save(state, target)
+    return f"experts {choice} {target.parent.name}"
+
+
 FAMILIES = [_truncate, _delete, _bad_metadata, _state_edit]
+MOE_SOURCES = [("moe_ep2", "torch"), ("moe_ep2", "torch_dist"), ("moe_ep1", "torch"),
+               ("moe_freq", "torch_dist")]
 DISTOPT_SOURCES = [("gpt_distopt_tp2_pp2_dp2", "dp_reshardable"),
                    ("gpt_distopt_tp2_pp2_dp2", "torch"), ("llama_distopt_tp2", "dp_reshardable"),
                    ("gpt_distopt_pp2", "torch"), ("gpt_distopt_dp2", "dp_reshardable")]
 
 
 @pytest.mark.parametrize(("sources", "families", "cases"), [
-    (SOURCES, FAMILIES, 100), (DISTOPT_SOURCES, [*FAMILIES, _buffer_edit], 50)])
+    (SOURCES, FAMILIES, 100), (DISTOPT_SOURCES, [*FAMILIES, _buffer_edit], 50),
+    (MOE_SOURCES, [*FAMILIES, _expert_edit], 60)])
 def test_corruptions_each_one_line(tmp_path, sources, families, cases):
-    """100 of the plain fixtures; 50 of the distributed optimizer's (its buffers too)."""
+    """100 of the plain fixtures; 50 of the distributed optimizer's (its buffers too); 60 of
+    the mixture-of-experts ones (their experts too)."""
     rng = random.Random(2026)
     outcomes = []
     for case in range(cases):

@@ -39,7 +39,10 @@ def load_object(ckpt_dir: Path, key: str):
 @pytest.mark.parametrize("name, fmt, tp", [("gpt_tp2_pp1", "torch", 2),
                                            ("llama_tp1_pp2", "torch_dist", 1),
                                            ("gpt_tp1_pp2", "torch_dist", 1),
-                                           ("llama_tp2_pp1", "torch_dist", 2)])
+                                           ("llama_tp2_pp1", "torch_dist", 2),
+                                           ("moe_ep1", "torch_dist", 1),
+                                           ("moe_ep2", "torch", 1),
+                                           ("moe_freq", "torch", 1)])
 def test_round_trip_is_exact(name, fmt, tp, tmp_path):
     src = FIXTURES / name / fmt
     assert convert("--from", "megatron", "--to", "megatron_h2", "--input", src,
