@@ -31,7 +31,7 @@ class ParallelConfig:
         1, "Degree of expert model parallelism: each of the EP ranks of a stage holds 1/EP of "
         "every MoE layer's experts and tokens travel to them (--moe-token-dispatcher-type); "
         "carved from the stage's TP x DP ranks as Megatron-Core does (EP groups span DP "
-        "replicas; not yet with --sequence-parallel).")
+        "replicas; under --sequence-parallel each MoE block gathers its TP group's sequence).")
     expert_tensor_parallel_size: int | None = flag(
         None, "Degree of tensor model parallelism of the experts; default (as Megatron's) and "
         "only value so far: the stage's TP.")

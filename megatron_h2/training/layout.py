@@ -141,10 +141,6 @@ def _check_stages_for_model(plan: HeteroPlan, model: ModelConfig,
             raise ConfigError(f"stage {index} tensor parallel size {tp} does not divide "
                               f"--ffn-hidden-size {model.ffn_hidden_size}")
         _check_stage_experts(index, stage, model, parallel)
-        if model.is_moe and tp > 1 and parallel.sequence_parallel:
-            raise ConfigError(f"stage {index} has tensor parallel size {tp}: mixture-of-experts "
-                              "layers under sequence parallelism are not implemented yet; drop "
-                              "--sequence-parallel for a --num-experts model")
         for name in ("moe_ffn_hidden_size", "moe_shared_expert_intermediate_size"):
             size = getattr(model, name) if model.is_moe else None
             if size and size % tp:
@@ -160,16 +156,14 @@ def _check_stages_for_model(plan: HeteroPlan, model: ModelConfig,
 def _check_stage_experts(index: int, stage: StageSpec, model: ModelConfig,
                          parallel: ParallelConfig) -> None:
     """What expert parallelism runs so far: experts split over TP like the dense MLP (ETP =
-    TP) and EP groups across data-parallel replicas (which hold different tokens)."""
-    tp, etp, ep = stage.tensor_parallel_size, stage.expert_tp, stage.expert_model_parallel_size
+    TP) and EP groups across data-parallel replicas (which hold different tokens; under
+    sequence parallelism each MoE block gathers its TP group's sequence first)."""
+    tp, etp = stage.tensor_parallel_size, stage.expert_tp
     if etp != tp:
         raise ConfigError(f"stage {index}: expert tensor parallel size {etp} differs from the "
                           f"stage's TP {tp}; only ETP = TP runs so far: omit "
                           "--expert-tensor-parallel-size (or the plan's "
                           "expert_tensor_parallel_size)")
-    if ep > 1 and parallel.sequence_parallel and tp > 1:
-        raise ConfigError(f"stage {index}: expert parallelism with sequence parallelism is not "
-                          "implemented yet; drop --sequence-parallel")
 
 
 def stage_dps(plan: HeteroPlan) -> tuple[int, ...]:

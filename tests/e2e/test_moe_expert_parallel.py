@@ -64,6 +64,25 @@ def test_zero1_with_ep2_and_its_checkpoint_resumes_under_ep1_and_ep4(corpus, ref
     assert_same_run(records(tmp_path / "c.jsonl"), want)
 
 
+@pytest.mark.parametrize("arch,dispatcher", [("mixtral", "alltoall"), ("deepseek", "allgather")])
+def test_ep2_tp2_with_sequence_parallelism(arch, dispatcher, corpus, references, tmp_path):
+    """EP 2 x TP 2 with --sequence-parallel (four ranks: DP 2, TP 2): each MoE block gathers
+    its TP group's sequence chunks, routes, dispatches over EP and keeps its own chunk of the
+    output; losses, aux / z losses and tokens per expert (token dropping included) as in one
+    process."""
+    proc = run(4, arch, corpus, tmp_path / "log.jsonl", "--expert-model-parallel-size", "2",
+               "--moe-token-dispatcher-type", dispatcher, "--tensor-model-parallel-size", "2",
+               "--sequence-parallel")
+    assert "stage 0: chip default (cpu) | TP 2 | EP 2 (expert TP 2) |" in proc.stdout
+    assert_same_run(records(tmp_path / "log.jsonl"), references[arch])
+
+
+def test_tp2_with_sequence_parallelism(corpus, references, tmp_path):
+    """MoE layers under TP 2 with --sequence-parallel, no expert parallelism (two ranks)."""
+    run(2, "deepseek", corpus, tmp_path / "log.jsonl", "--tensor-model-parallel-size", "2",
+        "--sequence-parallel")
+    assert_same_run(records(tmp_path / "log.jsonl"), references["deepseek"])
+
 
 def test_ep2_with_interleaved_pp2(corpus, references, tmp_path):
     """EP 2 on each of two pipeline stages (DP 2 each), two model chunks per stage, with

@@ -19,11 +19,21 @@ rank gathers the group's tokens instead and the outputs are summed back); the ex
 parameters carry ``param.expert_parallel = True`` (their gradients are summed over the
 expert-data-parallel group, the others' over the data-parallel group).
 
+Under sequence parallelism (TP > 1) the block receives this rank's sequence chunk [b, s/t, h]:
+it gathers the whole sequence over the TP group first, so that the router, its aux-loss
+statistics, capacity and dispatch see the tokens they see without sequence parallelism, runs
+the experts (and shared experts) as tensor-parallel MLPs on the replicated tokens and keeps its
+own chunk of the output. (Megatron-Core routes the local chunk and gathers over TP in its
+dispatchers, summing the aux-loss statistics over TP; gathering first gives the same routing
+at the price of every TP rank routing the whole sequence, as it does without SP.)
+
 Shapes: b = micro-batch size, s = sequence length, h = hidden size, T = s x b tokens,
 E = experts, n_e = tokens routed to expert e.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import torch
 import torch.nn.functional as F
@@ -33,7 +43,11 @@ from megatron_h2.config import ModelConfig
 from megatron_h2.devices.kernels import Kernels
 from megatron_h2.models.gpt.layers import MLP
 from megatron_h2.models.gpt.router import MoEState, TopKRouter, in_backward_recompute
-from megatron_h2.parallel import TPContext
+from megatron_h2.parallel import (
+    TPContext,
+    gather_from_sequence_parallel_region,
+    scatter_to_sequence_parallel_region,
+)
 from megatron_h2.parallel.expert_parallel import (
     EXPERT_PARALLEL_ATTR,
     EPContext,
@@ -107,8 +121,9 @@ class MoELayer(nn.Module):
                  state: MoEState, ep: EPContext | None = None) -> None:
         super().__init__()
         self.ep = ep = ep or EPContext.single()
-        if tp.size > 1 and tp.sequence_parallel:
-            raise ValueError("MoE layers under sequence parallelism are not implemented")
+        # under SP the block gathers the sequence: its MLPs run on replicated tokens
+        self.sp_tp = tp if tp.size > 1 and tp.sequence_parallel else None
+        tp = dataclasses.replace(tp, sequence_parallel=False)
         self.config, self.layer, self.state = config, layer, state
         self.router = TopKRouter(config, layer, state)
         self.experts = SequentialMLP(config, kernels, tp, ep.local_experts(config.num_experts))
@@ -125,6 +140,14 @@ class MoELayer(nn.Module):
         return unpermute(out, rows, tokens.shape[0])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.sp_tp is None:
+            return self._forward(x)
+        # [b, s/t, h] -> [b, s, h]; the grads that come back are complete on every TP rank
+        full = gather_from_sequence_parallel_region(x, self.sp_tp, reduce_grads=False)
+        return scatter_to_sequence_parallel_region(self._forward(full), self.sp_tp)
+
+    def _forward(self, x: torch.Tensor) -> torch.Tensor:
+        """The block on the whole sequence: [b, s, h] -> [b, s, h]."""
         b, s, h = x.shape
         tokens = x.transpose(0, 1).reshape(s * b, h)  # [T, h] in Megatron's [s, b] order
         shared = self.shared_experts(tokens) if self.shared_experts is not None else None
