@@ -128,8 +128,9 @@ class MoECosts:
         efficiency = self.config.compute_efficiency
         rate = tp * chip.tflops_bf16 * 1e12 * efficiency / chip.emulate_slowdown
         forward = (rest + experts * imbalance) / rate
-        # each TP rank dispatches its sequence-parallel share of the tokens
-        alltoall = self.alltoall_s(model.moe_dispatch_bytes(tokens) / tp * imbalance, ep, chip)
+        # every TP rank dispatches all the micro-batch's tokens (the runtime's MoE layer
+        # gathers the sequence over TP first: models/gpt/moe_layer.py)
+        alltoall = self.alltoall_s(model.moe_dispatch_bytes(tokens) * imbalance, ep, chip)
         flops = rest + experts
         return forward, alltoall, model.moe_layer_weight_grad_flops(tokens) / (2.0 * flops), \
             core / flops

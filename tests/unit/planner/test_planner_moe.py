@@ -58,6 +58,18 @@ def test_per_layer_counts_add_up_to_the_models_parameters(freq, shared):
     assert non_expert < model.moe_layer_params_per_chip(1, 4)[0]
 
 
+def test_every_tp_rank_dispatches_the_whole_micro_batch():
+    """The runtime's MoE layer gathers the sequence over TP before routing, so each TP rank's
+    all-to-all carries every token of the micro-batch, whatever the TP degree."""
+    model = moe_model()
+    cost = CostModel(CLUSTER, model, CostConfig(moe_imbalance=1.0))
+    whole = 2 * cost.alltoall_s(model.moe_dispatch_bytes(model.seq_length), 2,
+                                CLUSTER.chip("big"))
+    for tp in (1, 2):
+        ep1, ep2 = (cost.stage_costs("big", tp, 1, 2, ep, True) for ep in (1, 2))
+        assert ep2.layer_forward - ep1.layer_forward == pytest.approx(whole)
+
+
 def test_expert_parallelism_shards_expert_state_and_adds_the_all_to_all():
     model = moe_model()
     cost = CostModel(CLUSTER, model, CostConfig(use_distributed_optimizer=True))
