@@ -47,6 +47,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--vocab-size", type=int, default=8192)
     p.add_argument("--rounds", type=int, default=12)
     p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch intra-op threads for both models (default: torch's own)")
     return p.parse_args(argv)
 
 
@@ -72,16 +74,18 @@ def build(a: argparse.Namespace) -> tuple[GPTModel, torch.nn.Module, ModelConfig
 def stepper(model: torch.nn.Module, hf: bool, tokens: torch.Tensor, labels: torch.Tensor):
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=True)
 
-    def step() -> float:
+    def step() -> tuple[float, float]:
+        """One step; returns (loss, seconds of the optimizer's step() + zero_grad())."""
         if hf:
             logits = model(input_ids=tokens).logits
             loss = F.cross_entropy(logits.float().view(-1, logits.shape[-1]), labels.reshape(-1))
         else:
             loss = model(tokens=tokens, labels=labels).mean()
         loss.backward()
+        start = time.perf_counter()
         opt.step()
         opt.zero_grad(set_to_none=True)
-        return float(loss.detach())
+        return float(loss.detach()), time.perf_counter() - start
 
     return step
 
@@ -103,20 +107,23 @@ def dispatch_seconds(config: ModelConfig, tokens: int, repeats: int = 5) -> floa
 
 def main(argv: list[str] | None = None) -> None:
     a = parse_args(argv)
+    if a.threads is not None:
+        torch.set_num_threads(a.threads)
     ours, hf, config = build(a)
     gen = torch.Generator().manual_seed(2)
     batch = torch.randint(0, a.vocab_size, (a.micro_batch_size, a.seq_length + 1), generator=gen)
     tokens, labels = batch[:, :-1], batch[:, 1:]
     steps = {"ours": stepper(ours, False, tokens, labels), "hf": stepper(hf, True, tokens, labels)}
-    first = {name: step() for name, step in steps.items()}
+    first = {name: step()[0] for name, step in steps.items()}
     for _ in range(a.warmup - 1):
         for step in steps.values():
             step()
     times: dict[str, list[float]] = {"ours": [], "hf": []}
+    opt_times: dict[str, list[float]] = {"ours": [], "hf": []}
     for r in range(a.rounds):
         for name in (("ours", "hf") if r % 2 == 0 else ("hf", "ours")):
             start = time.perf_counter()
-            steps[name]()
+            opt_times[name].append(steps[name]()[1])
             times[name].append(time.perf_counter() - start)
     n_tokens = a.micro_batch_size * a.seq_length
     tps = {name: n_tokens / statistics.median(t) for name, t in times.items()}
@@ -130,6 +137,9 @@ def main(argv: list[str] | None = None) -> None:
     print(f"tokens/s: ours {tps['ours']:.0f}  hf {tps['hf']:.0f}  ratio ours/hf "
           f"{tps['ours'] / tps['hf']:.2f} (median of per-round ratios "
           f"{statistics.median(ratios):.2f}, {a.rounds} rounds)")
+    print("median seconds of the step / of its optimizer step() + zero_grad(): " + "  ".join(
+        f"{name} {statistics.median(times[name]):.3f} / {statistics.median(opt_times[name]):.3f}"
+        for name in ("ours", "hf")))
     print(f"dispatch (permute + unpermute, fwd + bwd) share of our step: {100 * share:.1f}%")
 
 
