@@ -291,14 +291,13 @@ class BatchShape(ShapeMemory, RestBound):
         """:meth:`start` clamped to the table (warm-ups beyond it share the last entry)."""
         return np.minimum(-(-np.asarray(lead) // self.kinds[kind].dp), self.depth - 1)
 
-    def _most_layers(self, caps: np.ndarray, kinds: Sequence[int]) -> np.ndarray:
-        """Per probe: most units any one of ``kinds`` holds in a block ending the pipeline
-        (``caps`` from :meth:`capacity`; such a block's warm-ups are all in the table)."""
-        best = np.zeros(caps.shape[1])
-        for kind in kinds:
-            most = min(self.kinds[kind].max_stages, self.positions)
-            np.maximum(best, caps[kind][:, :most].sum(axis=1), out=best)
-        return best
+    def _most_layers(self, caps: np.ndarray) -> np.ndarray:
+        """Per kind and probe: most units the kind holds in a block ending the pipeline, of
+        up to its most stages (``caps`` from :meth:`capacity`; such a block's warm-ups are all
+        in the table). Sums of whole numbers, so the running sum is exact."""
+        most = np.minimum([k.max_stages for k in self.kinds], self.positions)
+        running = caps.cumsum(axis=2)  # kind x probe x warm-up
+        return np.take_along_axis(running, (most - 1)[:, None, None], axis=2)[:, :, 0]
 
     def _root_w(self, kinds: Sequence[int]) -> float:
         """Largest folded work bound at which even the most optimistic pipeline of ``kinds``
@@ -312,8 +311,8 @@ class BatchShape(ShapeMemory, RestBound):
         low, high = 0.0, self.w_max
         while high - low > 1e-4 * high:
             probes = np.linspace(low, high, 17)[1:-1]
-            caps = self.capacity(probes)
-            held = sum(self._most_layers(caps, group) for group in groups)
+            most = self._most_layers(self.capacity(probes))
+            held = sum(most[group].max(axis=0) for group in groups)
             enough = np.flatnonzero(held >= self.layers)
             if len(enough):
                 high = float(probes[enough[0]])
