@@ -14,7 +14,10 @@ def test_a_stopped_rank_is_named_in_one_line(corpus):
     proc = torchrun(2, [*MODEL, "--data-path", corpus, "--pipeline-model-parallel-size", "2",
                         "--train-iters", "50", "--heartbeat-timeout", "5",
                         "--distributed-timeout-minutes", "10"],
-                    env_extra={"MEGATRON_H2_INJECT_FAULT": "1:3:stop"}, timeout=300)
+                    # torchrun then SIGTERMs the stopped rank, which cannot act on it, and
+                    # SIGKILLs it after its shutdown timeout (30 s by default): 2 s here
+                    env_extra={"MEGATRON_H2_INJECT_FAULT": "1:3:stop",
+                               "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "2"}, timeout=300)
     assert proc.returncode != 0
     ours = [line for line in proc.stderr.splitlines() if line.startswith(("error:", "[rank"))]
     assert len(ours) == 1, proc.stderr[-3000:]
