@@ -22,6 +22,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.checkpoint import save as dcp_save
 
 from megatron_h2.checkpointing.format import LATEST_FILE, iteration_dir
 from megatron_h2.checkpointing.megatron_moe import (
@@ -167,10 +169,6 @@ def write_torch_dist(save_dir: str | os.PathLike, iteration: int, config: ModelC
                 state[f"optimizer.state.{kind}.{key}"] = tensor
         step = optimizer[f"{next(iter(model))}.step"].clone()
     state.update(_extra_states(config))
-    # imported here, not with the module: a second of CPU time every training process would pay
-    from torch.distributed.checkpoint import FileSystemWriter
-    from torch.distributed.checkpoint import save as dcp_save
-
     out = iteration_dir(save_dir, iteration)
     out.mkdir(parents=True, exist_ok=False)
     with warnings.catch_warnings():  # "assuming ... a single process": that is the intent
