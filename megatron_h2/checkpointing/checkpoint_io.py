@@ -211,10 +211,16 @@ class CheckpointIO:
             param = self.params[key if key in self.params else _param_of_state(key)]
             spec = get_tp_shard(param)
             if spec is not None and value.ndim > 0:
-                out[key] = gather_tp_tensor(value.detach(), spec, self.tp)
+                out[key] = gather_tp_tensor(value.detach(), spec, self._tp_of(param))
             else:
                 out[key] = value.detach()
         return out
+
+    def _tp_of(self, param: nn.Parameter) -> TPContext:
+        """The group ``param`` is sharded over: the experts' TP group for routed experts under
+        ETP != TP, else the TP group."""
+        etp: TPContext | None = getattr(self.model, "etp", None)
+        return etp if etp is not None and is_expert_param(param) else self.tp
 
     def _gather(self, mine: Any) -> list[Any]:
         """Every rank's ``mine`` (picklable), in rank order."""
@@ -257,7 +263,8 @@ class CheckpointIO:
         weights = self.optimizer.main_weights()  # fp32; collective under ZeRO with bf16 weights
         parts: list[tuple[str, int, dict[str, torch.Tensor]]] = []
         # the first DP replica saves the stage; under expert parallelism the first expert-DP
-        # replica of every other EP rank saves that rank's experts (a part of their own)
+        # replica of every other EP rank saves that rank's experts (a part of their own), each
+        # expert gathered whole over its expert-TP group (the TP group where ETP = TP)
         experts_only = topo.dp_rank != 0 and topo.expert_ranks[2] == 0
         if (topo.dp_rank == 0 or experts_only) and topo.pipeline == 0:  # pipelines: the same
             own = {n: p for n, p in self.params.items() if n not in self.copies
@@ -267,7 +274,7 @@ class CheckpointIO:
                 model.update({n: b.detach().float() for n, b in self.buffers.items()})
             optim = self._gather_full({k: v for k, v in optim.items()
                                        if _param_of_state(k) in own})
-            if topo.tp_rank == 0:
+            if (topo.expert_ranks[0] if experts_only else topo.tp_rank) == 0:
                 index = topo.stage + EXPERT_PART_STRIDE * topo.expert_ranks[1] * experts_only
                 parts = [("model", index, model)] + (
                     [("optim", index, optim)] if optim else [])
@@ -369,8 +376,8 @@ class CheckpointIO:
                 if full.is_floating_point() and not bool(torch.isfinite(full).all()):
                     not_finite.append(name)
                 spec = get_tp_shard(param)
-                part = full if spec is None else shard_tensor(full, spec, self.tp.rank,
-                                                              self.tp.size)
+                tp = self._tp_of(param)
+                part = full if spec is None else shard_tensor(full, spec, tp.rank, tp.size)
                 if part.shape != param.shape:
                     raise ConfigError(f"checkpoint tensor {name} has shape {tuple(full.shape)}, "
                                       "which does not fit this model; use matching model flags")
@@ -390,11 +397,11 @@ class CheckpointIO:
             return False
         tensors = {}
         for name, param in self.params.items():
-            spec = get_tp_shard(param)
+            spec, tp = get_tp_shard(param), self._tp_of(param)
             for key in ("exp_avg", "exp_avg_sq", "step"):
                 full = reader.get(f"{name}.{key}", "optim")
                 if spec is not None and full.ndim > 0:
-                    full = shard_tensor(full, spec, self.tp.rank, self.tp.size)
+                    full = shard_tensor(full, spec, tp.rank, tp.size)
                 tensors[f"{name}.{key}"] = full
         self.optimizer.load_named_state(self.names, tensors)
         return True

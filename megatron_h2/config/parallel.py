@@ -33,8 +33,10 @@ class ParallelConfig:
         "carved from the stage's TP x DP ranks as Megatron-Core does (EP groups span DP "
         "replicas; under --sequence-parallel each MoE block gathers its TP group's sequence).")
     expert_tensor_parallel_size: int | None = flag(
-        None, "Degree of tensor model parallelism of the experts; default (as Megatron's) and "
-        "only value so far: the stage's TP.")
+        None, "Degree of tensor model parallelism of the experts (default, as Megatron's: the "
+        "stage's TP): each expert's linear_fc1 is split by columns and linear_fc2 by rows over "
+        "ETP ranks; where it differs from TP the routed tokens are all-gathered over the "
+        "expert-TP group and the outputs reduce-scattered back (TP 1 only).")
     use_distributed_optimizer: bool = flag(
         False, "Use the distributed optimizer (optimizer state sharded over data-parallel ranks, "
         "ZeRO-1).")
@@ -116,11 +118,13 @@ class ParallelConfig:
 
     def _check_experts(self) -> None:
         _positive(self, "expert_model_parallel_size")
-        etp = self.expert_tensor_parallel_size
-        if etp is not None and etp != self.tensor_model_parallel_size:
-            raise ConfigError(f"--expert-tensor-parallel-size {etp}: the experts take the "
-                              "stage's TP degree; omit the flag or give "
-                              f"{self.tensor_model_parallel_size}")
+        etp, tp = self.expert_tensor_parallel_size, self.tensor_model_parallel_size
+        if etp is not None:
+            _positive(self, "expert_tensor_parallel_size")
+            if etp != tp and tp > 1:
+                raise ConfigError(f"--expert-tensor-parallel-size {etp} differs from "
+                                  f"--tensor-model-parallel-size {tp}: that runs with TP 1 "
+                                  f"only; give ETP {tp} (or omit it) or TP 1")
 
     @property
     def _per_chunk_split(self) -> list[list[int]] | None:

@@ -117,10 +117,12 @@ def check_plan_for_model(plan: HeteroPlan, model: ModelConfig, parallel: Paralle
                   world_size=world_size, num_experts=model.num_experts)
     check_routing(plan, [plan.global_batch_size])
     for index, pipe in enumerate(plan.pipelines):
-        if any(stage.expert_model_parallel_size > 1 for stage in pipe.stages):
-            raise ConfigError(f"pipeline {index} sets expert_model_parallel_size > 1, which "
-                              "plans of several data-parallel pipelines do not run yet; use EP "
-                              "1 there or one pipeline")
+        if any(stage.expert_model_parallel_size > 1
+               or stage.expert_tp != stage.tensor_parallel_size for stage in pipe.stages):
+            raise ConfigError(f"pipeline {index} sets expert_model_parallel_size > 1 or an "
+                              "expert_tensor_parallel_size other than its TP, which plans of "
+                              "several data-parallel pipelines do not run yet; use EP 1 and "
+                              "ETP = TP there or one pipeline")
         try:
             _check_stages_for_model(pipe, model, parallel)
         except ConfigError as exc:
@@ -155,15 +157,21 @@ def _check_stages_for_model(plan: HeteroPlan, model: ModelConfig,
 
 def _check_stage_experts(index: int, stage: StageSpec, model: ModelConfig,
                          parallel: ParallelConfig) -> None:
-    """What expert parallelism runs so far: experts split over TP like the dense MLP (ETP =
-    TP) and EP groups across data-parallel replicas (which hold different tokens; under
-    sequence parallelism each MoE block gathers its TP group's sequence first)."""
+    """What expert parallelism runs: experts split over TP like the dense MLP (ETP = TP), or,
+    on a stage of TP 1, over an expert-TP group of their own (ETP > 1: the routed tokens are
+    all-gathered over it and the outputs reduce-scattered back, as Megatron-Core's
+    dispatchers do); EP groups across data-parallel replicas (which hold different tokens;
+    under sequence parallelism each MoE block gathers its TP group's sequence first). A stage
+    of TP > 1 with ETP != TP would route its TP group's same tokens from several ranks."""
     tp, etp = stage.tensor_parallel_size, stage.expert_tp
-    if etp != tp:
+    if etp != tp and tp > 1:
         raise ConfigError(f"stage {index}: expert tensor parallel size {etp} differs from the "
-                          f"stage's TP {tp}; only ETP = TP runs so far: omit "
-                          "--expert-tensor-parallel-size (or the plan's "
-                          "expert_tensor_parallel_size)")
+                          f"stage's TP {tp}; that runs on stages of TP 1 only: give ETP {tp} "
+                          "(or omit --expert-tensor-parallel-size / the plan's "
+                          "expert_tensor_parallel_size) or TP 1")
+    if etp != tp and model.is_moe and (model.moe_ffn_hidden_size or 0) % etp:
+        raise ConfigError(f"stage {index}: expert tensor parallel size {etp} does not divide "
+                          f"--moe-ffn-hidden-size {model.moe_ffn_hidden_size}")
 
 
 def stage_dps(plan: HeteroPlan) -> tuple[int, ...]:
