@@ -35,8 +35,9 @@ class ParallelConfig:
     expert_tensor_parallel_size: int | None = flag(
         None, "Degree of tensor model parallelism of the experts (default, as Megatron's: the "
         "stage's TP): each expert's linear_fc1 is split by columns and linear_fc2 by rows over "
-        "ETP ranks; where it differs from TP the routed tokens are all-gathered over the "
-        "expert-TP group and the outputs reduce-scattered back (TP 1 only).")
+        "ETP ranks; where it differs from TP each TP rank dispatches its 1/TP of the tokens, "
+        "the routed rows are all-gathered over the expert-TP group and the outputs "
+        "reduce-scattered back, as in Megatron-Core.")
     use_distributed_optimizer: bool = flag(
         False, "Use the distributed optimizer (optimizer state sharded over data-parallel ranks, "
         "ZeRO-1).")
@@ -118,13 +119,8 @@ class ParallelConfig:
 
     def _check_experts(self) -> None:
         _positive(self, "expert_model_parallel_size")
-        etp, tp = self.expert_tensor_parallel_size, self.tensor_model_parallel_size
-        if etp is not None:
+        if self.expert_tensor_parallel_size is not None:
             _positive(self, "expert_tensor_parallel_size")
-            if etp != tp and tp > 1:
-                raise ConfigError(f"--expert-tensor-parallel-size {etp} differs from "
-                                  f"--tensor-model-parallel-size {tp}: that runs with TP 1 "
-                                  f"only; give ETP {tp} (or omit it) or TP 1")
 
     @property
     def _per_chunk_split(self) -> list[list[int]] | None:

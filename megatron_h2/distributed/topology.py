@@ -32,8 +32,8 @@ rank of a run of ``ETP x EP`` (tokens go all-to-all there), and an expert-DP gro
 ``ETP x EP``-th rank of the stage (the experts' gradients are summed there, the dense ones over
 the DP group). With ``ETP = TP`` the ETP group is the TP group and an EP group spans DP
 replicas; with EP 1 and ``ETP = TP`` the expert-DP group is the DP group. With ``ETP != TP``
-(stages of TP 1) an ETP group spans ``ETP`` DP replicas, whose routed tokens it all-gathers
-(:mod:`megatron_h2.parallel.expert_parallel`).
+each rank dispatches its own share of the tokens (its TP rank's 1/TP of its replica's) and an
+ETP group all-gathers its ranks' routed rows (:mod:`megatron_h2.parallel.expert_parallel`).
 
 Nothing here is module-level state: :func:`build_topology` creates the groups and returns one
 :class:`Topology` that the caller passes on.

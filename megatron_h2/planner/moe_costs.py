@@ -79,13 +79,9 @@ class MoECosts:
         return ep
 
     def stage_expert_tp(self, spec: StageSpec) -> int:
-        """The experts' TP degree of a plan's stage: its TP, or on a stage of TP 1 an
-        ``expert_tensor_parallel_size`` of its own (as the runtime runs it)."""
-        tp, etp = spec.tensor_parallel_size, spec.expert_tp
-        if etp != tp and tp > 1:
-            raise ConfigError(f"expert_tensor_parallel_size {etp} differs from the stage's TP "
-                              f"{tp}; that runs on stages of TP 1 only: give {tp} or omit it")
-        return etp
+        """The experts' TP degree of a plan's stage: ``expert_tensor_parallel_size``, default
+        the stage's TP."""
+        return spec.expert_tp
 
     def expert_parallel_options(self, tp: int, dp: int, etp: int | None = None) -> list[int]:
         """EP degrees a stage of TP ``tp`` and DP ``dp`` may take: 1 for a dense model, else
@@ -126,10 +122,9 @@ class MoECosts:
             nbytes * (group - 1) / group / self._bandwidth(gb_per_s)
 
     def expert_tp_exchange_s(self, nbytes: float, etp: int, chip: ChipType) -> float:
-        """One all-gather (or reduce-scatter) over an expert-TP group of ``etp`` chips of a
-        stage of TP 1 (consecutive ranks: intra-node when ``etp`` divides the chip type's node),
-        each holding ``nbytes`` of dispatched rows: each receives (sends) ``etp - 1`` such
-        shares."""
+        """One all-gather (or reduce-scatter) over an expert-TP group of ``etp`` chips
+        (consecutive ranks: intra-node when ``etp`` divides the chip type's node), each holding
+        ``nbytes`` of dispatched rows: each receives (sends) ``etp - 1`` such shares."""
         if etp <= 1:
             return 0.0
         gb_per_s = chip.intra_node_gb_per_s if chip.chips_per_node % etp == 0 \
@@ -141,10 +136,11 @@ class MoECosts:
     ) -> tuple[float, float, float, float]:
         """(compute forward, all-to-all per direction, weight-gradient FLOP share, attention
         core's FLOP share) of one layer; compute from FLOPs (or the profile's times for dense
-        layers). With ``etp`` other than ``tp`` (a stage of TP 1), the "all-to-all" term adds
-        the all-gather of the dispatched rows over the expert-TP group (the reduce-scatter of
-        the outputs takes as long, on the combine's side); the expert FLOPs per chip stay those
-        of ETP = TP: each chip runs 1/ETP of its experts on ETP times the rows."""
+        layers). With ``etp`` other than ``tp``, each TP rank dispatches its 1/TP of the
+        micro-batch's tokens and the "all-to-all" term adds the all-gather of the dispatched
+        rows over the expert-TP group (the reduce-scatter of the outputs takes as long, on the
+        combine's side); the expert FLOPs per chip stay those of ETP = TP (the stage's expert
+        work spread evenly over its chips)."""
         model, tokens = self.model, mbs * self.model.seq_length
         core = model.attention_core_flops_per_token() * tokens
         if not moe:
@@ -160,9 +156,12 @@ class MoECosts:
         # every TP rank dispatches all the micro-batch's tokens (the runtime's MoE layer
         # gathers the sequence over TP first: models/gpt/moe_layer.py)
         dispatched = model.moe_dispatch_bytes(tokens) * imbalance
-        alltoall = self.alltoall_s(dispatched, ep, chip)
-        if etp is not None and etp != tp:
-            alltoall += self.expert_tp_exchange_s(dispatched, etp, chip)
+        if etp is not None and etp != tp:  # each TP rank its share, then the ETP all-gather
+            dispatched /= tp
+            alltoall = self.alltoall_s(dispatched, ep, chip) + \
+                self.expert_tp_exchange_s(dispatched, etp, chip)
+        else:
+            alltoall = self.alltoall_s(dispatched, ep, chip)
         flops = rest + experts
         return forward, alltoall, model.moe_layer_weight_grad_flops(tokens) / (2.0 * flops), \
             core / flops

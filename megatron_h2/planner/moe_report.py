@@ -24,8 +24,8 @@ def stage_dispatch_s(cost: CostModel, candidate: Candidate, stage: int) -> float
     chip, dispatched = cost.cluster.chip(spec.chip), model.moe_dispatch_bytes(tokens) / \
         spec.tensor_parallel_size * imbalance
     one = cost.alltoall_s(dispatched, ep, chip)
-    if cost.stage_expert_tp(spec) != spec.tensor_parallel_size:  # + all-gather over expert TP
-        one += cost.expert_tp_exchange_s(dispatched, cost.stage_expert_tp(spec), chip)
+    if spec.expert_tp != spec.tensor_parallel_size:  # + the all-gather over expert TP
+        one += cost.expert_tp_exchange_s(dispatched, spec.expert_tp, chip)
     per_layer = (6 if spec.recompute == "full" else 4) * one
     return moe_layers * per_layer
 

@@ -104,13 +104,14 @@ def test_zero1_with_ep2_and_its_checkpoint_resumes_under_ep1_and_ep4(corpus, ref
 
 
 def test_etp2_and_its_checkpoint_resumes_under_etp1(corpus, references, tmp_path):
-    """ETP 2 on a stage of TP 1 (DP 2, EP 1): each rank holds half of every expert (linear_fc1
-    by columns, linear_fc2 by rows), the two replicas' routed rows are all-gathered and the
-    partial outputs reduce-scattered back; ZeRO-1 over DP for the dense parameters. The
+    """ETP 2 on a stage of TP 1 (DP 4, EP 1; expert-TP groups [0, 1], [2, 3]): each rank holds
+    half of every expert (linear_fc1 by columns, linear_fc2 by rows), two replicas' routed rows
+    are all-gathered and the partial outputs reduce-scattered back; ZeRO-1 over DP (dense) and
+    over the expert-DP groups [0, 2], [1, 3] (each expert shard's state split in two). The
     checkpoint of iteration 5 holds each expert whole under its global name and resumes in one
     process (ETP 1, EP 1) with the uninterrupted losses."""
     ckpt = tmp_path / "ckpt"
-    proc = run(2, "mixtral", corpus, tmp_path / "a.jsonl", "--expert-tensor-parallel-size", "2",
+    proc = run(4, "mixtral", corpus, tmp_path / "a.jsonl", "--expert-tensor-parallel-size", "2",
                "--use-distributed-optimizer", "--save", str(ckpt), "--save-interval", "5")
     assert "stage 0: chip default (cpu) | TP 1 | EP 1 (expert TP 2) |" in proc.stdout
     check("ETP 2 (mixtral)", records(tmp_path / "a.jsonl"), references["mixtral"], norms=True)
@@ -137,6 +138,24 @@ def test_ep2_times_etp2(corpus, references, tmp_path):
     assert "stage 0: chip default (cpu) | TP 1 | EP 2 (expert TP 2) |" in proc.stdout
     check("EP 2 x ETP 2 (deepseek)", records(tmp_path / "log.jsonl"), references["deepseek"],
           norms=True)
+
+
+def test_tp2_with_etp1_and_ep2(corpus, references, tmp_path):
+    """TP 2 with --sequence-parallel and the experts whole on every rank (ETP 1, EP 2 on four
+    ranks: the EP groups are the TP groups): each TP rank dispatches its half of the routed
+    tokens and the outputs are gathered over TP; the checkpoint holds EP rank 1's experts in a
+    part of its own, written by TP rank 1."""
+    ckpt = tmp_path / "ckpt"
+    proc = run(4, "mixtral", corpus, tmp_path / "log.jsonl", "--tensor-model-parallel-size",
+               "2", "--sequence-parallel", "--expert-tensor-parallel-size", "1", *EP2,
+               "--save", str(ckpt), "--save-interval", "10")
+    assert "stage 0: chip default (cpu) | TP 2 | EP 2 (expert TP 1) |" in proc.stdout
+    check("TP 2 + SP x ETP 1 x EP 2 (mixtral)", records(tmp_path / "log.jsonl"),
+          references["mixtral"], norms=True)
+    for part, experts in (("model_00000", {"0", "1"}), ("model_01000", {"2", "3"})):
+        with safe_open(str(ckpt / "iter_0000010" / f"{part}.safetensors"), "pt") as f:
+            assert {k.split(".local_experts.")[1][0] for k in f.keys()
+                    if ".local_experts." in k} == experts
 
 
 @pytest.mark.parametrize("arch,dispatcher", [("mixtral", "alltoall"), ("deepseek", "allgather")])

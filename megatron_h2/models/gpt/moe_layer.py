@@ -27,14 +27,17 @@ own chunk of the output. (Megatron-Core routes the local chunk and gathers over 
 dispatchers, summing the aux-loss statistics over TP; gathering first gives the same routing
 at the price of every TP rank routing the whole sequence, as it does without SP.)
 
-With an expert-TP context of its own (``etp``, ETP > 1 on a stage of TP 1, Megatron-Core's
-``--expert-tensor-parallel-size``) each local expert's ``linear_fc1`` is split by columns (the
-gate and up halves each under SwiGLU) and ``linear_fc2`` by rows over the ETP group; the rows
-that reach a rank are all-gathered over that group, each rank runs its shards and the partial
-outputs are reduce-scattered back (:func:`megatron_h2.parallel.expert_parallel
-.gather_over_expert_tp`). ``linear_fc2``'s bias is replicated over the group: each rank adds
-1/ETP of it (times the routing probability) to its partial output, and its gradient, complete on
-every rank (each rank sees every gathered row's output gradient), passes unscaled.
+With an expert-TP context of its own (``etp``: Megatron-Core's ``--expert-tensor-parallel-size``
+other than TP) each local expert's ``linear_fc1`` is split by columns (the gate and up halves
+each under SwiGLU) and ``linear_fc2`` by rows over the ETP group (with ETP 1, whole on every
+rank); under TP > 1 each TP rank dispatches its 1/TP of the routed tokens (rows in [s, b]
+order; Megatron-Core's ranks dispatch their sequence-parallel chunk) and the outputs are
+all-gathered over TP; the rows that reach a rank are all-gathered over the ETP group, each rank
+runs its shards and the partial outputs are reduce-scattered back
+(:func:`megatron_h2.parallel.expert_parallel.gather_over_expert_tp`). ``linear_fc2``'s bias is
+replicated over the group: each rank adds 1/ETP of it (times the routing probability) to its
+partial output, and its gradient, complete on every rank (each rank sees every gathered row's
+output gradient), passes unscaled.
 
 Shapes: b = micro-batch size, s = sequence length, h = hidden size, T = s x b tokens,
 E = experts, n_e = tokens routed to expert e.
@@ -178,8 +181,8 @@ class MoELayer(nn.Module):
         self.sp_tp = tp if tp.size > 1 and tp.sequence_parallel else None
         tp = dataclasses.replace(tp, sequence_parallel=False)
         gather = etp is not None and etp.size != tp.size
-        if gather and tp.size > 1:
-            raise ValueError("expert TP other than the TP degree needs TP 1")
+        # ETP != TP on TP > 1: the TP ranks hold the same tokens; each dispatches its 1/TP
+        self.share_tp = tp if gather and tp.size > 1 else None
         self.config, self.layer, self.state = config, layer, state
         self.router = TopKRouter(config, layer, state)
         self.experts = SequentialMLP(config, kernels, etp if gather else tp,
@@ -203,6 +206,18 @@ class MoELayer(nn.Module):
         full = gather_from_sequence_parallel_region(x, self.sp_tp, reduce_grads=False)
         return scatter_to_sequence_parallel_region(self._forward(full), self.sp_tp)
 
+    def _dispatch(self, tokens: torch.Tensor, probs: torch.Tensor, routing_map: torch.Tensor
+                  ) -> torch.Tensor:
+        """The routed experts' outputs for ``tokens`` [N, h] (``probs``, ``routing_map`` [N, E])
+        -> [N, h], each token's expert outputs summed, through the EP group's dispatch."""
+        if self.ep.size > 1 and self.config.moe_token_dispatcher_type == "allgather":
+            return allgather_to_experts(tokens, probs, routing_map, self.ep, self._run_local)
+        permuted, rows = permute(tokens, routing_map)  # [sum n_e, h]
+        permuted_probs = probs.t().contiguous().masked_select(routing_map.t())  # [sum n_e]
+        expert_out = dispatch_to_experts(permuted, permuted_probs, routing_map.sum(dim=0),
+                                         self.ep, self.experts)  # [sum n_e, h]
+        return unpermute(expert_out, rows, tokens.shape[0])
+
     def _forward(self, x: torch.Tensor) -> torch.Tensor:
         """The block on the whole sequence: [b, s, h] -> [b, s, h]."""
         b, s, h = x.shape
@@ -212,14 +227,16 @@ class MoELayer(nn.Module):
         counts = routing_map.sum(dim=0)  # [E]
         if self.training and torch.is_grad_enabled() and not in_backward_recompute():
             self.state.count_tokens(self.layer, counts)
-        if self.ep.size > 1 and self.config.moe_token_dispatcher_type == "allgather":
-            out = allgather_to_experts(tokens, probs, routing_map, self.ep, self._run_local)
-        else:
-            permuted, rows = permute(tokens, routing_map)  # [sum n_e, h]
-            permuted_probs = probs.t().contiguous().masked_select(routing_map.t())  # [sum n_e]
-            expert_out = dispatch_to_experts(permuted, permuted_probs, counts, self.ep,
-                                             self.experts)  # [sum n_e, h]
-            out = unpermute(expert_out, rows, s * b)  # [T, h]
+        share = self.share_tp
+        if share is None:
+            out = self._dispatch(tokens, probs, routing_map)  # [T, h]
+        else:  # this TP rank's 1/TP of the tokens (rows in [s, b] order) go to the experts
+            mine = self._dispatch(
+                scatter_to_sequence_parallel_region(tokens.unsqueeze(0), share)[0],
+                scatter_to_sequence_parallel_region(probs.unsqueeze(0), share)[0],
+                routing_map.chunk(share.size)[share.rank])  # [T/t, h]
+            out = gather_from_sequence_parallel_region(mine.unsqueeze(0), share,
+                                                       reduce_grads=False)[0]  # [T, h]
         if shared is not None:
             out = out + shared
         return out.view(s, b, h).transpose(0, 1)  # [b, s, h]

@@ -1,8 +1,9 @@
-"""The planner's expert tensor parallelism (ETP other than the stage's TP, on stages of TP 1, as
-the runtime runs it): the routed experts' weights and optimizer state split over ETP x EP with
-their gradients synced over the expert-DP group of TP x DP / (ETP x EP) chips, the all-gather
-of the dispatched rows over the expert-TP group (and the reduce-scatter of the outputs) over
-the chip type's links, expert FLOPs per chip as at ETP = TP, and plans validated in one line."""
+"""The planner's expert tensor parallelism (ETP other than the stage's TP): the routed
+experts' weights and optimizer state split over ETP x EP with their gradients synced over the
+expert-DP group of TP x DP / (ETP x EP) chips, each TP rank dispatching its 1/TP of the tokens,
+the all-gather of the dispatched rows over the expert-TP group (and the reduce-scatter of the
+outputs) over the chip type's links, expert FLOPs per chip as at ETP = TP, and plans validated
+in one line."""
 
 from __future__ import annotations
 
@@ -63,9 +64,17 @@ def test_plans_with_expert_tp_are_costed_and_checked_in_one_line():
                                gbs=8))
     assert split.stages[0].memory_bytes < base.stages[0].memory_bytes
     assert split.stages[0].forward_s > base.stages[0].forward_s  # the gather, no FLOPs saved
-    with pytest.raises(ConfigError, match="that runs on stages of TP 1 only"):
-        cost.evaluate(plan([StageSpec("big", 2, 4, expert_tensor_parallel_size=1)], dp=2,
-                           gbs=8))
+    # TP 2 with ETP 1: each TP rank dispatches half the tokens, the experts whole on each rank
+    tp2 = cost.stage_costs("big", 2, 1, 2, 2, True)
+    tp2_etp1 = cost.stage_costs("big", 2, 1, 2, 2, True, etp=1)
+    half = model.moe_dispatch_bytes(model.seq_length) * cost.config.moe_imbalance / 2
+    big = CLUSTER.chip("big")
+    assert tp2_etp1.layer_forward - tp2.layer_forward == pytest.approx(
+        2 * (cost.alltoall_s(half, 2, big) - cost.alltoall_s(2 * half, 2, big)))
+    assert tp2_etp1.layer_params - tp2.layer_params == pytest.approx(
+        model.moe_layer_params_per_chip(2, 2, 1)[1] - model.moe_layer_params_per_chip(2, 2)[1])
+    assert cost.evaluate(plan([StageSpec("big", 2, 4, expert_tensor_parallel_size=1)], dp=2,
+                              gbs=8)).stages[0].memory_bytes > 0
     with pytest.raises(ConfigError, match="4 x expert_tensor_parallel_size 2 = 8 does not divide"):
         cost.evaluate(plan([StageSpec("big", 1, 4, expert_model_parallel_size=4,
                                       expert_tensor_parallel_size=2)], dp=4, gbs=8))
