@@ -191,17 +191,21 @@ def test_ep2_with_interleaved_pp2(corpus, references, tmp_path):
           references["mixtral"])
 
 
-def test_two_chip_types_with_their_own_ep(corpus, references, tmp_path):
+def test_two_chip_types_with_their_own_ep_and_etp(corpus, references, tmp_path):
     """A heterogeneous plan through the bridge: one MoE layer on chip type 'fast' with DP 2 and
-    EP 2 (each rank two experts), three on 'slow' with DP 1 and EP 1 (all four experts)."""
+    EP 2 (each rank two experts), three on 'slow' with TP 2, DP 1, EP 1 and ETP 1 (all four
+    experts whole on both ranks, each dispatching half the tokens; their gradients summed over
+    the two ranks)."""
     from tests.unit.pipeline.test_hetero_pp import write_plan
 
     plan = write_plan(tmp_path / "plan.yaml",
                       [{"chip": "fast", "tensor_parallel_size": 1, "num_layers": 1,
                         "data_parallel_size": 2, "expert_model_parallel_size": 2},
-                       {"chip": "slow", "tensor_parallel_size": 1, "num_layers": 3}])
-    proc = run(3, "deepseek", corpus, tmp_path / "log.jsonl", "--hetero-plan", plan,
+                       {"chip": "slow", "tensor_parallel_size": 2, "num_layers": 3,
+                        "expert_tensor_parallel_size": 1}])
+    proc = run(4, "deepseek", corpus, tmp_path / "log.jsonl", "--hetero-plan", plan,
                "--force-bridge", "--moe-token-dispatcher-type", "alltoall")
     assert "DP 2 | EP 2 (expert TP 1) | layers 0-0" in proc.stdout
-    check("two chip types, EP 2 / EP 1 (deepseek)", records(tmp_path / "log.jsonl"),
-          references["deepseek"])
+    assert "TP 2 | DP 1 | EP 1 (expert TP 1) | layers 1-3" in proc.stdout
+    check("two chip types, EP 2 / TP 2 x ETP 1 (deepseek)", records(tmp_path / "log.jsonl"),
+          references["deepseek"], norms=True)
