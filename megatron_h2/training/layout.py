@@ -117,12 +117,10 @@ def check_plan_for_model(plan: HeteroPlan, model: ModelConfig, parallel: Paralle
                   world_size=world_size, num_experts=model.num_experts)
     check_routing(plan, [plan.global_batch_size])
     for index, pipe in enumerate(plan.pipelines):
-        if any(stage.expert_model_parallel_size > 1
-               or stage.expert_tp != stage.tensor_parallel_size for stage in pipe.stages):
-            raise ConfigError(f"pipeline {index} sets expert_model_parallel_size > 1 or an "
-                              "expert_tensor_parallel_size other than its TP, which plans of "
-                              "several data-parallel pipelines do not run yet; use EP 1 and "
-                              "ETP = TP there or one pipeline")
+        if any(stage.expert_tp != stage.tensor_parallel_size for stage in pipe.stages):
+            raise ConfigError(f"pipeline {index} sets an expert tensor parallel size other than "
+                              "its stage's TP, which plans of several data-parallel pipelines "
+                              "do not run yet; omit expert_tensor_parallel_size there")
         try:
             _check_stages_for_model(pipe, model, parallel)
         except ConfigError as exc:

@@ -171,12 +171,12 @@ class StepRunner:
         # data-parallel pipelines: gradients summed across them, the norm counted on pipeline 0
         self.pipeline_sum = None
         self.counts = 1.0 if topo.pipeline == 0 else 0.0
-        if topo.num_pipelines > 1:
-            buckets = optimizer.grad_buckets
-            self.pipeline_sum = PipelineGradSum(topo, buckets, param_layouts(model, tp),
-                                                self.sp_params, optimizer.grads.refresh,
-                                                bridge, acc.device)
-            buckets.on_synced = self.pipeline_sum.bucket_synced
+        if topo.num_pipelines > 1:  # (two optimizers under expert parallelism, dense first)
+            parts = getattr(optimizer, "parts", (optimizer,))
+            self.pipeline_sum = PipelineGradSum(
+                topo, optimizer.grad_buckets, param_layouts(model, tp), self.sp_params,
+                lambda: [g for part in parts for g in part.grads.refresh()], bridge, acc.device)
+            self.pipeline_sum.attach()
 
     @property
     def loss_scale(self) -> float | None:
