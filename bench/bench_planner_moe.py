@@ -34,13 +34,16 @@ def main() -> None:
     parser.add_argument("--model", default=str(ROOT / "examples/models/mixtral_8x7b.yaml"))
     parser.add_argument("--cluster", default=str(ROOT / "examples/clusters/moe_mixed_1024.yaml"))
     parser.add_argument("--time-limit", type=float, default=600.0)
+    parser.add_argument("--merge-ep", action=argparse.BooleanOptionalAction, default=True,
+                        help="search over kinds merged across EP degrees (the default)")
     args = parser.parse_args()
     model = model_from_yaml(args.model)
     batch = int(load_yaml_mapping(args.model, "model")["global_batch_size"])
     cluster = Cluster.from_yaml(args.cluster)
     cost = CostModel(cluster, model, CostConfig(use_distributed_optimizer=True))
     cpu, wall = time.process_time(), time.monotonic()
-    result = search(cost, SearchOptions(global_batch_size=batch, time_limit_s=args.time_limit))
+    result = search(cost, SearchOptions(global_batch_size=batch, time_limit_s=args.time_limit,
+                                         merge_ep=args.merge_ep))
     cpu, wall = time.process_time() - cpu, time.monotonic() - wall
     stats = result.stats
     chips = sum(c.count for c in cluster.chips)
