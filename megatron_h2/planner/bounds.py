@@ -364,6 +364,7 @@ class BatchShape(ShapeMemory, RestBound):
         self._unused: dict[int, tuple[np.ndarray, np.ndarray]] = {}
         self._placed: dict[tuple[int, int, int, int, int], np.ndarray] = {}
         self._timed: dict[int, np.ndarray] = {}
+        self._closed: dict[tuple[int, int, int, tuple[int, ...]], np.ndarray] = {}
 
     def block(self, kind: int, start: int, ends: np.ndarray) -> np.ndarray:
         """Capacity bound of stages of ``kind`` with warm-ups ``start .. end - 1``: probe x
