@@ -102,7 +102,7 @@ class MergedShape(BatchShape):
         if exact._grid_key != self._grid_key:
             exact._grid_key, exact.grid = self._grid_key, self.grid
             exact.grid_is_max, exact.w_floor = self.grid_is_max, self.w_floor
-            exact._timed, exact._placed = {}, {}
+            exact._timed, exact._placed, exact._closed = {}, {}, {}
         return exact
 
     def exact_suffixes(self, suffix: Suffix) -> list[Suffix]:

@@ -411,7 +411,9 @@ class _Search:
         (:meth:`MergedShape.exact_suffixes`), each with its exact closed bound, those that may
         beat the K-th best, best first."""
         exact, cutoff = shape.exact_view(), self.threshold * (1 - _SLACK)
-        suffixes = shape.exact_suffixes(node.suffix)
+        suffixes = [s for s in shape.exact_suffixes(node.suffix) if not self._done(exact, s)]
+        if not suffixes:
+            return []
         bounds = _closed_bounds(exact, suffixes, node.lead, node.links).tolist()
         out = sorted((b, s) for b, s in zip(bounds, suffixes) if b < cutoff)
         self.stats.nodes_pruned += len(suffixes) - len(out)
@@ -447,7 +449,8 @@ class _Search:
             here = np.array([node.lead])
             first = max(need, float(shape.embedding_need[suffix[0][0]]))  # with the embedding
             leaf = float(shape.bound(placed, 0, here, node.links, edges, first, sync)[0])
-            if leaf < self.threshold * (1 - _SLACK):  # tighter: the exact memory caps
+            if leaf < self.threshold * (1 - _SLACK) and not isinstance(shape, MergedShape):
+                # tighter: the exact memory caps (merged kinds: per EP choice when expanded)
                 leaf = float(_closed_bounds(shape, [suffix], node.lead, node.links)[0])
             options.append((leaf, -1, 0))
         room, fixed = shape.positions - position, None
@@ -513,17 +516,26 @@ class _Search:
             total = total + shape.link(name, shape.kinds[node.suffix[0][0]].name)
         return shape.link_factor * total
 
-    def _evaluate(self, shape: BatchShape, suffix: Suffix) -> None:
-        """Stage two for a closed pipeline (``suffix`` is in pipeline order from the front)."""
+    @staticmethod
+    def _key(shape: BatchShape, suffix: Suffix) -> tuple[Any, ...]:
+        """A closed pipeline's identity, the same in every batch shape that holds it."""
         kinds = shape.kinds
         blocks = tuple((kinds[k].chip, kinds[k].tp, kinds[k].dp, kinds[k].ep, n)
                        for k, n in suffix)
-        key = (shape.mbs, shape.schedule, shape.chunks, blocks)  # the same in every shape
-        if key in self.evaluated:
-            return
+        return (shape.mbs, shape.schedule, shape.chunks, blocks)
+
+    def _done(self, shape: BatchShape, suffix: Suffix) -> bool:
+        """Whether the closed pipeline is solved already or left to a uniform shape (its stages
+        have one DP degree after all: the uniform shape of that degree has it)."""
         if not shape.uniform and len({shape.kinds[kind].dp for kind, _ in suffix}) == 1:
-            return  # one DP degree after all: the uniform shape of that degree has it
-        self.evaluated.add(key)
+            return True
+        return self._key(shape, suffix) in self.evaluated
+
+    def _evaluate(self, shape: BatchShape, suffix: Suffix) -> None:
+        """Stage two for a closed pipeline (``suffix`` is in pipeline order from the front)."""
+        if self._done(shape, suffix):
+            return
+        self.evaluated.add(self._key(shape, suffix))
         self.stats.splits_solved += 1
         split = solve_structure(shape, suffix, cutoff=self.threshold)
         if split is None:
