@@ -228,10 +228,15 @@ class _Search:
                 self.stats.batch_shapes_pruned += 1
                 continue
             shape.prepare()  # its tables' bound, not the cheap one (a small cost)
-            if shape.root_bound() >= self.threshold * (1 - _SLACK):
+            bound = shape.root_bound()
+            if bound < self.threshold * (1 - _SLACK):  # its root's children: tighter, cheap
+                shape.build_grid(min(self.threshold, shape.w_max), self.options.grid_points)
+                options = self._options(shape, _root(shape))
+                bound = max(bound, options[0][0] if options else INF)
+            if bound >= self.threshold * (1 - _SLACK):
                 self.stats.batch_shapes_pruned += 1
             else:
-                self._abandon(shape.root_bound())
+                self._abandon(bound)
         for bound, _ in left.roots:
             self._abandon(bound)
         if left.queue:
