@@ -32,9 +32,14 @@ down, which only adds capacity). Any plan below the node whose largest steady te
 ``(g_j, g_j+1]`` needs that term ``> g_j`` and, since no stage holds more than its capacity at
 ``g_j+1``, at least ``Fill(g_j+1)`` of summed work, where ``Fill`` fills the ``L`` layers into
 the cheapest capacity first; the slowest stage's own work is at least ``g_j / max F``. Adding a
-lower bound on the slowest DP sync (the layers spread over every stage that may exist) and the
-known link times gives ``T >= g_j + max(Fill(g_j+1), g_j / max F) + sync + links`` for some
-admissible ``j``.
+lower bound on the slowest DP sync (the layers spread over every stage that may exist, and at
+least the last stage's with the head and the first stage's with the embedding), the known link
+times and the links of the stages still to come (the layers the known blocks cannot hold need at
+least so many new stages of at most the largest single-stage capacity at ``g_j+1``, each with a
+link of at least its type's cheapest) gives
+``T >= g_j + max(Fill(g_j+1), g_j / max F) + sync + links`` for some admissible ``j``. A shape's
+root bound uses the least probe with the fill of the cheapest memory capacity (no time caps),
+the links of the fewest stages that hold every layer and the first and last stages' syncs.
 """
 
 from __future__ import annotations
@@ -197,7 +202,20 @@ class BatchShape(ShapeMemory, RestBound):
     def _prepare(self) -> None:
         self._tables()
         self.leads = self._lead_grid()
+        self.type_link = self._type_links()
         self.w_floor = self._root_w(range(len(self.kinds))) if self.positions else self.w_max
+        self.root_fill, self.root_links = self._root_extras() if self.positions else (0.0, 0.0)
+
+    def _type_links(self) -> dict[int, float]:
+        """Per chip type, a lower bound on the link of one of its stages in front of any
+        stage (the cheapest to any type of this shape)."""
+        return {
+            t: self.link_factor * min(
+                self.link(self.cost.cluster.chips[t].name, self.cost.cluster.chips[u].name)
+                for u in self.types
+            )
+            for t in self.types
+        }
 
     def _tables(self) -> None:
         """The per-kind bound tables (times, fills, memory caps, edges, syncs) and ``w_max``."""
@@ -253,6 +271,13 @@ class BatchShape(ShapeMemory, RestBound):
         self.sync_one += grads * weight
         self.head_tail = np.array([k.costs.dp_sync(v, False, True) for k in self.kinds])
         self.head_tail += grads * (weight + head_weight)  # the last stage: a layer and the head
+        self.embedding_tail = np.array([k.costs.dp_sync(v, True, False) for k in self.kinds])
+        self.embedding_tail += grads * (weight + emb_weight)  # the first: a layer, the embedding
+        self.type_embedding_tail = {
+            t: float(self.embedding_tail[self.kinds_of[t]].min()) for t in self.types
+        }
+        # every plan has a last stage (head) and a first stage (embedding)
+        self.tail_floor = max(float(self.head_tail.min()), float(self.embedding_tail.min()))
         slope = np.array([v * k.costs.sync_per_layer for k in self.kinds])
         slope += grads * weight
         with np.errstate(divide="ignore"):
@@ -269,6 +294,32 @@ class BatchShape(ShapeMemory, RestBound):
             for k in self.kinds
         ]
         self.w_max = max(max(full) * (1 + 1e-9), 1e-30)
+
+    def _root_extras(self) -> tuple[float, float]:
+        """Lower bounds on the summed fill (edges included) and on the link time of every
+        plan of this shape, whatever its slowest stage: the layers filled into the cheapest
+        memory capacity (each chip type's kinds as convex segments, each kind's block as if it
+        ended the pipeline, where it holds the most), and the fewest stages that hold them,
+        each but one with a link of at least the cheapest of its type's."""
+        caps = self.capacity(np.array([self.w_max]))  # memory-bound: every kind's time cap is L
+        most = self._most_layers(caps)[:, 0]
+        units, widths = [], []
+        for chip in self.types:
+            kinds = sorted(self.kinds_of[chip], key=lambda k: self.fill_unit[k])
+            running = 0.0
+            for kind in kinds:
+                if most[kind] > running:
+                    units.append(float(self.fill_unit[kind]))
+                    widths.append(most[kind] - running)
+                    running = float(most[kind])
+        fill, left = 0.0, float(self.layers)
+        for unit, width in sorted(zip(units, widths)):
+            take = min(width, left)
+            fill, left = fill + unit * take, left - take
+        edges = float(self.head_time.min() + self.embedding_time.min())
+        per_stage = float(caps[:, 0, 0].max())  # warm-up 0 holds the most
+        stages = -(-self.layers // max(int(per_stage), 1))
+        return fill + edges, (stages - 1) * min(self.type_link.values())
 
     def _own_work(self, work: np.ndarray | float) -> np.ndarray | float:
         """The slowest stage's own work when the largest folded steady term is ``work`` (the
@@ -336,8 +387,13 @@ class BatchShape(ShapeMemory, RestBound):
         if not self.prepared:
             return self.pre_bound
         w = max(self.w_floor, float(self.head_need.min()))  # some kind holds the head
-        # the slowest stage's own work counts under every schedule (zero-bubble: in its tail)
-        return self.steady * w + max(self._own_work(w), self.layers * float(self.fill_unit.min()))
+        own, fill = self._own_work(w), self.root_fill
+        # the slowest stage's own work counts under every schedule (zero-bubble: in its tail);
+        # the end-of-step term is at least the first and the last stages'
+        if self.schedule == "zero-bubble":
+            tail = max(self.tail_floor, self.tail_share * own)
+            return self.steady * w + max(fill + tail, own) + self.root_links
+        return self.steady * w + max(own, fill) + self.tail_floor + self.root_links
 
     def build_grid(self, w_high: float, points: int, coarse: int = 32) -> None:
         """Probe values from the root bound up to ``w_high`` (geometric) and their prefix sums.
@@ -362,6 +418,7 @@ class BatchShape(ShapeMemory, RestBound):
         self._from_leads: dict[int, tuple[np.ndarray, np.ndarray]] = {}
         self._segment_tables: dict[int, np.ndarray] = {}
         self._unused: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+        self._stage_caps: dict[int, np.ndarray] = {}
         self._placed: dict[tuple[int, int, int, int, int], np.ndarray] = {}
         self._timed: dict[int, np.ndarray] = {}
         self._closed: dict[tuple[int, int, int, tuple[int, ...]], np.ndarray] = {}
@@ -375,17 +432,29 @@ class BatchShape(ShapeMemory, RestBound):
         return prefix[:, np.asarray(ends) - start + table] - prefix[:, [table]]
 
     def sync_bound(
-        self, blocks: Sequence[tuple[int, np.ndarray | int]], unused: int, last: int
+        self,
+        blocks: Sequence[tuple[int, np.ndarray | int]],
+        unused: int,
+        last: int,
+        front: int | None = None,
     ) -> np.ndarray | float:
         """Lower bound on the largest end-of-step term ``z`` (the DP sync, under zero-bubble with
         the deferred weight gradients): the known blocks' one-layer terms, the last stage's (of
-        kind ``last``) with the head, and the L layers spread so that the largest is smallest
-        over every stage that may exist (``z`` grows at least linearly in the layers).
+        kind ``last``) with the head, the first stage's with the embedding (of kind ``front``,
+        the front block's, or of a type in ``unused`` placed in front of it), and the L layers
+        spread so that the largest is smallest over every stage that may exist (``z`` grows at
+        least linearly in the layers).
         """
         if not blocks:
             return 0.0
         one, inverse_of = self._sync_floats
         floor = max(max(one[kind] for kind, _ in blocks), float(self.head_tail[last]))
+        if front is not None:
+            first = float(self.embedding_tail[front])
+            for t_index, chip in enumerate(self.types):
+                if unused >> t_index & 1:
+                    first = min(first, self.type_embedding_tail[chip])
+            floor = max(floor, first)
         inverse: np.ndarray | float = 0.0
         for kind, count in blocks:
             inverse = inverse + count * inverse_of[kind]
@@ -442,6 +511,10 @@ class BatchShape(ShapeMemory, RestBound):
         if r_widths is not None:
             stacked[place[len(widths) :]] = r_widths
         remaining = self.layers - np.asarray(mandatory_layers, dtype=np.float64)
+        stage_links: np.ndarray | float = 0.0
+        if unused:  # units the placed blocks cannot take need new stages, each with a link
+            placed_free = sum(widths) if widths else 0.0
+            stage_links = self.new_stage_links(unused, leads, remaining - placed_free)
         before = running_sum(stacked)
         before -= stacked
         take = np.minimum(np.maximum(remaining - before, 0.0), stacked)
@@ -457,6 +530,7 @@ class BatchShape(ShapeMemory, RestBound):
             terms = self.steady * low + np.maximum(fill[1:] + tail, own)
         else:
             terms = self.steady * low + np.maximum(fill[1:], own) + sync
+        terms = terms + (stage_links[1:] if unused else 0.0)
         ok = (covered >= remaining - 1e-9) & ~np.asarray(short)
         first = np.where(ok.any(axis=0), ok.argmax(axis=0), len(self.grid))
         rows = np.arange(len(self.grid) - 1)[:, None]

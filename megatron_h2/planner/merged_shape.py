@@ -65,6 +65,7 @@ class MergedShape(BatchShape):
         exact = self.exact
         exact._tables()
         exact.leads = exact._lead_grid()
+        exact.type_link = exact._type_links()
         exact.prepared = True
         starts = [group[0] for group in self.members]
 
@@ -78,6 +79,9 @@ class MergedShape(BatchShape):
         self.head_need, self.embedding_need = least(exact.head_need), least(exact.embedding_need)
         self.head_time, self.embedding_time = least(exact.head_time), least(exact.embedding_time)
         self.sync_one, self.head_tail = least(exact.sync_one), least(exact.head_tail)
+        self.embedding_tail = least(exact.embedding_tail)
+        self.type_embedding_tail = exact.type_embedding_tail  # the least over the type's kinds
+        self.tail_floor = exact.tail_floor  # the least over every kind, as the merged ones
         self.sync_inverse = np.maximum.reduceat(exact.sync_inverse, starts, axis=0)
         self._sync_floats = (self.sync_one.tolist(), self.sync_inverse.tolist())
         self.type_sync_inverse = exact.type_sync_inverse  # the largest over the type's kinds
@@ -103,6 +107,7 @@ class MergedShape(BatchShape):
             exact._grid_key, exact.grid = self._grid_key, self.grid
             exact.grid_is_max, exact.w_floor = self.grid_is_max, self.w_floor
             exact._timed, exact._placed, exact._closed = {}, {}, {}
+            exact._stage_caps = {}
         return exact
 
     def exact_suffixes(self, suffix: Suffix) -> list[Suffix]:

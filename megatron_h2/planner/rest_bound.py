@@ -38,6 +38,8 @@ class RestBound:
     _rest: dict[int, np.ndarray]
     _from_leads: dict[int, tuple[np.ndarray, np.ndarray]]
     _unused: dict[int, tuple[np.ndarray, np.ndarray]]
+    _stage_caps: dict[int, np.ndarray]
+    type_link: dict[int, float]
 
     def _lead_grid(self) -> np.ndarray:
         """Leads at which the programme over unused chip types (:meth:`rest`) is tabled: under
@@ -159,6 +161,44 @@ class RestBound:
         last = prefix[:, depth : depth + most] - prefix[:, [depth - 1]]
         out[:, depth] = last.max(axis=1) + after[:, depth]
         return out
+
+    def stage_caps(self, mask: int) -> np.ndarray:
+        """Most units one stage of a chip type in ``mask`` holds in front of each grid lead:
+        probe x grid lead (the largest first-stage capacity of any of their kinds there; a lead
+        between grid leads reads the lower one, which only adds capacity)."""
+        if mask not in self._stage_caps:
+            out = np.zeros((len(self.grid), len(self.leads)))
+            for t_index, chip in enumerate(self.types):
+                if mask >> t_index & 1:
+                    np.maximum(out, self._type_stage_caps(chip), out=out)
+            self._stage_caps[mask] = out
+        return self._stage_caps[mask]
+
+    def _type_stage_caps(self, chip: int) -> np.ndarray:
+        """:meth:`stage_caps` of one chip type (cached per grid under the key ``-1 - chip``)."""
+        key = -1 - chip
+        if key not in self._stage_caps:
+            out = np.zeros((len(self.grid), len(self.leads)))
+            for kind in self.kinds_of[chip]:
+                starts = np.minimum(-(-self.leads // self.kinds[kind].dp), self.depth - 1)
+                prefix = self.prefix[kind]
+                np.maximum(out, prefix[:, starts + 1] - prefix[:, starts], out=out)
+            self._stage_caps[key] = out
+        return self._stage_caps[key]
+
+    def new_stage_links(
+        self, mask: int, leads: np.ndarray, units: np.ndarray | float
+    ) -> np.ndarray:
+        """Least link time that ``units`` (probe x option, what the placed blocks cannot take)
+        add in front of pipeline suffixes with ``leads`` (one per option) when only chip types
+        in ``mask`` may take them: each new stage holds at most :meth:`stage_caps` units and
+        sends to the stage after it over a link of at least its type's cheapest
+        (:attr:`type_link`). Probe x option."""
+        caps = self.stage_caps(mask)[:, self.lead_index(np.asarray(leads))]
+        with np.errstate(divide="ignore", invalid="ignore"):  # whole numbers: exact quotients
+            stages = np.ceil(np.maximum(units, 0.0) / np.maximum(caps, 1.0) - 1e-9)
+        link = min(self.type_link[chip] for t, chip in enumerate(self.types) if mask >> t & 1)
+        return np.where(caps > 0, stages, 0.0) * link
 
     def _unused_segments(self, mask: int) -> tuple[np.ndarray, np.ndarray]:
         """The cost segments of the unused chip types in ``mask`` (:meth:`segment_table`),

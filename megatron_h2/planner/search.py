@@ -449,7 +449,7 @@ class _Search:
         need = _need(shape, node)
         if suffix and shape.closes(position) and not (use_all and mask):
             edges = float(shape.head_time[suffix[-1][0]] + shape.embedding_time[suffix[0][0]])
-            sync = shape.sync_bound(suffix, 0, suffix[-1][0])
+            sync = shape.sync_bound(suffix, 0, suffix[-1][0], suffix[0][0])
             placed = [(u, caps[:, None], count) for u, caps, count in groups]
             here = np.array([node.lead])
             first = max(need, float(shape.embedding_need[suffix[0][0]]))  # with the embedding
@@ -500,7 +500,7 @@ class _Search:
             last = node.suffix[-1][0] if node.suffix else kind
             edges.append(np.full(len(count), shape.head_time[last] + shape.embedding_min))
             child_links.append(node.links + self._block_links(shape, node, kind, count))
-            syncs.append(shape.sync_bound(node.suffix + ((kind, count),), others, last))
+            syncs.append(shape.sync_bound(node.suffix + ((kind, count),), others, last, kind))
             leads.append(shape.kinds[kind].dp * (start + count))
             lo = hi
         bounds = shape.bound(

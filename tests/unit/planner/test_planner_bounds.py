@@ -1,7 +1,9 @@
 """The search's lower bounds (``BatchShape`` with ``_Search._options``) against the exact split
 of every pipeline structure below them, on small random clusters: every option's bound is at
 most the step time of every closed pipeline it leads to, and the bounds see the stages that hold
-the head (its steady term, and under zero-bubble its deferred weight gradients)."""
+the head (its steady term, and under zero-bubble its deferred weight gradients), the first
+stage's sync with the embedding, the links of the stages still to come and, at a shape's root,
+the fill of the cheapest memory capacity."""
 
 from __future__ import annotations
 
@@ -58,7 +60,13 @@ def exact_below(run, shape: BatchShape, node, checked: list[int]) -> float:
 @pytest.mark.parametrize("dp", [1, 2, None])  # one DP degree, and each type its own
 @pytest.mark.parametrize("seed", range(3))
 def test_bounds_never_exceed_the_exact_split(seed: int, dp: int | None, schedule: str) -> None:
-    cost = small_case(seed)
+    checked = check_every_structure(small_case(seed), dp, schedule)
+    assert checked > 0 or dp is None  # some pipelines fit (own DP may leave none)
+
+
+def check_every_structure(cost: CostModel, dp: int | None, schedule: str) -> int:
+    """Check every bound and each shape's root bound of micro-batch sizes 1 and 2 against the
+    exact splits below them; how many bounds were checked."""
     run = search_module._Search(cost, SearchOptions(8, top_k=10**6))
     checked = [0]
     for mbs in (1, 2):
@@ -68,7 +76,7 @@ def test_bounds_never_exceed_the_exact_split(seed: int, dp: int | None, schedule
         shape.build_grid(shape.w_max, 64)
         least = exact_below(run, shape, search_module._root(shape), checked)
         assert shape.root_bound() <= least * (1 + 1e-9)
-    assert checked[0] > 0 or dp is None  # some pipelines fit (own DP may leave none)
+    return checked[0]
 
 
 def test_the_head_stage_bounds_the_steady_term_and_the_tail() -> None:
@@ -91,3 +99,72 @@ def test_the_head_stage_bounds_the_steady_term_and_the_tail() -> None:
                 share = 1 + zero_bubble_share(max(shape.positions, 2), k.micro_batches)
                 grads = share * (costs.head_weight_grad + costs.layer_weight_grad)
                 assert shape.sync_bound(node.suffix, 0, kind) >= grads * (1 - 1e-12)
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zero-bubble"])
+@pytest.mark.parametrize("dp", [2, None])
+@pytest.mark.parametrize("seed", [0, 3])
+def test_bounds_with_a_large_vocabulary_never_exceed_the_exact_split(
+    seed: int, dp: int | None, schedule: str
+) -> None:
+    """With DP syncs and an embedding that weighs more than a layer, the first stage's sync
+    (embedding and a layer), the links of new stages and the root bound's fill, links and
+    end-of-step floor stay below every exact split."""
+    cost = small_case(seed, vocab=3000)  # the embedding: three times a layer's parameters
+    assert check_every_structure(cost, dp, schedule) > 0
+
+
+def test_the_first_stage_bounds_the_sync_with_the_embedding() -> None:
+    """The end-of-step term of a closed pipeline is at least its first stage's DP sync with the
+    embedding and a layer, also where its last stage's (with the head) is smaller; with chip
+    types still unused, at least the least of that over the front block's kind and every kind
+    of those types."""
+    cost = small_case(0, vocab=3000)
+    shape = BatchShape(cost, 8, 1, "1f1b", 1, 2)
+    pairs = 0
+    for front, k in enumerate(shape.kinds):
+        first = k.costs.dp_sync(1, True, False)
+        assert first > k.costs.dp_sync(1, False, False) > 0  # the embedding weighs
+        for last, other in enumerate(shape.kinds):
+            if other.chip == k.chip or other.costs.dp_sync(1, False, True) >= first:
+                continue
+            pairs += 1
+            blocks = ((front, 1), (last, 1))
+            assert shape.sync_bound(blocks, 0, last, front) >= first * (1 - 1e-12)
+        mask = (1 << len(shape.types)) - 1 & ~(1 << shape.types.index(k.chip))
+        others = [o.costs.dp_sync(1, True, False) for o in shape.kinds if o.chip != k.chip]
+        bound = shape.sync_bound(((front, 1),), mask, front, front)
+        assert bound >= min([first, *others]) * (1 - 1e-12)
+    assert pairs > 0  # the case this test is about
+
+
+def test_new_stages_of_unused_types_count_their_links() -> None:
+    """Layers that the placed blocks cannot hold need new stages, each sending over a link:
+    some option's bound is higher with the links than with them free (and, by the tests above,
+    never above the exact split)."""
+    cost = small_case(0)
+    run = search_module._Search(cost, SearchOptions(8, top_k=10**6))
+    shape = BatchShape(cost, 8, 1, "1f1b", 1, 1)
+    shape.build_grid(shape.w_max, 64)
+    node = search_module._root(shape)
+    kind, count = next((k, c) for b, k, c in run._options(shape, node) if k >= 0)
+    child = node.child(shape, kind, count, run._block_links(shape, node, kind, count))
+    with_links = [bound for bound, k, _ in run._options(shape, child) if k >= 0]
+    shape.type_link = dict.fromkeys(shape.type_link, 0.0)
+    shape.build_grid(shape.w_max * 0.999, 64)  # a fresh grid: no cached tables
+    shape.build_grid(shape.w_max, 64)
+    free = [bound for bound, k, _ in run._options(shape, child) if k >= 0]
+    assert max(a - b for a, b in zip(sorted(with_links), sorted(free))) > 0
+
+
+def test_the_root_bound_counts_the_fill() -> None:
+    """A shape's root bound counts the layers filled into the cheapest memory capacity (with the
+    embedding's and head's fill) and the first and last stages' end-of-step terms: above the
+    slowest stage's terms alone (and, by the tests above, never above the exact split)."""
+    cost = small_case(0, vocab=3000)
+    for schedule in ("1f1b", "zero-bubble"):
+        shape = BatchShape(cost, 8, 1, schedule, 1, 2)
+        w = max(shape.w_floor, float(shape.head_need.min()))
+        alone = shape.steady * w + shape._own_work(w)
+        assert shape.root_fill > shape.layers * float(shape.fill_unit.min()) > 0
+        assert shape.root_bound() > alone + shape.root_links
