@@ -395,6 +395,11 @@ def read_legacy(ckpt_dir: Path, load_optim: bool = True) -> MegatronState:
         raise ConfigError(f"checkpoint file {first}: args name no valid TP / PP size")
     config = model_config_from_args(args, first)
     ep = expert_parallel_size(args, first, load_optim)
+    etp = args.get("expert_tensor_parallel_size") or tp
+    if config.is_moe and etp != tp:
+        raise ConfigError(f"checkpoint file {first}: args.expert_tensor_parallel_size {etp} "
+                          f"differs from its TP {tp}; this build reads legacy files with "
+                          "experts split like the dense layers only: save it as torch_dist")
     dirs = _rank_dirs(ckpt_dir, pp, ep)
     _check_grid(ckpt_dir, dirs, tp, pp, ep)
     files = {key: d / "model_optim_rng.pt" for key, d in dirs.items()}

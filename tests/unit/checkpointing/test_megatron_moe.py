@@ -117,3 +117,14 @@ def test_distributed_optimizer_of_moe_is_refused_in_one_line(fmt, tmp_path):
     with pytest.raises(ConfigError, match="distributed optimizer's state of a mixture-of-experts"):
         read_megatron(root)
     assert read_megatron(root, load_optim=False).optimizer == {}
+
+
+def test_legacy_files_with_their_own_expert_tp_are_refused_in_one_line(tmp_path):
+    """Legacy files split the experts over the expert-TP group: not merged like TP shards."""
+    root = _copy("moe_ep2", "torch", tmp_path)
+    for path in root.glob("mp_rank_*/model_optim_rng.pt"):
+        _edit(path, lambda s: setattr(s["args"], "expert_tensor_parallel_size", 2))
+    with pytest.raises(ConfigError, match="args.expert_tensor_parallel_size 2 differs from its "
+                                          "TP 1; .* save it as torch_dist") as info:
+        read_megatron(root)
+    assert "\n" not in str(info.value)
