@@ -41,19 +41,13 @@ from megatron_h2.config import OptimizerConfig
 from megatron_h2.devices.kernels import Kernels
 from megatron_h2.distributed.grad_sync import Bucket, GradBuckets, all_gather_flat
 from megatron_h2.errors import ConfigError
+from megatron_h2.optimizer import flat_params
 from megatron_h2.optimizer.adamw import (
     ADAM_STATES,
     adamw_kwargs,
     load_named_optimizer_state,
     optimizer_state_to_named,
     param_groups,
-)
-from megatron_h2.optimizer.flat_params import (
-    FlatRun,
-    flatten_runs,
-    is_routed_expert,
-    load_runs_state,
-    runs_state_to_named,
 )
 from megatron_h2.optimizer.main_params import Fp32Grads, copy_main_to_model, make_main_params
 
@@ -176,7 +170,8 @@ class ReplicatedOptimizer:
 
     def __init__(self, optimizer: torch.optim.Optimizer, grad_buckets: GradBuckets,
                  main_params: dict[nn.Parameter, torch.Tensor] | None = None,
-                 grads: Fp32Grads | None = None, runs: Sequence[FlatRun] = ()) -> None:
+                 grads: Fp32Grads | None = None,
+                 runs: Sequence[flat_params.FlatRun] = ()) -> None:
         if grad_buckets.reduce_scatter:
             raise ValueError("ReplicatedOptimizer needs all-reduce GradBuckets "
                              "(reduce_scatter=False)")
@@ -240,12 +235,12 @@ class ReplicatedOptimizer:
 
     def named_state(self, names: Names) -> dict[str, torch.Tensor]:
         return {**optimizer_state_to_named(self.optimizer, self._state_names(names), self._flats),
-                **runs_state_to_named(self.optimizer, self.runs, names)}
+                **flat_params.runs_state_to_named(self.optimizer, self.runs, names)}
 
     def load_named_state(self, names: Names, tensors: dict[str, torch.Tensor]) -> None:
         load_named_optimizer_state(self.optimizer, self._state_names(names), tensors,
                                    self._flats)
-        load_runs_state(self.optimizer, self.runs, names, tensors, _check_named)
+        flat_params.load_runs_state(self.optimizer, self.runs, names, tensors, _check_named)
 
     def main_weights(self) -> dict[nn.Parameter, torch.Tensor]:
         if self.mains is None:
@@ -587,11 +582,7 @@ def build_data_parallel_optimizer(model: nn.Module, config: OptimizerConfig,
     if overlap_param_gather:
         raise ValueError("overlap_param_gather needs the distributed optimizer")
     if buckets.param_dtype == torch.float32:
-        runs = (flatten_runs(buckets, is_routed_expert, lambda p: p.ndim < 2)
-                if flat_experts and buckets.direct else [])
-        in_runs = {id(p) for run in runs for p in run.params}
-        items = [(names[p], p, p) for p in params if id(p) not in in_runs]
-        items += [(names[run.params[0]], run.params[0], run.flat) for run in runs]
+        items, runs = flat_params.adamw_items(buckets, params, names, flat_experts)
         inner = torch.optim.AdamW(param_groups(items, config), **adamw_kwargs(config, kernels))
         return ReplicatedOptimizer(inner, buckets, runs=runs)
     grads = Fp32Grads(buckets, [b.buffer for b in buckets.buckets])

@@ -87,6 +87,21 @@ def flatten_runs(buckets: GradBuckets, select: Callable[[nn.Parameter], bool],
     return out
 
 
+def adamw_items(buckets: GradBuckets, params: list[nn.Parameter],
+                names: dict[nn.Parameter, str], flat_experts: bool
+                ) -> tuple[list[tuple[str, nn.Parameter, torch.Tensor]], list[FlatRun]]:
+    """``(name, parameter, tensor the optimizer updates)`` for ``params`` (fp32, in all-reduce
+    ``buckets``), each run of routed experts as one flat tensor (named by its first parameter,
+    grouped like it) where ``flat_experts`` is set and the buckets' buffers are the ``.grad``;
+    and the runs."""
+    runs = (flatten_runs(buckets, is_routed_expert, lambda p: p.ndim < 2)
+            if flat_experts and buckets.direct else [])
+    in_runs = {id(p) for run in runs for p in run.params}
+    items = [(names[p], p, p) for p in params if id(p) not in in_runs]
+    items += [(names[run.params[0]], run.params[0], run.flat) for run in runs]
+    return items, runs
+
+
 def runs_state_to_named(optimizer: torch.optim.Optimizer, runs: list[FlatRun],
                         names: dict[nn.Parameter, str]) -> dict[str, torch.Tensor]:
     """The Adam moments and step of every run's parameters, by name, as per parameter."""

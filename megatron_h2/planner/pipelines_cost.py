@@ -89,16 +89,16 @@ def _stage_layers(pipe: HeteroPlan, stage: int) -> set[int]:
 def _stage_params(cost: CostModel, pipe: HeteroPlan, s: int) -> tuple[float, float]:
     """(dense, expert) parameters per chip of stage ``s``: the dense ones (embedding, head,
     attention, dense MLPs, routers, shared experts) synced over its DP group, the routed
-    experts of its ``1 / EP`` share over its expert-DP group (DP / EP ranks)."""
+    experts of its ``1 / EP`` share (split over expert TP) over its expert-DP group."""
     spec, model = pipe.stages[s], cost.model
-    tp, ep = spec.tensor_parallel_size, spec.expert_model_parallel_size
+    tp, ep, etp = spec.tensor_parallel_size, spec.expert_model_parallel_size, spec.expert_tp
     costs = cost.stage_costs(spec.chip, tp, pipe.micro_batch_size, pipe.stage_dp(s))
     first, last = s == 0, s == len(pipe.stages) - 1
     dense = costs.params(0, first, last)
     experts = 0.0
     for layer in sorted(set().union(*(set(r) for r in pipe.chunk_layer_ranges()[s]))):
         if cost.layer_is_moe[layer]:
-            shared, routed = model.moe_layer_params_per_chip(tp, ep)
+            shared, routed = model.moe_layer_params_per_chip(tp, ep, etp)
             dense, experts = dense + shared, experts + routed
         else:
             dense += model.layer_params_per_chip(tp)
@@ -108,13 +108,14 @@ def _stage_params(cost: CostModel, pipe: HeteroPlan, s: int) -> tuple[float, flo
 def stage_exchange_s(cost: CostModel, plan: HeteroPlan, k: int, s: int) -> float:
     """Seconds stage ``s`` of pipeline ``k`` spends receiving (and, full duplex, sending) its
     gradient range from every other pipeline, plus the replicated optimizer's all-gather (of
-    MoE layers' routed experts over the expert-DP group, each rank holding ``1 / (DP / EP)`` of
-    its ``1 / EP`` of the experts: ``1 / DP`` of them, as of the dense parameters)."""
+    MoE layers' routed experts over the expert-DP group of ``TP x DP / (ETP x EP)`` ranks, each
+    holding that share of its chip's experts)."""
     pipes = plan.pipeline_plans
     pipe, spec = pipes[k], pipes[k].stages[s]
-    dp, ep = pipe.stage_dp(s), spec.expert_model_parallel_size
+    dp, tp = pipe.stage_dp(s), spec.tensor_parallel_size
+    edp = tp * dp // (spec.expert_tp * spec.expert_model_parallel_size)
     dense, experts = _stage_params(cost, pipe, s)
-    shard = dense / dp + experts / (dp // ep)
+    shard = dense / dp + experts / edp
     layers = _stage_layers(pipe, s)
     own = cost.cluster.chip(spec.chip)
     total = 0.0
@@ -130,7 +131,7 @@ def stage_exchange_s(cost: CostModel, plan: HeteroPlan, k: int, s: int) -> float
     if not cost.config.use_distributed_optimizer:
         local = own.chips_per_node % (dp * spec.tensor_parallel_size) == 0
         bandwidth = own.intra_node_gb_per_s if local else own.inter_node_gb_per_s
-        for group, params in ((dp, dense), (dp // ep, experts)):
+        for group, params in ((dp, dense), (edp, experts)):
             if group > 1 and params:  # all-gather: every rank ends with every range
                 total += ((group - 1) * cost.config.collective_latency_s
                           + (group - 1) / group * params * FP32_BYTES
