@@ -131,3 +131,43 @@ def member(seed: int, size: int, types: int | None = None, model: str | None = N
         f" seq {config_model.seq_length}, batch {global_batch}{', ZeRO' if distributed else ''}"
     )
     return Member(label, cost, global_batch, chips)
+
+
+def moe_member(seed: int, size: int = 1024) -> Member:
+    """A mixture-of-experts member (bench_planner_moe.py --family): 2-4 chip types of about
+    ``size`` chips, a model of the 7B/13B/34B shapes above with 8-64 experts of FFN 1/4-1 of
+    the dense one, top-1 to top-8 routing (at most the experts), every layer MoE, every other
+    one, or the first one to three dense and the rest MoE, a shared expert or none, the
+    distributed optimizer on; drawn again while its weights would take more than half the
+    cluster's memory."""
+    rng = random.Random(f"moe-{seed}-{size}")
+    cluster = random_cluster(rng, size, rng.randint(2, 4))
+    memory = sum(c.count * c.memory_gib * 2**30 for c in cluster.chips)
+    config = CostConfig(use_distributed_optimizer=True)
+    for _ in range(100):
+        name, layers, hidden, ffn, heads = rng.choice(MODELS[:3])
+        experts = rng.choice((8, 16, 32, 64))
+        topk = rng.randint(1, min(8, experts))
+        dense = rng.choice((0, 0, 1, 3))
+        freq: int | list[int] = rng.choice((1, 2)) if not dense else [0] * dense + [1] * (
+            layers - dense)
+        data = {"num_layers": layers, "hidden_size": hidden, "ffn_hidden_size": ffn,
+                "num_attention_heads": heads, "seq_length": rng.choice((2048, 4096)),
+                "vocab_size": rng.choice(VOCABS), "num_experts": experts,
+                "moe_router_topk": topk, "moe_ffn_hidden_size": ffn // rng.choice((1, 2, 4)),
+                "moe_layer_freq": freq, "moe_router_pre_softmax": topk == 1, **LLAMA}
+        if rng.random() < 0.3:
+            data["moe_shared_expert_intermediate_size"] = data["moe_ffn_hidden_size"]
+        model = model_from_dict(data)
+        expert = 3 * hidden * data["moe_ffn_hidden_size"]  # SwiGLU: three matrices
+        moe_layer = model.layer_params - 3 * hidden * ffn + experts * expert
+        per_layer = [moe_layer if model.is_moe_layer(i) else model.layer_params
+                     for i in range(layers)]  # about: the memory test only
+        if sum(per_layer) * config.bytes_per_param(1) <= memory / 2:
+            break
+    global_batch = 2 ** rng.randint(8, 10)
+    cost = CostModel(cluster, model, config)
+    pattern = "all MoE" if freq == 1 else ("every other MoE" if freq == 2 else f"{dense} dense")
+    label = (f"moe seed {seed}: {len(cluster.chips)} types, {name} {experts} experts top-{topk}"
+             f" ({pattern}), batch {global_batch}")
+    return Member(label, cost, global_batch, sum(c.count for c in cluster.chips))

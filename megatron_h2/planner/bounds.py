@@ -135,13 +135,7 @@ class BatchShape(ShapeMemory, RestBound):
                         kinds.append(Kind(index, chip.name, tp, d, count, costs, m, factor, ep))
         if cost.model.num_layers % chunks:
             kinds = []  # equal chunks cannot hold the layers
-        self.kinds = tuple(kinds)
-        self.types = sorted({k.chip for k in kinds})
-        self.kinds_of = {t: [i for i, k in enumerate(kinds) if k.chip == t] for t in self.types}
-        per_type = [max(kinds[i].max_stages for i in self.kinds_of[t]) for t in self.types]
-        self.positions = min(self.layers, sum(per_type)) if kinds else 0  # >= 1 unit per stage
-        self.depth = self.positions + 1  # warm-ups with their own memory caps
-        self.factor_max = max((k.factor for k in kinds), default=0)
+        self._set_kinds(kinds)
         self._mode_caps: dict[tuple[int, int, int, int | None], tuple[int, int, int]] = {}
         self._placed_caps: dict[tuple[int, int, int, int], tuple[int, int, int]] = {}
         self._links: dict[tuple[str, str], float] = {}
@@ -153,6 +147,16 @@ class BatchShape(ShapeMemory, RestBound):
         self.prepared, self.pre_bound = False, 0.0
         if not lazy:
             self.prepare()
+
+    def _set_kinds(self, kinds: Sequence[Kind]) -> None:
+        """The stage kinds and what follows from them alone (chip types, positions)."""
+        self.kinds = tuple(kinds)
+        self.types = sorted({k.chip for k in kinds})
+        self.kinds_of = {t: [i for i, k in enumerate(kinds) if k.chip == t] for t in self.types}
+        per_type = [max(kinds[i].max_stages for i in self.kinds_of[t]) for t in self.types]
+        self.positions = min(self.layers, sum(per_type)) if kinds else 0  # >= 1 unit per stage
+        self.depth = self.positions + 1  # warm-ups with their own memory caps
+        self.factor_max = max((k.factor for k in kinds), default=0)
 
     def counts(self, kind: int, room: int) -> np.ndarray:
         """Stage counts of a block of ``kind`` that fit in ``room`` free stage positions: 1 to
@@ -196,6 +200,46 @@ class BatchShape(ShapeMemory, RestBound):
 
     # ------------------------------------------------------------------------------- bounds
     def _prepare(self) -> None:
+        self._tables()
+        self.leads = self._lead_grid()
+        self.type_link = {  # a stage of type t in front of any stage: its link at least this
+            t: self.link_factor * min(
+                self.link(self.cost.cluster.chips[t].name, self.cost.cluster.chips[u].name)
+                for u in self.types
+            )
+            for t in self.types
+        }
+        self.w_floor = self._root_w(range(len(self.kinds))) if self.positions else self.w_max
+        self.root_fill, self.root_links = self._root_extras() if self.positions else (0.0, 0.0)
+
+    def _root_extras(self) -> tuple[float, float]:
+        """Lower bounds on the summed fill (edges included) and on the link time of every
+        plan of this shape, whatever its slowest stage: the layers filled into the cheapest
+        memory capacity (each chip type's kinds as convex segments, each kind's block as if it
+        ended the pipeline, where it holds the most), and the fewest stages that hold them,
+        each but one with a link of at least the cheapest of its type's."""
+        caps = self.capacity(np.array([self.w_max]))  # memory-bound: every kind's time cap is L
+        most = self._most_layers(caps)[:, 0]
+        units, widths = [], []
+        for chip in self.types:
+            kinds = sorted(self.kinds_of[chip], key=lambda k: self.fill_unit[k])
+            running = 0.0
+            for kind in kinds:
+                if most[kind] > running:
+                    units.append(float(self.fill_unit[kind]))
+                    widths.append(most[kind] - running)
+                    running = float(most[kind])
+        fill, left = 0.0, float(self.layers)
+        for unit, width in sorted(zip(units, widths)):
+            take = min(width, left)
+            fill, left = fill + unit * take, left - take
+        edges = float(self.head_time.min() + self.embedding_time.min())
+        per_stage = float(caps[:, 0, 0].max())  # warm-up 0 holds the most
+        stages = -(-self.layers // max(int(per_stage), 1))
+        return fill + edges, (stages - 1) * min(self.type_link.values())
+
+    def _tables(self) -> None:
+        """The per-kind bound tables (times, fills, memory caps, edges, syncs) and ``w_max``."""
         layers, v = self.layers, self.chunks
         factors = np.array([k.factor for k in self.kinds], dtype=np.float64)
         times = np.array([[k.costs.layer_time(r) for r in range(len(MODES))] for k in self.kinds])
@@ -271,42 +315,6 @@ class BatchShape(ShapeMemory, RestBound):
             for k in self.kinds
         ]
         self.w_max = max(max(full) * (1 + 1e-9), 1e-30)
-        self.leads = self._lead_grid()
-        self.type_link = {  # a stage of type t in front of any stage: its link at least this
-            t: self.link_factor * min(
-                self.link(self.cost.cluster.chips[t].name, self.cost.cluster.chips[u].name)
-                for u in self.types
-            )
-            for t in self.types
-        }
-        self.w_floor = self._root_w(range(len(self.kinds))) if self.positions else self.w_max
-        self.root_fill, self.root_links = self._root_extras() if self.positions else (0.0, 0.0)
-
-    def _root_extras(self) -> tuple[float, float]:
-        """Lower bounds on the summed fill (edges included) and on the link time of every
-        plan of this shape, whatever its slowest stage: the layers filled into the cheapest
-        memory capacity (each chip type's kinds as convex segments, each kind's block as if it
-        ended the pipeline, where it holds the most), and the fewest stages that hold them,
-        each but one with a link of at least the cheapest of its type's."""
-        caps = self.capacity(np.array([self.w_max]))  # memory-bound: every kind's time cap is L
-        most = self._most_layers(caps)[:, 0]
-        units, widths = [], []
-        for chip in self.types:
-            kinds = sorted(self.kinds_of[chip], key=lambda k: self.fill_unit[k])
-            running = 0.0
-            for kind in kinds:
-                if most[kind] > running:
-                    units.append(float(self.fill_unit[kind]))
-                    widths.append(most[kind] - running)
-                    running = float(most[kind])
-        fill, left = 0.0, float(self.layers)
-        for unit, width in sorted(zip(units, widths)):
-            take = min(width, left)
-            fill, left = fill + unit * take, left - take
-        edges = float(self.head_time.min() + self.embedding_time.min())
-        per_stage = float(caps[:, 0, 0].max())  # warm-up 0 holds the most
-        stages = -(-self.layers // max(int(per_stage), 1))
-        return fill + edges, (stages - 1) * min(self.type_link.values())
 
     def _own_work(self, work: np.ndarray | float) -> np.ndarray | float:
         """The slowest stage's own work when the largest folded steady term is ``work`` (the
@@ -408,6 +416,7 @@ class BatchShape(ShapeMemory, RestBound):
         self._stage_caps: dict[int, np.ndarray] = {}
         self._placed: dict[tuple[int, int, int, int, int], np.ndarray] = {}
         self._timed: dict[int, np.ndarray] = {}
+        self._closed: dict[tuple[int, int, int, tuple[int, ...]], np.ndarray] = {}
 
     def block(self, kind: int, start: int, ends: np.ndarray) -> np.ndarray:
         """Capacity bound of stages of ``kind`` with warm-ups ``start .. end - 1``: probe x

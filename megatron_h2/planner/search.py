@@ -41,6 +41,7 @@ import numpy as np
 from megatron_h2.errors import ConfigError
 from megatron_h2.planner.bounds import BatchShape
 from megatron_h2.planner.cost_model import CostModel
+from megatron_h2.planner.merged_shape import MergedShape
 from megatron_h2.planner.partition import INF
 from megatron_h2.planner.search_options import (
     OWN_DP_SPACES,
@@ -123,6 +124,8 @@ class _Search:
         self.counter = itertools.count()
         self.deadline = time.monotonic() + options.time_limit_s
         self.evaluated: set[tuple[int, str, int, tuple[tuple[int, ...], ...]]] = set()
+        # MoE: kinds that differ only in their EP degree merged for the structure search
+        self.make = MergedShape if options.merge_ep and cost.model.is_moe else BatchShape
 
     @property
     def threshold(self) -> float:
@@ -155,7 +158,7 @@ class _Search:
                 else [d for d in range(1, min(per_dp, largest) + 1) if per_dp % d == 0]
             )
             plain = {  # the 1F1B shapes, one per DP key
-                dp: BatchShape(self.cost, gbs, mbs, "1f1b", 1, dp)
+                dp: self.make(self.cost, gbs, mbs, "1f1b", 1, dp)
                 for dp in degrees
                 if ("1f1b", 1) in variants
             }
@@ -164,7 +167,7 @@ class _Search:
                     if (schedule, chunks) == ("1f1b", 1):
                         shape, floor = plain[dp], None
                     else:
-                        shape = BatchShape(self.cost, gbs, mbs, schedule, chunks, dp, lazy=True)
+                        shape = self.make(self.cost, gbs, mbs, schedule, chunks, dp, lazy=True)
                         floor = plain[dp].w_floor if dp in plain and plain[dp].kinds else None
                     if not shape.kinds:
                         continue
@@ -225,10 +228,15 @@ class _Search:
                 self.stats.batch_shapes_pruned += 1
                 continue
             shape.prepare()  # its tables' bound, not the cheap one (a small cost)
-            if shape.root_bound() >= self.threshold * (1 - _SLACK):
+            bound = shape.root_bound()
+            if bound < self.threshold * (1 - _SLACK):  # its root's children: tighter, cheap
+                shape.build_grid(min(self.threshold, shape.w_max), self.options.grid_points)
+                options = self._options(shape, _root(shape))
+                bound = max(bound, options[0][0] if options else INF)
+            if bound >= self.threshold * (1 - _SLACK):
                 self.stats.batch_shapes_pruned += 1
             else:
-                self._abandon(shape.root_bound())
+                self._abandon(bound)
         for bound, _ in left.roots:
             self._abandon(bound)
         if left.queue:
@@ -259,7 +267,7 @@ class _Search:
                 if time.monotonic() > self.deadline:
                     break  # the own-DP shapes bound what is left
                 near = self._near(types, change_tp)
-                shape = BatchShape(self.cost, gbs, mbs, schedule, 1, None, only=near)
+                shape = self.make(self.cost, gbs, mbs, schedule, 1, None, only=near)
                 self.stats.batch_shapes += 1
                 if len(shape.types) < len(types) or shape.root_bound() >= self.threshold:
                     continue  # some type cannot use all its chips so, or no win
@@ -354,6 +362,11 @@ class _Search:
             if time.monotonic() > self.deadline:
                 return queue
             _, _, shape, kind, count, node = heapq.heappop(queue)
+            if kind == -1 and isinstance(shape, MergedShape):  # each EP choice, exactly bounded
+                for option, suffix in self._exact_leaves(shape, node):
+                    leaf = _Node(suffix, (), node.position, 0, node.links, node.lead)
+                    heapq.heappush(queue, (option, next(self.counter), shape.exact, -2, 0, leaf))
+                continue
             if kind < 0:
                 self._evaluate(shape, node.suffix)
                 continue
@@ -386,12 +399,30 @@ class _Search:
                 continue
             if visited >= budget or time.monotonic() > self.deadline:
                 break
+            if kind < 0 and isinstance(shape, MergedShape):
+                for option, suffix in self._exact_leaves(shape, node):
+                    if option < self.threshold * (1 - _SLACK):
+                        self._evaluate(shape.exact, suffix)
+                continue
             if kind < 0:
                 self._evaluate(shape, node.suffix)
                 continue
             links = self._block_links(shape, node, kind, count)
             visited += self._explore(shape, node.child(shape, kind, count, links), budget - visited)
         return visited
+
+    def _exact_leaves(self, shape: MergedShape, node: _Node) -> list[tuple[float, Suffix]]:
+        """The closed merged pipeline ``node`` as every choice of EP degree per block
+        (:meth:`MergedShape.exact_suffixes`), each with its exact closed bound, those that may
+        beat the K-th best, best first."""
+        exact, cutoff = shape.exact_view(), self.threshold * (1 - _SLACK)
+        suffixes = [s for s in shape.exact_suffixes(node.suffix) if not self._done(exact, s)]
+        if not suffixes:
+            return []
+        bounds = _closed_bounds(exact, suffixes, node.lead, node.links).tolist()
+        out = sorted((b, s) for b, s in zip(bounds, suffixes) if b < cutoff)
+        self.stats.nodes_pruned += len(suffixes) - len(out)
+        return out
 
     def _fixed(self, shape: BatchShape, node: _Node) -> list[tuple[float, np.ndarray, Any]]:
         """The suffix's blocks for :meth:`BatchShape.bound` (under zero-bubble and interleaved
@@ -416,23 +447,17 @@ class _Search:
         suffix, groups, position, mask = node.suffix, node.groups, node.position, node.mask
         options: list[tuple[float, int, int]] = []
         need = _need(shape, node)
-        warmups = shape.warmups(suffix) if suffix else []
         if suffix and shape.closes(position) and not (use_all and mask):
             edges = float(shape.head_time[suffix[-1][0]] + shape.embedding_time[suffix[0][0]])
             sync = shape.sync_bound(suffix, 0, suffix[-1][0], suffix[0][0])
             placed = [(u, caps[:, None], count) for u, caps, count in groups]
             here = np.array([node.lead])
             first = max(need, float(shape.embedding_need[suffix[0][0]]))  # with the embedding
-            leaf = shape.bound(placed, 0, here, node.links, edges, first, sync)
-            if leaf[0] < self.threshold * (1 - _SLACK):  # tighter: the exact memory caps
-                closed, front = [], 0
-                for (kind, count), (unit, _, _) in zip(suffix, reversed(groups)):
-                    qs = warmups[front : front + count]
-                    caps = shape.closed_block(kind, position, front, qs)
-                    closed.append((unit, caps[:, None], count))
-                    front += count
-                leaf = shape.bound(closed, 0, here, node.links, edges, first, sync)
-            options.append((float(leaf[0]), -1, 0))
+            leaf = float(shape.bound(placed, 0, here, node.links, edges, first, sync)[0])
+            if leaf < self.threshold * (1 - _SLACK) and not isinstance(shape, MergedShape):
+                # tighter: the exact memory caps (merged kinds: per EP choice when expanded)
+                leaf = float(_closed_bounds(shape, [suffix], node.lead, node.links)[0])
+            options.append((leaf, -1, 0))
         room, fixed = shape.positions - position, None
         for t_index, chip in enumerate(shape.types):  # one bound call per chip type
             if not mask >> t_index & 1:
@@ -496,17 +521,26 @@ class _Search:
             total = total + shape.link(name, shape.kinds[node.suffix[0][0]].name)
         return shape.link_factor * total
 
-    def _evaluate(self, shape: BatchShape, suffix: Suffix) -> None:
-        """Stage two for a closed pipeline (``suffix`` is in pipeline order from the front)."""
+    @staticmethod
+    def _key(shape: BatchShape, suffix: Suffix) -> tuple[Any, ...]:
+        """A closed pipeline's identity, the same in every batch shape that holds it."""
         kinds = shape.kinds
         blocks = tuple((kinds[k].chip, kinds[k].tp, kinds[k].dp, kinds[k].ep, n)
                        for k, n in suffix)
-        key = (shape.mbs, shape.schedule, shape.chunks, blocks)  # the same in every shape
-        if key in self.evaluated:
-            return
+        return (shape.mbs, shape.schedule, shape.chunks, blocks)
+
+    def _done(self, shape: BatchShape, suffix: Suffix) -> bool:
+        """Whether the closed pipeline is solved already or left to a uniform shape (its stages
+        have one DP degree after all: the uniform shape of that degree has it)."""
         if not shape.uniform and len({shape.kinds[kind].dp for kind, _ in suffix}) == 1:
-            return  # one DP degree after all: the uniform shape of that degree has it
-        self.evaluated.add(key)
+            return True
+        return self._key(shape, suffix) in self.evaluated
+
+    def _evaluate(self, shape: BatchShape, suffix: Suffix) -> None:
+        """Stage two for a closed pipeline (``suffix`` is in pipeline order from the front)."""
+        if self._done(shape, suffix):
+            return
+        self.evaluated.add(self._key(shape, suffix))
         self.stats.splits_solved += 1
         split = solve_structure(shape, suffix, cutoff=self.threshold)
         if split is None:
@@ -519,13 +553,37 @@ class _Search:
             heapq.heappop(self.best)
 
 
-def _need(shape: BatchShape, node: _Node) -> float:
-    """The least folded steady term below ``node``: one layer on its slowest kind, or the last
-    stage's layer and the head (:attr:`BatchShape.head_need`)."""
-    if not node.suffix:
+def _need(shape: BatchShape, node: _Node | Suffix) -> float:
+    """The least folded steady term below ``node`` (or of a suffix): one layer on its slowest
+    kind, or the last stage's layer and the head (:attr:`BatchShape.head_need`)."""
+    suffix = node if isinstance(node, tuple) else node.suffix
+    if not suffix:
         return 0.0
-    need = float(shape.head_need[node.suffix[-1][0]])
-    return max(need, max(float(shape.unit[kind, 0]) for kind, _ in node.suffix))
+    need = float(shape.head_need[suffix[-1][0]])
+    return max(need, max(float(shape.unit[kind, 0]) for kind, _ in suffix))
+
+
+def _closed_bounds(shape: BatchShape, suffixes: list[Suffix], lead: int,
+                   links: float) -> np.ndarray:
+    """Bounds of closed pipelines with their stages' exact memory caps, in one bound call:
+    ``suffixes`` (pipeline order) of the same blocks' stage counts and DP degrees (hence
+    warm-ups), differing only in the kinds (EP degrees); ``lead``, ``links``: theirs."""
+    first, last = [s[0][0] for s in suffixes], [s[-1][0] for s in suffixes]
+    edges = shape.head_time[last] + shape.embedding_time[first]
+    syncs = np.array([shape.sync_bound(s, 0, s[-1][0], s[0][0]) for s in suffixes])
+    needs = np.maximum([_need(shape, s) for s in suffixes], shape.embedding_need[first])
+    position, warmups = sum(count for _, count in suffixes[0]), shape.warmups(suffixes[0])
+    parts, front, width = [], 0, len(suffixes)
+    for block, (_, count) in enumerate(suffixes[0]):
+        used = [s[block][0] for s in suffixes]
+        for kind in dict.fromkeys(used):  # one part per kind of this block
+            caps = shape.closed_block(kind, position, front, warmups[front : front + count])
+            mine = np.array([k == kind for k in used])
+            stages = count if mine.all() else np.where(mine, count, 0)
+            columns = caps[:, None] if width == 1 else np.where(mine, caps[:, None], 0.0)
+            parts.append((float(shape.fill_unit[kind]), columns, stages))
+        front += count
+    return shape.bound(parts, 0, np.full(width, lead), links, edges, needs, syncs)
 
 
 def search(cost: CostModel, options: SearchOptions) -> SearchResult:

@@ -44,6 +44,11 @@ class SearchOptions:
     (one-DP and own-DP suffixes together, best bound first) goes on until the whole limit. No
     effect with ``own_dp="none"`` or one chip type, and none on a search that finishes in
     time."""
+    merge_ep: bool = True
+    """MoE models: search the pipeline structure over stage kinds merged across their EP
+    degrees (:mod:`~megatron_h2.planner.merged_shape`) and choose each block's EP degree when
+    a pipeline closes; False searches every (chip type, TP, DP, EP) kind separately (the same
+    plans, for comparisons)."""
 
     def __post_init__(self) -> None:
         positive_int(self.global_batch_size, "global_batch_size")

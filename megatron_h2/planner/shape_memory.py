@@ -38,6 +38,7 @@ class ShapeMemory:
     _placed_caps: dict[tuple[int, int, int, int], tuple[int, int, int]]
     _placed: dict[tuple[int, int, int, int, int], np.ndarray]
     _timed: dict[int, np.ndarray]
+    _closed: dict[tuple[int, int, int, tuple[int, ...]], np.ndarray]
 
     def closes(self, stages: int) -> bool:
         """Whether a pipeline of ``stages`` stages can run this shape's schedule."""
@@ -171,9 +172,12 @@ class ShapeMemory:
     ) -> np.ndarray:
         """Capacity of the stages ``front, front + 1, ...`` (counted from the front, with
         ``warmups``) of ``kind`` in a closed pipeline of ``stages`` stages, with their exact
-        memory caps: per probe."""
-        caps = np.array([self.mode_caps(kind, stages, front + i, q) for i, q in enumerate(warmups)])
-        return self._timed_sum(kind, caps)
+        memory caps: per probe (cached per grid)."""
+        key = (kind, stages, front, tuple(warmups))
+        if key not in self._closed:
+            caps = [self.mode_caps(kind, stages, front + i, q) for i, q in enumerate(warmups)]
+            self._closed[key] = self._timed_sum(kind, np.array(caps))
+        return self._closed[key]
 
 
 def _most_units(room: float, per: np.ndarray) -> np.ndarray:
