@@ -570,7 +570,7 @@ def _closed_bounds(shape: BatchShape, suffixes: list[Suffix], lead: int,
     warm-ups), differing only in the kinds (EP degrees); ``lead``, ``links``: theirs."""
     first, last = [s[0][0] for s in suffixes], [s[-1][0] for s in suffixes]
     edges = shape.head_time[last] + shape.embedding_time[first]
-    syncs = np.array([shape.sync_bound(s, 0, s[-1][0]) for s in suffixes], dtype=np.float64)
+    syncs = np.array([shape.sync_bound(s, 0, s[-1][0], s[0][0]) for s in suffixes])
     needs = np.maximum([_need(shape, s) for s in suffixes], shape.embedding_need[first])
     position, warmups = sum(count for _, count in suffixes[0]), shape.warmups(suffixes[0])
     parts, front, width = [], 0, len(suffixes)
