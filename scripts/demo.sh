@@ -8,8 +8,9 @@
 #   4. show the predicted and the measured timelines and step times.
 # Settings (environment): PYTHON (default .venv/bin/python if present, else python3),
 # OUT (default runs/demo), ITERS (default 20), CLUSTER, MODEL, PROFILE_FLAGS (extra flags for
-# tools/profile_chip.py); MEGATRON_H2_CACHE (default ~/.cache/megatron_h2) holds the corpus and
-# the measurements.
+# tools/profile_chip.py), REPLAN_MARGIN (default 0.05: the re-plan loop below keeps the plan
+# it measured as unless another is predicted faster by more than this fraction);
+# MEGATRON_H2_CACHE (default ~/.cache/megatron_h2) holds the corpus and the measurements.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 if [ -z "${PYTHON:-}" ]; then
@@ -38,7 +39,8 @@ MODEL="$OUT/model.yaml"
 # share its cores: the profile is measured the same way (--emulate: one process per rank of a
 # plan, all at once). Which chips compute at once depends on the plan, so plan first with the
 # chips measured alone, then measure as that plan's processes and plan again, until the plan
-# runs the processes it was measured with. That measurement also gives the cores the processes
+# runs the processes it was measured with, or the planner's new best is not predicted faster
+# than the plan measured by more than REPLAN_MARGIN (then that plan is kept). That measurement also gives the cores the processes
 # get together (host_cores in the calibrated cluster: a step takes at least their CPU work over
 # those cores) and the share of a core each pass got (cpu_fraction in the profile), both under
 # whatever else runs on the machine then, as the run meets it: measured afresh each time, at
@@ -62,6 +64,15 @@ for round in 1 2 3; do
   "$PYTHON" tools/plan.py --cluster "$OUT/cluster.yaml" --model "$MODEL" \
     --profile "$OUT/profile.yaml" --output "$OUT/plan.yaml" \
     --timeline "$OUT/predicted_timeline.png" --top 3 > "$OUT/plan.txt"
+  if [ "$("$PYTHON" -c "$MIX" "$OUT/plan.yaml")" = "$("$PYTHON" -c "$MIX" "$OUT/measured_as.yaml")" ]
+  then break; fi
+  # Another mix: keep the one measured unless the new one is predicted faster by more than the
+  # measurement's noise (REPLAN_MARGIN): where the step is bound by the ranks' CPU work over the
+  # cores, plans of five and six processes tie, and following every tie alternates between them.
+  "$PYTHON" -m megatron_h2.commands.keep_plan --current "$OUT/measured_as.yaml" \
+    --new "$OUT/plan.yaml" --cluster "$OUT/cluster.yaml" --model "$MODEL" \
+    --profile "$OUT/profile.yaml" --margin "${REPLAN_MARGIN:-0.05}" --output "$OUT/plan.yaml" \
+    --timeline "$OUT/predicted_timeline.png" >> "$OUT/plan.txt"
   if [ "$("$PYTHON" -c "$MIX" "$OUT/plan.yaml")" = "$("$PYTHON" -c "$MIX" "$OUT/measured_as.yaml")" ]
   then break; fi
   cp "$OUT/plan.yaml" "$OUT/measured_as.yaml"

@@ -211,10 +211,16 @@ class CheckpointIO:
             param = self.params[key if key in self.params else _param_of_state(key)]
             spec = get_tp_shard(param)
             if spec is not None and value.ndim > 0:
-                out[key] = gather_tp_tensor(value.detach(), spec, self.tp)
+                out[key] = gather_tp_tensor(value.detach(), spec, self._tp_of(param))
             else:
                 out[key] = value.detach()
         return out
+
+    def _tp_of(self, param: nn.Parameter) -> TPContext:
+        """The group ``param`` is sharded over: the experts' TP group for routed experts under
+        ETP != TP, else the TP group."""
+        etp: TPContext | None = getattr(self.model, "etp", None)
+        return etp if etp is not None and is_expert_param(param) else self.tp
 
     def _gather(self, mine: Any) -> list[Any]:
         """Every rank's ``mine`` (picklable), in rank order."""
@@ -255,22 +261,7 @@ class CheckpointIO:
         self._barrier()
         optim = self.optimizer.named_state(self.names)  # collective over DP under ZeRO
         weights = self.optimizer.main_weights()  # fp32; collective under ZeRO with bf16 weights
-        parts: list[tuple[str, int, dict[str, torch.Tensor]]] = []
-        # the first DP replica saves the stage; under expert parallelism the first expert-DP
-        # replica of every other EP rank saves that rank's experts (a part of their own)
-        experts_only = topo.dp_rank != 0 and topo.expert_ranks[2] == 0
-        if (topo.dp_rank == 0 or experts_only) and topo.pipeline == 0:  # pipelines: the same
-            own = {n: p for n, p in self.params.items() if n not in self.copies
-                   and (is_expert_param(p) or not experts_only)}
-            model = self._gather_full({n: weights[p] for n, p in own.items()})
-            if not experts_only:
-                model.update({n: b.detach().float() for n, b in self.buffers.items()})
-            optim = self._gather_full({k: v for k, v in optim.items()
-                                       if _param_of_state(k) in own})
-            if topo.tp_rank == 0:
-                index = topo.stage + EXPERT_PART_STRIDE * topo.expert_ranks[1] * experts_only
-                parts = [("model", index, model)] + (
-                    [("optim", index, optim)] if optim else [])
+        parts = self._parts_to_write(optim, weights) if topo.pipeline == 0 else []
         # what the commit writes, as of this iteration (a background commit comes later)
         context = {"save_dir": save_dir, "target": target, "iteration": it,
                    "rng": capture_rng(self.acc),
@@ -285,6 +276,41 @@ class CheckpointIO:
             return None
         entries = dict(write_part(tmp, kind, index, tensors) for kind, index, tensors in parts)
         return self._commit(context, entries)
+
+    def _parts_to_write(self, optim: dict[str, torch.Tensor],
+                        weights: dict[nn.Parameter, torch.Tensor]
+                        ) -> list[tuple[str, int, dict[str, torch.Tensor]]]:
+        """This rank's parts of the checkpoint (collective over its TP and expert-TP groups).
+
+        The first DP replica saves the stage (TP rank 0 writes, the tensors gathered whole over
+        the TP group); under expert parallelism the first expert-DP replica saves the routed
+        experts, each gathered whole over its expert-TP group (the TP group where ETP = TP), and
+        expert-TP rank 0 of each EP rank other than 0 writes them in a part of their own."""
+        topo = self.topo
+        etp_rank, ep_rank, edp_rank = topo.expert_ranks
+        dense, experts = topo.dp_rank == 0, edp_rank == 0
+        own = {n: p for n, p in self.params.items() if n not in self.copies
+               and (experts if is_expert_param(p) else dense)}
+        routed = {n for n, p in own.items() if is_expert_param(p)}
+        # the dense tensors first, then the experts': the same collectives in the same order
+        model = self._gather_full({n: weights[own[n]]
+                                   for n in sorted(own, key=routed.__contains__)})
+        states = self._gather_full({k: optim[k] for k in sorted(
+            optim, key=lambda k: _param_of_state(k) in routed) if _param_of_state(k) in own})
+
+        def part(index: int, names: set[str]) -> list[tuple[str, int, dict[str, torch.Tensor]]]:
+            tensors = {n: model[n] for n in names}
+            if index == topo.stage:
+                tensors.update({n: b.detach().float() for n, b in self.buffers.items()})
+            state = {k: v for k, v in states.items() if _param_of_state(k) in names}
+            return [("model", index, tensors)] + ([("optim", index, state)] if state else [])
+
+        parts = []
+        if dense and topo.tp_rank == 0:  # the stage's first rank, with EP rank 0's experts
+            parts += part(topo.stage, set(own))
+        if experts and etp_rank == 0 and ep_rank > 0:
+            parts += part(topo.stage + EXPERT_PART_STRIDE * ep_rank, routed)
+        return parts
 
     def _commit(self, context: dict[str, Any], entries: dict[str, Any]) -> Path:
         """Collective: every rank's parts are on disk; rank 0 writes metadata and manifest and
@@ -369,8 +395,8 @@ class CheckpointIO:
                 if full.is_floating_point() and not bool(torch.isfinite(full).all()):
                     not_finite.append(name)
                 spec = get_tp_shard(param)
-                part = full if spec is None else shard_tensor(full, spec, self.tp.rank,
-                                                              self.tp.size)
+                tp = self._tp_of(param)
+                part = full if spec is None else shard_tensor(full, spec, tp.rank, tp.size)
                 if part.shape != param.shape:
                     raise ConfigError(f"checkpoint tensor {name} has shape {tuple(full.shape)}, "
                                       "which does not fit this model; use matching model flags")
@@ -390,11 +416,11 @@ class CheckpointIO:
             return False
         tensors = {}
         for name, param in self.params.items():
-            spec = get_tp_shard(param)
+            spec, tp = get_tp_shard(param), self._tp_of(param)
             for key in ("exp_avg", "exp_avg_sq", "step"):
                 full = reader.get(f"{name}.{key}", "optim")
                 if spec is not None and full.ndim > 0:
-                    full = shard_tensor(full, spec, self.tp.rank, self.tp.size)
+                    full = shard_tensor(full, spec, tp.rank, tp.size)
                 tensors[f"{name}.{key}"] = full
         self.optimizer.load_named_state(self.names, tensors)
         return True

@@ -180,12 +180,13 @@ class MoEFields:
         bias = self.fc1_size / tp + self.hidden_size if self.add_bias_linear else 0.0
         return matrix / tp + bias
 
-    def moe_layer_params_per_chip(self, tp: int, ep: int) -> tuple[float, float]:
+    def moe_layer_params_per_chip(self, tp: int, ep: int, etp: int | None = None
+                                  ) -> tuple[float, float]:
         """(non-expert, expert) parameters of one MoE layer on one rank of a stage with TP
-        ``tp`` and expert parallelism ``ep`` (the experts' TP degree is the stage's, Megatron's
-        default): attention, norms, the router (replicated) and the shared experts (split by TP)
-        sync over the DP group; the ``num_experts / ep`` local experts (split by TP) over the
-        expert-data-parallel group."""
+        ``tp``, expert parallelism ``ep`` and expert TP ``etp`` (default the stage's TP,
+        Megatron's default): attention, norms, the router (replicated) and the shared experts
+        (split by TP) sync over the DP group; the ``num_experts / ep`` local experts (split by
+        ETP) over the expert-data-parallel group."""
         e, h = self.num_experts, self.hidden_size
         router = e * h + (e if self.add_bias_linear else 0)
         shared = 0.0
@@ -194,7 +195,7 @@ class MoEFields:
             shared = (matrix + bias) / tp + (h if self.moe_shared_expert_gate else 0)
         dense = self.layer_params_per_chip(tp) - self._dense_mlp_per_chip(tp) + router + shared
         matrix, bias = self._mlp_params(self.moe_ffn_hidden_size)
-        return dense, e // ep * (matrix + bias) / tp
+        return dense, e // ep * (matrix + bias) / (etp or tp)
 
     def moe_layer_forward_flops(self, tokens: int, causal: bool = True) -> tuple[float, float]:
         """(non-expert, expert) forward FLOPs of one MoE layer over ``tokens`` tokens: attention,

@@ -33,8 +33,11 @@ class ParallelConfig:
         "carved from the stage's TP x DP ranks as Megatron-Core does (EP groups span DP "
         "replicas; under --sequence-parallel each MoE block gathers its TP group's sequence).")
     expert_tensor_parallel_size: int | None = flag(
-        None, "Degree of tensor model parallelism of the experts; default (as Megatron's) and "
-        "only value so far: the stage's TP.")
+        None, "Degree of tensor model parallelism of the experts (default, as Megatron's: the "
+        "stage's TP): each expert's linear_fc1 is split by columns and linear_fc2 by rows over "
+        "ETP ranks; where it differs from TP each TP rank dispatches its 1/TP of the tokens, "
+        "the routed rows are all-gathered over the expert-TP group and the outputs "
+        "reduce-scattered back, as in Megatron-Core.")
     use_distributed_optimizer: bool = flag(
         False, "Use the distributed optimizer (optimizer state sharded over data-parallel ranks, "
         "ZeRO-1).")
@@ -116,11 +119,8 @@ class ParallelConfig:
 
     def _check_experts(self) -> None:
         _positive(self, "expert_model_parallel_size")
-        etp = self.expert_tensor_parallel_size
-        if etp is not None and etp != self.tensor_model_parallel_size:
-            raise ConfigError(f"--expert-tensor-parallel-size {etp}: the experts take the "
-                              "stage's TP degree; omit the flag or give "
-                              f"{self.tensor_model_parallel_size}")
+        if self.expert_tensor_parallel_size is not None:
+            _positive(self, "expert_tensor_parallel_size")
 
     @property
     def _per_chunk_split(self) -> list[list[int]] | None:

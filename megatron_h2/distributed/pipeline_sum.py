@@ -22,6 +22,15 @@ the total ``g_0 + g_1 + ... + g_{P-1}``:
   bitwise the same and the pipelines' weights stay equal; under the replicated optimizer each
   stage's DP group then all-gathers the buckets' ranges.
 
+Under expert parallelism a stage's optimizer has two sets of buckets (the dense parameters'
+over the DP group, the routed experts' over the expert-DP group,
+:mod:`megatron_h2.optimizer.expert_optimizer`): each rank's holdings are those of both, each
+set's ranges taken at its own group rank. The experts' parameters are named by global expert
+index, so every replica of an expert in any pipeline, under any EP degree, exchanges with the
+others by name as a TP shard does. The units (what leaves together) are the dense set's buckets
+then the expert set's, sent in that order whatever order the two sets finish their DP
+reductions in, since a pair of ranks must post its messages in the order the receiver expects.
+
 Messages carry fp32 (the optimizer's gradients) and go through the host-staged
 :class:`~.bridge.Bridge` (gloo) where the two ranks' device types differ or ``--force-bridge``
 is set, else directly (:class:`~.bridge.DirectLink`).
@@ -31,6 +40,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 import torch.distributed as dist
@@ -56,7 +66,8 @@ WIRE_DTYPE = torch.float32
 @dataclass
 class _Held:
     """One of this rank's holdings and where its elements live: ``bucket``'s elements
-    ``[offset, offset + numel)`` (in the bucket's flat order)."""
+    ``[offset, offset + numel)`` (in the bucket's flat order; ``bucket`` indexes every set's
+    buckets in order)."""
 
     holding: Holding
     bucket: int
@@ -99,20 +110,30 @@ def _rect(data: torch.Tensor, holding: Holding, row: int, col: int, rows: int, c
 class PipelineGradSum:
     """Sums this rank's gradient ranges with every other pipeline's (see the module doc).
 
-    ``layouts`` describes each parameter of ``buckets`` (:class:`ParamLayout`); ``late`` are the
-    parameters whose gradients are complete only after the step's last changes (the
-    sequence-parallel norms, summed over TP after the DP sync); ``grads`` gives the optimizer's
-    gradient tensors, one per bucket (the buffers, or this rank's reduced shards, or their fp32
-    copies: what the optimizer reads). Collective at construction (every rank of the job).
+    ``buckets`` are the optimizer's :class:`GradBuckets`, or under expert parallelism an object
+    whose ``parts`` are its sets of them (dense first); ``layouts`` describes each of their
+    parameters (:class:`ParamLayout`); ``late`` are the parameters whose gradients are complete
+    only after the step's last changes (the sequence-parallel norms, summed over TP after the DP
+    sync); ``grads`` gives the optimizer's gradient tensors, one per bucket of every set in
+    order (the buffers, or this rank's reduced shards, or their fp32 copies: what the optimizer
+    reads). Collective at construction (every rank of the job); :meth:`attach` then sends each
+    bucket as soon as its DP reduction has finished.
     """
 
     def __init__(self, topo: Topology, buckets: GradBuckets,
                  layouts: dict[nn.Parameter, ParamLayout], late: Sequence[nn.Parameter],
                  grads: Callable[[], list[torch.Tensor]], bridge: BridgeConfig,
                  device: torch.device) -> None:
-        self.topo, self.buckets, self.grads = topo, buckets, grads
+        self.topo, self.grads = topo, grads
         self.device = torch.device(device)
-        self.late_unit = len(buckets.buckets)
+        self.parts: list[GradBuckets] = list(getattr(buckets, "parts", (buckets,)))
+        # every set's buckets in order, as (set, bucket); units: the early buckets in this
+        # order, then one unit for the deferred buckets and the late parameters
+        self.slots = [(part, b) for part in self.parts for b in part.buckets]
+        early = [g for g, (part, b) in enumerate(self.slots) if b.index < part.first_deferred]
+        self.unit_of = {g: unit for unit, g in enumerate(early)}
+        self.late_unit = len(early)
+        self.first = [sum(len(p.buckets) for p in self.parts[:i]) for i in range(len(self.parts))]
         self.held = self._holdings(layouts, {id(p) for p in late})
         everyone: list[list[Holding]] = [[] for _ in range(topo.world_size)]
         dist.all_gather_object(everyone, [h.holding for h in self.held], group=topo.cpu_group)
@@ -124,22 +145,30 @@ class PipelineGradSum:
         self._pending_recvs: list[tuple[_Message, RecvHandle]] = []
         self._pending_sends: list[SendHandle] = []
         self._sent_units: set[int] = set()
+        self._synced_units: set[int] = set()
+
+    def attach(self) -> None:
+        """Be told by every set of buckets when one has finished its DP reduction."""
+        for index, part in enumerate(self.parts):
+            part.on_synced = partial(self.bucket_synced, part=index)
 
     # ---------------------------------------------------------------------------- set-up
     def _holdings(self, layouts: dict[nn.Parameter, ParamLayout], late: set[int]) -> list[_Held]:
-        """This rank's ranges of every bucket (its DP shard range), parameter by parameter."""
+        """This rank's ranges of every bucket (its DP shard range in that set's group),
+        parameter by parameter."""
         topo, out = self.topo, []
-        for bucket in self.buckets.buckets:
-            lo, hi = bucket.shard_range(self.buckets.dp_rank)
-            deferred = bucket.index >= self.buckets.first_deferred
+        for g, (part, bucket) in enumerate(self.slots):
+            lo, hi = bucket.shard_range(part.dp_rank)
             for slot in bucket.slots:
                 start, end = max(lo, slot.offset), min(hi, slot.offset + slot.numel)
                 if start >= end:
                     continue
-                unit = self.late_unit if deferred or id(slot.param) in late else bucket.index
+                unit = self.unit_of.get(g, self.late_unit)
+                if id(slot.param) in late:
+                    unit = self.late_unit
                 holding = Holding(layouts[slot.param], topo.tp_rank, topo.tp_size,
                                   start - slot.offset, end - slot.offset, unit)
-                out.append(_Held(holding, bucket.index, start))
+                out.append(_Held(holding, g, start))
         return out
 
     def _messages(self, everyone: list[list[Holding]]
@@ -220,11 +249,11 @@ class PipelineGradSum:
             sent, _ = self.links[message.peer].post([(payload, message.peer)], [])
             self._pending_sends.extend(sent)
 
-    def _bucket_source(self, index: int) -> tuple[torch.Tensor, int]:
+    def _bucket_source(self, g: int) -> tuple[torch.Tensor, int]:
         """A bucket's reduced elements as the DP sync left them: ``(tensor, first position)``."""
-        bucket = self.buckets.buckets[index]
-        if self.buckets.reduce_scatter and bucket.shard_grad is not bucket.buffer:
-            return bucket.shard_grad, bucket.shard_range(self.buckets.dp_rank)[0]
+        part, bucket = self.slots[g]
+        if part.reduce_scatter and bucket.shard_grad is not bucket.buffer:
+            return bucket.shard_grad, bucket.shard_range(part.dp_rank)[0]
         return bucket.buffer, 0
 
     @property
@@ -232,41 +261,51 @@ class PipelineGradSum:
         """Buckets whose messages have left during this step so far."""
         return len(self._sent_units - {self.late_unit})
 
-    def bucket_synced(self, bucket: Bucket) -> None:
-        """The DP reduction of ``bucket`` has finished: send its complete gradients now
-        (:class:`GradBuckets`' ``on_synced`` callback, during the last backward)."""
-        if bucket.index < self.buckets.first_deferred and bucket.index not in self._sent_units:
-            self._send_unit(bucket.index, self._bucket_source)
+    def bucket_synced(self, bucket: Bucket, part: int = 0) -> None:
+        """The DP reduction of ``bucket`` (of set ``part``) has finished: send its complete
+        gradients, and those of the buckets after it that were waiting for it (units leave in
+        order; the ``on_synced`` callback, during the last backward)."""
+        unit = self.unit_of.get(self.first[part] + bucket.index)
+        if unit is None:
+            return
+        self._synced_units.add(unit)
+        self._send_in_order(self._synced_units)
+
+    def _send_in_order(self, ready: set[int] | range) -> None:
+        """Send the units after those sent (always the first few) up to the first one not
+        ``ready``."""
+        unit = self.buckets_sent
+        while unit < self.late_unit and unit in ready:
+            self._send_unit(unit, self._bucket_source)
+            unit += 1
 
     def finish(self) -> None:
-        """Complete the sum: send what is left (the deferred bucket, the late parameters),
+        """Complete the sum: send what is left (the deferred buckets, the late parameters),
         wait for every message, add the pipelines' values in pipeline order into the
         optimizer's gradients and, under the replicated optimizer, all-gather each bucket over
-        the stage's DP group. Call after the DP sync and the TP sum of sequence-parallel
+        its set's DP group. Call after the DP sync and the TP sum of sequence-parallel
         gradients, on every rank."""
-        for index in range(self.buckets.first_deferred):
-            if index not in self._sent_units:
-                self._send_unit(index, self._bucket_source)
+        self._send_in_order(range(self.late_unit))
         grads = self.grads()
-        self._send_unit(self.late_unit, lambda index: (grads[index], self._grads_base(index)))
+        self._send_unit(self.late_unit, lambda g: (grads[g], self._grads_base(g)))
         self._post_recvs()
         incoming = self._receive()
         with torch.no_grad():
             for index, held in enumerate(self.held):
                 self._add_in_order(held, incoming[index], grads)
-            if not self.buckets.reduce_scatter and self.buckets.dp_group is not None:
-                for bucket, grad in zip(self.buckets.buckets, grads):
-                    lo, hi = bucket.shard_range(self.buckets.dp_rank)
-                    all_gather_flat(grad, grad[lo:hi].clone(), self.buckets.dp_group)
+            for g, (part, bucket) in enumerate(self.slots):
+                if not part.reduce_scatter and part.dp_group is not None:
+                    lo, hi = bucket.shard_range(part.dp_rank)
+                    all_gather_flat(grads[g], grads[g][lo:hi].clone(), part.dp_group)
         for handle in self._pending_sends:
             handle.wait()
         self._pending_sends, self._pending_recvs = [], []
-        self._sent_units = set()
+        self._sent_units, self._synced_units = set(), set()
 
-    def _grads_base(self, index: int) -> int:
-        """Bucket position of the first element of the optimizer's gradient tensor ``index``."""
-        return self.buckets.buckets[index].shard_range(self.buckets.dp_rank)[0] \
-            if self.buckets.reduce_scatter else 0
+    def _grads_base(self, g: int) -> int:
+        """Bucket position of the first element of the optimizer's gradient tensor ``g``."""
+        part, bucket = self.slots[g]
+        return bucket.shard_range(part.dp_rank)[0] if part.reduce_scatter else 0
 
     def _receive(self) -> list[dict[int, torch.Tensor]]:
         """``[holding][pipeline]``: every other pipeline's values of each holding."""

@@ -31,7 +31,9 @@ expert-TP rank is ``o mod ETP``, its EP rank ``(o // ETP) mod EP`` and its exper
 rank of a run of ``ETP x EP`` (tokens go all-to-all there), and an expert-DP group every
 ``ETP x EP``-th rank of the stage (the experts' gradients are summed there, the dense ones over
 the DP group). With ``ETP = TP`` the ETP group is the TP group and an EP group spans DP
-replicas; with EP 1 the expert-DP group is the DP group.
+replicas; with EP 1 and ``ETP = TP`` the expert-DP group is the DP group. With ``ETP != TP``
+each rank dispatches its own share of the tokens (its TP rank's 1/TP of its replica's) and an
+ETP group all-gathers its ranks' routed rows (:mod:`megatron_h2.parallel.expert_parallel`).
 
 Nothing here is module-level state: :func:`build_topology` creates the groups and returns one
 :class:`Topology` that the caller passes on.
@@ -292,6 +294,14 @@ class Topology:
         """``(expert-TP rank, EP rank, expert-DP rank)`` of this rank."""
         offset = self.rank - self.plan.stage_ranks(self.stage).start
         return expert_coordinates(self.stage_spec, offset)
+
+    def etp_context(self) -> TPContext:
+        """The experts' tensor-parallel context: the TP group's (without sequence parallelism)
+        where ETP = TP, else the expert-TP group's."""
+        etp = self.stage_spec.expert_tp
+        if etp == self.tp_size:
+            return TPContext(group=self.tp_group, rank=self.tp_rank, size=self.tp_size)
+        return TPContext(group=self.etp_group, rank=self.expert_ranks[0], size=etp)
 
     def ep_context(self) -> EPContext:
         """This rank's expert-parallel context."""

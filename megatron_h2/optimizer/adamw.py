@@ -61,10 +61,14 @@ def build_optimizer(model: nn.Module, config: OptimizerConfig,
 
 
 def optimizer_state_to_named(optimizer: torch.optim.Optimizer,
-                             names: dict[nn.Parameter, str]) -> dict[str, torch.Tensor]:
-    """Adam moments and step as ``{"<param name>.<state>": tensor}``."""
+                             names: dict[nn.Parameter, str],
+                             skip: frozenset[int] = frozenset()) -> dict[str, torch.Tensor]:
+    """Adam moments and step as ``{"<param name>.<state>": tensor}`` (of every tensor the
+    optimizer holds but those whose ``id`` is in ``skip``)."""
     out: dict[str, torch.Tensor] = {}
     for param, state in optimizer.state.items():
+        if id(param) in skip:
+            continue
         name = names[param]
         for key in (*ADAM_STATES, "step"):
             if key in state:
@@ -73,10 +77,13 @@ def optimizer_state_to_named(optimizer: torch.optim.Optimizer,
 
 
 def load_named_optimizer_state(optimizer: torch.optim.Optimizer, names: dict[nn.Parameter, str],
-                               tensors: dict[str, torch.Tensor]) -> None:
+                               tensors: dict[str, torch.Tensor],
+                               skip: frozenset[int] = frozenset()) -> None:
     """Inverse of :func:`optimizer_state_to_named`; a parameter missing its state is an error."""
     for group in optimizer.param_groups:
         for param in group["params"]:
+            if id(param) in skip:
+                continue
             name = names[param]
             missing = [k for k in (*ADAM_STATES, "step") if f"{name}.{k}" not in tensors]
             if missing:

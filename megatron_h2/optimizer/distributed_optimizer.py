@@ -48,6 +48,13 @@ from megatron_h2.optimizer.adamw import (
     optimizer_state_to_named,
     param_groups,
 )
+from megatron_h2.optimizer.flat_params import (
+    FlatRun,
+    flatten_runs,
+    is_routed_expert,
+    load_runs_state,
+    runs_state_to_named,
+)
 from megatron_h2.optimizer.main_params import Fp32Grads, copy_main_to_model, make_main_params
 
 Names = dict[nn.Parameter, str]
@@ -169,15 +176,19 @@ class ReplicatedOptimizer:
 
     def __init__(self, optimizer: torch.optim.Optimizer, grad_buckets: GradBuckets,
                  main_params: dict[nn.Parameter, torch.Tensor] | None = None,
-                 grads: Fp32Grads | None = None) -> None:
+                 grads: Fp32Grads | None = None, runs: Sequence[FlatRun] = ()) -> None:
         if grad_buckets.reduce_scatter:
             raise ValueError("ReplicatedOptimizer needs all-reduce GradBuckets "
                              "(reduce_scatter=False)")
         if main_params is None and grad_buckets.param_dtype != torch.float32:
             raise ValueError("bf16 / fp16 parameters need fp32 main_params")
         self.mains = main_params
+        if runs and main_params is not None:
+            raise ValueError("flat runs are of fp32 parameters (no main_params)")
+        self.runs = list(runs)  # fp32 parameters the optimizer steps over as flat tensors
+        self._flats = frozenset(id(run.flat) for run in self.runs)
         known = {id(t) for t in (grad_buckets.params if main_params is None
-                                 else main_params.values())}
+                                 else main_params.values())} | self._flats
         if any(id(p) not in known for g in optimizer.param_groups for p in g["params"]):
             raise ValueError("the optimizer holds a parameter that GradBuckets does not")
         self.optimizer = optimizer
@@ -228,10 +239,13 @@ class ReplicatedOptimizer:
         return names if self.mains is None else {m: names[p] for p, m in self.mains.items()}
 
     def named_state(self, names: Names) -> dict[str, torch.Tensor]:
-        return optimizer_state_to_named(self.optimizer, self._state_names(names))
+        return {**optimizer_state_to_named(self.optimizer, self._state_names(names), self._flats),
+                **runs_state_to_named(self.optimizer, self.runs, names)}
 
     def load_named_state(self, names: Names, tensors: dict[str, torch.Tensor]) -> None:
-        load_named_optimizer_state(self.optimizer, self._state_names(names), tensors)
+        load_named_optimizer_state(self.optimizer, self._state_names(names), tensors,
+                                   self._flats)
+        load_runs_state(self.optimizer, self.runs, names, tensors, _check_named)
 
     def main_weights(self) -> dict[nn.Parameter, torch.Tensor]:
         if self.mains is None:
@@ -549,13 +563,16 @@ def build_data_parallel_optimizer(model: nn.Module, config: OptimizerConfig,
                                   deferred: Sequence[nn.Parameter] = (),
                                   grad_dtype: torch.dtype = torch.float32,
                                   overlap_param_gather: bool = False,
-                                  params: Sequence[nn.Parameter] | None = None
-                                  ) -> DataParallelOptimizer:
+                                  params: Sequence[nn.Parameter] | None = None,
+                                  flat_experts: bool = True) -> DataParallelOptimizer:
     """GradBuckets (in ``grad_dtype``) over ``model``'s trainable parameters (or ``params``,
     some of them) plus the matching optimizer (``deferred``: see :class:`GradBuckets`;
     ``overlap_param_gather``: see :class:`DistributedOptimizer`, which installs its forward
     pre-hooks on ``model``). Parameters that are not fp32 get fp32 main weights, taken from
-    their current values."""
+    their current values. ``flat_experts``: under the replicated optimizer with fp32
+    parameters, the routed experts' parameters that lie side by side in a bucket are stepped
+    over as one flat tensor each run (:mod:`megatron_h2.optimizer.flat_params`; the same
+    numbers, fewer tensors)."""
     if params is None:
         params = [p for p in model.parameters() if p.requires_grad]
     buckets = GradBuckets(params, dp_group, bucket_size_mb, overlap,
@@ -570,9 +587,13 @@ def build_data_parallel_optimizer(model: nn.Module, config: OptimizerConfig,
     if overlap_param_gather:
         raise ValueError("overlap_param_gather needs the distributed optimizer")
     if buckets.param_dtype == torch.float32:
-        inner = torch.optim.AdamW(param_groups([(names[p], p, p) for p in params], config),
-                                  **adamw_kwargs(config, kernels))
-        return ReplicatedOptimizer(inner, buckets)
+        runs = (flatten_runs(buckets, is_routed_expert, lambda p: p.ndim < 2)
+                if flat_experts and buckets.direct else [])
+        in_runs = {id(p) for run in runs for p in run.params}
+        items = [(names[p], p, p) for p in params if id(p) not in in_runs]
+        items += [(names[run.params[0]], run.params[0], run.flat) for run in runs]
+        inner = torch.optim.AdamW(param_groups(items, config), **adamw_kwargs(config, kernels))
+        return ReplicatedOptimizer(inner, buckets, runs=runs)
     grads = Fp32Grads(buckets, [b.buffer for b in buckets.buckets])
     mains = make_main_params(buckets, grads)
     inner = torch.optim.AdamW(param_groups([(names[p], p, mains[p]) for p in params], config),

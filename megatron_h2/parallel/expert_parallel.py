@@ -21,6 +21,14 @@ group's tokens, probabilities and routing maps (all ranks route the same number 
 its local experts on the rows routed to them and the partial outputs are summed back to the
 tokens' ranks (a reduce-scatter, built on all-to-all: gloo has no reduce-scatter).
 
+:func:`gather_over_expert_tp` (expert tensor parallelism, ETP > 1 on a stage of TP 1): each
+rank of an expert-TP group holds a column shard of its local experts' ``linear_fc1`` and the
+matching row shard of ``linear_fc2``; the rows that reached the group's ranks (after the EP
+exchange) are all-gathered over it, each rank runs its shards on all of them (partial outputs)
+and the partial outputs are summed back to the rows' ranks (a reduce-scatter), as Megatron-Core's
+dispatchers do after their EP all-to-all. The row counts per local expert are exchanged first;
+the exchanges are uneven all-to-alls, whose backward is the reverse exchange.
+
 Shapes: h = hidden size, T = tokens a rank routes, N = rows this rank routes (tokens x top-k,
 kept ones), E = experts, L = E / P local experts, R = rows this rank receives.
 """
@@ -32,10 +40,13 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-from megatron_h2.distributed.topology import EXPERT_PARALLEL_ATTR, EPContext
+from megatron_h2.distributed.topology import EXPERT_PARALLEL_ATTR, EPContext, TPContext
 
 __all__ = ["EXPERT_PARALLEL_ATTR", "EPContext", "all_to_all", "allgather_to_experts",
-           "dispatch_to_experts"]
+           "dispatch_to_experts", "gather_over_expert_tp"]
+
+Experts = Callable[[torch.Tensor, list[int], torch.Tensor], torch.Tensor]
+"""``experts(rows [R, h], rows per local expert, probs [R]) -> [R, h]``."""
 
 
 class _AllToAll(torch.autograd.Function):
@@ -85,9 +96,7 @@ def _reorder(x: torch.Tensor, sizes: torch.Tensor, outer_first: bool) -> torch.T
 
 
 def dispatch_to_experts(permuted: torch.Tensor, probs: torch.Tensor, counts: torch.Tensor,
-                        ep: EPContext,
-                        experts: Callable[[torch.Tensor, list[int], torch.Tensor], torch.Tensor]
-                        ) -> torch.Tensor:
+                        ep: EPContext, experts: Experts) -> torch.Tensor:
     """Run the EP group's experts on this rank's routed rows.
 
     ``permuted`` [N, h] holds the rows sorted by global expert (``counts`` [E] rows each),
@@ -166,3 +175,31 @@ def allgather_to_experts(tokens: torch.Tensor, probs: torch.Tensor, routing_map:
     cols = slice(local.start, local.stop)
     partial = run_local(every, every_probs[:, cols], maps[:, cols])  # [P x T, h]
     return _SumRows.apply(partial, ep.group, ep.size)
+
+
+def gather_over_expert_tp(rows: torch.Tensor, per_expert: list[int], probs: torch.Tensor,
+                          etp: TPContext, partial: Experts) -> torch.Tensor:
+    """Run this rank's shards of its local experts on the rows of the whole expert-TP group.
+
+    ``rows`` [n, h] are this rank's rows sorted by local expert (``per_expert`` [L] each),
+    ``probs`` [n] their routing probabilities; ``partial(rows [R, h], rows per local expert,
+    probs [R])`` runs this rank's expert shards without communication (partial sums over its
+    share of each expert's hidden features). Returns [n, h]: each of ``rows``' outputs, the
+    partial outputs of the group's ranks summed in rank order.
+    """
+    size, n = etp.size, rows.shape[0]
+    counts = torch.tensor(per_expert, dtype=torch.int64)
+    every = torch.empty(size * len(per_expert), dtype=torch.int64)
+    dist.all_gather_into_tensor(every, counts, group=etp.group)
+    every = every.view(size, -1)  # [ETP, L]: rows each group rank holds per local expert
+    sizes, mine = every.sum(dim=1).tolist(), [n] * size
+    # every rank's rows to every rank (the repeat's backward sums the copies' gradients)
+    gathered = all_to_all(rows.repeat(size, 1), etp.group, sizes, mine)  # [R, h] rank-major
+    gathered_probs = all_to_all(probs.unsqueeze(-1).repeat(size, 1), etp.group, sizes,
+                                mine).squeeze(-1)
+    gathered = _reorder(gathered, every, True)  # expert-major
+    gathered_probs = _reorder(gathered_probs, every, True)
+    out = partial(gathered, every.sum(dim=0).tolist(), gathered_probs)  # [R, h] partial sums
+    out = _reorder(out, every, False)  # rank-major again
+    back = all_to_all(out, etp.group, mine, sizes)  # [ETP x n, h]: each rank's partial
+    return back.view(size, n, *back.shape[1:]).sum(dim=0)

@@ -177,29 +177,33 @@ class CostModel(MoECosts):
         return layer, 2.0 * layer, 0.0, 0.0, head, 2.0 * head
 
     def stage_costs(
-        self, chip_name: str, tp: int, mbs: int, dp: int, ep: int = 1, moe: bool | None = None
+        self, chip_name: str, tp: int, mbs: int, dp: int, ep: int = 1, moe: bool | None = None,
+        etp: int | None = None,
     ) -> StageCosts:
         """Costs of a stage kind (cached per model instance) for its dense layers (``moe``
-        False) or its MoE layers (True) with expert parallelism ``ep``; ``moe`` None: the
-        model's only layer kind, or for a model mixing both the cheaper of the two per term
-        (:meth:`bound_costs`, for the search's bounds)."""
+        False) or its MoE layers (True) with expert parallelism ``ep`` and expert TP ``etp``
+        (default ``tp``); ``moe`` None: the model's only layer kind, or for a model mixing both
+        the cheaper of the two per term (:meth:`bound_costs`, for the search's bounds)."""
         if moe is None:
             kinds = set(self.layer_is_moe)
-            if len(kinds) > 1:
+            if len(kinds) > 1:  # the search's bounds: experts split like the stage (ETP = TP)
                 return self.bound_costs(chip_name, tp, mbs, dp, ep)
             moe = kinds.pop()
-        key = (chip_name, tp, mbs, dp, ep, moe)
+        etp = tp if etp is None or not moe else etp
+        key = (chip_name, tp, mbs, dp, ep, moe) + (() if etp == tp else (etp,))
         if key not in self._kinds:
-            self._kinds[key] = self._build(self.cluster.chip(chip_name), tp, mbs, dp, ep, moe)
+            self._kinds[key] = self._build(self.cluster.chip(chip_name), tp, mbs, dp, ep, moe,
+                                           etp)
         return self._kinds[key]
 
-    def _build(self, chip: ChipType, tp: int, mbs: int, dp: int, ep: int, moe: bool
-               ) -> StageCosts:
+    def _build(self, chip: ChipType, tp: int, mbs: int, dp: int, ep: int, moe: bool,
+               etp: int | None = None) -> StageCosts:
         model, cfg = self.model, self.config
         h = model.hidden_size
         tokens = mbs * model.seq_length
         _, _, ef, eb, hf, hb = self._compute_times(chip, tp, mbs)
-        lf, alltoall, weight_share, core_share = self._layer_terms(chip, tp, mbs, ep, moe)
+        etp = etp or tp
+        lf, alltoall, weight_share, core_share = self._layer_terms(chip, tp, mbs, ep, moe, etp)
         lb = 2.0 * lf if moe else self._compute_times(chip, tp, mbs)[1]
         hidden_bytes = tokens * h * BF16_BYTES
         tp_ar = self.allreduce_s(hidden_bytes, tp, chip.intra_node_gb_per_s)
@@ -210,13 +214,13 @@ class CostModel(MoECosts):
         bpp = cfg.bytes_per_param(dp)
         if moe:
             activation = tuple(model.moe_layer_activation_bytes(tokens, tp, m) for m in MODES)
-            shared, experts = model.moe_layer_params_per_chip(tp, ep)
+            shared, experts = model.moe_layer_params_per_chip(tp, ep, etp)
             weight_inputs = model.moe_layer_weight_grad_bytes(tokens, tp)
         else:
             activation = tuple(model.layer_activation_bytes(tokens, tp, mode) for mode in MODES)
             shared, experts = model.layer_params_per_chip(tp), 0.0
             weight_inputs = model.layer_weight_grad_bytes(tokens, tp)
-        expert_dp = dp // ep  # the experts' data-parallel group (ETP = TP)
+        expert_dp = tp * dp // (etp * ep)  # the experts' data-parallel group
         sync_group_local = chip.chips_per_node % (tp * dp) == 0
         sync_bw = self._bandwidth(
             chip.intra_node_gb_per_s if sync_group_local else chip.inter_node_gb_per_s)
@@ -337,16 +341,17 @@ class CostModel(MoECosts):
         each of its chunks (:meth:`HeteroPlan.chunk_layer_ranges`), which set the dense and
         MoE layers' shares (needed when the model has both)."""
         tp, ep = spec.tensor_parallel_size, self.stage_expert_parallel(spec, dp)
+        etp = self.stage_expert_tp(spec)
         if chunk_ranges:
-            per_chunk = tuple(self.stage_layer_costs(spec.chip, tp, mbs, dp, ep, r)
+            per_chunk = tuple(self.stage_layer_costs(spec.chip, tp, mbs, dp, ep, r, etp)
                               for r in chunk_ranges)
             whole = self.stage_layer_costs(
-                spec.chip, tp, mbs, dp, ep, [i for r in chunk_ranges for i in r])
+                spec.chip, tp, mbs, dp, ep, [i for r in chunk_ranges for i in r], etp)
         elif len(set(self.layer_is_moe)) > 1:
             raise ConfigError("a stage of a model with dense and MoE layers needs its layer "
                               "range (chunk_ranges)")
         else:
-            whole = self.stage_costs(spec.chip, tp, mbs, dp, ep)
+            whole = self.stage_costs(spec.chip, tp, mbs, dp, ep, etp=etp)
             per_chunk = (whole,) * len(spec.chunks)
         costs = whole
         first, last, mode = index == 0, index == p - 1, MODES.index(spec.recompute)

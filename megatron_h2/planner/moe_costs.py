@@ -30,7 +30,7 @@ class MoECosts:
     _kinds: dict
 
     def stage_costs(self, chip_name: str, tp: int, mbs: int, dp: int, ep: int = 1,
-                    moe: bool | None = None) -> StageCosts:
+                    moe: bool | None = None, etp: int | None = None) -> StageCosts:
         raise NotImplementedError
 
     def _bandwidth(self, gb_per_s: float) -> float:
@@ -68,36 +68,47 @@ class MoECosts:
 
     def stage_expert_parallel(self, spec: StageSpec, dp: int) -> int:
         """The EP degree of a plan's stage, checked against what the cost model models: EP
-        dividing the experts and ``dp`` (the experts' TP degree is the stage's)."""
-        ep, etp = spec.expert_model_parallel_size, spec.expert_tp
-        if etp != spec.tensor_parallel_size:
-            raise ConfigError(f"expert_tensor_parallel_size {etp}: the planner's cost model "
-                              "gives the experts the stage's TP degree; omit it")
-        if ep not in self.expert_parallel_options(spec.tensor_parallel_size, dp):
-            raise ConfigError(f"expert_model_parallel_size {ep} must divide the stage's DP "
-                              f"degree {dp} and the experts ({self.model.num_experts}); "
-                              "pick such a degree")
+        dividing the experts and the stage's ``TP x DP`` ranks over its experts' TP degree
+        (:meth:`stage_expert_tp`)."""
+        ep, tp, etp = spec.expert_model_parallel_size, spec.tensor_parallel_size, \
+            self.stage_expert_tp(spec)
+        if ep not in self.expert_parallel_options(tp, dp, etp):
+            raise ConfigError(f"expert_model_parallel_size {ep} must divide the stage's TP x DP "
+                              f"ranks over its expert TP ({tp * dp} / {etp}) and the experts "
+                              f"({self.model.num_experts}); pick such a degree")
         return ep
 
-    def expert_parallel_options(self, tp: int, dp: int) -> list[int]:
+    def stage_expert_tp(self, spec: StageSpec) -> int:
+        """The experts' TP degree of a plan's stage: ``expert_tensor_parallel_size``, default
+        the stage's TP."""
+        return spec.expert_tp
+
+    def expert_parallel_options(self, tp: int, dp: int, etp: int | None = None) -> list[int]:
         """EP degrees a stage of TP ``tp`` and DP ``dp`` may take: 1 for a dense model, else
         the divisors of ``--num-experts`` that divide the stage's ``TP x DP`` ranks over the
-        experts' TP degree (the stage's TP, Megatron's default), i.e. that divide ``dp``."""
+        experts' TP degree ``etp`` (default the stage's TP, Megatron's default: then the
+        divisors of ``dp``)."""
         experts = self.model.num_experts
         if experts is None:
             return [1]
-        return [e for e in range(1, dp + 1) if dp % e == 0 and experts % e == 0]
+        etp = etp or tp
+        if (tp * dp) % etp:
+            return []
+        ranks = tp * dp // etp
+        return [e for e in range(1, ranks + 1) if ranks % e == 0 and experts % e == 0]
 
     def stage_layer_costs(
-        self, chip_name: str, tp: int, mbs: int, dp: int, ep: int, layers: Sequence[int]
+        self, chip_name: str, tp: int, mbs: int, dp: int, ep: int, layers: Sequence[int],
+        etp: int | None = None,
     ) -> StageCosts:
         """The costs of a stage kind for the global ``layers`` it runs (dense and MoE layers
-        blended by count: :meth:`StageCosts.blend`)."""
+        blended by count: :meth:`StageCosts.blend`); ``etp``: the experts' TP degree (default
+        ``tp``)."""
         moe = sum(self.layer_is_moe[i] for i in layers)
         dense = self.stage_costs(chip_name, tp, mbs, dp, ep, False)
         if moe == 0:
             return dense
-        return dense.blend(self.stage_costs(chip_name, tp, mbs, dp, ep, True),
+        return dense.blend(self.stage_costs(chip_name, tp, mbs, dp, ep, True, etp),
                            len(layers) - moe, moe)
 
     def alltoall_s(self, nbytes: float, group: int, chip: ChipType) -> float:
@@ -110,12 +121,26 @@ class MoECosts:
         return (group - 1) * self.config.collective_latency_s + \
             nbytes * (group - 1) / group / self._bandwidth(gb_per_s)
 
+    def expert_tp_exchange_s(self, nbytes: float, etp: int, chip: ChipType) -> float:
+        """One all-gather (or reduce-scatter) over an expert-TP group of ``etp`` chips
+        (consecutive ranks: intra-node when ``etp`` divides the chip type's node), each holding
+        ``nbytes`` of dispatched rows: each receives (sends) ``etp - 1`` such shares."""
+        if etp <= 1:
+            return 0.0
+        gb_per_s = chip.intra_node_gb_per_s if chip.chips_per_node % etp == 0 \
+            else chip.inter_node_gb_per_s
+        return (etp - 1) * (self.config.collective_latency_s + nbytes / self._bandwidth(gb_per_s))
+
     def _layer_terms(
-        self, chip: ChipType, tp: int, mbs: int, ep: int, moe: bool
+        self, chip: ChipType, tp: int, mbs: int, ep: int, moe: bool, etp: int | None = None
     ) -> tuple[float, float, float, float]:
         """(compute forward, all-to-all per direction, weight-gradient FLOP share, attention
         core's FLOP share) of one layer; compute from FLOPs (or the profile's times for dense
-        layers)."""
+        layers). With ``etp`` other than ``tp``, each TP rank dispatches its 1/TP of the
+        micro-batch's tokens and the "all-to-all" term adds the all-gather of the dispatched
+        rows over the expert-TP group (the reduce-scatter of the outputs takes as long, on the
+        combine's side); the expert FLOPs per chip stay those of ETP = TP (the stage's expert
+        work spread evenly over its chips)."""
         model, tokens = self.model, mbs * self.model.seq_length
         core = model.attention_core_flops_per_token() * tokens
         if not moe:
@@ -130,7 +155,13 @@ class MoECosts:
         forward = (rest + experts * imbalance) / rate
         # every TP rank dispatches all the micro-batch's tokens (the runtime's MoE layer
         # gathers the sequence over TP first: models/gpt/moe_layer.py)
-        alltoall = self.alltoall_s(model.moe_dispatch_bytes(tokens) * imbalance, ep, chip)
+        dispatched = model.moe_dispatch_bytes(tokens) * imbalance
+        if etp is not None and etp != tp:  # each TP rank its share, then the ETP all-gather
+            dispatched /= tp
+            alltoall = self.alltoall_s(dispatched, ep, chip) + \
+                self.expert_tp_exchange_s(dispatched, etp, chip)
+        else:
+            alltoall = self.alltoall_s(dispatched, ep, chip)
         flops = rest + experts
         return forward, alltoall, model.moe_layer_weight_grad_flops(tokens) / (2.0 * flops), \
             core / flops

@@ -21,8 +21,11 @@ def stage_dispatch_s(cost: CostModel, candidate: Candidate, stage: int) -> float
     moe_layers = sum(cost.layer_is_moe[i] for i in layers)
     imbalance = cost.config.moe_imbalance if ep > 1 else 1.0
     tokens = plan.micro_batch_size * model.seq_length
-    one = cost.alltoall_s(model.moe_dispatch_bytes(tokens) / spec.tensor_parallel_size
-                          * imbalance, ep, cost.cluster.chip(spec.chip))
+    chip, dispatched = cost.cluster.chip(spec.chip), model.moe_dispatch_bytes(tokens) / \
+        spec.tensor_parallel_size * imbalance
+    one = cost.alltoall_s(dispatched, ep, chip)
+    if spec.expert_tp != spec.tensor_parallel_size:  # + the all-gather over expert TP
+        one += cost.expert_tp_exchange_s(dispatched, spec.expert_tp, chip)
     per_layer = (6 if spec.recompute == "full" else 4) * one
     return moe_layers * per_layer
 
@@ -65,5 +68,6 @@ def _expert_bytes(cost: CostModel, candidate: Candidate, stage: int) -> float:
     ep = cost.stage_expert_parallel(spec, dp)
     layers = [i for r in plan.chunk_layer_ranges()[stage] for i in r]
     moe_layers = sum(cost.layer_is_moe[i] for i in layers)
-    experts = model.moe_layer_params_per_chip(spec.tensor_parallel_size, ep)[1]
-    return moe_layers * experts * cost.config.bytes_per_param(dp // ep)
+    tp, etp = spec.tensor_parallel_size, cost.stage_expert_tp(spec)
+    experts = model.moe_layer_params_per_chip(tp, ep, etp)[1]
+    return moe_layers * experts * cost.config.bytes_per_param(tp * dp // (etp * ep))

@@ -30,7 +30,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from megatron_h2.errors import ConfigError
 from megatron_h2.plan.schema import HeteroPlan
 from megatron_h2.planner.cost_model import CostModel, PlanEstimate
 from megatron_h2.planner.simulator import SimulationResult, simulate
@@ -87,15 +86,35 @@ def _stage_layers(pipe: HeteroPlan, stage: int) -> set[int]:
     return held
 
 
+def _stage_params(cost: CostModel, pipe: HeteroPlan, s: int) -> tuple[float, float]:
+    """(dense, expert) parameters per chip of stage ``s``: the dense ones (embedding, head,
+    attention, dense MLPs, routers, shared experts) synced over its DP group, the routed
+    experts of its ``1 / EP`` share over its expert-DP group (DP / EP ranks)."""
+    spec, model = pipe.stages[s], cost.model
+    tp, ep = spec.tensor_parallel_size, spec.expert_model_parallel_size
+    costs = cost.stage_costs(spec.chip, tp, pipe.micro_batch_size, pipe.stage_dp(s))
+    first, last = s == 0, s == len(pipe.stages) - 1
+    dense = costs.params(0, first, last)
+    experts = 0.0
+    for layer in sorted(set().union(*(set(r) for r in pipe.chunk_layer_ranges()[s]))):
+        if cost.layer_is_moe[layer]:
+            shared, routed = model.moe_layer_params_per_chip(tp, ep)
+            dense, experts = dense + shared, experts + routed
+        else:
+            dense += model.layer_params_per_chip(tp)
+    return dense, experts
+
+
 def stage_exchange_s(cost: CostModel, plan: HeteroPlan, k: int, s: int) -> float:
     """Seconds stage ``s`` of pipeline ``k`` spends receiving (and, full duplex, sending) its
-    gradient range from every other pipeline, plus the replicated optimizer's all-gather."""
+    gradient range from every other pipeline, plus the replicated optimizer's all-gather (of
+    MoE layers' routed experts over the expert-DP group, each rank holding ``1 / (DP / EP)`` of
+    its ``1 / EP`` of the experts: ``1 / DP`` of them, as of the dense parameters)."""
     pipes = plan.pipeline_plans
     pipe, spec = pipes[k], pipes[k].stages[s]
-    dp = pipe.stage_dp(s)
-    costs = cost.stage_costs(spec.chip, spec.tensor_parallel_size, plan.micro_batch_size, dp)
-    first, last = s == 0, s == len(pipe.stages) - 1
-    shard = costs.params(spec.num_layers, first, last) / dp
+    dp, ep = pipe.stage_dp(s), spec.expert_model_parallel_size
+    dense, experts = _stage_params(cost, pipe, s)
+    shard = dense / dp + experts / (dp // ep)
     layers = _stage_layers(pipe, s)
     own = cost.cluster.chip(spec.chip)
     total = 0.0
@@ -108,23 +127,22 @@ def stage_exchange_s(cost: CostModel, plan: HeteroPlan, k: int, s: int) -> float
         peers = sum(len(other.stage_ranks(t)) for t in overlap)
         total += (peers * cost.config.p2p_latency_s
                   + shard * FP32_BYTES / (gb_per_s * 1e9 * cost.config.comm_efficiency))
-    if dp > 1 and not cost.config.use_distributed_optimizer:
+    if not cost.config.use_distributed_optimizer:
         local = own.chips_per_node % (dp * spec.tensor_parallel_size) == 0
         bandwidth = own.intra_node_gb_per_s if local else own.inter_node_gb_per_s
-        group_bytes = shard * dp * FP32_BYTES  # all-gather: every rank ends with every range
-        total += ((dp - 1) * cost.config.collective_latency_s
-                  + (dp - 1) / dp * group_bytes / (bandwidth * 1e9 * cost.config.comm_efficiency))
+        for group, params in ((dp, dense), (dp // ep, experts)):
+            if group > 1 and params:  # all-gather: every rank ends with every range
+                total += ((group - 1) * cost.config.collective_latency_s
+                          + (group - 1) / group * params * FP32_BYTES
+                          / (bandwidth * 1e9 * cost.config.comm_efficiency))
     return total
 
 
 def evaluate_pipelines(cost: CostModel, plan: HeteroPlan) -> PipelinesEstimate:
     """Predict the step of a plan of several pipelines (see the module docstring)."""
     model = cost.model
-    if model.is_moe:
-        raise ConfigError("plans of several data-parallel pipelines are not costed for "
-                          "mixture-of-experts models (the experts' gradient exchange between "
-                          "pipelines is not modelled); plan one pipeline")
-    plan.validate(model.num_layers, model.num_attention_heads, model.num_query_groups)
+    plan.validate(model.num_layers, model.num_attention_heads, model.num_query_groups,
+                  num_experts=model.num_experts)
     estimates = tuple(cost.evaluate(pipe) for pipe in plan.pipelines)
     exchange = tuple(
         tuple(stage_exchange_s(cost, plan, k, s) for s in range(len(pipe.stages)))

@@ -23,7 +23,7 @@ micro-batches):
   (a local search);
 * each pipeline's own plan for its share: the one-pipeline search on its chip types alone
   (cached per group and share), so whatever that search covers (schedules, own DP per type,
-  recompute) each pipeline gets.
+  recompute, for MoE models EP per stage) each pipeline gets.
 
 The result is proven optimal over this space only when every split was tried and every
 pipeline's search was exhaustive (:attr:`PipelinesResult.exhaustive`). Otherwise
@@ -305,13 +305,9 @@ def search_pipelines(cost: CostModel, options: SearchOptions,
     limit = options.time_limit_s if time_limit_s is None else time_limit_s
     runner = _Runner(cost, options, started + limit)
     found = groupings(cost.cluster.names)
-    if cost.model.is_moe:
-        found = []
-        runner.result.reason = ("plans of several pipelines are not costed for "
-                                "mixture-of-experts models")
     runner.result.groupings = len(found)
     runner.result.lower_bound_s = lower_bound_s(cost, options)
-    if not found and not cost.model.is_moe:
+    if not found:
         runner.result.reason = "one chip type: a plan of pipelines is a plan with DP"
     elif found and limit <= 0:
         runner.result.exhaustive = False

@@ -204,10 +204,10 @@ def _walk_memory(
     """Peak chunk-micro-batches in flight and peak memory of stage ``s`` along its events."""
     spec, p = plan.stages[s], plan.pipeline_parallel_size
     dp, ranges = plan.stage_dp(s), plan.chunk_layer_ranges()[s]
-    ep = cost.stage_expert_parallel(spec, dp)
+    ep, etp = cost.stage_expert_parallel(spec, dp), cost.stage_expert_tp(spec)
     per_chunk = tuple(
         cost.stage_layer_costs(spec.chip, spec.tensor_parallel_size, plan.micro_batch_size, dp,
-                               ep, r)
+                               ep, r, etp)
         for r in ranges
     )  # by the dense and MoE layers each chunk holds
     costs = per_chunk[0]

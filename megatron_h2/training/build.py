@@ -103,7 +103,7 @@ def build_model(cfg: RunConfig, topo: Topology, accelerator: Accelerator
     model = GPTModel(stage_cfg, probe.kernels if probe else accelerator.kernels,
                      pre_process=topo.is_first_stage, post_process=topo.is_last_stage,
                      tp=topo.tp_context(cfg.parallel.sequence_parallel), chunks=topo.chunk_ranges,
-                     ep=topo.ep_context())
+                     ep=topo.ep_context(), etp=topo.etp_context())
     init_parameters(model, cfg.model, cfg.training.seed)
     model.to(accelerator.device)
     cast_parameters(model, DTYPES[cfg.training.precision.params])  # fp32 main weights: optimizer

@@ -117,10 +117,10 @@ def check_plan_for_model(plan: HeteroPlan, model: ModelConfig, parallel: Paralle
                   world_size=world_size, num_experts=model.num_experts)
     check_routing(plan, [plan.global_batch_size])
     for index, pipe in enumerate(plan.pipelines):
-        if any(stage.expert_model_parallel_size > 1 for stage in pipe.stages):
-            raise ConfigError(f"pipeline {index} sets expert_model_parallel_size > 1, which "
-                              "plans of several data-parallel pipelines do not run yet; use EP "
-                              "1 there or one pipeline")
+        if any(stage.expert_tp != stage.tensor_parallel_size for stage in pipe.stages):
+            raise ConfigError(f"pipeline {index} sets an expert tensor parallel size other than "
+                              "its stage's TP, which plans of several data-parallel pipelines "
+                              "do not run yet; omit expert_tensor_parallel_size there")
         try:
             _check_stages_for_model(pipe, model, parallel)
         except ConfigError as exc:
@@ -155,15 +155,21 @@ def _check_stages_for_model(plan: HeteroPlan, model: ModelConfig,
 
 def _check_stage_experts(index: int, stage: StageSpec, model: ModelConfig,
                          parallel: ParallelConfig) -> None:
-    """What expert parallelism runs so far: experts split over TP like the dense MLP (ETP =
-    TP) and EP groups across data-parallel replicas (which hold different tokens; under
-    sequence parallelism each MoE block gathers its TP group's sequence first)."""
+    """What expert parallelism runs: experts split over TP like the dense MLP (ETP = TP), or
+    over an expert-TP group of their own (ETP != TP: each TP rank dispatches its 1/TP of the
+    tokens, the routed rows are all-gathered over the ETP group and the outputs reduce-scattered
+    back, as Megatron-Core's dispatchers do); EP groups across data-parallel replicas (which
+    hold different tokens; each MoE block routes its TP group's whole sequence)."""
     tp, etp = stage.tensor_parallel_size, stage.expert_tp
-    if etp != tp:
-        raise ConfigError(f"stage {index}: expert tensor parallel size {etp} differs from the "
-                          f"stage's TP {tp}; only ETP = TP runs so far: omit "
-                          "--expert-tensor-parallel-size (or the plan's "
-                          "expert_tensor_parallel_size)")
+    if etp == tp or not model.is_moe:
+        return
+    if (model.moe_ffn_hidden_size or 0) % etp:
+        raise ConfigError(f"stage {index}: expert tensor parallel size {etp} does not divide "
+                          f"--moe-ffn-hidden-size {model.moe_ffn_hidden_size}")
+    if model.seq_length % tp:
+        raise ConfigError(f"stage {index}: an expert tensor parallel size ({etp}) other than "
+                          f"TP {tp} needs --seq-length {model.seq_length} divisible by TP (each "
+                          "TP rank dispatches its share of the sequence)")
 
 
 def stage_dps(plan: HeteroPlan) -> tuple[int, ...]:

@@ -116,7 +116,8 @@ def stage_lines(plan: HeteroPlan) -> list[str]:
         layers = ", ".join(f"{r.start}-{r.stop - 1}" if len(r) else "none" for r in chunks)
         dp = "" if plan.uniform_dp else f" | DP {plan.stage_dp(index)}"
         ep = spec.expert_model_parallel_size
-        dp += f" | EP {ep} (expert TP {spec.expert_tp})" if ep > 1 else ""
+        split = ep > 1 or spec.expert_tp != spec.tensor_parallel_size
+        dp += f" | EP {ep} (expert TP {spec.expert_tp})" if split else ""
         lines.append(f"stage {index}: chip {spec.chip} ({chip.device}) | TP "
                      f"{spec.tensor_parallel_size}{dp} | layers {layers} ({spec.num_layers}) | "
                      f"recompute {spec.recompute}{slow}")

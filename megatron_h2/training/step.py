@@ -44,7 +44,7 @@ from megatron_h2.distributed.tied_embedding import tied_embedding_sync
 from megatron_h2.distributed.topology import Topology
 from megatron_h2.errors import TrainingError
 from megatron_h2.models.gpt import GPTModel
-from megatron_h2.models.gpt.gpt_model import TIED_COPY_ATTR, full_shape
+from megatron_h2.models.gpt.gpt_model import TIED_COPY_ATTR, full_shape, param_tp
 from megatron_h2.monitoring.stage_clock import StageClock, stage_report
 from megatron_h2.monitoring.timeline import Timeline
 from megatron_h2.monitoring.timers import Timers, report_timers
@@ -151,10 +151,12 @@ class StepRunner:
                                   [model.chunk_parameters(c) for c in range(chunks)],
                                   [topo.stage_spec.recompute != "full"] * chunks)
         self.sp_params = [p for p in model.parameters() if getattr(p, "sequence_parallel", False)]
-        # Norm weights: a parameter replicated over TP counts once in the global norm, the last
-        # stage's copy of a tied embedding not at all (the first stage counts it).
+        # Norm weights: a parameter replicated over TP (a routed expert's over its expert-TP
+        # group) counts once in the global norm, the last stage's copy of a tied embedding not
+        # at all (the first stage counts it); each TP / ETP shard is a parameter of its own.
         self.norm_weight = {p: (0.0 if getattr(p, TIED_COPY_ATTR, False)
-                                else 1.0 if get_tp_shard(p) is not None else 1.0 / tp.size)
+                                else 1.0 if get_tp_shard(p) is not None
+                                else 1.0 / param_tp(model, p).size)
                             for p in model.parameters()}
         if not optimizer.sharded and topo.edp_size != topo.dp_size:
             # a replicated expert gradient is on edp_size ranks, not dp_size: the sums below
@@ -169,12 +171,12 @@ class StepRunner:
         # data-parallel pipelines: gradients summed across them, the norm counted on pipeline 0
         self.pipeline_sum = None
         self.counts = 1.0 if topo.pipeline == 0 else 0.0
-        if topo.num_pipelines > 1:
-            buckets = optimizer.grad_buckets
-            self.pipeline_sum = PipelineGradSum(topo, buckets, param_layouts(model, tp),
-                                                self.sp_params, optimizer.grads.refresh,
-                                                bridge, acc.device)
-            buckets.on_synced = self.pipeline_sum.bucket_synced
+        if topo.num_pipelines > 1:  # (two optimizers under expert parallelism, dense first)
+            parts = getattr(optimizer, "parts", (optimizer,))
+            self.pipeline_sum = PipelineGradSum(
+                topo, optimizer.grad_buckets, param_layouts(model, tp), self.sp_params,
+                lambda: [g for part in parts for g in part.grads.refresh()], bridge, acc.device)
+            self.pipeline_sum.attach()
 
     @property
     def loss_scale(self) -> float | None:

@@ -36,8 +36,9 @@ def gpt2_corpus(tmp_path_factory) -> dict[str, str]:
     return {DATA: str(folder / "corpus_text_document"), VOCAB: vocab, MERGES: merges}
 
 
-def _train(name: str, flags: list[str], corpus: dict[str, str], tmp_path: Path) -> None:
-    """Three iterations under torchrun, logged and checkpointed at iteration 3."""
+def _train(name: str, flags: list[str], corpus: dict[str, str], tmp_path: Path) -> str:
+    """Three iterations under torchrun, logged and checkpointed at iteration 3; returns what
+    the run printed."""
     argv = _fill(flags, {**corpus, RUN: str(tmp_path)})
     log = tmp_path / "log.jsonl"
     proc = torchrun(SCRIPTS[name][0], [*argv, "--log-jsonl", str(log)], timeout=600)
@@ -46,6 +47,27 @@ def _train(name: str, flags: list[str], corpus: dict[str, str], tmp_path: Path) 
     losses = [r["lm_loss"] for r in rows if "lm_loss" in r]
     assert len(losses) == 3 and all(0 < loss < 20 for loss in losses)
     assert (tmp_path / "ckpt" / "latest_checkpointed_iteration.txt").read_text().strip() == "3"
+    return proc.stdout
+
+
+def _check_expert_parallel(stdout: str, ckpt: Path, stages: int, experts: int, ep: int) -> None:
+    """The run held each MoE layer's experts split over EP ranks: the layout says so, and the
+    checkpoint's part ``stage + 1000 x r`` holds EP rank ``r``'s experts of the stage's layer
+    (one layer per stage) and no other expert."""
+    from safetensors import safe_open
+
+    for stage in range(stages):
+        assert f"stage {stage}: chip" in stdout and f"| EP {ep} (expert TP 1)" in stdout
+        for ep_rank in range(ep):
+            part = ckpt / f"model_{stage + 1000 * ep_rank:05d}.safetensors"
+            with safe_open(str(part), "pt") as fh:
+                held = {int(k.split("local_experts.")[1].split(".")[0])
+                        for k in fh.keys() if "local_experts." in k}
+                layers = {int(k.split("layers.")[1].split(".")[0])
+                          for k in fh.keys() if "local_experts." in k}
+            per = experts // ep
+            assert held == set(range(ep_rank * per, (ep_rank + 1) * per)), (part, held)
+            assert layers == {stage}, (part, layers)
 
 
 GPU_KERNELS = {("--attention-backend", "fused")}
@@ -67,4 +89,7 @@ def _on_cpu(flags: list[str]) -> list[str]:
 @pytest.mark.e2e
 @pytest.mark.parametrize("name", sorted(SCRIPTS))
 def test_script_trains_three_iterations(name, gpt2_corpus, tmp_path):
-    _train(name, _on_cpu(SCRIPTS[name][1]), gpt2_corpus, tmp_path)
+    stdout = _train(name, _on_cpu(SCRIPTS[name][1]), gpt2_corpus, tmp_path)
+    if name == "mixtral_8x7b":  # PP 4 x DP 2 on 8 processes, EP 2 of the 4 experts
+        _check_expert_parallel(stdout, tmp_path / "ckpt" / "iter_0000003", stages=4,
+                               experts=4, ep=2)

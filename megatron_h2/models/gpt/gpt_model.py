@@ -45,7 +45,7 @@ from megatron_h2.parallel import (
     mark_sequence_parallel,
     vocab_parallel_cross_entropy,
 )
-from megatron_h2.parallel.expert_parallel import EPContext
+from megatron_h2.parallel.expert_parallel import EXPERT_PARALLEL_ATTR, EPContext
 
 WORD_EMBEDDING = "embedding.word_embeddings.weight"
 OUTPUT_WEIGHT = "output_layer.weight"
@@ -60,7 +60,8 @@ class Decoder(nn.Module):
 
     def __init__(self, config: ModelConfig, kernels: Kernels,
                  chunks: Sequence[tuple[int, int]], post_process: bool, tp: TPContext,
-                 moe_state: MoEState | None = None, ep: EPContext | None = None) -> None:
+                 moe_state: MoEState | None = None, ep: EPContext | None = None,
+                 etp: TPContext | None = None) -> None:
         super().__init__()
         self.chunks = [range(*r) for r in chunks]
         has_layers = any(len(r) for r in self.chunks)
@@ -69,7 +70,7 @@ class Decoder(nn.Module):
         moe_state = moe_state or MoEState()
 
         def layer(i: int) -> TransformerLayer:
-            mlp = (MoELayer(config, kernels, tp, i, moe_state, ep) if config.is_moe_layer(i)
+            mlp = (MoELayer(config, kernels, tp, i, moe_state, ep, etp) if config.is_moe_layer(i)
                    else None)
             return TransformerLayer(config, kernels, rotary, tp, mlp)
 
@@ -107,7 +108,7 @@ class GPTModel(nn.Module):
                  layer_range: tuple[int, int] | None = None, pre_process: bool = True,
                  post_process: bool = True, tp: TPContext | None = None,
                  chunks: Sequence[tuple[int, int]] | None = None,
-                 ep: EPContext | None = None) -> None:
+                 ep: EPContext | None = None, etp: TPContext | None = None) -> None:
         super().__init__()
         if config.vocab_size <= 0:
             raise ValueError("ModelConfig.vocab_size must be set (padded tokenizer vocabulary)")
@@ -126,8 +127,11 @@ class GPTModel(nn.Module):
         self.ep = ep or EPContext.single()
         """Expert parallelism: this rank holds ``ep.local_experts(num_experts)`` of each MoE
         layer."""
+        self.etp = etp if etp is not None and etp.size != tp.size else None
+        """The routed experts' tensor-parallel context where it differs from ``tp`` (ETP !=
+        TP); None: the experts are split over ``tp`` like the dense MLP."""
         self.decoder = Decoder(config, kernels, self.chunk_ranges, post_process, tp,
-                               self.moe_state, self.ep)
+                               self.moe_state, self.ep, self.etp)
         shares = config.tied_embeddings and pre_process  # uses the embedding's own weight
         self.output_layer = (ColumnParallelLinear(config.hidden_size, config.vocab_size, tp,
                                                   skip_weight=shares)
@@ -223,6 +227,15 @@ class _Embedding(nn.Module):
         return F.dropout(x, self.dropout, self.training)
 
 
+def param_tp(model: nn.Module, param: torch.Tensor) -> TPContext:
+    """The tensor-parallel context ``param`` of ``model`` is sharded over: the experts' own
+    (``model.etp``) for a routed expert's parameter under ETP != TP, else ``model.tp``."""
+    etp = getattr(model, "etp", None)
+    if etp is not None and getattr(param, EXPERT_PARALLEL_ATTR, False):
+        return etp
+    return model.tp
+
+
 def full_shape(param: torch.Tensor, tp: TPContext) -> tuple[int, ...]:
     """Shape of the whole (unsharded) tensor that ``param`` is this rank's shard of."""
     spec = get_tp_shard(param)
@@ -256,8 +269,9 @@ def init_parameters(model: GPTModel, config: ModelConfig, seed: int) -> None:
             name = model.checkpoint_names.get(name, name)
             gen = torch.Generator().manual_seed((seed * 1_000_003 + zlib.crc32(name.encode()))
                                                 % (2**63))
-            full = torch.randn(full_shape(param, model.tp), generator=gen, dtype=torch.float32)
-            load_shard_(param, full * std, model.tp)
+            tp = param_tp(model, param)
+            full = torch.randn(full_shape(param, tp), generator=gen, dtype=torch.float32)
+            load_shard_(param, full * std, tp)
 
 
 @torch.no_grad()

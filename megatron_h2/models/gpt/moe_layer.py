@@ -27,6 +27,18 @@ own chunk of the output. (Megatron-Core routes the local chunk and gathers over 
 dispatchers, summing the aux-loss statistics over TP; gathering first gives the same routing
 at the price of every TP rank routing the whole sequence, as it does without SP.)
 
+With an expert-TP context of its own (``etp``: Megatron-Core's ``--expert-tensor-parallel-size``
+other than TP) each local expert's ``linear_fc1`` is split by columns (the gate and up halves
+each under SwiGLU) and ``linear_fc2`` by rows over the ETP group (with ETP 1, whole on every
+rank); under TP > 1 each TP rank dispatches its 1/TP of the routed tokens (rows in [s, b]
+order; Megatron-Core's ranks dispatch their sequence-parallel chunk) and the outputs are
+all-gathered over TP; the rows that reach a rank are all-gathered over the ETP group, each rank
+runs its shards and the partial outputs are reduce-scattered back
+(:func:`megatron_h2.parallel.expert_parallel.gather_over_expert_tp`). ``linear_fc2``'s bias is
+replicated over the group: each rank adds 1/ETP of it (times the routing probability) to its
+partial output, and its gradient, complete on every rank (each rank sees every gathered row's
+output gradient), passes unscaled.
+
 Shapes: b = micro-batch size, s = sequence length, h = hidden size, T = s x b tokens,
 E = experts, n_e = tokens routed to expert e.
 """
@@ -53,6 +65,7 @@ from megatron_h2.parallel.expert_parallel import (
     EPContext,
     allgather_to_experts,
     dispatch_to_experts,
+    gather_over_expert_tp,
 )
 
 
@@ -75,23 +88,64 @@ def unpermute(expert_out: torch.Tensor, sorted_rows: torch.Tensor, num_tokens: i
     return out.index_add(0, sorted_rows, expert_out)
 
 
+class _ShareOfBias(torch.autograd.Function):
+    """``bias * share`` forward; the gradient passes unscaled (each of the 1 / ``share`` expert-TP
+    ranks adds its share, and each sees the whole output gradient)."""
+
+    @staticmethod
+    def forward(ctx, bias: torch.Tensor, share: float) -> torch.Tensor:
+        return bias * share
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad, None
+
+
+def partial_expert(mlp: MLP, x: torch.Tensor, scale: torch.Tensor, etp_size: int
+                   ) -> torch.Tensor:
+    """One expert's shards on rows ``x`` [n, h] with routing probabilities ``scale`` [n], no
+    communication: [n, h] -> [n, fc1/e] -> [n, f/e] -> [n, h], this rank's partial sum over
+    its f/e hidden features (plus 1/e of the scaled ``linear_fc2`` bias)."""
+    fc1, fc2 = mlp.linear_fc1, mlp.linear_fc2
+    inter = mlp.activation(F.linear(x, fc1.weight, fc1.bias))  # [n, f/e]
+    inter = (inter * scale.unsqueeze(-1)).to(inter.dtype)
+    out = F.linear(inter, fc2.weight)  # [n, h]
+    if fc2.bias is None:
+        return out
+    bias = _ShareOfBias.apply(fc2.bias, 1.0 / etp_size)
+    return (out + bias.unsqueeze(0) * scale.unsqueeze(-1)).to(out.dtype)
+
+
 class SequentialMLP(nn.Module):
     """The experts of one MoE layer, ``local_experts`` keyed by global expert index, run one
-    after the other on their contiguous tokens."""
+    after the other on their contiguous tokens; with ``gather`` their shards over the
+    expert-TP group ``tp`` on the group's gathered rows."""
 
     def __init__(self, config: ModelConfig, kernels: Kernels, tp: TPContext,
-                 experts: range) -> None:
+                 experts: range, gather: bool = False) -> None:
         super().__init__()
         self.local_experts = nn.ModuleDict({
             str(e): MLP(config, kernels, tp, ffn_hidden_size=config.moe_ffn_hidden_size)
             for e in experts})
         for param in self.local_experts.parameters():
             setattr(param, EXPERT_PARALLEL_ATTR, True)
+        self.gather_tp = tp if gather and tp.size > 1 else None
 
     def forward(self, tokens: torch.Tensor, tokens_per_expert: list[int],
                 probs: torch.Tensor) -> torch.Tensor:
         """tokens [sum n_e, h], probs [sum n_e] -> [sum n_e, h] (each row times its prob)."""
+        if self.gather_tp is not None:
+            return gather_over_expert_tp(tokens, tokens_per_expert, probs, self.gather_tp,
+                                         self._partial)
         outputs = [expert(x, per_token_scale=p) for expert, x, p in zip(
+            self.local_experts.values(), torch.split(tokens, tokens_per_expert),
+            torch.split(probs, tokens_per_expert))]
+        return torch.cat(outputs, dim=0)
+
+    def _partial(self, tokens: torch.Tensor, tokens_per_expert: list[int],
+                 probs: torch.Tensor) -> torch.Tensor:
+        assert self.gather_tp is not None
+        outputs = [partial_expert(expert, x, p, self.gather_tp.size) for expert, x, p in zip(
             self.local_experts.values(), torch.split(tokens, tokens_per_expert),
             torch.split(probs, tokens_per_expert))]
         return torch.cat(outputs, dim=0)
@@ -118,15 +172,21 @@ class MoELayer(nn.Module):
     """Router, experts and optional shared experts of one layer. [b, s, h] -> [b, s, h]."""
 
     def __init__(self, config: ModelConfig, kernels: Kernels, tp: TPContext, layer: int,
-                 state: MoEState, ep: EPContext | None = None) -> None:
+                 state: MoEState, ep: EPContext | None = None,
+                 etp: TPContext | None = None) -> None:
+        """``etp``: the experts' TP context where it differs from ``tp`` (ETP != TP)."""
         super().__init__()
         self.ep = ep = ep or EPContext.single()
         # under SP the block gathers the sequence: its MLPs run on replicated tokens
         self.sp_tp = tp if tp.size > 1 and tp.sequence_parallel else None
         tp = dataclasses.replace(tp, sequence_parallel=False)
+        gather = etp is not None and etp.size != tp.size
+        # ETP != TP on TP > 1: the TP ranks hold the same tokens; each dispatches its 1/TP
+        self.share_tp = tp if gather and tp.size > 1 else None
         self.config, self.layer, self.state = config, layer, state
         self.router = TopKRouter(config, layer, state)
-        self.experts = SequentialMLP(config, kernels, tp, ep.local_experts(config.num_experts))
+        self.experts = SequentialMLP(config, kernels, etp if gather else tp,
+                                     ep.local_experts(config.num_experts), gather=gather)
         self.shared_experts = (SharedExpertMLP(config, kernels, tp)
                                if config.moe_shared_expert_intermediate_size else None)
 
@@ -146,6 +206,18 @@ class MoELayer(nn.Module):
         full = gather_from_sequence_parallel_region(x, self.sp_tp, reduce_grads=False)
         return scatter_to_sequence_parallel_region(self._forward(full), self.sp_tp)
 
+    def _dispatch(self, tokens: torch.Tensor, probs: torch.Tensor, routing_map: torch.Tensor
+                  ) -> torch.Tensor:
+        """The routed experts' outputs for ``tokens`` [N, h] (``probs``, ``routing_map`` [N, E])
+        -> [N, h], each token's expert outputs summed, through the EP group's dispatch."""
+        if self.ep.size > 1 and self.config.moe_token_dispatcher_type == "allgather":
+            return allgather_to_experts(tokens, probs, routing_map, self.ep, self._run_local)
+        permuted, rows = permute(tokens, routing_map)  # [sum n_e, h]
+        permuted_probs = probs.t().contiguous().masked_select(routing_map.t())  # [sum n_e]
+        expert_out = dispatch_to_experts(permuted, permuted_probs, routing_map.sum(dim=0),
+                                         self.ep, self.experts)  # [sum n_e, h]
+        return unpermute(expert_out, rows, tokens.shape[0])
+
     def _forward(self, x: torch.Tensor) -> torch.Tensor:
         """The block on the whole sequence: [b, s, h] -> [b, s, h]."""
         b, s, h = x.shape
@@ -155,14 +227,16 @@ class MoELayer(nn.Module):
         counts = routing_map.sum(dim=0)  # [E]
         if self.training and torch.is_grad_enabled() and not in_backward_recompute():
             self.state.count_tokens(self.layer, counts)
-        if self.ep.size > 1 and self.config.moe_token_dispatcher_type == "allgather":
-            out = allgather_to_experts(tokens, probs, routing_map, self.ep, self._run_local)
-        else:
-            permuted, rows = permute(tokens, routing_map)  # [sum n_e, h]
-            permuted_probs = probs.t().contiguous().masked_select(routing_map.t())  # [sum n_e]
-            expert_out = dispatch_to_experts(permuted, permuted_probs, counts, self.ep,
-                                             self.experts)  # [sum n_e, h]
-            out = unpermute(expert_out, rows, s * b)  # [T, h]
+        share = self.share_tp
+        if share is None:
+            out = self._dispatch(tokens, probs, routing_map)  # [T, h]
+        else:  # this TP rank's 1/TP of the tokens (rows in [s, b] order) go to the experts
+            mine = self._dispatch(
+                scatter_to_sequence_parallel_region(tokens.unsqueeze(0), share)[0],
+                scatter_to_sequence_parallel_region(probs.unsqueeze(0), share)[0],
+                routing_map.chunk(share.size)[share.rank])  # [T/t, h]
+            out = gather_from_sequence_parallel_region(mine.unsqueeze(0), share,
+                                                       reduce_grads=False)[0]  # [T, h]
         if shared is not None:
             out = out + shared
         return out.view(s, b, h).transpose(0, 1)  # [b, s, h]

@@ -26,7 +26,13 @@ def trained(split: bool, sharded: bool, steps: int = 3):
     opt = build_stage_optimizer(model, OptimizerConfig(lr=1e-2, weight_decay=0.1), None, [0],
                                 None, edp_ranks, use_distributed_optimizer=sharded,
                                 overlap=False)
-    gen = torch.Generator().manual_seed(0)
+    train_steps(model, opt, config, steps)
+    return model, opt
+
+
+def train_steps(model, opt, config, steps: int, seed: int = 0) -> None:
+    """``steps`` steps of random tokens (seeded), clipped, at a fixed learning rate."""
+    gen = torch.Generator().manual_seed(seed)
     for _ in range(steps):
         tokens = torch.randint(0, config.vocab_size, (2, config.seq_length), generator=gen)
         opt.zero_grad()
@@ -35,7 +41,6 @@ def trained(split: bool, sharded: bool, steps: int = 3):
         opt.clip_(0.5)
         opt.set_lr(1e-2)
         opt.step()
-    return model, opt
 
 
 @pytest.mark.parametrize("sharded", [False, True])
@@ -45,14 +50,24 @@ def test_split_optimizer_equals_one_optimizer(sharded):
     assert isinstance(split, ExpertSplitOptimizer) and not isinstance(one, ExpertSplitOptimizer)
     experts = [n for n, p in split_model.named_parameters() if is_expert_param(p)]
     assert experts and all(".mlp.experts.local_experts." in n for n in experts)
-    for (name, a), b in zip(one_model.named_parameters(), split_model.parameters()):
-        assert torch.equal(a, b), name
+    assert_same_training(one_model, one, split_model, split)
     names_one = {p: n for n, p in one_model.named_parameters()}
     names_split = {p: n for n, p in split_model.named_parameters()}
-    state_one, state_split = one.named_state(names_one), split.named_state(names_split)
-    assert sorted(state_one) == sorted(state_split)
-    assert all(torch.equal(state_one[k], state_split[k]) for k in state_one)
+    state_split = split.named_state(names_split)
     grads = {names_split[p]: g for p, g in split.owned_grads()}
     assert set(grads) == {names_one[p] for p, _ in one.owned_grads()}
     split.load_named_state(names_split, state_split)  # each part takes its own
     split.load_main_weights(split.main_weights())
+
+
+def assert_same_training(model_a, opt_a, model_b, opt_b) -> None:
+    """Bit for bit the same parameters (names, order, values) and optimizer state by name."""
+    assert list(model_a.state_dict()) == list(model_b.state_dict())
+    for (name, a), b in zip(model_a.named_parameters(), model_b.parameters()):
+        assert torch.equal(a, b), name
+    names_a = {p: n for n, p in model_a.named_parameters()}
+    names_b = {p: n for n, p in model_b.named_parameters()}
+    state_a, state_b = opt_a.named_state(names_a), opt_b.named_state(names_b)
+    assert sorted(state_a) == sorted(state_b)
+    for key, value in state_a.items():
+        assert value.shape == state_b[key].shape and torch.equal(value, state_b[key]), key

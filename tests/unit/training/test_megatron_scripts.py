@@ -113,7 +113,8 @@ FUNCTIONAL_VP_OVERLAP = [
 ]
 
 MIXTRAL_8X7B = [  # examples/mixtral/train_mixtral_8x7b_distributed.sh (local GPT-2 tokenizer
-    # files instead of the Llama 2 one; expert parallelism 1 instead of 8)
+    # files instead of the Llama 2 one; 4 experts instead of 8, expert parallelism 2 instead of
+    # 8: on 8 processes PP 4 leaves DP 2, whose two ranks per stage form the EP group)
     "--use-mcore-models", "--disable-bias-linear", "--seq-length", "64",
     "--max-position-embeddings", "128", "--num-layers", "4", "--hidden-size", "64",
     "--ffn-hidden-size", "128", "--num-attention-heads", "4", "--init-method-std", "0.01",
@@ -130,20 +131,23 @@ MIXTRAL_8X7B = [  # examples/mixtral/train_mixtral_8x7b_distributed.sh (local GP
     "--lr-decay-iters", "3", "--lr-decay-style", "cosine", "--min-lr", "1.0e-5",
     "--weight-decay", "0.1", "--lr-warmup-iters", "1", "--clip-grad", "1.0", "--bf16",
     "--tensor-model-parallel-size", "1", "--pipeline-model-parallel-size", "4",
-    "--expert-model-parallel-size", "1", "--use-distributed-optimizer", "--sequence-parallel",
+    "--expert-model-parallel-size", "2", "--use-distributed-optimizer", "--sequence-parallel",
     "--log-interval", "1", "--save-interval", "3", "--eval-interval", "3", "--eval-iters", "1",
     "--save", f"{RUN}/ckpt", "--load", f"{RUN}/ckpt", "--tensorboard-dir", f"{RUN}/tb",
     "--no-load-optim", "--no-load-rng",
 ]
 
 SCRIPTS = {  # name: (processes, flags)
-    "mixtral_8x7b": (4, MIXTRAL_8X7B),
+    "mixtral_8x7b": (8, MIXTRAL_8X7B),
     "gpt3_175b": (4, GPT3_175B),
     "llama3_8b": (2, LLAMA3_8B),
     "gpt_distributed_with_mp": (4, GPT_WITH_MP),
     "functional_tp1_pp4_vp1_uneven_pipeline": (4, FUNCTIONAL_UNEVEN),
     "functional_tp1_pp4_vp1_overlap": (4, FUNCTIONAL_VP_OVERLAP),
 }
+
+EXPECTED_EP = {"mixtral_8x7b": 2}
+"""Expert parallelism of the command lines that set it (the rest: 1)."""
 
 # What each command line builds, as Megatron builds it from the same flags.
 EXPECTED_MODEL = {
@@ -191,6 +195,8 @@ def _check_model(name: str, cfg) -> None:
         assert getattr(cfg.model, field) == value, field
     tp, pp = cfg.parallel.tensor_model_parallel_size, cfg.parallel.pipeline_model_parallel_size
     assert processes % (tp * pp) == 0
+    ep = cfg.parallel.expert_model_parallel_size
+    assert ep == EXPECTED_EP.get(name, 1) and (processes // pp) % ep == 0
 
 
 @pytest.mark.parametrize("name", sorted(SCRIPTS))

@@ -43,8 +43,11 @@ MOE = ["--num-experts", "4", "--moe-token-dispatcher-type", "alltoall"]
      "expert_model_parallel_size 4 does not divide the 6 experts (--num-experts)"),
     (2, [*MOE, "--expert-model-parallel-size", "2", "--num-experts", "0"],
      "expert_model_parallel_size 2 is set but the model has no experts"),
-    (2, [*MOE, "--expert-tensor-parallel-size", "2"], "--expert-tensor-parallel-size 2: the "
-     "experts take the stage's TP degree"),
+    (2, [*MOE, "--tensor-model-parallel-size", "2", "--expert-tensor-parallel-size", "1",
+         "--seq-length", "33"], "stage 0: an expert tensor parallel size (1) other than TP 2 "
+     "needs --seq-length 33 divisible by TP"),
+    (2, [*MOE, "--expert-tensor-parallel-size", "2", "--moe-ffn-hidden-size", "63"],
+     "stage 0: expert tensor parallel size 2 does not divide --moe-ffn-hidden-size 63"),
 ])
 def test_bad_layout_is_one_line_before_any_process_group(world, flags, fragment, corpus,
                                                          monkeypatch, capsys):

@@ -126,3 +126,18 @@ def test_slurm_script_components_follow_the_pipelines():
     script = _slurm(plan, cluster, "plan.yaml", "")
     assert "# component 2: slow (npu), pipeline 1, stages 0-1, ranks 3-6" in script
     assert "--chips fast,slow,slow" in script
+
+
+def test_each_pipeline_sets_its_own_expert_parallelism():
+    """EP 2 on the stages of a DP-2 pipeline beside an EP-1 one runs; an expert TP other than
+    the stage's TP is refused in one line naming the pipeline."""
+    moe = model(num_experts=4, moe_router_topk=2)
+    ep2 = two_pipelines()
+    for stage in ep2["pipelines"][1]["stages"]:
+        stage["expert_model_parallel_size"] = 2
+    check_plan_for_model(HeteroPlan.from_dict(ep2), moe, ParallelConfig(), 6)
+    etp = two_pipelines()
+    etp["pipelines"][0]["stages"][0]["expert_tensor_parallel_size"] = 1
+    with pytest.raises(ConfigError, match="^pipeline 0 sets an expert tensor parallel size "
+                                          "other than its stage's TP"):
+        check_plan_for_model(HeteroPlan.from_dict(etp), moe, ParallelConfig(), 6)
