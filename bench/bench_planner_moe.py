@@ -106,8 +106,8 @@ def family(members: int, first: int, limit: float, merge: bool) -> int:
         gaps.append(_gap(result))
         print(f"  {item.label}: {cpu:.1f} s CPU ({wall:.1f} s wall, load "
               f"{os.getloadavg()[0]:.1f}), {'proven optimal' if result.stats.exhaustive else ''}"
-              f"{'' if result.stats.exhaustive else f'within {gaps[-1]:.1%}'}; "
-              f"{stage_summary(result.best.plan)}")
+              f"{'' if result.stats.exhaustive else f'within {gaps[-1]:.1%}'}; best "
+              f"{result.best.estimate.step_time_s:.3f} s {stage_summary(result.best.plan)}")
     for name, values, unit in (("CPU", cpus, "s"), ("gap", [100 * g for g in gaps], "%")):
         ordered = sorted(values)
         p90 = ordered[max(0, -(-9 * len(ordered) // 10) - 1)]

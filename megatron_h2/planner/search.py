@@ -399,10 +399,13 @@ class _Search:
                 continue
             if visited >= budget or time.monotonic() > self.deadline:
                 break
-            if kind < 0 and isinstance(shape, MergedShape):
+            if kind < 0 and isinstance(shape, MergedShape):  # each EP choice counts as a node
                 for option, suffix in self._exact_leaves(shape, node):
+                    if visited >= budget or time.monotonic() > self.deadline:
+                        break
                     if option < self.threshold * (1 - _SLACK):
                         self._evaluate(shape.exact, suffix)
+                        visited += 1
                 continue
             if kind < 0:
                 self._evaluate(shape, node.suffix)

@@ -20,6 +20,7 @@ from megatron_h2.config import RECOMPUTE_MODES, ModelConfig
 from megatron_h2.plan.schema import ChipSpec, HeteroPlan, StageSpec
 from megatron_h2.planner.cluster import ChipType, Cluster
 from megatron_h2.planner.cost_model import CostConfig, CostModel, replica_warmups
+from megatron_h2.planner.merged_shape import MergedShape
 from megatron_h2.planner.search import SearchOptions, search
 
 LLAMA = {"swiglu": True, "normalization": "RMSNorm", "position_embedding_type": "rope",
@@ -129,6 +130,11 @@ def test_search_finds_the_brute_force_optimum_of_a_moe_model(freq, distributed):
 
 
 def test_the_cases_exercise_expert_parallelism_and_both_chip_types():
+    """...and the search's merged kinds (several EP degrees per chip type, TP and DP), which
+    the brute-force test above runs with (``SearchOptions.merge_ep`` is on by default)."""
+    assert SearchOptions(global_batch_size=4).merge_ep
+    merged = MergedShape(CostModel(CLUSTER, model(1)), 4, 1, "1f1b", 1, None)
+    assert max(len(group) for group in merged.members) > 1
     seen_ep, mixed = set(), False
     for freq in (1, [0, 1, 1, 1]):
         cost = CostModel(CLUSTER, model(freq), CostConfig(use_distributed_optimizer=True))
