@@ -119,3 +119,21 @@ def test_bad_margin_is_one_line(tmp_path, capsys):
     assert run(paths, "six", "five", tmp_path / "plan.yaml", "--margin", "1.5") == 2
     assert capsys.readouterr().err.strip().splitlines() == [
         "error: --margin must be in [0, 1), got 1.5"]
+
+
+def test_a_plan_of_pipelines_is_kept_with_its_stages_and_slowest_pipeline(tmp_path, capsys):
+    paths = write_inputs(tmp_path, host_cores=None)
+    pipelines = HeteroPlan.of_pipelines([
+        HeteroPlan(1, 1, 4, CHIPS, [StageSpec("fast", 1, 4), StageSpec("fast", 1, 4)]),
+        HeteroPlan(1, 1, 4, CHIPS, [StageSpec("slow", 1, 4), StageSpec("slow", 1, 4)])])
+    pipelines.to_yaml(tmp_path / "pipelines.yaml")
+    paths["pipelines"] = str(tmp_path / "pipelines.yaml")
+    out, picture = tmp_path / "plan.yaml", tmp_path / "timeline.png"
+    # the new plan (1.64 s) is 10% faster than the pipelines (1.82 s): within a margin of 20%
+    assert run(paths, "pipelines", "six", out, "--timeline", str(picture), "--margin",
+               "0.2") == 0
+    kept = HeteroPlan.from_yaml(out)
+    assert kept.num_pipelines == 2 and kept.world_size == 4
+    assert "# stages: [fast TP1 x2 [4x2]] + [slow TP1 x2 [4x2]]" in out.read_text()
+    assert picture.stat().st_size > 0
+    assert capsys.readouterr().out.startswith("keeping the plan measured as (4 processes")
