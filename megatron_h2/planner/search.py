@@ -40,6 +40,7 @@ import numpy as np
 
 from megatron_h2.errors import ConfigError
 from megatron_h2.planner.bounds import BatchShape
+from megatron_h2.planner.closed_bounds import closed_bounds, suffix_need
 from megatron_h2.planner.cost_model import CostModel
 from megatron_h2.planner.merged_shape import MergedShape
 from megatron_h2.planner.partition import INF
@@ -422,7 +423,7 @@ class _Search:
         suffixes = [s for s in shape.exact_suffixes(node.suffix) if not self._done(exact, s)]
         if not suffixes:
             return []
-        bounds = _closed_bounds(exact, suffixes, node.lead, node.links).tolist()
+        bounds = closed_bounds(exact, suffixes, node.lead, node.links).tolist()
         out = sorted((b, s) for b, s in zip(bounds, suffixes) if b < cutoff)
         self.stats.nodes_pruned += len(suffixes) - len(out)
         return out
@@ -459,7 +460,7 @@ class _Search:
             leaf = float(shape.bound(placed, 0, here, node.links, edges, first, sync)[0])
             if leaf < self.threshold * (1 - _SLACK) and not isinstance(shape, MergedShape):
                 # tighter: the exact memory caps (merged kinds: per EP choice when expanded)
-                leaf = float(_closed_bounds(shape, [suffix], node.lead, node.links)[0])
+                leaf = float(closed_bounds(shape, [suffix], node.lead, node.links)[0])
             options.append((leaf, -1, 0))
         room, fixed = shape.positions - position, None
         for t_index, chip in enumerate(shape.types):  # one bound call per chip type
@@ -557,36 +558,8 @@ class _Search:
 
 
 def _need(shape: BatchShape, node: _Node | Suffix) -> float:
-    """The least folded steady term below ``node`` (or of a suffix): one layer on its slowest
-    kind, or the last stage's layer and the head (:attr:`BatchShape.head_need`)."""
-    suffix = node if isinstance(node, tuple) else node.suffix
-    if not suffix:
-        return 0.0
-    need = float(shape.head_need[suffix[-1][0]])
-    return max(need, max(float(shape.unit[kind, 0]) for kind, _ in suffix))
-
-
-def _closed_bounds(shape: BatchShape, suffixes: list[Suffix], lead: int,
-                   links: float) -> np.ndarray:
-    """Bounds of closed pipelines with their stages' exact memory caps, in one bound call:
-    ``suffixes`` (pipeline order) of the same blocks' stage counts and DP degrees (hence
-    warm-ups), differing only in the kinds (EP degrees); ``lead``, ``links``: theirs."""
-    first, last = [s[0][0] for s in suffixes], [s[-1][0] for s in suffixes]
-    edges = shape.head_time[last] + shape.embedding_time[first]
-    syncs = np.array([shape.sync_bound(s, 0, s[-1][0], s[0][0]) for s in suffixes])
-    needs = np.maximum([_need(shape, s) for s in suffixes], shape.embedding_need[first])
-    position, warmups = sum(count for _, count in suffixes[0]), shape.warmups(suffixes[0])
-    parts, front, width = [], 0, len(suffixes)
-    for block, (_, count) in enumerate(suffixes[0]):
-        used = [s[block][0] for s in suffixes]
-        for kind in dict.fromkeys(used):  # one part per kind of this block
-            caps = shape.closed_block(kind, position, front, warmups[front : front + count])
-            mine = np.array([k == kind for k in used])
-            stages = count if mine.all() else np.where(mine, count, 0)
-            columns = caps[:, None] if width == 1 else np.where(mine, caps[:, None], 0.0)
-            parts.append((float(shape.fill_unit[kind]), columns, stages))
-        front += count
-    return shape.bound(parts, 0, np.full(width, lead), links, edges, needs, syncs)
+    """The least folded steady term below ``node`` (or of a suffix): :func:`suffix_need`."""
+    return suffix_need(shape, node if isinstance(node, tuple) else node.suffix)
 
 
 def search(cost: CostModel, options: SearchOptions) -> SearchResult:
