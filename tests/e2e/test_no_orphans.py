@@ -14,20 +14,12 @@ import pytest
 from megatron_h2.checkpointing import load_checkpoint
 from tests.helpers.dist_utils import free_port
 from tests.helpers.paths import ROOT
+from tests.helpers.procs import process_table
 from tests.helpers.tiny_runs import flags
 
 
 def _children(pid: int) -> list[int]:
-    found = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            if int(fields[1]) == pid:
-                found.append(int(entry.name))
-    return found
+    return [p for p, (_, parent) in process_table().items() if parent == pid]
 
 
 def _running(pid: int) -> bool:

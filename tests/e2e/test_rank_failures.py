@@ -8,32 +8,25 @@ import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 
 from tests.helpers.dist_utils import free_port
 from tests.helpers.paths import ROOT
+from tests.helpers.procs import process_table
 from tests.unit.training.test_parallel_training import MODEL
 
 
 def _descendants(pid: int) -> dict[int, str]:
     """``{pid: state}`` of the processes under ``pid`` (state as in /proc: R, S, T, Z, ...)."""
-    parents, states = {}, {}
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            states[int(entry.name)], parents[int(entry.name)] = fields[0], int(fields[1])
+    table = process_table()
 
     def under(p: int) -> bool:
-        while p in parents and p != pid:
-            p = parents[p]
+        while p in table and p != pid:
+            p = table[p][1]
         return p == pid
 
-    return {p: state for p, state in states.items() if p != pid and under(p)}
+    return {p: state for p, (state, _) in table.items() if p != pid and under(p)}
 
 
 @pytest.mark.e2e
