@@ -8,9 +8,12 @@ and MoE layer counts (:meth:`StageCosts.blend`), with the fastest recompute mode
 stage fits in memory over its schedule's held states. For bounds ``W`` on the largest
 ``F_i w_i`` and ``Z`` on the largest ``z_i`` the least ``sum f_i`` of a split into contiguous
 ranges is a min-plus programme over layer positions, ``S(W, Z)``; the optimum is the least
-``W + Z + S(W, Z)`` over the values the terms take, scanned upwards (``W`` and then ``Z``) until
-``W + Z + S`` with looser bounds cannot beat the best found, so the result is exact. Plans with
-one chunk per stage only (the search leaves interleaving out for such models).
+``W + Z + S(W, Z)`` over the values the terms take. ``W`` is scanned upwards from the least
+largest work of any split (a min-max programme) until ``W`` + the least largest tail +
+``S(inf, inf)`` cannot beat the best found; per ``W``, ``Z`` falls from no bound to just below
+the largest tail of each best split found (``S`` only grows as it falls), until ``W`` + the least
+largest tail + ``S`` cannot win, so the result is exact. Plans with one chunk per stage only (the
+search leaves interleaving out for such models).
 """
 
 from __future__ import annotations
@@ -22,11 +25,8 @@ import numpy as np
 
 from megatron_h2.planner.cost_model import MODES, zero_bubble_share
 from megatron_h2.planner.held_activations import State
-from megatron_h2.planner.partition import INF, Split, _smallest, step_factors
+from megatron_h2.planner.partition import INF, Split, step_factors
 from megatron_h2.planner.stage_costs import StageCosts
-
-_BATCH = 256
-"""Pairs of bounds per batched programme (memory: pairs x (layers + 1)^2 floats)."""
 
 
 @dataclass(frozen=True)
@@ -153,37 +153,34 @@ class RangeTable:
             stop = start
         return float(total[-1]), split[::-1]
 
-    def best_sums(self, w_caps: np.ndarray, z_caps: np.ndarray) -> np.ndarray:
-        """:meth:`best_sum`'s least sums (INF where no split) for many pairs of bounds at once
-        (one programme over a batch, in slices of :data:`_BATCH` pairs)."""
-        out = np.empty(len(w_caps))
-        size = self.num_layers + 1
-        for lo in range(0, len(w_caps), _BATCH):
-            w = w_caps[lo: lo + _BATCH, None, None]
-            z = z_caps[lo: lo + _BATCH, None, None]
-            total = np.full((len(w), size), INF)
-            total[:, 0] = 0.0
-            for i in range(self.fill.shape[0]):
-                allowed = (self.work[i] <= w) & (self.tail[i] <= z)  # [pair, start, stop]
-                total = (total[:, :, None] + np.where(allowed, self.fill[i], INF)).min(axis=1)
-            out[lo: lo + _BATCH] = total[:, -1]
-        return out
+    def bottleneck(self, terms: np.ndarray) -> float:
+        """Least over splits into contiguous non-empty ranges of the largest of the stages'
+        ``terms`` (``work`` or ``tail``, per stage and range): a min-max programme."""
+        total = np.full(self.num_layers + 1, INF)
+        total[0] = 0.0
+        for row in terms:
+            total = np.maximum(total[:, None], row).min(axis=0)
+        return float(total[-1])
+
+    @staticmethod
+    def _cells(split: Sequence[int]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(stage, start, stop) indices of a concrete split's ranges (layer counts)."""
+        starts = np.concatenate([[0], np.cumsum(split)[:-1]]).astype(np.int64)
+        return np.arange(len(split)), starts, starts + np.asarray(split, dtype=np.int64)
 
     def step_time(self, split: Sequence[int], links_s: float) -> float:
         """Step time of a concrete split (layer counts), as the cost model defines it."""
-        starts = np.concatenate([[0], np.cumsum(split)[:-1]]).astype(np.int64)
-        stops = starts + np.asarray(split, dtype=np.int64)
-        rows = np.arange(len(split))
-        terms = self.work[rows, starts, stops].max() + self.tail[rows, starts, stops].max()
-        return float(terms + self.fill[rows, starts, stops].sum() + links_s)
+        cells = self._cells(split)
+        terms = self.work[cells].max() + self.tail[cells].max()
+        return float(terms + self.fill[cells].sum() + links_s)
+
+    def largest_tail(self, split: Sequence[int]) -> float:
+        """The largest ``tail`` term of a concrete split (layer counts)."""
+        return float(self.tail[self._cells(split)].max())
 
     def modes(self, split: Sequence[int]) -> tuple[int, ...]:
         """Recompute mode index of every stage of a split."""
-        start, out = 0, []
-        for i, n in enumerate(split):
-            out.append(int(self.mode[i, start, start + n]))
-            start += n
-        return tuple(out)
+        return tuple(int(m) for m in self.mode[self._cells(split)])
 
 
 def solve_range_split(
@@ -206,30 +203,29 @@ def solve_range_split(
     floor = table.best_sum(INF, INF)
     if floor is None:
         return None
-    finite = np.isfinite(table.work)
-    works, tails = np.unique(table.work[finite]), np.unique(table.tail[finite])
-    z_low = float(tails[0])
-    w_low = max(float(row[ok].min()) for row, ok in zip(table.work, finite))  # >= 1 layer each
+    # every split's largest work is at least w_low, its largest tail z_low, its sum the floor
+    w_low, z_low = table.bottleneck(table.work), table.bottleneck(table.tail)
     if w_low + z_low + floor[0] + links_s >= cutoff:
         return None
-    # the least W with a split under it (feasibility grows with W), then upwards
-    w_first = _smallest(len(works), lambda j: table.best_sum(works[j], INF) is not None)
     best, best_value = None, cutoff
-    for w in works[w_first:].tolist():
+    value = table.step_time(floor[1], links_s)
+    if value < best_value:
+        best_value, best = value, floor[1]
+    works = np.unique(table.work[np.isfinite(table.work)])
+    for w in works[np.searchsorted(works, w_low):].tolist():
         if w + z_low + floor[0] + links_s >= best_value:
             break
-        by_work = table.best_sum(w, INF)
-        if by_work is None or w + z_low + by_work[0] + links_s >= best_value:
-            continue
-        useful = tails[w + tails + by_work[0] + links_s < best_value]  # S(W, Z) >= S(W, inf)
-        values = w + useful + table.best_sums(np.full(len(useful), w), useful) + links_s
-        k = int(values.argmin())
-        if values[k] >= best_value:
-            continue
-        below = table.best_sum(w, float(useful[k]))  # the split that reaches it
-        value = table.step_time(below[1], links_s)  # type: ignore[index]
-        if value < best_value:
-            best_value, best = value, below[1]  # type: ignore[index]
+        # the splits whose largest work is at most w, by falling bounds on the tail: each
+        # step's best split sets the next bound just below its largest tail; S(w, z) only
+        # grows as z falls, so w + z_low + S bounds every split left under w
+        z_cap = INF
+        while (found := table.best_sum(w, z_cap)) is not None:
+            if w + z_low + found[0] + links_s >= best_value:
+                break
+            value = table.step_time(found[1], links_s)
+            if value < best_value:
+                best_value, best = value, found[1]
+            z_cap = float(np.nextafter(table.largest_tail(found[1]), -INF))
     if best is None:
         return None
     return Split(tuple(best), table.modes(best), best_value)

@@ -44,10 +44,6 @@ def solve_structure(shape: BatchShape, suffix: Suffix, cutoff: float = INF) -> S
     """Stage two: the exact best split of a closed pipeline of ``shape`` whose blocks ``suffix``
     are (kind index, stages) in pipeline order; None if nothing fits or beats ``cutoff``."""
     if mixed_layers(shape.cost):
-        # the count split of the kinds' bound costs (each layer at most its cheaper kind's
-        # cost) is a lower bound on the exact range split: a cheap test against the cutoff
-        if _solve_counts(shape, suffix, cutoff) is None:
-            return None
         return _solve_ranges(shape, suffix, cutoff)
     return _solve_counts(shape, suffix, cutoff)
 

@@ -15,10 +15,11 @@ import pytest
 from megatron_h2.planner.bounds import BatchShape
 from megatron_h2.planner.cluster import ChipType, Cluster
 from megatron_h2.planner.cost_model import CostConfig, CostModel, zero_bubble_share
+from megatron_h2.planner.model_input import model_from_dict
 from megatron_h2.planner.partition import INF
 from megatron_h2.planner.search_options import SearchOptions
 from megatron_h2.planner.structure import solve_structure
-from tests.helpers.planner_models import planner_model
+from tests.helpers.planner_models import LLAMA_KEYS, planner_model
 
 search_module = importlib.import_module("megatron_h2.planner.search")
 
@@ -168,3 +169,28 @@ def test_the_root_bound_counts_the_fill() -> None:
         alone = shape.steady * w + shape._own_work(w)
         assert shape.root_fill > shape.layers * float(shape.fill_unit.min()) > 0
         assert shape.root_bound() > alone + shape.root_links
+
+
+def moe_case(seed: int, pattern: list[int]) -> CostModel:
+    """:func:`small_case`'s clusters with a small model whose layers are dense (0) or MoE (1)
+    by ``pattern`` (4 experts, top-2)."""
+    cluster = small_case(seed).cluster
+    data = {"num_layers": len(pattern), "hidden_size": 64, "ffn_hidden_size": 176,
+            "num_attention_heads": 4, "seq_length": 128, "vocab_size": 1000, "num_experts": 4,
+            "moe_router_topk": 2, "moe_ffn_hidden_size": 96, "moe_layer_freq": pattern,
+            **LLAMA_KEYS}
+    config = CostConfig(use_distributed_optimizer=random.Random(seed).random() < 0.5)
+    return CostModel(cluster, model_from_dict(data), config)
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zero-bubble"])
+@pytest.mark.parametrize("dp", [1, None])
+@pytest.mark.parametrize("pattern", [[0, 1, 1, 1, 1], [1, 0, 1, 0, 1, 0], [0, 0, 1, 1, 1]])
+@pytest.mark.parametrize("seed", [0])
+def test_bounds_of_mixed_dense_and_moe_layers_never_exceed_the_exact_range_split(
+    seed: int, pattern: list[int], dp: int | None, schedule: str
+) -> None:
+    """Dense and MoE layers mixed: the bound costs (``MoECosts.bound_costs``) and every bound
+    built on them against the exact split over layer ranges of every structure below."""
+    checked = check_every_structure(moe_case(seed, pattern), dp, schedule)
+    assert checked > 0 or dp is None
