@@ -70,8 +70,9 @@ def best_plan(cluster: Cluster, cfg: RunConfig, global_batch: int, micro_batch: 
                             time_limit_s=time_limit_s)
     result = search(cost, options)
     ranked = [Planned(c.plan, c.estimate.tokens_per_s) for c in result.candidates]
-    # data-parallel pipelines, when faster, in what is left of the one time limit
-    multi = search_pipelines(cost, options, time_limit_s - result.stats.elapsed_s).best
+    # data-parallel pipelines, when faster than some plan ranked, in what is left of the limit
+    slowest = max(c.estimate.step_time_s for c in result.candidates)
+    multi = search_pipelines(cost, options, time_limit_s - result.stats.elapsed_s, slowest).best
     if multi is not None:
         ranked.append(Planned(multi.plan, multi.estimate.tokens_per_s))
         ranked.sort(key=lambda planned: -planned.tokens_per_s)

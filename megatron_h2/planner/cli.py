@@ -180,7 +180,7 @@ def _run(args: argparse.Namespace) -> int:
     print(f"cluster: {args.cluster}: " + ", ".join(f"{c.count} x {c.name}" for c in cluster.chips))
     result = search(cost, options)
     left = options.time_limit_s - result.stats.elapsed_s  # one time limit for both searches
-    pipelines = (search_pipelines(cost, options, left)
+    pipelines = (search_pipelines(cost, options, left, result.best.estimate.step_time_s)
                  if args.data_parallel_pipelines == "search" else None)
     choice = Choice(result, pipelines)
     best = result.best

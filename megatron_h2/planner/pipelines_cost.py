@@ -28,6 +28,7 @@ alike (the one-pipeline estimate when there is one).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from megatron_h2.plan.schema import HeteroPlan
@@ -137,6 +138,46 @@ def stage_exchange_s(cost: CostModel, plan: HeteroPlan, k: int, s: int) -> float
                           + (group - 1) / group * params * FP32_BYTES
                           / (bandwidth * 1e9 * cost.config.comm_efficiency))
     return total
+
+
+def model_params_tp1(cost: CostModel) -> float:
+    """Parameters of the whole model as one TP rank of TP 1 holds them (embedding, head, every
+    layer; a MoE layer's every expert): TP, EP and expert TP split the sharded part among
+    ``TP`` (experts: ``ETP x EP``) ranks and replicate the rest, so the shards of any plan's
+    ranks sum to at least this."""
+    model = cost.model
+    total = model.embedding_params_per_chip(1) + model.head_params_per_chip(1)
+    for is_moe in cost.layer_is_moe:
+        if is_moe:
+            total += sum(model.moe_layer_params_per_chip(1, 1, 1))
+        else:
+            total += model.layer_params_per_chip(1)
+    return total
+
+
+def exchange_floor_s(cost: CostModel, groups: Sequence[Sequence[str]]) -> float:
+    """A lower bound on the gradient exchange (:func:`stage_exchange_s`, the slowest rank's)
+    of every plan whose pipelines run on the chip types ``groups`` (one group per pipeline),
+    whatever each pipeline's shape, share or layer split.
+
+    A rank of pipeline ``k`` pays at least one latency per other pipeline ``j`` and its shard
+    over the fastest link between the two groups' types; its pipeline's ranks hold shards that
+    sum to at least :func:`model_params_tp1` (each stage's parameters split over its TP, DP
+    and expert ranks), on at most the group's chips, so some rank holds at least that over the
+    group's chip count (the replicated optimizer's all-gather only adds)."""
+    config, cluster = cost.config, cost.cluster
+    params = model_params_tp1(cost)
+    worst = 0.0
+    for k, group in enumerate(groups):
+        chips = sum(cluster.chip(name).count for name in group)
+        total = 0.0
+        for j, other in enumerate(groups):
+            if j != k:
+                fastest = max(cluster.link_gb_per_s(a, b) for a in group for b in other)
+                total += config.p2p_latency_s + params / chips * FP32_BYTES / (
+                    fastest * 1e9 * config.comm_efficiency)
+        worst = max(worst, total)
+    return worst
 
 
 def evaluate_pipelines(cost: CostModel, plan: HeteroPlan) -> PipelinesEstimate:

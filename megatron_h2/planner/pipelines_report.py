@@ -61,16 +61,13 @@ def pipelines_why(choice: Choice, simulation: PipelinesSimulation | None = None)
     result = choice.pipelines
     if result is None:
         return ["data-parallel pipelines: not searched (--data-parallel-pipelines none)"]
+    space = search_text(result) + f"; {bound_text(choice)}"
     if result.best is None:
-        return [f"data-parallel pipelines: none ({result.reason}); {bound_text(choice)}"]
+        if not result.splits_tried:
+            return [f"data-parallel pipelines: none ({result.reason}); {bound_text(choice)}"]
+        return [f"data-parallel pipelines: none ({result.reason}); {space}"]
     found, one = result.best, choice.one.best.estimate.step_time_s
     step = found.estimate.step_time_s
-    space = (f"{result.groupings} groupings of the chip types, {result.splits_tried} batch "
-             f"splits, {result.searches} pipeline searches in {result.elapsed_s:.1f} s; "
-             + ("every split tried and every pipeline's search exhaustive (each pipeline gets "
-                "its fastest plan alone; the exchange is then added)" if result.exhaustive else
-                "splits searched locally or a time limit hit")
-             + f"; {bound_text(choice)}")
     shares = "/".join(str(p.global_batch_size) for p in found.plan.pipelines)
     lines = []
     if choice.multi is None:
@@ -95,6 +92,17 @@ def pipelines_why(choice: Choice, simulation: PipelinesSimulation | None = None)
     return lines
 
 
+def search_text(result: PipelinesResult) -> str:
+    """What the pipelines search covered: groupings, splits (and those cut off), searches."""
+    cut = (f" ({result.splits_cut} cut off: a pipeline proven too slow to beat the plan to "
+           "beat, the exchange's least added)" if result.splits_cut else "")
+    return (f"{result.groupings} groupings of the chip types, {result.splits_tried} batch "
+            f"splits{cut}, {result.searches} pipeline searches in {result.elapsed_s:.1f} s; "
+            + ("every split tried and every pipeline's search exhaustive (each pipeline gets "
+               "its fastest plan alone; the exchange is then added)" if result.exhaustive else
+               "splits searched locally or a time limit hit"))
+
+
 def bound_text(choice: Choice) -> str:
     """What is proven of the chosen plan against every plan of data-parallel pipelines."""
     result = choice.pipelines
@@ -104,8 +112,8 @@ def bound_text(choice: Choice) -> str:
     step = chosen.estimate.step_time_s if chosen else choice.one.best.estimate.step_time_s
     if bound >= step * (1 - 1e-9):
         return "proven: no plan of data-parallel pipelines is faster than the plan chosen"
-    how = ("the least over every split of its slowest pipeline's step" if result.bound_by_splits
-           else "every micro-batch's passes at the chips' summed rate")
+    how = ("the least over every split of its slowest pipeline's step and the exchange's least"
+           if result.bound_by_splits else "every micro-batch's passes at the chips' summed rate")
     return (f"no plan of data-parallel pipelines takes under {bound:.3f} s ({how}): the plan "
             f"chosen is proven within {100 * (step / bound - 1):.1f}% of every one")
 

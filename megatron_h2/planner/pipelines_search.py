@@ -20,13 +20,19 @@ micro-batches):
   pipelines' DP degrees can divide their shares), the split proportional to each group's peak
   speed, then proportional to the throughput each pipeline reached, then one unit at a time
   moved from the slowest pipeline to the one that gives the best step while the step improves
-  (a local search);
+  (a local search; a first split cut off by the step to beat walks away from the pipeline
+  proven too slow, :meth:`_Runner._walk`);
 * each pipeline's own plan for its share: the one-pipeline search on its chip types alone
   (cached per group and share), so whatever that search covers (schedules, own DP per type,
-  recompute, for MoE models EP per stage) each pipeline gets.
+  recompute, for MoE models EP per stage) each pipeline gets;
+* the step to beat (``incumbent_s``, the best one-pipeline step, or the best plan of pipelines
+  found): each pipeline of a split is searched with the cutoff ``step to beat - the exchange's
+  least`` (:func:`~megatron_h2.planner.pipelines_cost.exchange_floor_s`), the most loaded
+  first; a pipeline proven unable to go under it cuts the split off (every plan of the split
+  takes at least the step to beat), the other pipelines unsearched.
 
-The result is proven optimal over this space only when every split was tried and every
-pipeline's search was exhaustive (:attr:`PipelinesResult.exhaustive`). Otherwise
+The result is proven optimal over this space only when every split was tried (or cut off) and
+every pipeline's search was exhaustive (:attr:`PipelinesResult.exhaustive`). Otherwise
 :func:`lower_bound_s` bounds every plan of the cluster, of one pipeline or several, from below
 (:attr:`PipelinesResult.lower_bound_s`), so a plan can be proven within a gap of any of them
 without trying every split.
@@ -46,7 +52,11 @@ from dataclasses import dataclass, replace
 from megatron_h2.errors import ConfigError
 from megatron_h2.plan.schema import HeteroPlan
 from megatron_h2.planner.cost_model import CostModel
-from megatron_h2.planner.pipelines_cost import PipelinesEstimate, evaluate_pipelines
+from megatron_h2.planner.pipelines_cost import (
+    PipelinesEstimate,
+    evaluate_pipelines,
+    exchange_floor_s,
+)
 from megatron_h2.planner.search import Candidate, SearchOptions, search
 
 ALL_GROUPINGS_UP_TO = 4
@@ -75,6 +85,10 @@ class PipelinesResult:
     searches: int = 0
     """One-pipeline searches run (one per group, share and micro-batch size)."""
     splits_tried: int = 0
+    splits_cut: int = 0
+    """Splits tried and cut off: a pipeline's search (with the cutoff, cheap) proved that it
+    cannot beat the target (the incumbent or the best plan of pipelines so far) once the
+    exchange's least is added."""
     exhaustive: bool = True
     """Every batch split of every grouping tried and every pipeline's search exhaustive."""
     elapsed_s: float = 0.0
@@ -83,7 +97,8 @@ class PipelinesResult:
     lower_bound_s: float = 0.0
     """No plan of pipelines takes less: :func:`lower_bound_s` (which covers one pipeline too),
     or, when the search was exhaustive, the least over the splits of their slowest pipeline's
-    fastest step where that is more (the exchange comes on top)."""
+    fastest step plus the exchange's least (:func:`exchange_floor_s`), a split cut off counting
+    as the target it could not beat, where that is more."""
     bound_by_splits: bool = False
     """:attr:`lower_bound_s` is the exhaustive search's (else :func:`lower_bound_s`)."""
 
@@ -124,13 +139,26 @@ def compositions(total: int, parts: int) -> Iterator[tuple[int, ...]]:
 class _Runner:
     """One pipelines search: the per-(group, share) one-pipeline searches are cached here."""
 
-    def __init__(self, cost: CostModel, options: SearchOptions, deadline: float) -> None:
+    def __init__(self, cost: CostModel, options: SearchOptions, deadline: float,
+                 incumbent_s: float) -> None:
         self.cost, self.options, self.deadline = cost, options, deadline
+        self.incumbent = incumbent_s
         self.result = PipelinesResult(None)
-        self.plans: dict[tuple[tuple[str, ...], int, int], Candidate | None] = {}
+        self.plans: dict[tuple[tuple[str, ...], int, int], tuple[float, Candidate | None]] = {}
+        """Per (group, micro-batch size, share): the cutoff searched under and the best plan
+        below it (None: none below it, or none fits)."""
         self.costs: dict[tuple[str, ...], CostModel] = {}
+        self.floors: dict[Grouping, float] = {}
         self.floor = float("inf")
-        """The least over the splits evaluated of their slowest pipeline's step."""
+        """The least over the splits evaluated or cut off of a lower bound on their step."""
+        self.cut: int | None = None
+        """The pipeline proven too slow in the split last cut off (None: not cut off)."""
+
+    @property
+    def target(self) -> float:
+        """The step a plan of pipelines must beat: the incumbent's or the best found so far."""
+        best = self.result.best
+        return min(self.incumbent, best.estimate.step_time_s if best else float("inf"))
 
     def group_cost(self, group: tuple[str, ...]) -> CostModel:
         if group not in self.costs:
@@ -142,37 +170,69 @@ class _Runner:
                                           self.cost.config, profile)
         return self.costs[group]
 
-    def pipeline(self, group: tuple[str, ...], mbs: int, micro_batches: int) -> Candidate | None:
-        """The best one-pipeline plan of ``group`` for ``micro_batches`` micro-batches."""
+    def exchange_floor(self, grouping: Grouping) -> float:
+        if grouping not in self.floors:
+            self.floors[grouping] = exchange_floor_s(self.cost, grouping)
+        return self.floors[grouping]
+
+    def pipeline(self, group: tuple[str, ...], mbs: int, micro_batches: int, cutoff: float
+                 ) -> Candidate | None:
+        """The best one-pipeline plan of ``group`` for ``micro_batches`` micro-batches if it is
+        faster than ``cutoff``, else None (none is, or none fits; proven unless the search
+        was stopped, which clears :attr:`PipelinesResult.exhaustive`)."""
         key = (group, mbs, micro_batches)
-        if key not in self.plans:
+        searched, best = self.plans.get(key, (-1.0, None))
+        if best is None and searched < cutoff:
             if self.out_of_time():  # not searched: the split is left out, nothing proven
                 self.result.exhaustive = False
                 return None
             left = max(self.deadline - time.monotonic(), 0.05)
             options = replace(self.options, global_batch_size=mbs * micro_batches, top_k=1,
-                              micro_batch_sizes=(mbs,),
+                              micro_batch_sizes=(mbs,), cutoff_s=cutoff,
                               time_limit_s=min(self.options.time_limit_s, left))
             self.result.searches += 1
             try:
                 found = search(self.group_cost(group), options)
-            except ConfigError:
-                self.plans[key] = None
-            else:
-                self.result.exhaustive &= found.gap == 0.0  # proven over its whole space
-                self.plans[key] = found.best
-        return self.plans[key]
-
-    def evaluate(self, grouping: Grouping, mbs: int, split: Sequence[int]
-                 ) -> PipelinesCandidate | None:
-        self.result.splits_tried += 1
-        found = [self.pipeline(g, mbs, n) for g, n in zip(grouping, split)]
-        if any(f is None for f in found):
+            except ConfigError:  # nothing fits, or the time limit stopped it before a plan
+                self.result.exhaustive &= not self.out_of_time()
+                self.plans[key] = (float("inf"), None)
+                return None
+            # proven over its whole space (or that nothing there beats the cutoff)
+            self.result.exhaustive &= found.stats.exhaustive and (
+                not found.candidates or found.gap == 0.0)
+            best = found.best if found.candidates else None
+            self.plans[key] = (cutoff, best)
+        if best is None or best.estimate.step_time_s >= cutoff * (1 - 1e-9):
             return None
-        plan = HeteroPlan.of_pipelines([f.plan for f in found if f is not None])
+        return best
+
+    def evaluate(self, grouping: Grouping, mbs: int, split: Sequence[int],
+                 target: float | None = None) -> PipelinesCandidate | None:
+        """The split's plan of pipelines, or None when some pipeline cannot beat ``target``
+        (default :attr:`target`) with the exchange's least (:func:`exchange_floor_s`) added
+        (the split is then cut off, the most loaded pipeline searched first) or has no plan."""
+        self.result.splits_tried += 1
+        self.cut = None
+        floor = self.exchange_floor(grouping)
+        cutoff = (self.target if target is None else target) - floor
+        speeds = _peak_speeds(self.cost, grouping)
+        order = sorted(range(len(grouping)), key=lambda k: -split[k] / speeds[k])
+        found: dict[int, Candidate] = {}
+        for k in order:  # no step is under 0: the exchange's least alone cuts it off then
+            pipe = self.pipeline(grouping[k], mbs, split[k], cutoff) if cutoff > 0 else None
+            if pipe is None and self.out_of_time():  # left out: nothing proven
+                return None
+            if pipe is None:  # every plan of this split takes at least the target
+                self.result.splits_cut += 1
+                self.cut = k
+                self.floor = min(self.floor, cutoff + floor)
+                return None
+            found[k] = pipe
+        plan = HeteroPlan.of_pipelines([found[k].plan for k in range(len(grouping))])
         estimate = evaluate_pipelines(self.cost, plan)
-        # every plan of this split takes at least its slowest pipeline's fastest step
-        self.floor = min(self.floor, max(e.step_time_s for e in estimate.pipelines))
+        # every plan of this split takes at least its slowest pipeline's fastest step, and the
+        # exchange's least on top
+        self.floor = min(self.floor, max(e.step_time_s for e in estimate.pipelines) + floor)
         return PipelinesCandidate(plan, estimate, grouping)
 
     def offer(self, candidate: PipelinesCandidate | None) -> None:
@@ -197,13 +257,14 @@ class _Runner:
                 self.offer(self.evaluate(grouping, mbs, split))
             return
         self.result.exhaustive = False
-        speeds = [sum(self.cost.cluster.chip(n).count * self.cost.cluster.chip(n).tflops_bf16
-                      / self.cost.cluster.chip(n).emulate_slowdown for n in g) for g in grouping]
+        speeds = _peak_speeds(self.cost, grouping)
         for unit in split_units(total, parts):
             current = None
-            for _ in range(2):  # proportional to peak speed, then to the speed reached
-                found = self.evaluate(grouping, mbs, [unit * n for n in
-                                                      proportional(total // unit, speeds)])
+            for start in range(2):  # proportional to peak speed, then to the speed reached
+                split = [unit * n for n in proportional(total // unit, speeds)]
+                found = self.evaluate(grouping, mbs, split)
+                if found is None and start == 0:  # cut off: walk away from the slow pipeline
+                    found = self._walk(grouping, mbs, split, unit)
                 if found is None:
                     break
                 speeds = [p.global_batch_size / e.step_time_s
@@ -214,10 +275,30 @@ class _Runner:
                 self.offer(current)
                 current = self._move_one(grouping, mbs, current, unit)
 
+    def _walk(self, grouping: Grouping, mbs: int, split: list[int], unit: int
+              ) -> PipelinesCandidate | None:
+        """From a split cut off, move ``unit`` micro-batches at a time from the pipeline proven
+        too slow to the least loaded other (micro-batches per unit of peak speed), until a split
+        is not cut off (its plan) or a pipeline that received is proven too slow (None)."""
+        speeds = _peak_speeds(self.cost, grouping)
+        received: set[int] = set()
+        while self.cut is not None and self.cut not in received and split[self.cut] > unit:
+            slow = self.cut
+            others = [k for k in range(len(split)) if k != slow]
+            to = min(others, key=lambda k: split[k] / speeds[k])
+            split = list(split)
+            split[slow] -= unit
+            split[to] += unit
+            received.add(to)
+            found = self.evaluate(grouping, mbs, split)
+            if found is not None:
+                return found
+        return None
+
     def _move_one(self, grouping: Grouping, mbs: int, current: PipelinesCandidate, unit: int
                   ) -> PipelinesCandidate | None:
         """The best split with ``unit`` micro-batches moved away from the slowest pipeline to
-        another, if it beats ``current``."""
+        another, if it beats ``current`` (a move cut off by its step cannot)."""
         split = [p.global_batch_size // mbs for p in current.plan.pipelines]
         slow = current.estimate.slowest
         best = None
@@ -227,11 +308,17 @@ class _Runner:
             moved = list(split)
             moved[slow] -= unit
             moved[k] += unit
-            found = self.evaluate(grouping, mbs, moved)
+            found = self.evaluate(grouping, mbs, moved, (best or current).estimate.step_time_s)
             if found is not None and found.estimate.step_time_s < (
                     (best or current).estimate.step_time_s):
                 best = found
         return best
+
+
+def _peak_speeds(cost: CostModel, grouping: Grouping) -> list[float]:
+    """Each group's summed peak speed (its chips' TFLOPS over their emulation slowdown)."""
+    chips = [[cost.cluster.chip(name) for name in group] for group in grouping]
+    return [sum(c.count * c.tflops_bf16 / c.emulate_slowdown for c in group) for group in chips]
 
 
 def split_units(total: int, parts: int) -> list[int]:
@@ -297,13 +384,17 @@ def lower_bound_s(cost: CostModel, options: SearchOptions) -> float:
 
 
 def search_pipelines(cost: CostModel, options: SearchOptions,
-                     time_limit_s: float | None = None) -> PipelinesResult:
+                     time_limit_s: float | None = None,
+                     incumbent_s: float | None = None) -> PipelinesResult:
     """The best plan of two or more data-parallel pipelines for ``cost``'s cluster and model
     (see the module docstring), within ``time_limit_s`` (default: the options' limit; at most
-    0: nothing is searched)."""
+    0: nothing is searched). With ``incumbent_s`` (the best one-pipeline step) only plans
+    faster than it are sought: splits where a pipeline cannot beat it are cut off, and the
+    result may then have no plan (:attr:`PipelinesResult.reason` says so)."""
     started = time.monotonic()
     limit = options.time_limit_s if time_limit_s is None else time_limit_s
-    runner = _Runner(cost, options, started + limit)
+    incumbent = float("inf") if incumbent_s is None else incumbent_s
+    runner = _Runner(cost, options, started + limit, incumbent)
     found = groupings(cost.cluster.names)
     runner.result.groupings = len(found)
     runner.result.lower_bound_s = lower_bound_s(cost, options)
@@ -322,11 +413,18 @@ def search_pipelines(cost: CostModel, options: SearchOptions,
             runner.grouping(grouping, mbs, total)
     result = runner.result
     if found and result.best is None:
-        result.reason = ("no grouping of the chip types into pipelines fits in memory"
-                         if result.exhaustive else "none found within the time limit")
+        result.reason = _none_reason(result, incumbent)
     every_grouping = len(cost.cluster.names) <= ALL_GROUPINGS_UP_TO
     if result.exhaustive and found and every_grouping and runner.floor > result.lower_bound_s:
         result.lower_bound_s = runner.floor  # no plan of a split beats its slowest pipeline
         result.bound_by_splits = True
     result.elapsed_s = time.monotonic() - started
     return result
+
+
+def _none_reason(result: PipelinesResult, incumbent: float) -> str:
+    """Why a search found no plan of pipelines."""
+    if result.splits_cut and incumbent < float("inf"):
+        return f"none beats one pipeline for all ({incumbent:.3f} s) in the splits tried"
+    return ("no grouping of the chip types into pipelines fits in memory"
+            if result.exhaustive else "none found within the time limit")

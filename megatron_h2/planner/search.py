@@ -130,10 +130,11 @@ class _Search:
 
     @property
     def threshold(self) -> float:
-        """Step time to beat: the K-th best so far (inf until K plans are found)."""
+        """Step time to beat: the K-th best so far (until K plans are found, the cutoff: inf
+        unless :attr:`SearchOptions.cutoff_s` is given)."""
         if len(self.best) < self.options.top_k:
-            return INF
-        return -self.best[0][0]
+            return self.options.cutoff_s
+        return min(-self.best[0][0], self.options.cutoff_s)
 
     def _abandon(self, bound: float) -> None:
         self.stats.exhaustive = False
@@ -577,6 +578,8 @@ def search(cost: CostModel, options: SearchOptions) -> SearchResult:
     if cost.model.is_moe:
         stats.space += (", each stage kind an expert-parallel degree dividing its DP degree and "
                         "the experts")
+    if not found and options.cutoff_s < INF:  # none below the cutoff (proven if exhaustive)
+        return SearchResult((), stats)
     if not found and not stats.exhaustive:
         raise ConfigError(
             f"no plan found within the time limit of {options.time_limit_s:g} s (the search"

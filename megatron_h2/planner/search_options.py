@@ -49,6 +49,11 @@ class SearchOptions:
     degrees (:mod:`~megatron_h2.planner.merged_shape`) and choose each block's EP degree when
     a pipeline closes; False searches every (chip type, TP, DP, EP) kind separately (the same
     plans, for comparisons)."""
+    cutoff_s: float = INF
+    """Only plans faster than this are sought (the data-parallel pipelines search passes the
+    best step it must beat): a bound at or above it prunes as the K-th best would, and a
+    search that finds none returns no candidates (exhaustive: every plan of its space takes at
+    least this) instead of an error."""
 
     def __post_init__(self) -> None:
         positive_int(self.global_batch_size, "global_batch_size")

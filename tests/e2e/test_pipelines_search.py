@@ -18,7 +18,7 @@ import pytest
 from megatron_h2.plan.schema import HeteroPlan
 from megatron_h2.planner.cluster import ChipType, Cluster
 from megatron_h2.planner.cost_model import CostConfig, CostModel
-from megatron_h2.planner.pipelines_cost import evaluate_pipelines
+from megatron_h2.planner.pipelines_cost import evaluate_pipelines, exchange_floor_s
 from megatron_h2.planner.pipelines_search import (
     compositions,
     groupings,
@@ -26,7 +26,7 @@ from megatron_h2.planner.pipelines_search import (
     proportional,
     search_pipelines,
 )
-from megatron_h2.planner.search import SearchOptions
+from megatron_h2.planner.search import SearchOptions, search
 from tests.e2e.test_planner_brute_force import Enumerator
 from tests.helpers.planner_models import planner_model
 
@@ -101,17 +101,22 @@ def chip(name: str, count: int, per_node: int, tflops: float, memory_mib: float,
     return ChipType(name, "cpu", count, per_node, tflops, memory_mib / 1024, 4.0, inter, slowdown)
 
 
-def random_case(seed: int) -> tuple[CostModel, SearchOptions]:
+def random_case(seed: int, slow_links: bool = False) -> tuple[CostModel, SearchOptions]:
+    """A small random cluster; links so fast that the exchange is negligible unless
+    ``slow_links`` (then a few GB/s and a latency: the exchange weighs)."""
     rng = random.Random(seed)
     types = rng.choice([2, 3])
     chips = tuple(chip("ABC"[i], rng.choice([1, 2, 4]), rng.choice([1, 2]),
-                       rng.uniform(0.05, 0.5), rng.uniform(3, 12), inter=1e6)
+                       rng.uniform(0.05, 0.5), rng.uniform(3, 12),
+                       inter=rng.uniform(0.01, 0.1) if slow_links else 1e6)
                   for i in range(types))
     model = planner_model(rng.choice([4, 6]), 64, 176, 4, 128, 1000, 2)
-    config = CostConfig(use_distributed_optimizer=rng.random() < 0.5, p2p_latency_s=0.0,
-                        collective_latency_s=0.0)
+    latency = 1e-4 if slow_links else 0.0
+    config = CostConfig(use_distributed_optimizer=rng.random() < 0.5, p2p_latency_s=latency,
+                        collective_latency_s=latency)
     options = SearchOptions(rng.choice([4, 6, 8]), 1, max_micro_batch_size=2, own_dp="all")
-    return CostModel(Cluster(chips, 1e6), model, config), options
+    cross = rng.uniform(0.01, 0.1) if slow_links else 1e6
+    return CostModel(Cluster(chips, cross), model, config), options
 
 
 @pytest.mark.parametrize("seed", range(6))
@@ -164,3 +169,63 @@ def test_lower_bound_holds_for_every_plan_on_random_clusters(seed: int) -> None:
     assert result.exhaustive and result.lower_bound_s == pytest.approx(max(bound, floor))
     if result.best is not None:
         assert result.lower_bound_s <= result.best.estimate.step_time_s * (1 + 1e-9)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 3, 5, 7, 8])  # seeds where some grouping fits
+def test_incumbent_cuts_off_only_splits_that_cannot_beat_it(seed: int) -> None:
+    """Given the step to beat, the search finds the brute force's best when it is faster, and
+    otherwise none, with a proven bound of at least the step to beat."""
+    cost, options = random_case(seed)
+    expected = brute_force(cost, options)
+    if expected == float("inf"):
+        pytest.skip("no grouping fits")
+    found = search_pipelines(cost, options, incumbent_s=1.05 * expected)
+    assert found.exhaustive and found.best is not None
+    assert found.best.estimate.step_time_s == pytest.approx(expected, rel=1e-5)
+    beaten = search_pipelines(cost, options, incumbent_s=0.95 * expected)
+    assert beaten.exhaustive and beaten.best is None and beaten.splits_cut > 0
+    assert "none beats one pipeline for all" in beaten.reason
+    assert 0.95 * expected * (1 - 1e-9) <= beaten.lower_bound_s <= expected * (1 + 1e-9)
+
+
+def every_plan(cost: CostModel, group: tuple[str, ...], mbs: int, micro_batches: int
+               ) -> list[HeteroPlan]:
+    """Every plan of one pipeline on ``group`` for ``micro_batches`` (every recompute mode)."""
+    sub = CostModel(cost.cluster.subset(group), cost.model, cost.config)
+    options = SearchOptions(mbs * micro_batches, 1, (mbs,), own_dp="all")
+    return [HeteroPlan(*item[2][:5], schedule=item[2][5])
+            for item in Enumerator(sub, options).plans(all_modes=True)]
+
+
+@pytest.mark.parametrize("seed", [0, 1, 5, 6, 7, 10])  # seeds where some grouping fits
+def test_exchange_floor_and_cut_bound_hold_for_plans_of_pipelines(seed: int) -> None:
+    """With slow links (the exchange weighs): no plan of pipelines, each pipeline any plan the
+    enumerator lists for its share (up to 64 combinations per split, drawn at random), has a
+    smaller exchange than :func:`exchange_floor_s` of its grouping, nor a step under the bound
+    the search proves, given a step to beat that cuts splits off."""
+    cost, options = random_case(seed, slow_links=True)
+    rng = random.Random(seed)
+    names = cost.cluster.names
+    one = search(cost, options).best.estimate.step_time_s
+    result = search_pipelines(cost, options, incumbent_s=0.9 * one)
+    assert result.exhaustive and result.splits_cut > 0
+    least = float("inf")
+    for mbs in options.micro_batch_candidates():
+        total = options.global_batch_size // mbs
+        for grouping in groupings(names):
+            floor = exchange_floor_s(cost, grouping)
+            assert floor > 0
+            for split in compositions(total, len(grouping)):
+                plans = [every_plan(cost, g, mbs, n) for g, n in zip(grouping, split)]
+                if not all(plans):
+                    continue
+                combos = list(itertools.product(*(range(len(p)) for p in plans)))
+                for combo in rng.sample(combos, min(64, len(combos))):
+                    plan = HeteroPlan.of_pipelines([p[i] for p, i in zip(plans, combo)])
+                    estimate = evaluate_pipelines(cost, plan)
+                    assert estimate.exchange_s >= floor * (1 - 1e-9)
+                    least = min(least, estimate.exchange_s / floor)
+                    assert estimate.step_time_s >= result.lower_bound_s * (1 - 1e-9)
+    if least == float("inf"):
+        pytest.skip("no plan of pipelines fits")
+    assert least < 4  # the floor is of the exchange's scale, not vacuous

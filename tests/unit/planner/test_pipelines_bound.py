@@ -1,6 +1,8 @@
 """The lower bound over plans of data-parallel pipelines, the one time limit both searches share,
 and what the planner prints of them (megatron_h2.planner.pipelines_search, pipelines_report)."""
 
+from dataclasses import replace
+
 import pytest
 
 from megatron_h2.planner.cluster import Cluster
@@ -69,3 +71,27 @@ def test_exhaustive_search_bounds_by_its_splits_and_the_report_says_what_is_prov
         gap = 100 * (chosen / result.lower_bound_s - 1)
         assert f"proven within {gap:.1f}%" in text
     assert any(text in line for line in pipelines_why(choice))
+
+
+def test_search_with_a_cutoff_finds_the_best_below_it_or_proves_there_is_none():
+    """The cutoff the pipelines search gives each pipeline's search (SearchOptions.cutoff_s)."""
+    options = SearchOptions(8, 1, (1,))
+    best = search(cost(), options).best.estimate.step_time_s
+    above = search(cost(), replace(options, cutoff_s=1.01 * best))
+    assert above.stats.exhaustive and above.best.estimate.step_time_s == pytest.approx(best)
+    below = search(cost(), replace(options, cutoff_s=0.99 * best))
+    assert below.candidates == () and below.stats.exhaustive
+    assert below.stats.nodes <= above.stats.nodes  # pruned sooner, not searched further
+
+
+def test_pipelines_search_with_a_step_to_beat_cuts_every_split_it_cannot_beat():
+    options = SearchOptions(8, 1, (1,))
+    free = search_pipelines(cost(), options)
+    assert free.best is not None and free.splits_cut < free.splits_tried
+    step = free.best.estimate.step_time_s
+    beaten = search_pipelines(cost(), options, incumbent_s=0.99 * step)
+    assert beaten.best is None and beaten.exhaustive
+    assert beaten.splits_cut == beaten.splits_tried == free.splits_tried
+    assert beaten.searches <= free.searches
+    assert 0.99 * step * (1 - 1e-9) <= beaten.lower_bound_s <= step * (1 + 1e-9)
+    assert "none beats one pipeline for all" in beaten.reason

@@ -54,13 +54,15 @@ def test_unbalanced_types_give_a_plan_of_pipelines(
     assert f"--nproc-per-node={written.world_size}" in script
 
 
-def test_slow_links_keep_one_pipeline_and_say_what_pipelines_gave(
+def test_slow_links_keep_one_pipeline_and_say_that_no_plan_of_pipelines_beats_it(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    # the gradient exchange crosses the slow link once per step with the whole model
+    # the gradient exchange crosses the slow link once per step with the whole model: every
+    # split is cut off (a pipeline cannot beat one pipeline's step with the exchange's least)
     out, written, _ = plan(tmp_path, 0.01, capsys)
     assert written.num_pipelines == 1
-    assert "data-parallel pipelines: the best, [A] + [B] with batch shares" in out
-    assert "vs one pipeline for all): not chosen" in out
+    assert "data-parallel pipelines: none (none beats one pipeline for all" in out
+    assert "15 batch splits (15 cut off" in out and "every split tried" in out
+    assert "proven: no plan of data-parallel pipelines is faster" in out
     assert "the plan written: one pipeline" in out
     none_out, written, _ = plan(tmp_path, 1.0, capsys, "--data-parallel-pipelines", "none")
     assert written.num_pipelines == 1
@@ -77,3 +79,30 @@ def test_elastic_re_planner_takes_the_plan_of_pipelines_when_faster(tmp_path: Pa
     cost = CostModel(cluster, model_from_yaml(TINY), CostConfig())
     assert planned.tokens_per_s == pytest.approx(evaluate_plan(cost, planned.plan).tokens_per_s)
     assert "] + [" in planned.describe()
+
+
+def test_local_search_walks_from_a_split_cut_off_to_one_that_beats_the_step(
+        tmp_path: Path) -> None:
+    """128 micro-batches (127 splits: the local search): the split in proportion to peak speed
+    is cut off by the one-pipeline step, B proven too slow with its share; moving micro-batches
+    from B to A reaches a split that beats that step."""
+    from megatron_h2.planner.pipelines_search import (
+        _peak_speeds,
+        _Runner,
+        proportional,
+        split_units,
+    )
+    from megatron_h2.planner.search import SearchOptions, search
+
+    data = yaml.safe_load(Path(cluster_file(tmp_path, 1.0)).read_text())
+    data["chips"]["B"]["tflops_bf16"] = 0.02
+    cost = CostModel(Cluster.from_dict(data), model_from_yaml(TINY), CostConfig())
+    options = SearchOptions(512, 1, (4,))
+    one = search(cost, options).best.estimate.step_time_s
+    runner, grouping = _Runner(cost, options, float("inf"), one), (("A",), ("B",))
+    unit = split_units(128, 2)[0]
+    split = [unit * n for n in proportional(128 // unit, _peak_speeds(cost, grouping))]
+    assert runner.evaluate(grouping, 4, split) is None and runner.cut == 1
+    found = runner._walk(grouping, 4, split, unit)
+    assert found is not None and found.estimate.step_time_s < one
+    assert found.plan.pipelines[1].global_batch_size < 4 * split[1]
