@@ -1,25 +1,25 @@
 """The tensors of a ``torch_dist`` checkpoint, read with torch.distributed.checkpoint's own
 reader and no process group, after checking that every file its metadata names is there and
-long enough (a truncated or missing file is one line naming it)."""
+long enough (a truncated or missing file is one line naming it).
+
+torch.distributed.checkpoint is imported where it is used: importing it costs about 1 s of CPU
+time (it pulls in torch.distributed.tensor and sympy), in every training process, which reads a
+``torch_dist`` checkpoint only when ``--load`` names one."""
 
 from __future__ import annotations
 
 import json
 import warnings
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
-from torch.distributed.checkpoint import FileSystemReader
-from torch.distributed.checkpoint import load as dcp_load
-from torch.distributed.checkpoint.metadata import (
-    BytesStorageMetadata,
-    Metadata,
-    TensorStorageMetadata,
-)
 
 from megatron_h2.checkpointing.megatron_names import safe_torch_load
 from megatron_h2.errors import ConfigError
+
+if TYPE_CHECKING:
+    from torch.distributed.checkpoint.metadata import Metadata
 
 DIST_METADATA = ".metadata"
 BACKEND_FILE = "metadata.json"
@@ -45,6 +45,9 @@ def check_backend(ckpt_dir: Path) -> None:
 
 def read_dist_metadata(ckpt_dir: Path) -> Metadata:
     """The torch.distributed.checkpoint metadata, after checking the files it names."""
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import Metadata
+
     check_backend(ckpt_dir)
     if not (ckpt_dir / DIST_METADATA).is_file():
         raise ConfigError(f"checkpoint file {ckpt_dir / DIST_METADATA} is missing")
@@ -75,6 +78,10 @@ def read_dist_tensors(ckpt_dir: Path, skip: str | None = None
     """Every tensor at its global shape (but those whose key starts with ``skip``), and the
     names of the entries not read: byte objects (extra state, RNG states: they would have to be
     unpickled) and skipped tensors."""
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint import load as dcp_load
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
+
     meta = read_dist_metadata(ckpt_dir)
     tensors: dict[str, torch.Tensor] = {}
     objects: list[str] = []
@@ -101,6 +108,8 @@ def read_dist_tensors(ckpt_dir: Path, skip: str | None = None
 def read_dist_objects(ckpt_dir: Path, keys: list[str]) -> dict[str, Any]:
     """The byte objects ``keys`` (pickled by Megatron-Core), unpickled without running code
     (:func:`~.megatron_names.safe_torch_load`); a missing or damaged one is one line."""
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata
+
     meta = read_dist_metadata(ckpt_dir)
     where = {index.fqn: info for index, info in meta.storage_data.items()}
     found: dict[str, Any] = {}

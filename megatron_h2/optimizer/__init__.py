@@ -5,6 +5,7 @@ the learning-rate / weight-decay schedule."""
 from megatron_h2.optimizer.adamw import (
     ADAM_STATES,
     EMBEDDING_OR_OUTPUT,
+    AdamW,
     build_optimizer,
     load_named_optimizer_state,
     optimizer_state_to_named,
@@ -25,8 +26,8 @@ from megatron_h2.optimizer.grad_scaler import (
 )
 from megatron_h2.optimizer.lr_schedule import OptimizerParamScheduler
 
-__all__ = ["ADAM_STATES", "EMBEDDING_OR_OUTPUT", "ConstantGradScaler", "DataParallelOptimizer",
-           "DistributedOptimizer", "DynamicGradScaler", "GradScaler", "OptimizerParamScheduler",
-           "ReplicatedOptimizer", "build_data_parallel_optimizer", "build_grad_scaler",
-           "build_optimizer", "clip_grad_norm", "load_named_optimizer_state",
-           "optimizer_state_to_named", "param_groups"]
+__all__ = ["ADAM_STATES", "EMBEDDING_OR_OUTPUT", "AdamW", "ConstantGradScaler",
+           "DataParallelOptimizer", "DistributedOptimizer", "DynamicGradScaler", "GradScaler",
+           "OptimizerParamScheduler", "ReplicatedOptimizer", "build_data_parallel_optimizer",
+           "build_grad_scaler", "build_optimizer", "clip_grad_norm",
+           "load_named_optimizer_state", "optimizer_state_to_named", "param_groups"]

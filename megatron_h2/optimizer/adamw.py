@@ -3,8 +3,12 @@ layout-independent checkpoints)."""
 
 from __future__ import annotations
 
+from collections import defaultdict
+from typing import Any
+
 import torch
 from torch import nn
+from torch.optim.adamw import adamw
 
 from megatron_h2.config import OptimizerConfig
 from megatron_h2.devices.kernels import Kernels
@@ -53,14 +57,65 @@ def adamw_kwargs(config: OptimizerConfig, kernels: Kernels | None) -> dict:
             "eps": config.adam_eps, **extra}
 
 
+class AdamW:
+    """``torch.optim.AdamW``'s update without ``torch.optim.Optimizer``: the same public
+    functional step (``torch.optim.adamw.adamw``, so the same numbers, fused or ``foreach``
+    kernels included) over the same ``param_groups`` and per-parameter ``state`` (``step``,
+    ``exp_avg``, ``exp_avg_sq``).
+
+    ``torch.optim.Optimizer`` wraps its constructor's ``add_param_group`` and its ``step`` for
+    ``torch.compile``, which imports ``torch._dynamo`` (and sympy) in every process that builds
+    one: about 2 s of CPU time per training process, which nothing here uses.
+    """
+
+    def __init__(self, groups: list[dict[str, Any]], lr: float = 1e-3,
+                 betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
+                 weight_decay: float = 1e-2, foreach: bool = False,
+                 fused: bool = False) -> None:
+        self.defaults = {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay,
+                         "foreach": foreach, "fused": fused}
+        self.param_groups = [{**self.defaults, **group, "params": list(group["params"])}
+                             for group in groups]
+        self.state: defaultdict[torch.Tensor, dict[str, torch.Tensor]] = defaultdict(dict)
+
+    def _state_of(self, param: torch.Tensor, fused: bool) -> dict[str, torch.Tensor]:
+        """``param``'s state, zeros at its first step (``step`` on the CPU unless fused)."""
+        state = self.state[param]
+        if not state:
+            state["step"] = torch.zeros((), dtype=torch.float32,
+                                        device=param.device if fused else "cpu")
+            state["exp_avg"] = torch.zeros_like(param, memory_format=torch.preserve_format)
+            state["exp_avg_sq"] = torch.zeros_like(param, memory_format=torch.preserve_format)
+        return state
+
+    @torch.no_grad()
+    def step(self) -> None:
+        """One AdamW step of every parameter that has a gradient."""
+        for group in self.param_groups:
+            params = [p for p in group["params"] if p.grad is not None]
+            states = [self._state_of(p, group["fused"]) for p in params]
+            beta1, beta2 = group["betas"]
+            adamw(params, [p.grad for p in params], [s["exp_avg"] for s in states],
+                  [s["exp_avg_sq"] for s in states], [], [s["step"] for s in states],
+                  foreach=group["foreach"], fused=group["fused"], amsgrad=False, beta1=beta1,
+                  beta2=beta2, lr=group["lr"], weight_decay=group["weight_decay"],
+                  eps=group["eps"], maximize=False)
+
+    def zero_grad(self) -> None:
+        """Drop every parameter's gradient (``set_to_none``, as torch's default)."""
+        for group in self.param_groups:
+            for param in group["params"]:
+                param.grad = None
+
+
 def build_optimizer(model: nn.Module, config: OptimizerConfig,
-                    kernels: Kernels | None = None) -> torch.optim.AdamW:
+                    kernels: Kernels | None = None) -> AdamW:
     """AdamW over ``model``'s trainable parameters in Megatron's groups (:func:`param_groups`)."""
     items = [(name, p, p) for name, p in model.named_parameters() if p.requires_grad]
-    return torch.optim.AdamW(param_groups(items, config), **adamw_kwargs(config, kernels))
+    return AdamW(param_groups(items, config), **adamw_kwargs(config, kernels))
 
 
-def optimizer_state_to_named(optimizer: torch.optim.Optimizer,
+def optimizer_state_to_named(optimizer: AdamW,
                              names: dict[nn.Parameter, str],
                              skip: frozenset[int] = frozenset()) -> dict[str, torch.Tensor]:
     """Adam moments and step as ``{"<param name>.<state>": tensor}`` (of every tensor the
@@ -76,7 +131,7 @@ def optimizer_state_to_named(optimizer: torch.optim.Optimizer,
     return out
 
 
-def load_named_optimizer_state(optimizer: torch.optim.Optimizer, names: dict[nn.Parameter, str],
+def load_named_optimizer_state(optimizer: AdamW, names: dict[nn.Parameter, str],
                                tensors: dict[str, torch.Tensor],
                                skip: frozenset[int] = frozenset()) -> None:
     """Inverse of :func:`optimizer_state_to_named`; a parameter missing its state is an error."""

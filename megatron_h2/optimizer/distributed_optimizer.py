@@ -1,7 +1,7 @@
 """Optimizers for data-parallel training behind one interface, :class:`DataParallelOptimizer`.
 
 * :class:`ReplicatedOptimizer`: every DP rank holds the full AdamW state and applies the full
-  (all-reduced) gradient; a thin wrapper over :func:`build_optimizer`'s ``torch.optim.AdamW``.
+  (all-reduced) gradient; a thin wrapper over :func:`build_optimizer`'s :class:`AdamW`.
 * :class:`DistributedOptimizer` (``--use-distributed-optimizer``, ZeRO-1): each DP rank owns a
   contiguous, equally sized range of every gradient bucket, receives the summed gradient of only
   that range (reduce-scatter), keeps AdamW state for it alone, updates it on an fp32 master
@@ -44,6 +44,7 @@ from megatron_h2.errors import ConfigError
 from megatron_h2.optimizer import flat_params
 from megatron_h2.optimizer.adamw import (
     ADAM_STATES,
+    AdamW,
     adamw_kwargs,
     load_named_optimizer_state,
     optimizer_state_to_named,
@@ -160,7 +161,7 @@ def _check_named(names: Names, tensors: dict[str, torch.Tensor], param: nn.Param
 
 
 class ReplicatedOptimizer:
-    """:class:`DataParallelOptimizer` over a full, per-rank ``torch.optim`` optimizer.
+    """:class:`DataParallelOptimizer` over a full, per-rank :class:`AdamW`.
 
     ``grad_buckets`` must be in all-reduce mode. fp32 parameters: ``optimizer`` (from
     :func:`build_optimizer`) holds parameters of ``grad_buckets``. bf16 / fp16 parameters:
@@ -168,7 +169,7 @@ class ReplicatedOptimizer:
     :func:`~megatron_h2.optimizer.main_params.make_main_params`), which ``optimizer`` holds.
     """
 
-    def __init__(self, optimizer: torch.optim.Optimizer, grad_buckets: GradBuckets,
+    def __init__(self, optimizer: AdamW, grad_buckets: GradBuckets,
                  main_params: dict[nn.Parameter, torch.Tensor] | None = None,
                  grads: Fp32Grads | None = None,
                  runs: Sequence[flat_params.FlatRun] = ()) -> None:
@@ -304,7 +305,7 @@ class DistributedOptimizer:
     ``grad_buckets`` must be in reduce-scatter mode. Hyper-parameters and parameter groups are
     those of :func:`build_optimizer` (:func:`param_groups`: no decay for parameters with
     ``ndim < 2``, ``--decoupled-lr`` for the embedding and output layer, which needs ``names``);
-    because a rank's range may cover parts of several parameters, the inner ``torch.optim.AdamW``
+    because a rank's range may cover parts of several parameters, the inner :class:`AdamW`
     runs on one view of the master shard per owned parameter piece, grouped like the parameter.
 
     fp32 parameters are themselves the master copy: the master shard is refreshed from them at
@@ -341,11 +342,7 @@ class DistributedOptimizer:
         names = names or {}
         groups = param_groups([(names.get(p.param, ""), p.param, p.master) for p in self.pieces],
                               config)
-        if not self.pieces:  # this rank owns only padding; torch.optim needs a parameter
-            placeholder = torch.zeros(0)
-            placeholder.grad = torch.zeros(0)
-            groups[1]["params"].append(placeholder)
-        self.optimizer = torch.optim.AdamW(groups, **adamw_kwargs(config, kernels))
+        self.optimizer = AdamW(groups, **adamw_kwargs(config, kernels))
         self._has_state = False
         self.sharded = True
         self.overlap_param_gather = overlap_param_gather
@@ -583,10 +580,10 @@ def build_data_parallel_optimizer(model: nn.Module, config: OptimizerConfig,
         raise ValueError("overlap_param_gather needs the distributed optimizer")
     if buckets.param_dtype == torch.float32:
         items, runs = flat_params.adamw_items(buckets, params, names, flat_experts)
-        inner = torch.optim.AdamW(param_groups(items, config), **adamw_kwargs(config, kernels))
+        inner = AdamW(param_groups(items, config), **adamw_kwargs(config, kernels))
         return ReplicatedOptimizer(inner, buckets, runs=runs)
     grads = Fp32Grads(buckets, [b.buffer for b in buckets.buckets])
     mains = make_main_params(buckets, grads)
-    inner = torch.optim.AdamW(param_groups([(names[p], p, mains[p]) for p in params], config),
+    inner = AdamW(param_groups([(names[p], p, mains[p]) for p in params], config),
                               **adamw_kwargs(config, kernels))
     return ReplicatedOptimizer(inner, buckets, mains, grads)

@@ -22,7 +22,7 @@ from torch import nn
 
 from megatron_h2.distributed.grad_sync import Bucket, GradBuckets
 from megatron_h2.distributed.topology import EXPERT_PARALLEL_ATTR
-from megatron_h2.optimizer.adamw import ADAM_STATES
+from megatron_h2.optimizer.adamw import ADAM_STATES, AdamW
 
 
 def is_routed_expert(param: nn.Parameter) -> bool:
@@ -102,7 +102,7 @@ def adamw_items(buckets: GradBuckets, params: list[nn.Parameter],
     return items, runs
 
 
-def runs_state_to_named(optimizer: torch.optim.Optimizer, runs: list[FlatRun],
+def runs_state_to_named(optimizer: AdamW, runs: list[FlatRun],
                         names: dict[nn.Parameter, str]) -> dict[str, torch.Tensor]:
     """The Adam moments and step of every run's parameters, by name, as per parameter."""
     out: dict[str, torch.Tensor] = {}
@@ -118,7 +118,7 @@ def runs_state_to_named(optimizer: torch.optim.Optimizer, runs: list[FlatRun],
     return out
 
 
-def load_runs_state(optimizer: torch.optim.Optimizer, runs: list[FlatRun],
+def load_runs_state(optimizer: AdamW, runs: list[FlatRun],
                     names: dict[nn.Parameter, str], tensors: dict[str, torch.Tensor],
                     check: Callable[[dict[nn.Parameter, str], dict[str, torch.Tensor],
                                      nn.Parameter], str]) -> None:

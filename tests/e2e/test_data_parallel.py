@@ -54,7 +54,7 @@ def snapshot(model: nn.Module) -> dict[str, torch.Tensor]:
 
 
 def reference_run() -> dict:
-    """Single process, whole global batch, ``build_optimizer``'s torch AdamW."""
+    """Single process, whole global batch, ``build_optimizer``'s AdamW."""
     model = make_model()
     opt = build_optimizer(model, CONFIG)
     params, ckpt = [], None
