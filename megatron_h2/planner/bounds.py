@@ -53,6 +53,7 @@ from megatron_h2.planner.partition import INF
 from megatron_h2.planner.rest_bound import RestBound, running_sum
 from megatron_h2.planner.shape_memory import ShapeMemory
 from megatron_h2.planner.stage_costs import StageCosts
+from megatron_h2.planner.sync_coupling import SyncCoupling
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
@@ -82,7 +83,7 @@ class Kind:
         self.micro_batches, self.factor = micro_batches, factor
 
 
-class BatchShape(ShapeMemory, RestBound):
+class BatchShape(ShapeMemory, RestBound, SyncCoupling):
     """Stage kinds, memory caps, link times and bound tables for one batch shape: micro-batch
     size and pipeline schedule (with its number of model chunks ``V``), and for ``interleaved``
     the one DP degree ``dp`` of every stage. ``only`` keeps just the kinds with those (chip
@@ -419,6 +420,7 @@ class BatchShape(ShapeMemory, RestBound):
         self._segment_tables: dict[int, np.ndarray] = {}
         self._unused: dict[int, tuple[np.ndarray, np.ndarray]] = {}
         self._stage_caps: dict[int, np.ndarray] = {}
+        self._type_caps: dict[int, np.ndarray] = {}
         self._placed: dict[tuple[int, int, int, int, int], np.ndarray] = {}
         self._timed: dict[int, np.ndarray] = {}
         self._closed: dict[tuple[int, int, int, tuple[int, ...]], np.ndarray] = {}
@@ -473,6 +475,7 @@ class BatchShape(ShapeMemory, RestBound):
         edges: np.ndarray | float,
         need: np.ndarray | float,
         sync: np.ndarray | float = 0.0,
+        rates: Sequence[np.ndarray | float] | None = None,
     ) -> np.ndarray:
         """Lower bound on the step time per option column (see the module docstring).
 
@@ -481,7 +484,10 @@ class BatchShape(ShapeMemory, RestBound):
         chip types that may still be placed in front, of the pipelines' ``leads`` (one per
         option); ``edges``: the embedding's and head's fill; ``need``: the largest folded
         steady term is at least this (one layer on the slowest known block); ``sync``: a lower
-        bound on the largest end-of-step sync (per option or one number, like ``links``).
+        bound on the largest end-of-step sync (per option or one number, like ``links``);
+        ``rates``: per known block its kind's :attr:`sync_inverse` (None: blocks uncapped by the
+        sync), which with the unused types' couples the sync with the probe
+        (:func:`~megatron_h2.planner.sync_coupling.least_sync`).
         """
         widths, units = [], []
         mandatory_layers: np.ndarray | float = 0.0
@@ -525,11 +531,13 @@ class BatchShape(ShapeMemory, RestBound):
         low = np.maximum(grid[:-1], need)
         own = self._own_work(low)
         sync = np.asarray(sync, dtype=np.float64)
+        coupled = self.coupled_sync(fixed, rates, unused, leads)
+        probed = sync if coupled is None else np.maximum(sync, coupled[1:])  # at g_j+1
         if self.schedule == "zero-bubble":  # the slowest stage's fill + tail is its whole work
-            tail = np.maximum(sync, self.tail_share * own)
+            tail = np.maximum(probed, self.tail_share * own)
             terms = self.steady * low + np.maximum(fill[1:] + tail, own)
         else:
-            terms = self.steady * low + np.maximum(fill[1:], own) + sync
+            terms = self.steady * low + np.maximum(fill[1:], own) + probed
         terms = terms + (stage_links[1:] if unused else 0.0)
         ok = (covered >= remaining - 1e-9) & ~np.asarray(short)
         first = np.where(ok.any(axis=0), ok.argmax(axis=0), len(self.grid))
