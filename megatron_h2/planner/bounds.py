@@ -44,7 +44,7 @@ the links of the fewest stages that hold every layer and the first and last stag
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -53,7 +53,7 @@ from megatron_h2.planner.partition import INF
 from megatron_h2.planner.rest_bound import RestBound, running_sum
 from megatron_h2.planner.shape_memory import ShapeMemory
 from megatron_h2.planner.stage_costs import StageCosts
-from megatron_h2.planner.sync_coupling import SyncCoupling
+from megatron_h2.planner.sync_coupling import SyncCoupling, least_sync
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
@@ -206,6 +206,7 @@ class BatchShape(ShapeMemory, RestBound, SyncCoupling):
         self.type_link = self._type_links()
         self.w_floor = self._root_w(range(len(self.kinds))) if self.positions else self.w_max
         self.root_fill, self.root_links = self._root_extras() if self.positions else (0.0, 0.0)
+        self.root_coupled = self._coupled_root() if self.positions else 0.0
 
     def _type_links(self) -> dict[int, float]:
         """Per chip type, a lower bound on the link of one of its stages in front of any
@@ -388,13 +389,43 @@ class BatchShape(ShapeMemory, RestBound, SyncCoupling):
         if not self.prepared:
             return self.pre_bound
         w = max(self.w_floor, float(self.head_need.min()))  # some kind holds the head
+        return max(float(self._root_terms(w, self.tail_floor, self.root_links)), self.root_coupled)
+
+    def _root_terms(self, w: Any, tail: Any, links: Any) -> Any:
+        """The root bound where the largest folded steady term is at least ``w``, the
+        end-of-step term at least ``tail`` and the links at least ``links``: the slowest stage's
+        own work counts under every schedule (zero-bubble: in its tail), and the fill."""
         own, fill = self._own_work(w), self.root_fill
-        # the slowest stage's own work counts under every schedule (zero-bubble: in its tail);
-        # the end-of-step term is at least the first and the last stages'
         if self.schedule == "zero-bubble":
-            tail = max(self.tail_floor, self.tail_share * own)
-            return self.steady * w + max(fill + tail, own) + self.root_links
-        return self.steady * w + max(own, fill) + self.tail_floor + self.root_links
+            tail = np.maximum(tail, self.tail_share * own)
+            return self.steady * w + np.maximum(fill + tail, own) + links
+        return self.steady * w + np.maximum(own, fill) + tail + links
+
+    def _coupled_root(self) -> float:
+        """The root bound with the end-of-step term and the links coupled with the steady
+        term, on probes from the root's up to four times it: where the slowest steady term is in
+        ``(g_j, g_j+1]``, the layers fit the capacity at ``g_j+1`` (every chip type's block as
+        if it ended the pipeline), so the end-of-step term is at least :func:`least_sync` of the
+        types' capacities and sync inverses there, and the stages at least the layers over the
+        largest single-stage capacity there, each but one with a link; above the top probe,
+        the uncoupled terms."""
+        floor = max(self.w_floor, float(self.head_need.min()))
+        top = min(self.w_max, 4.0 * floor)
+        if not top > floor:
+            return 0.0
+        probes = np.geomspace(floor, top, 97)
+        caps = self.capacity(probes)  # kind x probe x warm-up
+        most = self._most_layers(caps)
+        held = [most[self.kinds_of[t]].max(axis=0) for t in self.types]
+        rates = [self.type_sync_inverse[t] for t in self.types]
+        sync = least_sync(held, rates, float(self.layers))[1:]
+        stages = np.ceil(self.layers / np.maximum(caps[:, 1:, 0].max(axis=0), 1.0) - 1e-9)
+        links = np.maximum(stages - 1.0, 0.0) * min(self.type_link.values())
+        terms = self._root_terms(
+            probes[:-1], np.maximum(sync, self.tail_floor), np.maximum(links, self.root_links)
+        )
+        beyond = self._root_terms(top, self.tail_floor, self.root_links)
+        return float(min(terms.min(), beyond))
 
     def build_grid(self, w_high: float, points: int, coarse: int = 32) -> None:
         """Probe values from the root bound up to ``w_high`` (geometric) and their prefix sums.

@@ -23,6 +23,12 @@ if TYPE_CHECKING:
     from collections.abc import Sequence
 
 
+COUPLED_PROBES = 16
+"""Probes of the grid at which :meth:`SyncCoupling.coupled_sync` solves :func:`least_sync`; a
+probe between them reads the next one up (more capacity there, so a smaller ``Z``: still a
+bound)."""
+
+
 class SyncCoupling:
     """The coupled sync bound of :class:`~megatron_h2.planner.bounds.BatchShape` (its kinds,
     grid and the unused types' tables; kept apart so that each module stays short)."""
@@ -58,27 +64,42 @@ class SyncCoupling:
     ) -> np.ndarray | None:
         """Lower bound on the largest end-of-step term per probe and option column when the
         slowest steady term is at most the probe (:func:`least_sync` over the known blocks,
-        each holding at most its capacity and ``stages x rate / Z``, and the unused types,
+        each holding at most its capacity and ``stages x rate x Z``, and the unused types,
         each at most its capacity in front of the option's lead and its
-        :attr:`type_sync_inverse` / ``Z``); None where nothing couples (no rates known and no
-        unused type)."""
-        caps: list[np.ndarray] = []
-        summed: list[np.ndarray | float] = []
-        for index, (_, block, count) in enumerate(fixed):
-            rate = np.inf if rates is None else rates[index]
-            caps.append(block)
-            stages = np.asarray(count, dtype=np.float64)
-            with np.errstate(invalid="ignore"):  # 0 stages x inf: no group
-                summed.append(np.where(stages > 0, stages * rate, 0.0))
-        if unused:
-            at = self.lead_index(np.asarray(leads))
-            for t_index, chip in enumerate(self.types):
-                if unused >> t_index & 1:
-                    caps.append(self.type_caps(chip)[:, at])
-                    summed.append(self.type_sync_inverse[chip])
-        if not caps or (rates is None and not unused):
+        :attr:`type_sync_inverse` ``x Z``), solved at :data:`COUPLED_PROBES` probes of the
+        grid; None where nothing couples (no rates known and no unused type)."""
+        if rates is None and not unused:
             return None
-        return least_sync(caps, summed, float(self.layers))
+        points = len(self.grid)
+        step = max(points // COUPLED_PROBES, 1)
+        rows = np.arange(step - 1, points, step)
+        if rows[-1] != points - 1:
+            rows = np.append(rows, points - 1)
+        chips = [t for t in range(len(self.types)) if unused >> t & 1]
+        width = len(np.atleast_1d(leads))
+        a = np.empty((len(fixed) + len(chips), len(rows), width))
+        r = np.empty(a.shape)
+        for index, (_, block, count) in enumerate(fixed):
+            a[index] = block[rows]
+            stages = np.asarray(count, dtype=np.float64)
+            rate = np.inf if rates is None else rates[index]
+            with np.errstate(invalid="ignore"):  # 0 stages x inf: no group
+                r[index] = np.where(stages > 0, stages * rate, 0.0)
+        if chips:
+            at = self.lead_index(np.asarray(leads))
+            a[len(fixed) :] = self._coupled_caps(rows)[chips][:, :, at]
+            r[len(fixed) :] = np.array([self.type_sync_inverse[self.types[t]] for t in chips])[
+                :, None, None
+            ]
+        coarse = _least(a, r, float(self.layers))
+        return coarse[np.searchsorted(rows, np.arange(len(self.grid)))]  # the next one up
+
+    def _coupled_caps(self, rows: np.ndarray) -> np.ndarray:
+        """Every chip type's capacity (:meth:`type_caps`) at the probes ``rows`` of
+        :meth:`coupled_sync`: type x probe x grid lead (cached per grid under the key -1)."""
+        if -1 not in self._type_caps:
+            self._type_caps[-1] = np.stack([self.type_caps(chip)[rows] for chip in self.types])
+        return self._type_caps[-1]
 
 
 def least_sync(
@@ -89,41 +110,38 @@ def least_sync(
     ``inf``: a group without DP sync, which holds its capacity at any ``Z``): probe x option.
 
     The sum is concave, piecewise linear and non-decreasing in ``Z`` with breakpoints
-    ``caps_i / rates_i``; between two consecutive breakpoints it is linear, so the crossing is
-    exact. Where even ``Z = inf`` does not hold the layers, the largest breakpoint (no plan
-    has its slowest steady term there: any value bounds it).
+    ``caps_i / rates_i``; between the largest breakpoint where the layers do not fit and the
+    least where they do it is linear, so the crossing is exact. Where even ``Z = inf`` does not
+    hold the layers, the largest breakpoint (no plan has its slowest steady term there: any
+    value bounds it).
     """
     shape = np.broadcast_shapes(*(np.shape(c) for c in caps))
-    a = np.empty((len(caps),) + shape)
-    r = np.empty((len(caps),) + shape)
+    a, r = np.empty((len(caps),) + shape), np.empty((len(caps),) + shape)
     for index, (cap, rate) in enumerate(zip(caps, rates)):
-        r[index] = rate
-        a[index] = np.where(r[index] > 0, np.maximum(cap, 0.0), 0.0)  # rate 0: holds none
-    free = np.isinf(r) | (a <= 0.0)  # held at any Z > 0: breakpoint 0, no slope after it
+        a[index], r[index] = cap, rate
+    return _least(a, r, layers)
+
+
+def _least(a: np.ndarray, r: np.ndarray, layers: float) -> np.ndarray:
+    """:func:`least_sync` of stacked capacities and rates (group x probe x option)."""
+    a = np.where(r > 0, np.maximum(a, 0.0), 0.0)  # rate 0: the group holds nothing
+    free = np.isinf(r)  # held at any Z > 0
+    start = np.where(free, a, 0.0).sum(axis=0)  # held at Z = 0+
+    a = np.where(free, 0.0, a)
+    r = np.where(free, 0.0, r)
     with np.errstate(divide="ignore", invalid="ignore"):
-        points = np.where(free, 0.0, a / np.where(free, 1.0, r))
-    slopes = np.where(free, 0.0, r)
-    order = np.argsort(points, axis=0)
-    points = np.take_along_axis(points, order, axis=0)
-    held = np.take_along_axis(a, order, axis=0).cumsum(axis=0)  # saturated up to each point
-    later = slopes.sum(axis=0) - np.take_along_axis(slopes, order, axis=0).cumsum(axis=0)
-    covered = held + points * later  # the sum at each breakpoint (sorted)
-    below = (covered < layers).sum(axis=0)  # breakpoints where the layers do not fit yet
-    last = len(caps) - 1
-    at = np.minimum(np.maximum(below - 1, 0), last)[None]
-    base = np.take_along_axis(points, at, axis=0)[0]
-    value = np.take_along_axis(covered, at, axis=0)[0]
-    slope = np.take_along_axis(later, at, axis=0)[0]
+        points = np.where(a > 0, a / np.where(a > 0, r, 1.0), 0.0)
+    # the sum at every breakpoint: point x group x probe x option, summed over groups
+    covered = start + np.minimum(a[None], points[:, None] * r[None]).sum(axis=1)
+    short = covered < layers
+    low = np.where(short, points, 0.0).max(axis=0)
+    low_value = np.where(short & (points >= low), covered, 0.0).max(axis=0)
+    low_value = np.maximum(low_value, np.where(low > 0, 0.0, start))
+    high = np.where(short, np.inf, points).min(axis=0)
+    high_value = np.where(~short & (points <= high), covered, np.inf).min(axis=0)
+    fits = np.isfinite(high)
     with np.errstate(divide="ignore", invalid="ignore"):
-        step = np.where(slope > 0, (layers - value) / np.where(slope > 0, slope, 1.0), 0.0)
-    crossing = base + np.maximum(step, 0.0)
-    # below the first breakpoint: the groups without sync held, the others' rates all count
-    start = np.where(free, a, 0.0).sum(axis=0)
-    total = slopes.sum(axis=0)
-    with np.errstate(divide="ignore", invalid="ignore"):
-        first = np.where(total > 0, (layers - start) / np.where(total > 0, total, 1.0), 0.0)
-    crossing = np.where(below == 0, np.maximum(first, 0.0), crossing)
-    crossing = np.where(below > last, points[last], crossing)  # never fits: any value
-    # the crossing lies at or below the next breakpoint (exact up to rounding)
-    upper = np.take_along_axis(points, np.minimum(below, last)[None], axis=0)[0]
-    return np.minimum(crossing, upper)
+        slope = (high - low) / np.where(fits, high_value - low_value, 1.0)
+        crossing = low + np.maximum(layers - low_value, 0.0) * np.where(fits, slope, 0.0)
+    crossing = np.where(start >= layers, 0.0, np.minimum(crossing, high))
+    return np.where(fits | (start >= layers), crossing, points.max(axis=0))
