@@ -33,13 +33,15 @@ down, which only adds capacity). Any plan below the node whose largest steady te
 ``g_j+1``, at least ``Fill(g_j+1)`` of summed work, where ``Fill`` fills the ``L`` layers into
 the cheapest capacity first; the slowest stage's own work is at least ``g_j / max F``. Adding a
 lower bound on the slowest DP sync (the layers spread over every stage that may exist, and at
-least the last stage's with the head and the first stage's with the embedding), the known link
+least the last stage's with the head and the first stage's with the embedding, and at least
+the least sync at which the layers fit at ``g_j+1``, :mod:`.sync_coupling`), the known link
 times and the links of the stages still to come (the layers the known blocks cannot hold need at
 least so many new stages of at most the largest single-stage capacity at ``g_j+1``, each with a
 link of at least its type's cheapest) gives
 ``T >= g_j + max(Fill(g_j+1), g_j / max F) + sync + links`` for some admissible ``j``. A shape's
 root bound uses the least probe with the fill of the cheapest memory capacity (no time caps),
-the links of the fewest stages that hold every layer and the first and last stages' syncs.
+the links of the fewest stages that hold every layer and the first and last stages' syncs,
+or, if larger, its terms with the sync and the links coupled with the probe.
 """
 
 from __future__ import annotations
