@@ -33,18 +33,20 @@ down, which only adds capacity). Any plan below the node whose largest steady te
 ``g_j+1``, at least ``Fill(g_j+1)`` of summed work, where ``Fill`` fills the ``L`` layers into
 the cheapest capacity first; the slowest stage's own work is at least ``g_j / max F``. Adding a
 lower bound on the slowest DP sync (the layers spread over every stage that may exist, and at
-least the last stage's with the head and the first stage's with the embedding), the known link
+least the last stage's with the head and the first stage's with the embedding, and at least
+the least sync at which the layers fit at ``g_j+1``, :mod:`.sync_coupling`), the known link
 times and the links of the stages still to come (the layers the known blocks cannot hold need at
 least so many new stages of at most the largest single-stage capacity at ``g_j+1``, each with a
 link of at least its type's cheapest) gives
 ``T >= g_j + max(Fill(g_j+1), g_j / max F) + sync + links`` for some admissible ``j``. A shape's
 root bound uses the least probe with the fill of the cheapest memory capacity (no time caps),
-the links of the fewest stages that hold every layer and the first and last stages' syncs.
+the links of the fewest stages that hold every layer and the first and last stages' syncs,
+or, if larger, its terms with the sync and the links coupled with the probe.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -53,6 +55,7 @@ from megatron_h2.planner.partition import INF
 from megatron_h2.planner.rest_bound import RestBound, running_sum
 from megatron_h2.planner.shape_memory import ShapeMemory
 from megatron_h2.planner.stage_costs import StageCosts
+from megatron_h2.planner.sync_coupling import SyncCoupling, least_sync
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
@@ -82,7 +85,7 @@ class Kind:
         self.micro_batches, self.factor = micro_batches, factor
 
 
-class BatchShape(ShapeMemory, RestBound):
+class BatchShape(ShapeMemory, RestBound, SyncCoupling):
     """Stage kinds, memory caps, link times and bound tables for one batch shape: micro-batch
     size and pipeline schedule (with its number of model chunks ``V``), and for ``interleaved``
     the one DP degree ``dp`` of every stage. ``only`` keeps just the kinds with those (chip
@@ -205,6 +208,7 @@ class BatchShape(ShapeMemory, RestBound):
         self.type_link = self._type_links()
         self.w_floor = self._root_w(range(len(self.kinds))) if self.positions else self.w_max
         self.root_fill, self.root_links = self._root_extras() if self.positions else (0.0, 0.0)
+        self.root_coupled = self._coupled_root() if self.positions else 0.0
 
     def _type_links(self) -> dict[int, float]:
         """Per chip type, a lower bound on the link of one of its stages in front of any
@@ -387,13 +391,43 @@ class BatchShape(ShapeMemory, RestBound):
         if not self.prepared:
             return self.pre_bound
         w = max(self.w_floor, float(self.head_need.min()))  # some kind holds the head
+        return max(float(self._root_terms(w, self.tail_floor, self.root_links)), self.root_coupled)
+
+    def _root_terms(self, w: Any, tail: Any, links: Any) -> Any:
+        """The root bound where the largest folded steady term is at least ``w``, the
+        end-of-step term at least ``tail`` and the links at least ``links``: the slowest stage's
+        own work counts under every schedule (zero-bubble: in its tail), and the fill."""
         own, fill = self._own_work(w), self.root_fill
-        # the slowest stage's own work counts under every schedule (zero-bubble: in its tail);
-        # the end-of-step term is at least the first and the last stages'
         if self.schedule == "zero-bubble":
-            tail = max(self.tail_floor, self.tail_share * own)
-            return self.steady * w + max(fill + tail, own) + self.root_links
-        return self.steady * w + max(own, fill) + self.tail_floor + self.root_links
+            tail = np.maximum(tail, self.tail_share * own)
+            return self.steady * w + np.maximum(fill + tail, own) + links
+        return self.steady * w + np.maximum(own, fill) + tail + links
+
+    def _coupled_root(self) -> float:
+        """The root bound with the end-of-step term and the links coupled with the steady
+        term, on probes from the root's up to four times it: where the slowest steady term is in
+        ``(g_j, g_j+1]``, the layers fit the capacity at ``g_j+1`` (every chip type's block as
+        if it ended the pipeline), so the end-of-step term is at least :func:`least_sync` of the
+        types' capacities and sync inverses there, and the stages at least the layers over the
+        largest single-stage capacity there, each but one with a link; above the top probe,
+        the uncoupled terms."""
+        floor = max(self.w_floor, float(self.head_need.min()))
+        top = min(self.w_max, 4.0 * floor)
+        if not top > floor:
+            return 0.0
+        probes = np.geomspace(floor, top, 97)
+        caps = self.capacity(probes)  # kind x probe x warm-up
+        most = self._most_layers(caps)
+        held = [most[self.kinds_of[t]].max(axis=0) for t in self.types]
+        rates = [self.type_sync_inverse[t] for t in self.types]
+        sync = least_sync(held, rates, float(self.layers))[1:]
+        stages = np.ceil(self.layers / np.maximum(caps[:, 1:, 0].max(axis=0), 1.0) - 1e-9)
+        links = np.maximum(stages - 1.0, 0.0) * min(self.type_link.values())
+        terms = self._root_terms(
+            probes[:-1], np.maximum(sync, self.tail_floor), np.maximum(links, self.root_links)
+        )
+        beyond = self._root_terms(top, self.tail_floor, self.root_links)
+        return float(min(terms.min(), beyond))
 
     def build_grid(self, w_high: float, points: int, coarse: int = 32) -> None:
         """Probe values from the root bound up to ``w_high`` (geometric) and their prefix sums.
@@ -419,6 +453,7 @@ class BatchShape(ShapeMemory, RestBound):
         self._segment_tables: dict[int, np.ndarray] = {}
         self._unused: dict[int, tuple[np.ndarray, np.ndarray]] = {}
         self._stage_caps: dict[int, np.ndarray] = {}
+        self._type_caps: dict[int, np.ndarray] = {}
         self._placed: dict[tuple[int, int, int, int, int], np.ndarray] = {}
         self._timed: dict[int, np.ndarray] = {}
         self._closed: dict[tuple[int, int, int, tuple[int, ...]], np.ndarray] = {}
@@ -473,6 +508,7 @@ class BatchShape(ShapeMemory, RestBound):
         edges: np.ndarray | float,
         need: np.ndarray | float,
         sync: np.ndarray | float = 0.0,
+        rates: Sequence[np.ndarray | float] | None = None,
     ) -> np.ndarray:
         """Lower bound on the step time per option column (see the module docstring).
 
@@ -481,7 +517,10 @@ class BatchShape(ShapeMemory, RestBound):
         chip types that may still be placed in front, of the pipelines' ``leads`` (one per
         option); ``edges``: the embedding's and head's fill; ``need``: the largest folded
         steady term is at least this (one layer on the slowest known block); ``sync``: a lower
-        bound on the largest end-of-step sync (per option or one number, like ``links``).
+        bound on the largest end-of-step sync (per option or one number, like ``links``);
+        ``rates``: per known block its kind's :attr:`sync_inverse` (None: blocks uncapped by the
+        sync), which with the unused types' couples the sync with the probe
+        (:func:`~megatron_h2.planner.sync_coupling.least_sync`).
         """
         widths, units = [], []
         mandatory_layers: np.ndarray | float = 0.0
@@ -525,11 +564,13 @@ class BatchShape(ShapeMemory, RestBound):
         low = np.maximum(grid[:-1], need)
         own = self._own_work(low)
         sync = np.asarray(sync, dtype=np.float64)
+        coupled = self.coupled_sync(fixed, rates, unused, leads)
+        probed = sync if coupled is None else np.maximum(sync, coupled[1:])  # at g_j+1
         if self.schedule == "zero-bubble":  # the slowest stage's fill + tail is its whole work
-            tail = np.maximum(sync, self.tail_share * own)
+            tail = np.maximum(probed, self.tail_share * own)
             terms = self.steady * low + np.maximum(fill[1:] + tail, own)
         else:
-            terms = self.steady * low + np.maximum(fill[1:], own) + sync
+            terms = self.steady * low + np.maximum(fill[1:], own) + probed
         terms = terms + (stage_links[1:] if unused else 0.0)
         ok = (covered >= remaining - 1e-9) & ~np.asarray(short)
         first = np.where(ok.any(axis=0), ok.argmax(axis=0), len(self.grid))

@@ -30,7 +30,7 @@ def closed_bounds(shape: BatchShape, suffixes: list[Suffix], lead: int,
     syncs = np.array([shape.sync_bound(s, 0, s[-1][0], s[0][0]) for s in suffixes])
     needs = np.maximum([suffix_need(shape, s) for s in suffixes], shape.embedding_need[first])
     position, warmups = sum(count for _, count in suffixes[0]), shape.warmups(suffixes[0])
-    parts, front, width = [], 0, len(suffixes)
+    parts, rates, front, width = [], [], 0, len(suffixes)
     for block, (_, count) in enumerate(suffixes[0]):
         used = [s[block][0] for s in suffixes]
         for kind in dict.fromkeys(used):  # one part per kind of this block
@@ -39,5 +39,6 @@ def closed_bounds(shape: BatchShape, suffixes: list[Suffix], lead: int,
             stages = count if mine.all() else np.where(mine, count, 0)
             columns = caps[:, None] if width == 1 else np.where(mine, caps[:, None], 0.0)
             parts.append((float(shape.fill_unit[kind]), columns, stages))
+            rates.append(float(shape.sync_inverse[kind]))
         front += count
-    return shape.bound(parts, 0, np.full(width, lead), links, edges, needs, syncs)
+    return shape.bound(parts, 0, np.full(width, lead), links, edges, needs, syncs, rates)

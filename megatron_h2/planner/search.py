@@ -458,7 +458,8 @@ class _Search:
             placed = [(u, caps[:, None], count) for u, caps, count in groups]
             here = np.array([node.lead])
             first = max(need, float(shape.embedding_need[suffix[0][0]]))  # with the embedding
-            leaf = float(shape.bound(placed, 0, here, node.links, edges, first, sync)[0])
+            rates = shape.block_rates(suffix)
+            leaf = float(shape.bound(placed, 0, here, node.links, edges, first, sync, rates)[0])
             if leaf < self.threshold * (1 - _SLACK) and not isinstance(shape, MergedShape):
                 # tighter: the exact memory caps (merged kinds: per EP choice when expanded)
                 leaf = float(closed_bounds(shape, [suffix], node.lead, node.links)[0])
@@ -508,9 +509,10 @@ class _Search:
             syncs.append(shape.sync_bound(node.suffix + ((kind, count),), others, last, kind))
             leads.append(shape.kinds[kind].dp * (start + count))
             lo = hi
+        rates = shape.block_rates(node.suffix) + [shape.sync_inverse[k] for k, _ in columns]
         bounds = shape.bound(
             parts, others, np.concatenate(leads), np.concatenate(child_links),
-            np.concatenate(edges), np.concatenate(needs), np.concatenate(syncs),
+            np.concatenate(edges), np.concatenate(needs), np.concatenate(syncs), rates,
         )  # fmt: skip
         out, lo, values = [], 0, bounds.tolist()
         for kind, count in columns:

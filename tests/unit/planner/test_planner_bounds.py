@@ -2,14 +2,16 @@
 of every pipeline structure below them, on small random clusters: every option's bound is at
 most the step time of every closed pipeline it leads to, and the bounds see the stages that hold
 the head (its steady term, and under zero-bubble its deferred weight gradients), the first
-stage's sync with the embedding, the links of the stages still to come and, at a shape's root,
-the fill of the cheapest memory capacity."""
+stage's sync with the embedding, the links of the stages still to come, at a shape's root
+the fill of the cheapest memory capacity, and the end-of-step term coupled with the steady
+term (``least_sync``)."""
 
 from __future__ import annotations
 
 import importlib
 import random
 
+import numpy as np
 import pytest
 
 from megatron_h2.planner.bounds import BatchShape
@@ -19,6 +21,7 @@ from megatron_h2.planner.model_input import model_from_dict
 from megatron_h2.planner.partition import INF
 from megatron_h2.planner.search_options import SearchOptions
 from megatron_h2.planner.structure import solve_structure
+from megatron_h2.planner.sync_coupling import least_sync
 from tests.helpers.planner_models import LLAMA_KEYS, planner_model
 
 search_module = importlib.import_module("megatron_h2.planner.search")
@@ -194,3 +197,56 @@ def test_bounds_of_mixed_dense_and_moe_layers_never_exceed_the_exact_range_split
     built on them against the exact split over layer ranges of every structure below."""
     checked = check_every_structure(moe_case(seed, pattern), dp, schedule)
     assert checked > 0 or dp is None
+
+
+def test_least_sync_is_the_least_sync_that_holds_the_layers() -> None:
+    """``least_sync`` against bisection: the least ``Z`` with ``sum min(a_i, Z r_i) >= L``
+    (groups without sync, ``r = inf``, hold their capacity at any ``Z``)."""
+    rng = np.random.default_rng(0)
+    for _ in range(300):
+        groups = int(rng.integers(1, 6))
+        caps = [rng.integers(0, 6, size=(2, 3)).astype(float) for _ in range(groups)]
+        rates = [np.inf if rng.random() < 0.2 else rng.uniform(0.1, 5, size=3)
+                 for _ in range(groups)]  # fmt: skip
+        layers = float(rng.integers(1, 16))
+        least = least_sync(caps, rates, layers)
+        for i, j in np.ndindex(2, 3):
+            groups_ij = [(c[i, j], r if np.isscalar(r) else r[j]) for c, r in zip(caps, rates)]
+            if _held(groups_ij, 1e9) < layers:
+                continue  # never fits: any value
+            low, high = 0.0, 1e9
+            for _ in range(200):
+                middle = (low + high) / 2
+                low, high = (low, middle) if _held(groups_ij, middle) >= layers else (middle, high)
+            assert least[i, j] == pytest.approx(high, rel=1e-9, abs=1e-9)
+
+
+def _held(groups: list[tuple[float, float]], z: float) -> float:
+    """Layers that groups of (capacity, rate) hold with the largest end-of-step term ``z``."""
+    return sum(cap if np.isinf(rate) else min(cap, z * rate) for cap, rate in groups)
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zero-bubble"])
+def test_the_sync_coupled_with_the_steady_term_raises_the_bounds(schedule: str) -> None:
+    """Where few layers fit per stage at a probe, the end-of-step term is at least what the
+    stages that do hold them sync: some option's bound and the root bound are higher with the
+    coupling than without it (and, by the tests above, never above the exact split)."""
+    cost = small_case(0)
+    run = search_module._Search(cost, SearchOptions(8, top_k=10**6))
+    shape = BatchShape(cost, 8, 1, schedule, 1, 4)
+    shape.build_grid(shape.w_max, 64)
+    node, gains = search_module._root(shape), []
+    for _, kind, count in run._options(shape, node):
+        if kind < 0:
+            continue
+        child = node.child(shape, kind, count, run._block_links(shape, node, kind, count))
+        coupled = sorted(bound for bound, _, _ in run._options(shape, child))
+        shape.coupled_sync = lambda *args: None  # the bound without the coupling
+        apart = sorted(bound for bound, _, _ in run._options(shape, child))
+        del shape.coupled_sync
+        gains += [a - b for a, b in zip(coupled, apart) if a < INF]
+    assert min(gains) >= 0 and max(gains) > 0
+    uncoupled = shape._root_terms(
+        max(shape.w_floor, float(shape.head_need.min())), shape.tail_floor, shape.root_links
+    )
+    assert shape.root_bound() > uncoupled

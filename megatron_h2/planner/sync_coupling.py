@@ -1,0 +1,147 @@
+"""The end-of-step term coupled with the steady term, for the bounds of
+:class:`~megatron_h2.planner.bounds.BatchShape`.
+
+A stage's end-of-step term ``z`` (its DP sync, under zero-bubble with the deferred weight
+gradients) grows at least linearly in its layers: ``z >= l / r`` with ``r`` the stage kind's
+:attr:`~megatron_h2.planner.bounds.BatchShape.sync_inverse`. So where the largest ``z`` of a
+plan is at most ``Z``, a group of stages with summed rate ``R`` holds at most ``Z R`` layers,
+besides at most its capacity ``a`` at the probe of the slowest stage's steady term. The layers
+must fit: ``sum_i min(a_i, Z R_i) >= L``. The least such ``Z`` (:func:`least_sync`) is a lower
+bound on the largest ``z`` of every plan whose slowest steady term is at most the probe: where
+few layers fit per stage at a probe, the layers crowd onto the stages that sync slowly, or the
+steady term grows. This couples the two terms that the bound otherwise takes apart (the steady
+term from a pipeline of one layer per stage, the sync from the layers spread over every stage).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+if TYPE_CHECKING:
+    from collections.abc import Sequence
+
+
+COUPLED_PROBES = 16
+"""Probes of the grid at which :meth:`SyncCoupling.coupled_sync` solves :func:`least_sync`; a
+probe between them reads the next one up (more capacity there, so a smaller ``Z``: still a
+bound)."""
+
+
+class SyncCoupling:
+    """The coupled sync bound of :class:`~megatron_h2.planner.bounds.BatchShape` (its kinds,
+    grid and the unused types' tables; kept apart so that each module stays short)."""
+
+    types: list[int]
+    layers: int
+    grid: np.ndarray
+    sync_inverse: np.ndarray
+    type_sync_inverse: dict[int, float]
+    _type_caps: dict[int, np.ndarray]
+    segment_table: Any  # :class:`~megatron_h2.planner.rest_bound.RestBound`'s methods
+    lead_index: Any
+
+    def block_rates(self, suffix: Sequence[tuple[int, int]]) -> list[float]:
+        """Per block of a suffix (pipeline order), in the order its groups were prepended
+        (the suffix's last block first), its kind's :attr:`sync_inverse` (``rates`` of
+        :meth:`~megatron_h2.planner.bounds.BatchShape.bound`)."""
+        return [float(self.sync_inverse[kind]) for kind, _ in reversed(suffix)]
+
+    def type_caps(self, chip: int) -> np.ndarray:
+        """Most units an unused chip type holds in front of each grid lead, whatever its
+        kind: probe x grid lead (the sum of its cost segments' widths; cached per grid)."""
+        if chip not in self._type_caps:
+            self._type_caps[chip] = self.segment_table(chip).sum(axis=0)
+        return self._type_caps[chip]
+
+    def coupled_sync(
+        self,
+        fixed: Sequence[tuple[float, np.ndarray, np.ndarray | int]],
+        rates: Sequence[np.ndarray | float] | None,
+        unused: int,
+        leads: np.ndarray,
+    ) -> np.ndarray | None:
+        """Lower bound on the largest end-of-step term per probe and option column when the
+        slowest steady term is at most the probe (:func:`least_sync` over the known blocks,
+        each holding at most its capacity and ``stages x rate x Z``, and the unused types,
+        each at most its capacity in front of the option's lead and its
+        :attr:`type_sync_inverse` ``x Z``), solved at :data:`COUPLED_PROBES` probes of the
+        grid; None where nothing couples (no rates known and no unused type)."""
+        if rates is None and not unused:
+            return None
+        points = len(self.grid)
+        step = max(points // COUPLED_PROBES, 1)
+        rows = np.arange(step - 1, points, step)
+        if rows[-1] != points - 1:
+            rows = np.append(rows, points - 1)
+        chips = [t for t in range(len(self.types)) if unused >> t & 1]
+        width = len(np.atleast_1d(leads))
+        a = np.empty((len(fixed) + len(chips), len(rows), width))
+        r = np.empty(a.shape)
+        for index, (_, block, count) in enumerate(fixed):
+            a[index] = block[rows]
+            stages = np.asarray(count, dtype=np.float64)
+            rate = np.inf if rates is None else rates[index]
+            with np.errstate(invalid="ignore"):  # 0 stages x inf: no group
+                r[index] = np.where(stages > 0, stages * rate, 0.0)
+        if chips:
+            at = self.lead_index(np.asarray(leads))
+            a[len(fixed) :] = self._coupled_caps(rows)[chips][:, :, at]
+            r[len(fixed) :] = np.array([self.type_sync_inverse[self.types[t]] for t in chips])[
+                :, None, None
+            ]
+        coarse = _least(a, r, float(self.layers))
+        return coarse[np.searchsorted(rows, np.arange(len(self.grid)))]  # the next one up
+
+    def _coupled_caps(self, rows: np.ndarray) -> np.ndarray:
+        """Every chip type's capacity (:meth:`type_caps`) at the probes ``rows`` of
+        :meth:`coupled_sync`: type x probe x grid lead (cached per grid under the key -1)."""
+        if -1 not in self._type_caps:
+            self._type_caps[-1] = np.stack([self.type_caps(chip)[rows] for chip in self.types])
+        return self._type_caps[-1]
+
+
+def least_sync(
+    caps: Sequence[np.ndarray], rates: Sequence[np.ndarray | float], layers: float
+) -> np.ndarray:
+    """The least ``Z`` with ``sum_i min(caps_i, Z rates_i) >= layers`` (``caps_i``: probe x
+    option capacities of group ``i``, ``rates_i``: its summed rate per option or one number;
+    ``inf``: a group without DP sync, which holds its capacity at any ``Z``): probe x option.
+
+    The sum is concave, piecewise linear and non-decreasing in ``Z`` with breakpoints
+    ``caps_i / rates_i``; between the largest breakpoint where the layers do not fit and the
+    least where they do it is linear, so the crossing is exact. Where even ``Z = inf`` does not
+    hold the layers, the largest breakpoint (no plan has its slowest steady term there: any
+    value bounds it).
+    """
+    shape = np.broadcast_shapes(*(np.shape(c) for c in caps))
+    a, r = np.empty((len(caps),) + shape), np.empty((len(caps),) + shape)
+    for index, (cap, rate) in enumerate(zip(caps, rates)):
+        a[index], r[index] = cap, rate
+    return _least(a, r, layers)
+
+
+def _least(a: np.ndarray, r: np.ndarray, layers: float) -> np.ndarray:
+    """:func:`least_sync` of stacked capacities and rates (group x probe x option)."""
+    a = np.where(r > 0, np.maximum(a, 0.0), 0.0)  # rate 0: the group holds nothing
+    free = np.isinf(r)  # held at any Z > 0
+    start = np.where(free, a, 0.0).sum(axis=0)  # held at Z = 0+
+    a = np.where(free, 0.0, a)
+    r = np.where(free, 0.0, r)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        points = np.where(a > 0, a / np.where(a > 0, r, 1.0), 0.0)
+    # the sum at every breakpoint: point x group x probe x option, summed over groups
+    covered = start + np.minimum(a[None], points[:, None] * r[None]).sum(axis=1)
+    short = covered < layers
+    low = np.where(short, points, 0.0).max(axis=0)
+    low_value = np.where(short & (points >= low), covered, 0.0).max(axis=0)
+    low_value = np.maximum(low_value, np.where(low > 0, 0.0, start))
+    high = np.where(short, np.inf, points).min(axis=0)
+    high_value = np.where(~short & (points <= high), covered, np.inf).min(axis=0)
+    fits = np.isfinite(high)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        slope = (high - low) / np.where(fits, high_value - low_value, 1.0)
+        crossing = low + np.maximum(layers - low_value, 0.0) * np.where(fits, slope, 0.0)
+    crossing = np.where(start >= layers, 0.0, np.minimum(crossing, high))
+    return np.where(fits | (start >= layers), crossing, points.max(axis=0))
