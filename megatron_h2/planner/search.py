@@ -39,8 +39,6 @@ from typing import Any
 import numpy as np
 
 from megatron_h2.errors import ConfigError
-from megatron_h2.planner.block_sets import BlockSets, envelope_block, free_links, set_leaf
-from megatron_h2.planner.block_sets import Node as _Node
 from megatron_h2.planner.bounds import BatchShape
 from megatron_h2.planner.closed_bounds import closed_bounds, suffix_need
 from megatron_h2.planner.cost_model import CostModel
@@ -67,10 +65,40 @@ __all__ = ["OWN_DP_SPACES", "Candidate", "SearchOptions", "SearchResult", "Searc
 _SLACK = 1e-9  # relative tolerance when comparing a bound with the K-th best
 
 
+_Groups = tuple[tuple[float, np.ndarray, int], ...]  # (per-layer time, capacity, stages)
+
+
+@dataclass(frozen=True)
+class _Node:
+    """A pipeline suffix: its blocks (kind, stages) from the front, their capacity groups, its
+    stages, the chip types still unused (bit mask), its link time and its lead (the lead the
+    stage in front of it must have, :mod:`.bounds`)."""
+
+    suffix: Suffix
+    groups: _Groups
+    position: int
+    mask: int
+    links: float
+    lead: int
+
+    def child(self, shape: BatchShape, kind: int, count: int, links: float) -> _Node:
+        """The suffix with ``count`` stages of ``kind`` prepended."""
+        start = shape.start(kind, self.lead)
+        block = shape.block(kind, start, np.array([start + count]))[:, 0]
+        chip_bit = 1 << shape.types.index(shape.kinds[kind].chip)
+        return _Node(
+            ((kind, count),) + self.suffix,
+            self.groups + ((float(shape.fill_unit[kind]), block, count),),
+            self.position + count,
+            self.mask & ~chip_bit,
+            self.links + links,
+            shape.kinds[kind].dp * (start + count),
+        )
+
+
 _Entry = tuple[float, int, BatchShape, int, int, _Node]
 """A queued option: its bound, a tie-breaker, its shape, the kind and stage count of the block
-it prepends (kind -1: close the pipeline; -3: a closed set of blocks, search its orders) and
-the suffix it extends."""
+it prepends (kind -1: close the pipeline) and the suffix it extends."""
 
 
 @dataclass
@@ -83,8 +111,8 @@ class _Left:
     queue: list[_Entry]
 
 
-def _root(shape: BatchShape, sets: bool = False) -> _Node:
-    return _Node((), (), 0, (1 << len(shape.types)) - 1, 0.0, 0, sets)
+def _root(shape: BatchShape) -> _Node:
+    return _Node((), (), 0, (1 << len(shape.types)) - 1, 0.0, 0)
 
 
 class _Search:
@@ -97,7 +125,6 @@ class _Search:
         self.counter = itertools.count()
         self.deadline = time.monotonic() + options.time_limit_s
         self.evaluated: set[tuple[int, str, int, tuple[tuple[int, ...], ...]]] = set()
-        self.sets = BlockSets(options.block_sets)
         # MoE: kinds that differ only in their EP degree merged for the structure search
         self.make = MergedShape if options.merge_ep and cost.model.is_moe else BatchShape
 
@@ -327,8 +354,7 @@ class _Search:
         queue = list(queue or [])
         for bound, shape in roots:
             self._prepare_shape(shape)
-            root = _root(shape, self.sets.applies(shape))
-            queue.append((bound, next(self.counter), shape, 0, 0, root))
+            queue.append((bound, next(self.counter), shape, 0, 0, _root(shape)))
         heapq.heapify(queue)
         while queue:
             if queue[0][0] >= self.threshold * (1 - _SLACK):
@@ -342,15 +368,10 @@ class _Search:
                     leaf = _Node(suffix, (), node.position, 0, node.links, node.lead)
                     heapq.heappush(queue, (option, next(self.counter), shape.exact, -2, 0, leaf))
                 continue
-            if kind == -3:  # a closed set of blocks: the orders of its middle blocks
-                node = node.orders(shape)
-            elif kind < 0:
+            if kind < 0:
                 self._evaluate(shape, node.suffix)
                 continue
-            elif count and node.sets and node.suffix:  # a set node: add a middle block
-                links = free_links(shape, kind, count)
-                node = node.set_child(shape, kind, count, links, self.sets.envelope(shape))
-            elif count:  # a child: prepend its block
+            if count:  # a child: prepend its block
                 links = self._block_links(shape, node, kind, count)
                 node = node.child(shape, kind, count, links)
             self.stats.nodes += 1
@@ -358,10 +379,6 @@ class _Search:
                 if option >= self.threshold * (1 - _SLACK):
                     self.stats.nodes_pruned += 1
                     continue
-                if node.sets and node.suffix and child >= 0 and self.sets.seen(
-                    shape, node, child, stages
-                ):
-                    continue  # each set once, whatever its path
                 heapq.heappush(queue, (option, next(self.counter), shape, child, stages, node))
         return []
 
@@ -415,7 +432,7 @@ class _Search:
         """The suffix's blocks for :meth:`BatchShape.bound` (under zero-bubble and interleaved
         with the caps of a pipeline at least one stage longer)."""
         fixed = [(u, caps[:, None], count) for u, caps, count in node.groups]
-        if shape.schedule != "1f1b" and node.suffix and not node.sets:  # held memory grows
+        if shape.schedule != "1f1b" and node.suffix:  # held memory grows with the length
             warmups = shape.warmups(node.suffix)
             fixed, start, position = [], 0, node.position
             for (kind, count), (unit, _, _) in zip(reversed(node.suffix), node.groups):
@@ -434,10 +451,7 @@ class _Search:
         suffix, groups, position, mask = node.suffix, node.groups, node.position, node.mask
         options: list[tuple[float, int, int]] = []
         need = _need(shape, node)
-        closing = use_all or node.allowed is not None  # close only once every type is used
-        if suffix and node.sets and shape.closes(position):
-            options.append((set_leaf(shape, node, need), -3, 0))
-        elif suffix and shape.closes(position) and not (closing and mask):
+        if suffix and shape.closes(position) and not (use_all and mask):
             edges = float(shape.head_time[suffix[-1][0]] + shape.embedding_time[suffix[0][0]])
             sync = shape.sync_bound(suffix, 0, suffix[-1][0], suffix[0][0])
             placed = [(u, caps[:, None], count) for u, caps, count in groups]
@@ -453,9 +467,6 @@ class _Search:
             if not mask >> t_index & 1:
                 continue
             columns = [(k, shape.counts(k, room)) for k in shape.kinds_of[chip]]
-            if node.allowed is not None:  # the orders of a closed set: its blocks only
-                columns = [(k, np.array([n])) for k, n in node.allowed
-                           if shape.kinds[k].chip == chip and n <= room]
             columns = [(k, c) for k, c in columns if len(c)]
             if columns:
                 if fixed is None:  # the suffix's blocks, only where a child may follow
@@ -477,16 +488,12 @@ class _Search:
         others = node.mask & ~(1 << shape.types.index(shape.kinds[columns[0][0]].chip))
         width = sum(len(c) for _, c in columns)
         parts, needs, edges, child_links, syncs, leads = list(fixed), [], [], [], [], []
-        lo, free = 0, node.sets and bool(node.suffix)  # a set node's middle block, any order
+        lo = 0
         for kind, count in columns:
             hi = lo + len(count)
             start = shape.start(kind, node.lead)
             caps = np.zeros((len(shape.grid), width))  # this kind's options only
-            if free:
-                envelope = self.sets.envelope(shape)
-                caps[:, lo:hi] = envelope_block(shape, envelope, kind, start, count)
-            else:
-                caps[:, lo:hi] = shape.block(kind, start, start + count)
+            caps[:, lo:hi] = shape.block(kind, start, start + count)
             stages = np.zeros(width)
             stages[lo:hi] = count
             parts.append((float(shape.fill_unit[kind]), caps, stages))
@@ -496,12 +503,6 @@ class _Search:
             needs.append(np.full(len(count), max(need, own)))
             last = node.suffix[-1][0] if node.suffix else kind
             edges.append(np.full(len(count), shape.head_time[last] + shape.embedding_min))
-            if free:  # unused types may go anywhere in front of the last block
-                child_links.append(node.links + free_links(shape, kind, count))
-                syncs.append(shape.sync_bound(node.suffix + ((kind, count),), others, last))
-                leads.append(np.full(len(count), node.lead))
-                lo = hi
-                continue
             child_links.append(node.links + self._block_links(shape, node, kind, count))
             syncs.append(shape.sync_bound(node.suffix + ((kind, count),), others, last, kind))
             leads.append(shape.kinds[kind].dp * (start + count))

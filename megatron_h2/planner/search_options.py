@@ -44,10 +44,6 @@ class SearchOptions:
     (one-DP and own-DP suffixes together, best bound first) goes on until the whole limit. No
     effect with ``own_dp="none"`` or one chip type, and none on a search that finishes in
     time."""
-    block_sets: bool = True
-    """Under one DP degree, search sets of blocks behind the last block first and their orders
-    only once a set is closed (:mod:`~megatron_h2.planner.block_sets`); False searches every
-    order block by block (the same plans, for comparisons)."""
     merge_ep: bool = True
     """MoE models: search the pipeline structure over stage kinds merged across their EP
     degrees (:mod:`~megatron_h2.planner.merged_shape`) and choose each block's EP degree when
