@@ -17,6 +17,12 @@ its size's target, so a member that does not finish in time shows as a gap.
 
     python bench/bench_planner.py --family [--sizes 64,1024,10000,100000] [--members 5]
 
+``--scaling`` searches the same seeds' clusters with one of chip types (2 to 8), chips or layers
+varied (``--axes "chip types"`` for one axis): CPU seconds, proven gap, prefixes and prefixes
+per CPU second.
+
+    python bench/bench_planner.py --scaling [--axes "chip types"] [--members 2] [--time-limit 10]
+
 ``--cpu-clock`` makes every time limit count this process's CPU seconds instead of wall
 seconds: on a machine that other work shares, the search then gets the same work done whatever
 the load, so that runs compare (the targets are wall seconds on an idle machine).
@@ -67,6 +73,9 @@ def main() -> int:
         "--scaling", action="store_true", help="how the search grows with types, chips, layers"
     )
     parser.add_argument(
+        "--axes", default="", help="--scaling: only these axes (chip types, chips, layers)"
+    )
+    parser.add_argument(
         "--cpu-clock", action="store_true", help="time limits in CPU seconds, not wall seconds"
     )
     args = parser.parse_args()
@@ -76,7 +85,8 @@ def main() -> int:
         module.time = SimpleNamespace(monotonic=time.process_time)
         print("time limits count CPU seconds of this process (--cpu-clock)")
     if args.scaling:
-        return scaling(args.members, args.seed, args.top, schedules, args.time_limit)
+        axes = [name.strip() for name in args.axes.split(",") if name.strip()]
+        return scaling(args.members, args.seed, args.top, schedules, args.time_limit, axes)
     if args.family:
         sizes = [int(size) for size in args.sizes.split(",")]
         return family(sizes, args.members, args.seed, args.top, schedules)
@@ -160,20 +170,25 @@ def family(sizes: list[int], members: int, first: int, top: int, schedules: tupl
 
 
 SCALING = (  # (axis, [(size, types, model)]): one axis varies, the others stay
-    ("chip types", [(1024, t, "70B") for t in (2, 4, 6, 8)]),
+    ("chip types", [(1024, t, "70B") for t in range(2, 9)]),
     ("chips", [(n, 4, "70B") for n in (256, 1024, 10_000, 100_000)]),
     ("layers", [(1024, 4, m) for m in ("7B", "70B", "405B")]),
 )
 
 
-def scaling(members: int, first: int, top: int, schedules: tuple, limit: float) -> int:
-    """Per axis of :data:`SCALING`, the same seeds' clusters with one of types, chips or layers
-    varied: CPU seconds, proven gap, prefixes and splits of each search."""
+def scaling(
+    members: int, first: int, top: int, schedules: tuple, limit: float, axes: list[str]
+) -> int:
+    """Per axis of :data:`SCALING` named in ``axes`` (all if empty), the same seeds' clusters
+    with one of types, chips or layers varied: CPU seconds, proven gap, prefixes (and prefixes
+    per CPU second) of each search."""
     print(f"scaling: seeds {first}-{first + members - 1}, limit {limit:g} s; load {_load()}")
     for axis, points in SCALING:
+        if axes and axis not in axes:
+            continue
         print(f"\n{axis}:")
         for size, types, model in points:
-            cpus, gaps, nodes = [], [], []
+            cpus, gaps, nodes, rates = [], [], [], []
             for seed in range(first, first + members):
                 item = member(seed, size, types, model)
                 cpu = time.process_time()
@@ -187,12 +202,14 @@ def scaling(members: int, first: int, top: int, schedules: tuple, limit: float) 
                 cpus.append(time.process_time() - cpu)
                 gaps.append(result.gap)
                 nodes.append(result.stats.nodes)
+                rates.append(result.stats.nodes / max(cpus[-1], 1e-9))
             if cpus:
                 print(
                     f"  {size:>7,} chips, {types} types, {model}: CPU s median"
                     f" {statistics.median(cpus):.1f} max {max(cpus):.1f}; gap % median"
                     f" {100 * statistics.median(gaps):.1f} max {100 * max(gaps):.1f}; prefixes"
-                    f" median {statistics.median(nodes):,.0f}; finished"
+                    f" median {statistics.median(nodes):,.0f}"
+                    f" ({statistics.median(rates):,.0f} per CPU s); finished"
                     f" {sum(g == 0 for g in gaps)}/{len(gaps)}; load {_load()}"
                 )
     return 0

@@ -223,11 +223,21 @@ class _Search:
                 self.stats.lower_bound_s = min(self.stats.lower_bound_s, shape.root_bound())
 
     def _stop(self, left: _Left) -> None:
-        """Give up what the time limit left: each shape's root bound (or its pruning), and the
-        lowest bound of the suffixes not expanded, bound the plans there from below."""
-        for shape in left.shapes:
+        """Give up what the time limit left: the lowest bound of the suffixes not expanded and
+        of the shapes bounded by their roots' children, and each shape not reached yet (or its
+        pruning), bound the plans there from below. Those shapes go lowest root bound first,
+        and only while that is below the lowest bound so far are they bounded by their roots'
+        children (a shape whose root bound is not below it cannot lower it)."""
+        for bound, _ in left.roots:
+            self._abandon(bound)
+        if left.queue:
+            self._abandon(left.queue[0][0])
+        for shape in sorted(left.shapes, key=lambda s: s.root_bound()):
             if shape.root_bound() >= self.threshold * (1 - _SLACK):
                 self.stats.batch_shapes_pruned += 1
+                continue
+            if shape.root_bound() >= self.stats.lower_bound_s:  # the same proven bound
+                self._abandon(shape.root_bound())
                 continue
             shape.prepare()  # its tables' bound, not the cheap one (a small cost)
             bound = shape.root_bound()
@@ -239,10 +249,6 @@ class _Search:
                 self.stats.batch_shapes_pruned += 1
             else:
                 self._abandon(bound)
-        for bound, _ in left.roots:
-            self._abandon(bound)
-        if left.queue:
-            self._abandon(left.queue[0][0])
 
     def _derive(self) -> None:
         """Own-DP re-splits of the K best one-DP plans found, best first over all of them: for
