@@ -454,6 +454,7 @@ class BatchShape(ShapeMemory, RestBound, SyncCoupling):
         self._unused: dict[int, tuple[np.ndarray, np.ndarray]] = {}
         self._stage_caps: dict[int, np.ndarray] = {}
         self._type_caps: dict[int, np.ndarray] = {}
+        self._coupled_type_caps: np.ndarray | None = None
         self._placed: dict[tuple[int, int, int, int, int], np.ndarray] = {}
         self._timed: dict[int, np.ndarray] = {}
         self._closed: dict[tuple[int, int, int, tuple[int, ...]], np.ndarray] = {}

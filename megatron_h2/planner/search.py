@@ -33,14 +33,12 @@ from __future__ import annotations
 import heapq
 import itertools
 import time
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from megatron_h2.errors import ConfigError
 from megatron_h2.planner.bounds import BatchShape
-from megatron_h2.planner.closed_bounds import closed_bounds, suffix_need
 from megatron_h2.planner.cost_model import CostModel
 from megatron_h2.planner.merged_shape import MergedShape
 from megatron_h2.planner.partition import INF
@@ -59,60 +57,11 @@ from megatron_h2.planner.structure import (
     solve_structure,
     to_plan,
 )
+from megatron_h2.planner.suffixes import Entry, Left, Node, closed_bounds, root_node, suffix_need
 
 __all__ = ["OWN_DP_SPACES", "Candidate", "SearchOptions", "SearchResult", "SearchStats", "search"]
 
 _SLACK = 1e-9  # relative tolerance when comparing a bound with the K-th best
-
-
-_Groups = tuple[tuple[float, np.ndarray, int], ...]  # (per-layer time, capacity, stages)
-
-
-@dataclass(frozen=True)
-class _Node:
-    """A pipeline suffix: its blocks (kind, stages) from the front, their capacity groups, its
-    stages, the chip types still unused (bit mask), its link time and its lead (the lead the
-    stage in front of it must have, :mod:`.bounds`)."""
-
-    suffix: Suffix
-    groups: _Groups
-    position: int
-    mask: int
-    links: float
-    lead: int
-
-    def child(self, shape: BatchShape, kind: int, count: int, links: float) -> _Node:
-        """The suffix with ``count`` stages of ``kind`` prepended."""
-        start = shape.start(kind, self.lead)
-        block = shape.block(kind, start, np.array([start + count]))[:, 0]
-        chip_bit = 1 << shape.types.index(shape.kinds[kind].chip)
-        return _Node(
-            ((kind, count),) + self.suffix,
-            self.groups + ((float(shape.fill_unit[kind]), block, count),),
-            self.position + count,
-            self.mask & ~chip_bit,
-            self.links + links,
-            shape.kinds[kind].dp * (start + count),
-        )
-
-
-_Entry = tuple[float, int, BatchShape, int, int, _Node]
-"""A queued option: its bound, a tie-breaker, its shape, the kind and stage count of the block
-it prepends (kind -1: close the pipeline) and the suffix it extends."""
-
-
-@dataclass
-class _Left:
-    """What a search stopped at the time limit has left: shapes whose roots are not bounded
-    yet, shapes bounded by their roots' children (bound, shape) and queued suffixes."""
-
-    shapes: list[BatchShape]
-    roots: list[tuple[float, BatchShape]]
-    queue: list[_Entry]
-
-
-def _root(shape: BatchShape) -> _Node:
-    return _Node((), (), 0, (1 << len(shape.types)) - 1, 0.0, 0)
 
 
 class _Search:
@@ -222,7 +171,7 @@ class _Search:
             else:
                 self.stats.lower_bound_s = min(self.stats.lower_bound_s, shape.root_bound())
 
-    def _stop(self, left: _Left) -> None:
+    def _stop(self, left: Left) -> None:
         """Give up what the time limit left: the lowest bound of the suffixes not expanded and
         of the shapes bounded by their roots' children, and each shape not reached yet (or its
         pruning), bound the plans there from below. Those shapes go lowest root bound first,
@@ -232,23 +181,27 @@ class _Search:
             self._abandon(bound)
         if left.queue:
             self._abandon(left.queue[0][0])
-        for shape in sorted(left.shapes, key=lambda s: s.root_bound()):
-            if shape.root_bound() >= self.threshold * (1 - _SLACK):
+        for root, shape in sorted(((s.root_bound(), s) for s in left.shapes),
+                                  key=lambda pair: pair[0]):
+            if root >= self.threshold * (1 - _SLACK):
                 self.stats.batch_shapes_pruned += 1
-                continue
-            if shape.root_bound() >= self.stats.lower_bound_s:  # the same proven bound
-                self._abandon(shape.root_bound())
-                continue
-            shape.prepare()  # its tables' bound, not the cheap one (a small cost)
-            bound = shape.root_bound()
-            if bound < self.threshold * (1 - _SLACK):  # its root's children: tighter, cheap
-                shape.build_grid(min(self.threshold, shape.w_max), self.options.grid_points)
-                options = self._options(shape, _root(shape))
-                bound = max(bound, options[0][0] if options else INF)
-            if bound >= self.threshold * (1 - _SLACK):
-                self.stats.batch_shapes_pruned += 1
+            elif root >= self.stats.lower_bound_s:  # the same proven bound
+                self._abandon(root)
             else:
-                self._abandon(bound)
+                self._bound_by_children(shape)
+
+    def _bound_by_children(self, shape: BatchShape) -> None:
+        """Bound a shape not reached by its prepared root and its root's children."""
+        shape.prepare()  # its tables' bound, not the cheap one (a small cost)
+        bound = shape.root_bound()
+        if bound < self.threshold * (1 - _SLACK):  # its root's children: tighter, cheap
+            shape.build_grid(min(self.threshold, shape.w_max), self.options.grid_points)
+            options = self._options(shape, root_node(shape))
+            bound = max(bound, options[0][0] if options else INF)
+        if bound >= self.threshold * (1 - _SLACK):
+            self.stats.batch_shapes_pruned += 1
+        else:
+            self._abandon(bound)
 
     def _derive(self) -> None:
         """Own-DP re-splits of the K best one-DP plans found, best first over all of them: for
@@ -304,7 +257,7 @@ class _Search:
                         near.add((chip, other, int(degree)))
         return frozenset(near)
 
-    def _run_shapes(self, shapes: list[BatchShape]) -> _Left:
+    def _run_shapes(self, shapes: list[BatchShape]) -> Left:
         """Search ``shapes``: short dives, then :meth:`_refine`; what the time limit left."""
         shapes.sort(key=lambda s: s.root_bound())
         for shape in shapes[: self.options.dive_shapes]:  # short dives: good incumbents early
@@ -317,11 +270,11 @@ class _Search:
             if shape.root_bound() >= self.threshold * (1 - _SLACK):
                 continue
             shape.build_grid(self.threshold if self.threshold < INF else shape.w_max, 64)
-            self._explore(shape, _root(shape), budget=self.options.dive_nodes)
+            self._explore(shape, root_node(shape), budget=self.options.dive_nodes)
         return self._refine(shapes, [], [])
 
     def _refine(self, shapes: list[BatchShape], refined: list[tuple[float, BatchShape]],
-                queue: list[_Entry]) -> _Left:
+                queue: list[Entry]) -> Left:
         """Bound ``shapes`` by their roots' children, then search those that may still win best
         first (adding ``refined``, shapes bounded so, and ``queue``, suffixes left by an earlier
         call): at the time limit, what is left (:meth:`_stop` gives it up)."""  # fmt: skip
@@ -330,26 +283,26 @@ class _Search:
                 self.stats.batch_shapes_pruned += 1
                 continue
             if time.monotonic() > self.deadline:
-                return _Left(shapes[index:], refined, queue)
+                return Left(shapes[index:], refined, queue)
             shape.prepare()
             if shape.root_bound() >= self.threshold * (1 - _SLACK):
                 self.stats.batch_shapes_pruned += 1
                 continue
             self._prepare_shape(shape)
-            options = self._options(shape, _root(shape))
+            options = self._options(shape, root_node(shape))
             bound = options[0][0] if options else INF
             if bound >= self.threshold * (1 - _SLACK):
                 self.stats.batch_shapes_pruned += 1
             else:
                 refined.append((bound, shape))
-        return _Left([], [], self._best_first(refined, queue=queue))
+        return Left([], [], self._best_first(refined, queue=queue))
 
     def _best_first(
         self,
         roots: list[tuple[float, BatchShape]],
         use_all: bool = False,
-        queue: list[_Entry] | None = None,
-    ) -> list[_Entry]:
+        queue: list[Entry] | None = None,
+    ) -> list[Entry]:
         """Expand pipeline suffixes of all batch shapes in order of their bounds (with
         ``use_all`` closing a pipeline only once it uses every chip type of its shape), from
         ``roots`` and the ``queue`` an earlier call left.
@@ -361,7 +314,7 @@ class _Search:
         queue = list(queue or [])
         for bound, shape in roots:
             self._prepare_shape(shape)
-            queue.append((bound, next(self.counter), shape, 0, 0, _root(shape)))
+            queue.append((bound, next(self.counter), shape, 0, 0, root_node(shape)))
         heapq.heapify(queue)
         while queue:
             if queue[0][0] >= self.threshold * (1 - _SLACK):
@@ -372,7 +325,7 @@ class _Search:
             _, _, shape, kind, count, node = heapq.heappop(queue)
             if kind == -1 and isinstance(shape, MergedShape):  # each EP choice, exactly bounded
                 for option, suffix in self._exact_leaves(shape, node):
-                    leaf = _Node(suffix, (), node.position, 0, node.links, node.lead)
+                    leaf = Node(suffix, (), node.position, 0, node.links, node.lead)
                     heapq.heappush(queue, (option, next(self.counter), shape.exact, -2, 0, leaf))
                 continue
             if kind < 0:
@@ -393,12 +346,12 @@ class _Search:
         """Build the probe grid up to what could still beat the K-th best (a dive finds one)."""
         if self.threshold == INF:  # a short dive first, so that the probe grid can be narrow
             shape.build_grid(shape.w_max, 64)
-            self._explore(shape, _root(shape), budget=self.options.dive_nodes)
+            self._explore(shape, root_node(shape), budget=self.options.dive_nodes)
         shape.build_grid(
             self.threshold if self.threshold < INF else shape.w_max, self.options.grid_points
         )
 
-    def _explore(self, shape: BatchShape, node: _Node, budget: int) -> int:
+    def _explore(self, shape: BatchShape, node: Node, budget: int) -> int:
         """Depth-first dive below a suffix, best option first, visiting at most ``budget`` nodes."""
         self.stats.nodes += 1
         visited = 1
@@ -422,7 +375,7 @@ class _Search:
             visited += self._explore(shape, node.child(shape, kind, count, links), budget - visited)
         return visited
 
-    def _exact_leaves(self, shape: MergedShape, node: _Node) -> list[tuple[float, Suffix]]:
+    def _exact_leaves(self, shape: MergedShape, node: Node) -> list[tuple[float, Suffix]]:
         """The closed merged pipeline ``node`` as every choice of EP degree per block
         (:meth:`MergedShape.exact_suffixes`), each with its exact closed bound, those that may
         beat the K-th best, best first."""
@@ -435,7 +388,7 @@ class _Search:
         self.stats.nodes_pruned += len(suffixes) - len(out)
         return out
 
-    def _fixed(self, shape: BatchShape, node: _Node) -> list[tuple[float, np.ndarray, Any]]:
+    def _fixed(self, shape: BatchShape, node: Node) -> list[tuple[float, np.ndarray, Any]]:
         """The suffix's blocks for :meth:`BatchShape.bound` (under zero-bubble and interleaved
         with the caps of a pipeline at least one stage longer)."""
         fixed = [(u, caps[:, None], count) for u, caps, count in node.groups]
@@ -450,7 +403,7 @@ class _Search:
         return fixed
 
     def _options(
-        self, shape: BatchShape, node: _Node, use_all: bool = False
+        self, shape: BatchShape, node: Node, use_all: bool = False
     ) -> list[tuple[float, int, int]]:
         """The close-here leaf (kind -1) and every child (kind, stage count), with bounds (one
         :meth:`_bounds` call per chip type), best first; with ``use_all`` the leaf only once every
@@ -486,7 +439,7 @@ class _Search:
     def _bounds(
         self,
         shape: BatchShape,
-        node: _Node,
+        node: Node,
         fixed: list[tuple[float, np.ndarray, Any]],
         need: float,
         columns: list[tuple[int, np.ndarray]],
@@ -526,7 +479,7 @@ class _Search:
             lo += len(count)
         return out
 
-    def _block_links(self, shape: BatchShape, node: _Node, kind: int, count: Any) -> Any:
+    def _block_links(self, shape: BatchShape, node: Node, kind: int, count: Any) -> Any:
         """Link time in the step formula added by prepending ``count`` stages of ``kind``."""
         name = shape.kinds[kind].name
         total = (count - 1) * shape.link(name, name)
@@ -566,7 +519,7 @@ class _Search:
             heapq.heappop(self.best)
 
 
-def _need(shape: BatchShape, node: _Node | Suffix) -> float:
+def _need(shape: BatchShape, node: Node | Suffix) -> float:
     """The least folded steady term below ``node`` (or of a suffix): :func:`suffix_need`."""
     return suffix_need(shape, node if isinstance(node, tuple) else node.suffix)
 

@@ -39,6 +39,7 @@ class SyncCoupling:
     sync_inverse: np.ndarray
     type_sync_inverse: dict[int, float]
     _type_caps: dict[int, np.ndarray]
+    _coupled_type_caps: np.ndarray | None
     segment_table: Any  # :class:`~megatron_h2.planner.rest_bound.RestBound`'s methods
     lead_index: Any
 
@@ -96,10 +97,10 @@ class SyncCoupling:
 
     def _coupled_caps(self, rows: np.ndarray) -> np.ndarray:
         """Every chip type's capacity (:meth:`type_caps`) at the probes ``rows`` of
-        :meth:`coupled_sync`: type x probe x grid lead (cached per grid under the key -1)."""
-        if -1 not in self._type_caps:
-            self._type_caps[-1] = np.stack([self.type_caps(chip)[rows] for chip in self.types])
-        return self._type_caps[-1]
+        :meth:`coupled_sync`: type x probe x grid lead (cached per grid)."""
+        if self._coupled_type_caps is None:
+            self._coupled_type_caps = np.stack([self.type_caps(c)[rows] for c in self.types])
+        return self._coupled_type_caps
 
 
 def least_sync(

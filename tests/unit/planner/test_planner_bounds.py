@@ -14,6 +14,7 @@ import random
 import numpy as np
 import pytest
 
+from megatron_h2.planner import suffixes
 from megatron_h2.planner.bounds import BatchShape
 from megatron_h2.planner.cluster import ChipType, Cluster
 from megatron_h2.planner.cost_model import CostConfig, CostModel, zero_bubble_share
@@ -78,7 +79,7 @@ def check_every_structure(cost: CostModel, dp: int | None, schedule: str) -> int
         if not shape.kinds:
             continue
         shape.build_grid(shape.w_max, 64)
-        least = exact_below(run, shape, search_module._root(shape), checked)
+        least = exact_below(run, shape, suffixes.root_node(shape), checked)
         assert shape.root_bound() <= least * (1 + 1e-9)
     return checked[0]
 
@@ -93,7 +94,7 @@ def test_the_head_stage_bounds_the_steady_term_and_the_tail() -> None:
         shape = BatchShape(cost, 8, 1, schedule, 1, 1)
         shape.build_grid(shape.w_max, 64)
         for kind, k in enumerate(shape.kinds):
-            costs, node = k.costs, search_module._root(shape)
+            costs, node = k.costs, suffixes.root_node(shape)
             head = costs.head_forward + costs.head_backward
             assert head > costs.layer_time(0)  # the case this test is about
             node = node.child(shape, kind, 1, 0.0)
@@ -150,7 +151,7 @@ def test_new_stages_of_unused_types_count_their_links() -> None:
     run = search_module._Search(cost, SearchOptions(8, top_k=10**6))
     shape = BatchShape(cost, 8, 1, "1f1b", 1, 1)
     shape.build_grid(shape.w_max, 64)
-    node = search_module._root(shape)
+    node = suffixes.root_node(shape)
     kind, count = next((k, c) for b, k, c in run._options(shape, node) if k >= 0)
     child = node.child(shape, kind, count, run._block_links(shape, node, kind, count))
     with_links = [bound for bound, k, _ in run._options(shape, child) if k >= 0]
@@ -235,7 +236,7 @@ def test_the_sync_coupled_with_the_steady_term_raises_the_bounds(schedule: str) 
     run = search_module._Search(cost, SearchOptions(8, top_k=10**6))
     shape = BatchShape(cost, 8, 1, schedule, 1, 4)
     shape.build_grid(shape.w_max, 64)
-    node, gains = search_module._root(shape), []
+    node, gains = suffixes.root_node(shape), []
     for _, kind, count in run._options(shape, node):
         if kind < 0:
             continue

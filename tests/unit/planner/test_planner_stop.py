@@ -9,6 +9,7 @@ import importlib
 
 import pytest
 
+from megatron_h2.planner import suffixes
 from megatron_h2.planner.bounds import BatchShape
 from megatron_h2.planner.partition import INF
 from megatron_h2.planner.search_options import SearchOptions
@@ -37,7 +38,7 @@ def test_shapes_that_cannot_lower_the_bound_are_not_bounded_further(seed: int) -
     run, shapes = unreached(seed)
     lowest = min(shape.root_bound() for shape in shapes)
     run.stats.lower_bound_s = lowest  # e.g. from the queue left
-    run._stop(search_module._Left(shapes, [], []))
+    run._stop(suffixes.Left(shapes, [], []))
     assert run.stats.lower_bound_s == lowest
     assert not any(shape.prepared for shape in shapes)
     assert not run.stats.exhaustive
@@ -47,7 +48,7 @@ def test_shapes_that_cannot_lower_the_bound_are_not_bounded_further(seed: int) -
 def test_the_lowest_shapes_are_bounded_by_their_roots_children(seed: int) -> None:
     run, shapes = unreached(seed)
     cheap = min(shape.root_bound() for shape in shapes)
-    run._stop(search_module._Left(shapes, [], []))
+    run._stop(suffixes.Left(shapes, [], []))
     first = min(shapes, key=lambda shape: shape.pre_bound)
     assert first.prepared  # the lowest root bound so far was inf: bounded by its root's children
     assert cheap <= run.stats.lower_bound_s < INF
