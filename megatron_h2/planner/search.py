@@ -40,6 +40,7 @@ import numpy as np
 from megatron_h2.errors import ConfigError
 from megatron_h2.planner.bounds import BatchShape
 from megatron_h2.planner.cost_model import CostModel
+from megatron_h2.planner.improve import Polish
 from megatron_h2.planner.merged_shape import MergedShape
 from megatron_h2.planner.partition import INF
 from megatron_h2.planner.search_options import (
@@ -76,6 +77,8 @@ class _Search:
         self.evaluated: set[tuple[int, str, int, tuple[tuple[int, ...], ...]]] = set()
         # MoE: kinds that differ only in their EP degree merged for the structure search
         self.make = MergedShape if options.merge_ep and cost.model.is_moe else BatchShape
+        self.polish = Polish(self._evaluate, lambda: time.monotonic() > self.deadline,
+                             lambda: self.threshold * (1 - _SLACK))
 
     @property
     def threshold(self) -> float:
@@ -129,6 +132,7 @@ class _Search:
                     else:
                         shape.prepare()
                     shapes.append(shape)
+        self.polish.register(shapes)
         return shapes
 
     def run(self) -> list[Found]:
@@ -502,21 +506,27 @@ class _Search:
             return True
         return self._key(shape, suffix) in self.evaluated
 
-    def _evaluate(self, shape: BatchShape, suffix: Suffix) -> None:
-        """Stage two for a closed pipeline (``suffix`` is in pipeline order from the front)."""
+    def _evaluate(self, shape: BatchShape, suffix: Suffix) -> float | None:
+        """Stage two for a closed pipeline (``suffix`` is in pipeline order from the front):
+        its step time, or None if solved already or not below the K-th best. A new best plan
+        is climbed from (:class:`~megatron_h2.planner.improve.Polish`)."""
         if self._done(shape, suffix):
-            return
+            return None
         self.evaluated.add(self._key(shape, suffix))
         self.stats.splits_solved += 1
         split = solve_structure(shape, suffix, cutoff=self.threshold)
         if split is None:
-            return
+            return None
         found = Found(
             split.step_time_s, shape.mbs, shape.schedule, shape.chunks, suffix, split, shape.kinds
         )
+        best = min((-item[0] for item in self.best), default=INF)
         heapq.heappush(self.best, (-found.value, next(self.counter), found))
         if len(self.best) > self.options.top_k:
             heapq.heappop(self.best)
+        if found.value < best and self.options.polish:
+            self.polish.improve(shape, suffix, found.value)
+        return found.value
 
 
 def _need(shape: BatchShape, node: Node | Suffix) -> float:

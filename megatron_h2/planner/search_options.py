@@ -49,6 +49,9 @@ class SearchOptions:
     degrees (:mod:`~megatron_h2.planner.merged_shape`) and choose each block's EP degree when
     a pipeline closes; False searches every (chip type, TP, DP, EP) kind separately (the same
     plans, for comparisons)."""
+    polish: bool = True
+    """Climb from each new best plan to faster neighbouring plans (:mod:`.improve`): better
+    plans sooner, the same space and the same meaning of the proven bound."""
     cutoff_s: float = INF
     """Only plans faster than this are sought (the data-parallel pipelines search passes the
     best step it must beat): a bound at or above it prunes as the K-th best would, and a

@@ -1,0 +1,220 @@
+"""Local improvement of the plans the search finds: a better incumbent sooner (:mod:`.search`).
+
+The branch and bound's proven gap is the best plan's step time over the lowest bound left, so
+a better plan narrows it twice: directly, and by pruning more (an option is pruned when its
+bound is not below the K-th best plan). The short dives find a first plan in each promising
+batch shape, but the best plan of a large cluster is often a small change away from the dives'
+plans. :class:`Polish` climbs from each new best plan to its best neighbour, as long as one is
+faster:
+
+* in its own batch shape: a block one stage longer or shorter, a block at another TP degree (or,
+  under own DP degrees, another TP and DP degree) of its chip type, two adjacent blocks swapped,
+  a block dropped, a block of an unused chip type added (in front, behind, or between two
+  blocks) or put in a block's place;
+* in the neighbouring batch shapes (micro-batch size halved, kept or doubled, DP degree halved,
+  kept or doubled, any schedule): the same blocks, each keeping its chips (stages scaled by
+  the DP ratio) or its stages.
+
+Each neighbour is a closed pipeline of the plan space, solved exactly by the search's own stage
+two (the layer split, :func:`~megatron_h2.planner.structure.solve_structure`) with the K-th best
+as cutoff, and counted once (a pipeline solved already is not solved again). Nothing here
+prunes or bounds anything: the search stays exhaustive and its proven bound means what it did;
+only the plans it knows, and when it knows them, change.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+from megatron_h2.planner.bounds import BatchShape
+from megatron_h2.planner.structure import Suffix
+
+__all__ = ["Polish", "shape_neighbours"]
+
+ShapeKey = tuple[int, str, int, int | None]  # micro-batch size, schedule, chunks, DP (None: own)
+Point = tuple[BatchShape, Suffix, float]  # a plan: its shape, blocks and step time
+
+
+def _valid(shape: BatchShape, suffix: Suffix) -> bool:
+    """Whether ``suffix`` is a closed pipeline of ``shape``'s space: every block within its
+    kind's stages (under own DP exactly its kind's, every chip of its type), each chip type in
+    one block, at most one stage per unit and a pipeline the schedule can run."""
+    kinds = shape.kinds
+    chips = [kinds[k].chip for k, _ in suffix]
+    if not suffix or len(set(chips)) < len(chips):
+        return False
+    for kind, count in suffix:
+        most = kinds[kind].max_stages
+        if not 1 <= count <= most or (not shape.uniform and count != most):
+            return False
+    total = sum(count for _, count in suffix)
+    return total <= shape.positions and shape.closes(total)
+
+
+def _counts(shape: BatchShape, kind: int, chips: int) -> list[int]:
+    """Stage counts for a block of ``kind`` near ``chips`` chips (under own DP its only one)."""
+    k = shape.kinds[kind]
+    if not shape.uniform:
+        return [k.max_stages]
+    per = k.tp * k.dp
+    near = {chips // per, -(-chips // per)}
+    return sorted({min(max(c, 1), k.max_stages) for c in near})
+
+
+def _blocks_changed(shape: BatchShape, suffix: Suffix) -> Iterator[Suffix]:
+    """Neighbours that change one block: a stage more or fewer, or another kind of its chip
+    type with about its chips."""
+    kinds = shape.kinds
+    for i, (kind, count) in enumerate(suffix):
+        head, tail = suffix[:i], suffix[i + 1 :]
+        if shape.uniform:
+            for other in (count - 1, count + 1):
+                yield head + ((kind, other),) + tail
+        chips = count * kinds[kind].tp * kinds[kind].dp
+        for other in shape.kinds_of[kinds[kind].chip]:
+            if other != kind:
+                for n in _counts(shape, other, chips):
+                    yield head + ((other, n),) + tail
+
+
+def _blocks_moved(shape: BatchShape, suffix: Suffix) -> Iterator[Suffix]:
+    """Neighbours that swap two adjacent blocks, drop one, add a block of an unused chip type
+    (every kind, one stage or its most, at every place) or put one in a block's place."""
+    kinds = shape.kinds
+    for i in range(len(suffix) - 1):
+        yield suffix[:i] + (suffix[i + 1], suffix[i]) + suffix[i + 2 :]
+    if len(suffix) > 1:
+        for i in range(len(suffix)):
+            yield suffix[:i] + suffix[i + 1 :]
+    used = {kinds[k].chip for k, _ in suffix}
+    for chip in shape.types:
+        if chip in used:
+            continue
+        for kind in shape.kinds_of[chip]:
+            most = kinds[kind].max_stages
+            for n in sorted({1, most}) if shape.uniform else [most]:
+                for i in range(len(suffix) + 1):
+                    yield suffix[:i] + ((kind, n),) + suffix[i:]
+                for i in range(len(suffix)):
+                    yield suffix[:i] + ((kind, n),) + suffix[i + 1 :]
+
+
+def shape_neighbours(shape: BatchShape, suffix: Suffix) -> list[Suffix]:
+    """The closed pipelines of ``shape`` one change away from ``suffix`` (module docstring),
+    each once, without ``suffix`` itself."""
+    seen = {suffix}
+    out = []
+    for other in (*_blocks_changed(shape, suffix), *_blocks_moved(shape, suffix)):
+        if other not in seen and _valid(shape, other):
+            seen.add(other)
+            out.append(other)
+    return out
+
+
+class Polish:
+    """Hill climbing from each new best plan (:meth:`improve`), over the batch shapes
+    :meth:`register` was given. ``evaluate`` solves a closed pipeline exactly and returns its
+    step time (None if solved already, or if it cannot beat the K-th best); ``expired`` says
+    when the time limit is up; ``threshold`` is the K-th best step time."""
+
+    def __init__(
+        self,
+        evaluate: Callable[[BatchShape, Suffix], float | None],
+        expired: Callable[[], bool],
+        threshold: Callable[[], float],
+        budget: int = 200,
+        rounds: int = 10,
+    ) -> None:
+        self.evaluate, self.expired, self.threshold = evaluate, expired, threshold
+        self.budget, self.rounds = budget, rounds
+        self.shapes: dict[ShapeKey, BatchShape] = {}
+        self._index: dict[int, dict[tuple[int, int, int, int], int]] = {}
+        self.active = False
+        self.solved = 0  # neighbours solved, for the statistics
+        self.moves = 0  # improvements taken
+
+    def register(self, shapes: list[BatchShape]) -> None:
+        """Make ``shapes`` neighbours of each other's plans (the first of each key stays; a
+        merged MoE shape is bounded by its root and its plans solved in its exact kinds)."""
+        for shape in shapes:
+            self.shapes.setdefault((shape.mbs, shape.schedule, shape.chunks, shape.dp), shape)
+
+    def improve(self, shape: BatchShape, suffix: Suffix, value: float) -> Point:
+        """Climb from the plan ``suffix`` of ``shape`` (step ``value``) to a faster neighbour
+        while there is one, giving up after :attr:`budget` neighbours without a faster one or
+        :attr:`budget` x :attr:`rounds` neighbours in all; the plan reached. Not re-entrant:
+        plans found while climbing are not climbed from again (the climb goes on from them)."""
+        if self.active:
+            return shape, suffix, value
+        self.active = True
+        try:
+            return self._climb((shape, suffix, value))
+        finally:
+            self.active = False
+
+    def _climb(self, point: Point) -> Point:
+        total = self.budget * self.rounds
+        while True:
+            moved, left = False, self.budget
+            for target, other in self._neighbours(point[0], point[1]):
+                if left <= 0 or total <= 0 or self.expired():
+                    return point
+                left, total = left - 1, total - 1
+                self.solved += 1
+                step = self.evaluate(target, other)
+                if step is not None and step < point[2]:
+                    point, moved = (target, other, step), True
+                    self.moves += 1
+                    break
+            if not moved:
+                return point
+
+    def _neighbours(self, shape: BatchShape, suffix: Suffix) -> Iterator[tuple[BatchShape, Suffix]]:
+        """Neighbours in ``shape`` first, then the same blocks in the neighbouring shapes that
+        may still win (root bound below the K-th best)."""
+        for other in shape_neighbours(shape, suffix):
+            yield shape, other
+        for bounded in self._near_shapes(shape):
+            if bounded.root_bound() >= self.threshold():
+                continue
+            target = getattr(bounded, "exact", bounded)  # merged MoE kinds: solve the exact
+            for moved in self._moved(shape, suffix, target):
+                if _valid(target, moved):
+                    yield target, moved
+
+    def _near_shapes(self, shape: BatchShape) -> list[BatchShape]:
+        """Registered shapes with the micro-batch size and DP degree each halved, kept or
+        doubled (own-DP shapes: the own-DP shapes of those micro-batch sizes), any schedule."""
+        out = []
+        for (mbs, _, _, dp), target in self.shapes.items():
+            if getattr(target, "exact", target) is shape or mbs not in (
+                shape.mbs // 2, shape.mbs, shape.mbs * 2
+            ):  # fmt: skip
+                continue
+            if (dp is None) != (shape.dp is None):
+                continue
+            if dp is not None and shape.dp is not None and dp not in (
+                shape.dp // 2, shape.dp, shape.dp * 2
+            ):  # fmt: skip
+                continue
+            out.append(target)
+        return out
+
+    def _moved(self, shape: BatchShape, suffix: Suffix, target: BatchShape) -> list[Suffix]:
+        """``suffix``'s blocks in ``target``: each block's chip type, TP and EP degree, at the
+        target's DP degree (own DP: its own), each block with about its chips, or each with its
+        stages; none if a kind is missing there."""
+        index = self._index.get(id(target))
+        if index is None:
+            index = {(k.chip, k.tp, k.dp, k.ep): i for i, k in enumerate(target.kinds)}
+            self._index[id(target)] = index
+        chips, stages = [], []
+        for kind, count in suffix:
+            k = shape.kinds[kind]
+            dp = k.dp if target.dp is None else target.dp
+            other = index.get((k.chip, k.tp, dp, k.ep))
+            if other is None:
+                return []
+            chips.append((other, _counts(target, other, count * k.tp * k.dp)[-1]))
+            stages.append((other, count))
+        return list(dict.fromkeys((tuple(chips), tuple(stages))))

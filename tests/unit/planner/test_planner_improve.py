@@ -1,0 +1,96 @@
+"""The local improvement of found plans (``improve.py``): every neighbour is a closed pipeline
+of its batch shape's plan space (the branch and bound's own leaves, enumerated), a climb ends
+at a plan no neighbour beats, and the search finds the same optimum with and without it."""
+
+from __future__ import annotations
+
+import importlib
+
+import pytest
+
+from megatron_h2.planner.bounds import BatchShape
+from megatron_h2.planner.improve import Polish, shape_neighbours
+from megatron_h2.planner.partition import INF
+from megatron_h2.planner.search_options import SearchOptions
+from megatron_h2.planner.structure import solve_structure
+from megatron_h2.planner.suffixes import root_node
+from tests.unit.planner.test_planner_bounds import small_case
+
+search_module = importlib.import_module("megatron_h2.planner.search")
+
+
+def leaves(run, shape: BatchShape, node, out: set) -> set:
+    """Every closed pipeline below ``node`` (the search's tree, nothing pruned)."""
+    for _, kind, count in run._options(shape, node):
+        if kind < 0:
+            out.add(node.suffix)
+        else:
+            links = run._block_links(shape, node, kind, count)
+            leaves(run, shape, node.child(shape, kind, count, links), out)
+    return out
+
+
+def shapes_of(cost, gbs: int) -> list[BatchShape]:
+    """One-DP shapes (every DP degree, 1F1B and zero-bubble) and the own-DP ones."""
+    out = []
+    for schedule in ("1f1b", "zero-bubble"):
+        for dp in (1, 2, None):
+            shape = BatchShape(cost, gbs, 1, schedule, 1, dp)
+            if shape.kinds:
+                shape.build_grid(shape.w_max, 16)
+                out.append(shape)
+    return out
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_every_neighbour_is_a_plan_of_the_shape(seed: int) -> None:
+    cost = small_case(seed)
+    run = search_module._Search(cost, SearchOptions(8, time_limit_s=600))
+    checked = 0
+    for shape in shapes_of(cost, 8):
+        space = leaves(run, shape, root_node(shape), set())
+        for suffix in space:
+            near = shape_neighbours(shape, suffix)
+            assert suffix not in near and len(set(near)) == len(near)
+            assert set(near) <= space, (shape.schedule, shape.dp, suffix, set(near) - space)
+            checked += len(near)
+    assert checked > 0
+
+
+def exact(shape: BatchShape, suffix) -> float | None:
+    split = solve_structure(shape, suffix)
+    return None if split is None else split.step_time_s
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_a_climb_ends_where_no_neighbour_is_faster(seed: int) -> None:
+    cost = small_case(seed)
+    run = search_module._Search(cost, SearchOptions(8, time_limit_s=600))
+    shapes = shapes_of(cost, 8)
+    polish = Polish(exact, lambda: False, lambda: INF, budget=10_000)
+    polish.register(shapes)
+    climbed = 0
+    for shape in shapes:
+        plans = [(v, s) for s in leaves(run, shape, root_node(shape), set())
+                 if (v := exact(shape, s)) is not None]
+        if not plans:
+            continue
+        value, suffix = max(plans)  # the slowest plan that fits
+        end_shape, end, reached = polish.improve(shape, suffix, value)
+        assert reached <= value and exact(end_shape, end) == pytest.approx(reached, rel=1e-12)
+        for other_shape, other in polish._neighbours(end_shape, end):
+            step = exact(other_shape, other)
+            assert step is None or step >= reached
+        climbed += reached < value
+    assert climbed > 0  # some climb improved its plan
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_the_search_finds_the_same_optimum_with_and_without_it(seed: int) -> None:
+    cost = small_case(seed)
+    results = []
+    for polish in (True, False):
+        result = search_module.search(cost, SearchOptions(8, time_limit_s=600, polish=polish))
+        assert result.stats.exhaustive
+        results.append(result.best.estimate.step_time_s)
+    assert results[0] == pytest.approx(results[1], rel=1e-12)
