@@ -73,6 +73,7 @@ class _Search:
         self.best: list[tuple[float, int, Found]] = []  # max-heap by value via negation
         self.counter = itertools.count()
         self.deadline = time.monotonic() + options.time_limit_s
+        self.node_limit = options.max_prefixes if options.max_prefixes is not None else INF
         self.evaluated: set[tuple[int, str, int, tuple[tuple[int, ...], ...]]] = set()
         # MoE: kinds that differ only in their EP degree merged for the structure search
         self.make = MergedShape if options.merge_ep and cost.model.is_moe else BatchShape
@@ -84,6 +85,10 @@ class _Search:
         if len(self.best) < self.options.top_k:
             return self.options.cutoff_s
         return min(-self.best[0][0], self.options.cutoff_s)
+
+    def _late(self) -> bool:
+        """Past the time limit (or :attr:`SearchOptions.max_prefixes`)."""
+        return time.monotonic() > self.deadline or self.stats.nodes >= self.node_limit
 
     def _abandon(self, bound: float) -> None:
         self.stats.exhaustive = False
@@ -144,10 +149,11 @@ class _Search:
         if len(self.cost.cluster.chips) < 2 or self.options.own_dp == "none":
             self._stop(self._run_shapes(shapes))
             return sorted((item[2] for item in self.best), key=lambda f: f.value)
-        deadline = self.deadline  # pause in time to leave a share of the limit to own DP
+        deadline, limit = self.deadline, self.node_limit  # pause: a share left to own DP
         self.deadline -= self.options.own_dp_share * self.options.time_limit_s
+        self.node_limit = int(limit * (1 - self.options.own_dp_share)) if limit < INF else INF
         paused = self._run_shapes(shapes)
-        self.deadline = deadline
+        self.deadline, self.node_limit = deadline, limit
         self.stats.own_dp = self.options.own_dp
         self._derive()
         own = self._shapes(own=True)
@@ -225,7 +231,7 @@ class _Search:
         for change_tp in (False, True):  # each type's TP kept first: fewer kinds, sooner found
             roots: list[tuple[float, BatchShape]] = []
             for mbs, schedule, types in seeds:
-                if time.monotonic() > self.deadline:
+                if self._late():
                     break  # the own-DP shapes bound what is left
                 near = self._near(types, change_tp)
                 shape = self.make(self.cost, gbs, mbs, schedule, 1, None, only=near)
@@ -263,7 +269,7 @@ class _Search:
         for shape in shapes[: self.options.dive_shapes]:  # short dives: good incumbents early
             if (
                 shape.root_bound() >= self.threshold * (1 - _SLACK)
-                or time.monotonic() > self.deadline
+                or self._late()
             ):
                 break
             shape.prepare()
@@ -282,7 +288,7 @@ class _Search:
             if shape.root_bound() >= self.threshold * (1 - _SLACK):
                 self.stats.batch_shapes_pruned += 1
                 continue
-            if time.monotonic() > self.deadline:
+            if self._late():
                 return Left(shapes[index:], refined, queue)
             shape.prepare()
             if shape.root_bound() >= self.threshold * (1 - _SLACK):
@@ -320,7 +326,7 @@ class _Search:
             if queue[0][0] >= self.threshold * (1 - _SLACK):
                 self.stats.nodes_pruned += len(queue)
                 return []
-            if time.monotonic() > self.deadline:
+            if self._late():
                 return queue
             _, _, shape, kind, count, node = heapq.heappop(queue)
             if kind == -1 and isinstance(shape, MergedShape):  # each EP choice, exactly bounded
@@ -358,11 +364,11 @@ class _Search:
         for bound, kind, count in self._options(shape, node):
             if bound >= self.threshold * (1 - _SLACK):
                 continue
-            if visited >= budget or time.monotonic() > self.deadline:
+            if visited >= budget or self._late():
                 break
             if kind < 0 and isinstance(shape, MergedShape):  # each EP choice counts as a node
                 for option, suffix in self._exact_leaves(shape, node):
-                    if visited >= budget or time.monotonic() > self.deadline:
+                    if visited >= budget or self._late():
                         break
                     if option < self.threshold * (1 - _SLACK):
                         self._evaluate(shape.exact, suffix)

@@ -49,6 +49,10 @@ class SearchOptions:
     degrees (:mod:`~megatron_h2.planner.merged_shape`) and choose each block's EP degree when
     a pipeline closes; False searches every (chip type, TP, DP, EP) kind separately (the same
     plans, for comparisons)."""
+    max_prefixes: int | None = None
+    """Benches and tests only: stop after this many pipeline prefixes as at the time limit
+    (the pause for own DP at the same share of them), so that two versions of the search can
+    be compared on the same work whatever the clock (None: the time limit alone)."""
     cutoff_s: float = INF
     """Only plans faster than this are sought (the data-parallel pipelines search passes the
     best step it must beat): a bound at or above it prunes as the K-th best would, and a
