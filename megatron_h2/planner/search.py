@@ -424,8 +424,10 @@ class _Search:
             here = np.array([node.lead])
             first = max(need, float(shape.embedding_need[suffix[0][0]]))  # with the embedding
             rates = shape.block_rates(suffix)
-            leaf = float(shape.bound(placed, 0, here, node.links, edges, first, sync, rates)[0])
-            if leaf < self.threshold * (1 - _SLACK) and not isinstance(shape, MergedShape):
+            cutoff = self.threshold * (1 - _SLACK)
+            leaf = float(shape.bound(placed, 0, here, node.links, edges, first, sync, rates,
+                                     cutoff)[0])
+            if leaf < cutoff and not isinstance(shape, MergedShape):
                 # tighter: the exact memory caps (merged kinds: per EP choice when expanded)
                 leaf = float(closed_bounds(shape, [suffix], node.lead, node.links)[0])
             options.append((leaf, -1, 0))
@@ -478,6 +480,7 @@ class _Search:
         bounds = shape.bound(
             parts, others, np.concatenate(leads), np.concatenate(child_links),
             np.concatenate(edges), np.concatenate(needs), np.concatenate(syncs), rates,
+            self.threshold * (1 - _SLACK),
         )  # fmt: skip
         out, lo, values = [], 0, bounds.tolist()
         for kind, count in columns:

@@ -62,13 +62,16 @@ class SyncCoupling:
         rates: Sequence[np.ndarray | float] | None,
         unused: int,
         leads: np.ndarray,
+        keep: np.ndarray | None = None,
     ) -> np.ndarray | None:
         """Lower bound on the largest end-of-step term per probe and option column when the
         slowest steady term is at most the probe (:func:`least_sync` over the known blocks,
         each holding at most its capacity and ``stages x rate x Z``, and the unused types,
         each at most its capacity in front of the option's lead and its
         :attr:`type_sync_inverse` ``x Z``), solved at :data:`COUPLED_PROBES` probes of the
-        grid; None where nothing couples (no rates known and no unused type)."""
+        grid; None where nothing couples (no rates known and no unused type). With ``keep``
+        (a mask of the columns) only those are solved, the others read ``-inf`` (no bound;
+        each column's value does not depend on the others)."""
         if rates is None and not unused:
             return None
         points = len(self.grid)
@@ -77,23 +80,29 @@ class SyncCoupling:
         if rows[-1] != points - 1:
             rows = np.append(rows, points - 1)
         chips = [t for t in range(len(self.types)) if unused >> t & 1]
-        width = len(np.atleast_1d(leads))
-        a = np.empty((len(fixed) + len(chips), len(rows), width))
+        leads = np.atleast_1d(leads)
+        pick = _picker(keep, len(leads))
+        a = np.empty((len(fixed) + len(chips), len(rows), len(pick(leads))))
         r = np.empty(a.shape)
         for index, (_, block, count) in enumerate(fixed):
-            a[index] = block[rows]
-            stages = np.asarray(count, dtype=np.float64)
-            rate = np.inf if rates is None else rates[index]
+            a[index] = pick(block[rows], axis=1)
+            stages = pick(np.asarray(count, dtype=np.float64))
+            rate = np.inf if rates is None else pick(rates[index])
             with np.errstate(invalid="ignore"):  # 0 stages x inf: no group
                 r[index] = np.where(stages > 0, stages * rate, 0.0)
         if chips:
-            at = self.lead_index(np.asarray(leads))
+            at = self.lead_index(pick(leads))
             a[len(fixed) :] = self._coupled_caps(rows)[chips][:, :, at]
             r[len(fixed) :] = np.array([self.type_sync_inverse[self.types[t]] for t in chips])[
                 :, None, None
             ]
         coarse = _least(a, r, float(self.layers))
-        return coarse[np.searchsorted(rows, np.arange(len(self.grid)))]  # the next one up
+        fine = np.searchsorted(rows, np.arange(len(self.grid)))  # the next one up
+        if keep is None:
+            return coarse[fine]
+        out = np.full((len(self.grid), len(leads)), -np.inf)
+        out[:, keep] = coarse[fine]
+        return out
 
     def _coupled_caps(self, rows: np.ndarray) -> np.ndarray:
         """Every chip type's capacity (:meth:`type_caps`) at the probes ``rows`` of
@@ -101,6 +110,18 @@ class SyncCoupling:
         if self._coupled_type_caps is None:
             self._coupled_type_caps = np.stack([self.type_caps(c)[rows] for c in self.types])
         return self._coupled_type_caps
+
+
+def _picker(keep: np.ndarray | None, width: int) -> Any:
+    """``pick(values, axis=0)``: the ``keep`` columns of per-column ``values`` (those of
+    ``width`` along ``axis``; others, one number or a column for all, as they are)."""
+
+    def pick(values: Any, axis: int = 0) -> Any:
+        if keep is None or np.ndim(values) <= axis or np.shape(values)[axis] != width:
+            return values
+        return np.compress(keep, values, axis=axis)
+
+    return pick
 
 
 def least_sync(
