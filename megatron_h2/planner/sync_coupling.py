@@ -84,12 +84,15 @@ class SyncCoupling:
         pick = _picker(keep, len(leads))
         a = np.empty((len(fixed) + len(chips), len(rows), len(pick(leads))))
         r = np.empty(a.shape)
-        for index, (_, block, count) in enumerate(fixed):
-            a[index] = pick(block[rows], axis=1)
-            stages = pick(np.asarray(count, dtype=np.float64))
-            rate = np.inf if rates is None else pick(rates[index])
-            with np.errstate(invalid="ignore"):  # 0 stages x inf: no group
-                r[index] = np.where(stages > 0, stages * rate, 0.0)
+        with np.errstate(invalid="ignore"):  # 0 stages x inf: no group
+            for index, (_, block, count) in enumerate(fixed):
+                a[index] = pick(block[rows], axis=1)
+                rate = np.inf if rates is None else rates[index]
+                if np.ndim(count) == 0 and np.ndim(rate) == 0:  # the same product, as floats
+                    r[index] = float(count) * float(rate) if count > 0 else 0.0
+                    continue
+                stages = pick(np.asarray(count, dtype=np.float64))
+                r[index] = np.where(stages > 0, stages * pick(rate), 0.0)
         if chips:
             at = self.lead_index(pick(leads))
             a[len(fixed) :] = self._coupled_caps(rows)[chips][:, :, at]
