@@ -81,24 +81,25 @@ class SyncCoupling:
             rows = np.append(rows, points - 1)
         chips = [t for t in range(len(self.types)) if unused >> t & 1]
         leads = np.atleast_1d(leads)
-        pick = _picker(keep, len(leads))
-        a = np.empty((len(fixed) + len(chips), len(rows), len(pick(leads))))
+        a = np.empty((len(fixed) + len(chips), len(rows), len(leads)))
         r = np.empty(a.shape)
         with np.errstate(invalid="ignore"):  # 0 stages x inf: no group
             for index, (_, block, count) in enumerate(fixed):
-                a[index] = pick(block[rows], axis=1)
+                a[index] = block[rows]
                 rate = np.inf if rates is None else rates[index]
                 if np.ndim(count) == 0 and np.ndim(rate) == 0:  # the same product, as floats
                     r[index] = float(count) * float(rate) if count > 0 else 0.0
                     continue
-                stages = pick(np.asarray(count, dtype=np.float64))
-                r[index] = np.where(stages > 0, stages * pick(rate), 0.0)
+                stages = np.asarray(count, dtype=np.float64)
+                r[index] = np.where(stages > 0, stages * rate, 0.0)
         if chips:
-            at = self.lead_index(pick(leads))
+            at = self.lead_index(leads)
             a[len(fixed) :] = self._coupled_caps(rows)[chips][:, :, at]
             r[len(fixed) :] = np.array([self.type_sync_inverse[self.types[t]] for t in chips])[
                 :, None, None
             ]
+        if keep is not None:  # each column's value depends on that column only
+            a, r = a[:, :, keep], r[:, :, keep]
         coarse = _least(a, r, float(self.layers))
         fine = np.searchsorted(rows, np.arange(len(self.grid)))  # the next one up
         if keep is None:
@@ -113,18 +114,6 @@ class SyncCoupling:
         if self._coupled_type_caps is None:
             self._coupled_type_caps = np.stack([self.type_caps(c)[rows] for c in self.types])
         return self._coupled_type_caps
-
-
-def _picker(keep: np.ndarray | None, width: int) -> Any:
-    """``pick(values, axis=0)``: the ``keep`` columns of per-column ``values`` (those of
-    ``width`` along ``axis``; others, one number or a column for all, as they are)."""
-
-    def pick(values: Any, axis: int = 0) -> Any:
-        if keep is None or np.ndim(values) <= axis or np.shape(values)[axis] != width:
-            return values
-        return np.compress(keep, values, axis=axis)
-
-    return pick
 
 
 def least_sync(
