@@ -510,6 +510,7 @@ class BatchShape(ShapeMemory, RestBound, SyncCoupling):
         need: np.ndarray | float,
         sync: np.ndarray | float = 0.0,
         rates: Sequence[np.ndarray | float] | None = None,
+        cutoff: float = INF,
     ) -> np.ndarray:
         """Lower bound on the step time per option column (see the module docstring).
 
@@ -521,7 +522,8 @@ class BatchShape(ShapeMemory, RestBound, SyncCoupling):
         bound on the largest end-of-step sync (per option or one number, like ``links``);
         ``rates``: per known block its kind's :attr:`sync_inverse` (None: blocks uncapped by the
         sync), which with the unused types' couples the sync with the probe
-        (:func:`~megatron_h2.planner.sync_coupling.least_sync`).
+        (:func:`~megatron_h2.planner.sync_coupling.least_sync`). A column whose bound is at
+        least ``cutoff`` without that coupling keeps that bound (also at least ``cutoff``).
         """
         widths, units = [], []
         mandatory_layers: np.ndarray | float = 0.0
@@ -565,24 +567,34 @@ class BatchShape(ShapeMemory, RestBound, SyncCoupling):
         low = np.maximum(grid[:-1], need)
         own = self._own_work(low)
         sync = np.asarray(sync, dtype=np.float64)
-        coupled = self.coupled_sync(fixed, rates, unused, leads)
-        probed = sync if coupled is None else np.maximum(sync, coupled[1:])  # at g_j+1
-        if self.schedule == "zero-bubble":  # the slowest stage's fill + tail is its whole work
-            tail = np.maximum(probed, self.tail_share * own)
-            terms = self.steady * low + np.maximum(fill[1:] + tail, own)
-        else:
-            terms = self.steady * low + np.maximum(fill[1:], own) + probed
-        terms = terms + (stage_links[1:] if unused else 0.0)
         ok = (covered >= remaining - 1e-9) & ~np.asarray(short)
         first = np.where(ok.any(axis=0), ok.argmax(axis=0), len(self.grid))
         rows = np.arange(len(self.grid) - 1)[:, None]
         admissible = (rows >= np.maximum(first - 1, 0)[None, :]) & (grid[1:] >= need)
-        best = np.where(admissible, terms, INF).min(axis=0)
+        beyond = None
         if not self.grid_is_max:  # work above the top probe: already worse than the K-th best
             top = np.maximum(self.grid[-1], need)
             if self.schedule == "zero-bubble":
                 beyond = self.steady * top + np.maximum(sync, self._own_work(top))
             else:
                 beyond = self.steady * top + self._own_work(top) + sync
-            best = np.minimum(best, beyond)
-        return best + links
+
+        def settle(probed: np.ndarray) -> np.ndarray:
+            if self.schedule == "zero-bubble":  # the slowest stage's fill + tail: its work
+                tail = np.maximum(probed, self.tail_share * own)
+                terms = self.steady * low + np.maximum(fill[1:] + tail, own)
+            else:
+                terms = self.steady * low + np.maximum(fill[1:], own) + probed
+            terms = terms + (stage_links[1:] if unused else 0.0)
+            best = np.where(admissible, terms, INF).min(axis=0)
+            return (best if beyond is None else np.minimum(best, beyond)) + links
+
+        keep = None  # the coupled sync (never lower) only where the uncoupled bound may win
+        if cutoff < INF and (rates is not None or unused):
+            loose = settle(sync)
+            keep = loose < cutoff
+            if not keep.any():
+                return loose
+            keep = None if keep.all() else keep
+        coupled = self.coupled_sync(fixed, rates, unused, leads, keep)
+        return settle(sync if coupled is None else np.maximum(sync, coupled[1:]))  # at g_j+1

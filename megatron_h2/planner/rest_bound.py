@@ -130,10 +130,15 @@ class RestBound:
             if not mask >> t_index & 1:
                 continue
             after = self._rest_coarse(mask & ~(1 << t_index))
+            if self.uniform:  # kinds of as many stages at most at once
+                most: dict[int, list[int]] = {}
+                for kind in self.kinds_of[chip]:
+                    stages = min(self.kinds[kind].max_stages, self.positions)
+                    most.setdefault(stages, []).append(kind)
+                for kinds in most.values():
+                    np.maximum(result, self._rest_uniform(kinds, after).max(axis=0), out=result)
+                continue
             for kind in self.kinds_of[chip]:
-                if self.uniform:
-                    np.maximum(result, self._rest_uniform(kind, after), out=result)
-                    continue
                 if kind not in self._from_leads:  # the same for every mask
                     most = min(self.kinds[kind].max_stages, self.positions)
                     counts = np.arange(1, most + 1)
@@ -145,21 +150,23 @@ class RestBound:
         self._rest[mask] = result
         return result
 
-    def _rest_uniform(self, kind: int, after: np.ndarray) -> np.ndarray:
+    def _rest_uniform(self, kinds: list[int], after: np.ndarray) -> np.ndarray:
         """Under one DP degree (grid lead ``i`` = ``i`` stages behind): the most units a block
-        of ``kind`` plus ``after`` (what the types in front of it add) hold in front of each grid
-        lead, as the general case computes it: ``max over c of P[i + c] - P[i] + after[i + c]``
-        (``P`` the kind's prefix sums; whole numbers, so the sums are exact in any order), with
-        a sliding maximum over ``c = 1 .. most`` instead of every ``c`` of every lead."""
-        most, depth = min(self.kinds[kind].max_stages, self.positions), self.depth
-        prefix = self.coarse_prefix[kind]  # coarse probe x (warm-up + 1)
+        of each of ``kinds`` (of as many stages at most) plus ``after`` (what the types in
+        front of it add) hold in front of each grid lead, as the general case computes it:
+        ``max over c of P[i + c] - P[i] + after[i + c]`` (``P`` the kind's prefix sums; whole
+        numbers, so the sums are exact in any order), with a sliding maximum over ``c = 1 ..
+        most`` instead of every ``c`` of every lead: kind x coarse probe x grid lead."""
+        most = min(self.kinds[kinds[0]].max_stages, self.positions)
+        depth = self.depth
+        prefix = self.coarse_prefix[kinds]  # kind x coarse probe x (warm-up + 1)
         ends = np.arange(depth + most)
-        windows = _window_max(prefix[:, ends] + after[:, np.minimum(ends, depth)], most)
-        out = np.empty((prefix.shape[0], depth + 1))
-        out[:, :depth] = windows[:, 1 : depth + 1] - prefix[:, :depth]
+        windows = _window_max(prefix[:, :, ends] + after[None, :, np.minimum(ends, depth)], most)
+        out = np.empty(prefix.shape[:2] + (depth + 1,))
+        out[:, :, :depth] = windows[:, :, 1 : depth + 1] - prefix[:, :, :depth]
         # the last grid lead reads the table's last warm-up, and what it leaves is the last lead
-        last = prefix[:, depth : depth + most] - prefix[:, [depth - 1]]
-        out[:, depth] = last.max(axis=1) + after[:, depth]
+        last = prefix[:, :, depth : depth + most] - prefix[:, :, [depth - 1]]
+        out[:, :, depth] = last.max(axis=2) + after[None, :, depth]
         return out
 
     def stage_caps(self, mask: int) -> np.ndarray:
@@ -224,12 +231,12 @@ def running_sum(stack: np.ndarray) -> np.ndarray:
 
 
 def _window_max(values: np.ndarray, width: int) -> np.ndarray:
-    """``out[:, a] = values[:, a : a + width].max(axis=1)`` for every full window (by doubling
-    spans: a few passes instead of ``width``)."""
+    """``out[..., a] = values[..., a : a + width].max(axis=-1)`` for every full window (by
+    doubling spans: a few passes instead of ``width``)."""
     span = 1
     while 2 * span <= width:
-        values = np.maximum(values[:, :-span], values[:, span:])  # spans of 2 * span
+        values = np.maximum(values[..., :-span], values[..., span:])  # spans of 2 * span
         span *= 2
     if span == width:
         return values
-    return np.maximum(values[:, : values.shape[1] - (width - span)], values[:, width - span :])
+    return np.maximum(values[..., : values.shape[-1] - (width - span)], values[..., width - span :])

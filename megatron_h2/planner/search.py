@@ -74,6 +74,7 @@ class _Search:
         self.best: list[tuple[float, int, Found]] = []  # max-heap by value via negation
         self.counter = itertools.count()
         self.deadline = time.monotonic() + options.time_limit_s
+        self.node_limit = options.max_prefixes if options.max_prefixes is not None else INF
         self.evaluated: set[tuple[int, str, int, tuple[tuple[int, ...], ...]]] = set()
         # MoE: kinds that differ only in their EP degree merged for the structure search
         self.make = MergedShape if options.merge_ep and cost.model.is_moe else BatchShape
@@ -87,6 +88,10 @@ class _Search:
         if len(self.best) < self.options.top_k:
             return self.options.cutoff_s
         return min(-self.best[0][0], self.options.cutoff_s)
+
+    def _late(self) -> bool:
+        """Past the time limit (or :attr:`SearchOptions.max_prefixes`)."""
+        return time.monotonic() > self.deadline or self.stats.nodes >= self.node_limit
 
     def _abandon(self, bound: float) -> None:
         self.stats.exhaustive = False
@@ -148,10 +153,11 @@ class _Search:
         if len(self.cost.cluster.chips) < 2 or self.options.own_dp == "none":
             self._stop(self._run_shapes(shapes))
             return sorted((item[2] for item in self.best), key=lambda f: f.value)
-        deadline = self.deadline  # pause in time to leave a share of the limit to own DP
+        deadline, limit = self.deadline, self.node_limit  # pause: a share left to own DP
         self.deadline -= self.options.own_dp_share * self.options.time_limit_s
+        self.node_limit = int(limit * (1 - self.options.own_dp_share)) if limit < INF else INF
         paused = self._run_shapes(shapes)
-        self.deadline = deadline
+        self.deadline, self.node_limit = deadline, limit
         self.stats.own_dp = self.options.own_dp
         self._derive()
         own = self._shapes(own=True)
@@ -229,7 +235,7 @@ class _Search:
         for change_tp in (False, True):  # each type's TP kept first: fewer kinds, sooner found
             roots: list[tuple[float, BatchShape]] = []
             for mbs, schedule, types in seeds:
-                if time.monotonic() > self.deadline:
+                if self._late():
                     break  # the own-DP shapes bound what is left
                 near = self._near(types, change_tp)
                 shape = self.make(self.cost, gbs, mbs, schedule, 1, None, only=near)
@@ -267,7 +273,7 @@ class _Search:
         for shape in shapes[: self.options.dive_shapes]:  # short dives: good incumbents early
             if (
                 shape.root_bound() >= self.threshold * (1 - _SLACK)
-                or time.monotonic() > self.deadline
+                or self._late()
             ):
                 break
             shape.prepare()
@@ -286,7 +292,7 @@ class _Search:
             if shape.root_bound() >= self.threshold * (1 - _SLACK):
                 self.stats.batch_shapes_pruned += 1
                 continue
-            if time.monotonic() > self.deadline:
+            if self._late():
                 return Left(shapes[index:], refined, queue)
             shape.prepare()
             if shape.root_bound() >= self.threshold * (1 - _SLACK):
@@ -324,7 +330,7 @@ class _Search:
             if queue[0][0] >= self.threshold * (1 - _SLACK):
                 self.stats.nodes_pruned += len(queue)
                 return []
-            if time.monotonic() > self.deadline:
+            if self._late():
                 return queue
             _, _, shape, kind, count, node = heapq.heappop(queue)
             if kind == -1 and isinstance(shape, MergedShape):  # each EP choice, exactly bounded
@@ -362,11 +368,11 @@ class _Search:
         for bound, kind, count in self._options(shape, node):
             if bound >= self.threshold * (1 - _SLACK):
                 continue
-            if visited >= budget or time.monotonic() > self.deadline:
+            if visited >= budget or self._late():
                 break
             if kind < 0 and isinstance(shape, MergedShape):  # each EP choice counts as a node
                 for option, suffix in self._exact_leaves(shape, node):
-                    if visited >= budget or time.monotonic() > self.deadline:
+                    if visited >= budget or self._late():
                         break
                     if option < self.threshold * (1 - _SLACK):
                         self._evaluate(shape.exact, suffix)
@@ -422,8 +428,10 @@ class _Search:
             here = np.array([node.lead])
             first = max(need, float(shape.embedding_need[suffix[0][0]]))  # with the embedding
             rates = shape.block_rates(suffix)
-            leaf = float(shape.bound(placed, 0, here, node.links, edges, first, sync, rates)[0])
-            if leaf < self.threshold * (1 - _SLACK) and not isinstance(shape, MergedShape):
+            cutoff = self.threshold * (1 - _SLACK)
+            leaf = float(shape.bound(placed, 0, here, node.links, edges, first, sync, rates,
+                                     cutoff)[0])
+            if leaf < cutoff and not isinstance(shape, MergedShape):
                 # tighter: the exact memory caps (merged kinds: per EP choice when expanded)
                 leaf = float(closed_bounds(shape, [suffix], node.lead, node.links)[0])
             options.append((leaf, -1, 0))
@@ -476,6 +484,7 @@ class _Search:
         bounds = shape.bound(
             parts, others, np.concatenate(leads), np.concatenate(child_links),
             np.concatenate(edges), np.concatenate(needs), np.concatenate(syncs), rates,
+            self.threshold * (1 - _SLACK),
         )  # fmt: skip
         out, lo, values = [], 0, bounds.tolist()
         for kind, count in columns:

@@ -52,6 +52,10 @@ class SearchOptions:
     polish: bool = True
     """Climb from each new best plan to faster neighbouring plans (:mod:`.improve`): better
     plans sooner, the same space and the same meaning of the proven bound."""
+    max_prefixes: int | None = None
+    """Benches and tests only: stop after this many pipeline prefixes as at the time limit
+    (the pause for own DP at the same share of them), so that two versions of the search can
+    be compared on the same work whatever the clock (None: the time limit alone)."""
     cutoff_s: float = INF
     """Only plans faster than this are sought (the data-parallel pipelines search passes the
     best step it must beat): a bound at or above it prunes as the K-th best would, and a

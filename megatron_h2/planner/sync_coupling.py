@@ -62,13 +62,16 @@ class SyncCoupling:
         rates: Sequence[np.ndarray | float] | None,
         unused: int,
         leads: np.ndarray,
+        keep: np.ndarray | None = None,
     ) -> np.ndarray | None:
         """Lower bound on the largest end-of-step term per probe and option column when the
         slowest steady term is at most the probe (:func:`least_sync` over the known blocks,
         each holding at most its capacity and ``stages x rate x Z``, and the unused types,
         each at most its capacity in front of the option's lead and its
         :attr:`type_sync_inverse` ``x Z``), solved at :data:`COUPLED_PROBES` probes of the
-        grid; None where nothing couples (no rates known and no unused type)."""
+        grid; None where nothing couples (no rates known and no unused type). With ``keep``
+        (a mask of the columns) only those are solved, the others read ``-inf`` (no bound;
+        each column's value does not depend on the others)."""
         if rates is None and not unused:
             return None
         points = len(self.grid)
@@ -77,23 +80,33 @@ class SyncCoupling:
         if rows[-1] != points - 1:
             rows = np.append(rows, points - 1)
         chips = [t for t in range(len(self.types)) if unused >> t & 1]
-        width = len(np.atleast_1d(leads))
-        a = np.empty((len(fixed) + len(chips), len(rows), width))
+        leads = np.atleast_1d(leads)
+        a = np.empty((len(fixed) + len(chips), len(rows), len(leads)))
         r = np.empty(a.shape)
-        for index, (_, block, count) in enumerate(fixed):
-            a[index] = block[rows]
-            stages = np.asarray(count, dtype=np.float64)
-            rate = np.inf if rates is None else rates[index]
-            with np.errstate(invalid="ignore"):  # 0 stages x inf: no group
+        with np.errstate(invalid="ignore"):  # 0 stages x inf: no group
+            for index, (_, block, count) in enumerate(fixed):
+                a[index] = block[rows]
+                rate = np.inf if rates is None else rates[index]
+                if np.ndim(count) == 0 and np.ndim(rate) == 0:  # the same product, as floats
+                    r[index] = float(count) * float(rate) if count > 0 else 0.0
+                    continue
+                stages = np.asarray(count, dtype=np.float64)
                 r[index] = np.where(stages > 0, stages * rate, 0.0)
         if chips:
-            at = self.lead_index(np.asarray(leads))
+            at = self.lead_index(leads)
             a[len(fixed) :] = self._coupled_caps(rows)[chips][:, :, at]
             r[len(fixed) :] = np.array([self.type_sync_inverse[self.types[t]] for t in chips])[
                 :, None, None
             ]
+        if keep is not None:  # each column's value depends on that column only
+            a, r = a[:, :, keep], r[:, :, keep]
         coarse = _least(a, r, float(self.layers))
-        return coarse[np.searchsorted(rows, np.arange(len(self.grid)))]  # the next one up
+        fine = np.searchsorted(rows, np.arange(len(self.grid)))  # the next one up
+        if keep is None:
+            return coarse[fine]
+        out = np.full((len(self.grid), len(leads)), -np.inf)
+        out[:, keep] = coarse[fine]
+        return out
 
     def _coupled_caps(self, rows: np.ndarray) -> np.ndarray:
         """Every chip type's capacity (:meth:`type_caps`) at the probes ``rows`` of
