@@ -302,28 +302,34 @@ class BatchShape(ShapeMemory, RestBound, SyncCoupling):
     def _root_extras(self) -> tuple[float, float]:
         """Lower bounds on the summed fill (edges included) and on the link time of every
         plan of this shape, whatever its slowest stage: the layers filled into the cheapest
-        memory capacity (each chip type's kinds as convex segments, each kind's block as if it
-        ended the pipeline, where it holds the most), and the fewest stages that hold them,
-        each but one with a link of at least the cheapest of its type's."""
+        memory capacity (:meth:`_segment_fill` with no time caps), and the fewest stages that
+        hold them, each but one with a link of at least the cheapest of its type's."""
         caps = self.capacity(np.array([self.w_max]))  # memory-bound: every kind's time cap is L
-        most = self._most_layers(caps)[:, 0]
-        units, widths = [], []
-        for chip in self.types:
-            kinds = sorted(self.kinds_of[chip], key=lambda k: self.fill_unit[k])
-            running = 0.0
-            for kind in kinds:
-                if most[kind] > running:
-                    units.append(float(self.fill_unit[kind]))
-                    widths.append(most[kind] - running)
-                    running = float(most[kind])
-        fill, left = 0.0, float(self.layers)
-        for unit, width in sorted(zip(units, widths)):
-            take = min(width, left)
-            fill, left = fill + unit * take, left - take
-        edges = float(self.head_time.min() + self.embedding_time.min())
+        fill = float(self._segment_fill(self._most_layers(caps))[0])
         per_stage = float(caps[:, 0, 0].max())  # warm-up 0 holds the most
         stages = -(-self.layers // max(int(per_stage), 1))
-        return fill + edges, (stages - 1) * min(self.type_link.values())
+        return fill, (stages - 1) * min(self.type_link.values())
+
+    def _segment_fill(self, most: np.ndarray) -> np.ndarray:
+        """Per probe, the least summed fill (edges included) of the layers where each kind
+        holds at most ``most`` (kind x probe, :meth:`_most_layers`): each chip type's kinds as
+        convex segments (by fill per layer, each adding what it holds beyond the cheaper ones;
+        a type runs one kind, whose layers cost no less than these segments' up to its
+        ``most``), the layers filled into the cheapest first; inf where they do not fit."""
+        units, widths = [], []
+        for chip in self.types:
+            running = np.zeros(most.shape[1])
+            for kind in sorted(self.kinds_of[chip], key=lambda k: self.fill_unit[k]):
+                units.append(float(self.fill_unit[kind]))
+                widths.append(np.maximum(most[kind] - running, 0.0))
+                running = np.maximum(running, most[kind])
+        order = np.argsort(units, kind="stable")
+        stacked = np.array(widths)[order]  # segment x probe, cheapest first
+        before = np.cumsum(stacked, axis=0) - stacked
+        take = np.minimum(np.maximum(self.layers - before, 0.0), stacked)
+        fill = np.asarray(units)[order] @ take
+        fill = np.where(take.sum(axis=0) >= self.layers - 1e-9, fill, INF)
+        return fill + float(self.head_time.min() + self.embedding_time.min())
 
     def _own_work(self, work: np.ndarray | float) -> np.ndarray | float:
         """The slowest stage's own work when the largest folded steady term is ``work`` (the
@@ -393,11 +399,13 @@ class BatchShape(ShapeMemory, RestBound, SyncCoupling):
         w = max(self.w_floor, float(self.head_need.min()))  # some kind holds the head
         return max(float(self._root_terms(w, self.tail_floor, self.root_links)), self.root_coupled)
 
-    def _root_terms(self, w: Any, tail: Any, links: Any) -> Any:
+    def _root_terms(self, w: Any, tail: Any, links: Any, fill: Any = None) -> Any:
         """The root bound where the largest folded steady term is at least ``w``, the
-        end-of-step term at least ``tail`` and the links at least ``links``: the slowest stage's
-        own work counts under every schedule (zero-bubble: in its tail), and the fill."""
-        own, fill = self._own_work(w), self.root_fill
+        end-of-step term at least ``tail``, the links at least ``links`` and the summed fill at
+        least ``fill`` (default :attr:`root_fill`): the slowest stage's own work counts under
+        every schedule (zero-bubble: in its tail), and the fill."""
+        own = self._own_work(w)
+        fill = self.root_fill if fill is None else fill
         if self.schedule == "zero-bubble":
             tail = np.maximum(tail, self.tail_share * own)
             return self.steady * w + np.maximum(fill + tail, own) + links
@@ -408,9 +416,10 @@ class BatchShape(ShapeMemory, RestBound, SyncCoupling):
         term, on probes from the root's up to four times it: where the slowest steady term is in
         ``(g_j, g_j+1]``, the layers fit the capacity at ``g_j+1`` (every chip type's block as
         if it ended the pipeline), so the end-of-step term is at least :func:`least_sync` of the
-        types' capacities and sync inverses there, and the stages at least the layers over the
-        largest single-stage capacity there, each but one with a link; above the top probe,
-        the uncoupled terms."""
+        types' capacities and sync inverses there, the stages at least the layers over the
+        largest single-stage capacity there, each but one with a link, and the summed fill at
+        least the layers filled into the cheapest capacity there (:meth:`_segment_fill`, time
+        caps included); above the top probe, the uncoupled terms."""
         floor = max(self.w_floor, float(self.head_need.min()))
         top = min(self.w_max, 4.0 * floor)
         if not top > floor:
@@ -423,8 +432,10 @@ class BatchShape(ShapeMemory, RestBound, SyncCoupling):
         sync = least_sync(held, rates, float(self.layers))[1:]
         stages = np.ceil(self.layers / np.maximum(caps[:, 1:, 0].max(axis=0), 1.0) - 1e-9)
         links = np.maximum(stages - 1.0, 0.0) * min(self.type_link.values())
+        fill = np.maximum(self._segment_fill(most)[1:], self.root_fill)  # at g_j+1
         terms = self._root_terms(
-            probes[:-1], np.maximum(sync, self.tail_floor), np.maximum(links, self.root_links)
+            probes[:-1], np.maximum(sync, self.tail_floor), np.maximum(links, self.root_links),
+            fill,
         )
         beyond = self._root_terms(top, self.tail_floor, self.root_links)
         return float(min(terms.min(), beyond))

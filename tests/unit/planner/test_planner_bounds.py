@@ -3,8 +3,8 @@ of every pipeline structure below them, on small random clusters: every option's
 most the step time of every closed pipeline it leads to, and the bounds see the stages that hold
 the head (its steady term, and under zero-bubble its deferred weight gradients), the first
 stage's sync with the embedding, the links of the stages still to come, at a shape's root
-the fill of the cheapest memory capacity, and the end-of-step term coupled with the steady
-term (``least_sync``)."""
+the fill of the cheapest memory capacity (and of the cheapest capacity at each probe), and the
+end-of-step term coupled with the steady term (``least_sync``)."""
 
 from __future__ import annotations
 
@@ -251,3 +251,20 @@ def test_the_sync_coupled_with_the_steady_term_raises_the_bounds(schedule: str) 
         max(shape.w_floor, float(shape.head_need.min())), shape.tail_floor, shape.root_links
     )
     assert shape.root_bound() > uncoupled
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zero-bubble"])
+@pytest.mark.parametrize("dp", [2, None])
+def test_the_root_bound_fills_the_layers_at_each_probe(schedule: str, dp: int | None) -> None:
+    """Where the slowest steady term is at most a probe, every stage holds at most its
+    capacity there (time caps too), so the summed fill is at least the layers filled into the
+    cheapest capacity at that probe: the root bound is higher with that fill than with the
+    memory-only fill at every probe (and, by the tests above, never above the exact split)."""
+    shape = BatchShape(small_case(0), 8, 1, schedule, 1, dp)
+    coupled = shape.root_bound()
+    shape._segment_fill = lambda most: np.full(most.shape[1], shape.root_fill)
+    memory_only = shape._coupled_root()
+    terms = shape._root_terms(
+        max(shape.w_floor, float(shape.head_need.min())), shape.tail_floor, shape.root_links
+    )
+    assert coupled > max(float(terms), memory_only) * (1 + 1e-6)
