@@ -310,27 +310,6 @@ class BatchShape(ShapeMemory, RestBound, SyncCoupling):
         stages = -(-self.layers // max(int(per_stage), 1))
         return fill, (stages - 1) * min(self.type_link.values())
 
-    def _segment_fill(self, most: np.ndarray) -> np.ndarray:
-        """Per probe, the least summed fill (edges included) of the layers where each kind
-        holds at most ``most`` (kind x probe, :meth:`_most_layers`): each chip type's kinds as
-        convex segments (by fill per layer, each adding what it holds beyond the cheaper ones;
-        a type runs one kind, whose layers cost no less than these segments' up to its
-        ``most``), the layers filled into the cheapest first; inf where they do not fit."""
-        units, widths = [], []
-        for chip in self.types:
-            running = np.zeros(most.shape[1])
-            for kind in sorted(self.kinds_of[chip], key=lambda k: self.fill_unit[k]):
-                units.append(float(self.fill_unit[kind]))
-                widths.append(np.maximum(most[kind] - running, 0.0))
-                running = np.maximum(running, most[kind])
-        order = np.argsort(units, kind="stable")
-        stacked = np.array(widths)[order]  # segment x probe, cheapest first
-        before = np.cumsum(stacked, axis=0) - stacked
-        take = np.minimum(np.maximum(self.layers - before, 0.0), stacked)
-        fill = np.asarray(units)[order] @ take
-        fill = np.where(take.sum(axis=0) >= self.layers - 1e-9, fill, INF)
-        return fill + float(self.head_time.min() + self.embedding_time.min())
-
     def _own_work(self, work: np.ndarray | float) -> np.ndarray | float:
         """The slowest stage's own work when the largest folded steady term is ``work`` (the
         probe itself when no stage has a steady term)."""
@@ -521,6 +500,7 @@ class BatchShape(ShapeMemory, RestBound, SyncCoupling):
         need: np.ndarray | float,
         sync: np.ndarray | float = 0.0,
         rates: Sequence[np.ndarray | float] | None = None,
+        fronts: tuple[np.ndarray, float, float] | None = None,
     ) -> np.ndarray:
         """Lower bound on the step time per option column (see the module docstring).
 
@@ -532,7 +512,11 @@ class BatchShape(ShapeMemory, RestBound, SyncCoupling):
         bound on the largest end-of-step sync (per option or one number, like ``links``);
         ``rates``: per known block its kind's :attr:`sync_inverse` (None: blocks uncapped by the
         sync), which with the unused types' couples the sync with the probe
-        (:func:`~megatron_h2.planner.sync_coupling.least_sync`).
+        (:func:`~megatron_h2.planner.sync_coupling.least_sync`); ``fronts``: (per option the
+        end-of-step floor of its front stage with the embedding, the least of the unused types',
+        the least link of one of their stages): the lesser of the bounds of closing with the
+        option's block in front and of an unused type's block in front (one more stage, its
+        link), instead of one pipeline mixing the two.
         """
         widths, units = [], []
         mandatory_layers: np.ndarray | float = 0.0
@@ -578,12 +562,19 @@ class BatchShape(ShapeMemory, RestBound, SyncCoupling):
         sync = np.asarray(sync, dtype=np.float64)
         coupled = self.coupled_sync(fixed, rates, unused, leads)
         probed = sync if coupled is None else np.maximum(sync, coupled[1:])  # at g_j+1
-        if self.schedule == "zero-bubble":  # the slowest stage's fill + tail is its whole work
-            tail = np.maximum(probed, self.tail_share * own)
-            terms = self.steady * low + np.maximum(fill[1:] + tail, own)
-        else:
-            terms = self.steady * low + np.maximum(fill[1:], own) + probed
-        terms = terms + (stage_links[1:] if unused else 0.0)
+        def step(z: np.ndarray) -> np.ndarray:  # the slowest stage's fill + tail: its work
+            if self.schedule == "zero-bubble":
+                tail = np.maximum(z, self.tail_share * own)
+                return self.steady * low + np.maximum(fill[1:] + tail, own)
+            return self.steady * low + np.maximum(fill[1:], own) + z
+
+        extra = stage_links[1:] if unused else 0.0
+        if fronts is None:
+            terms = step(probed) + extra
+        else:  # close with this block in front, or an unused type's block in front of it
+            closing, opening, link = fronts
+            terms = np.minimum(step(np.maximum(probed, closing)) + extra,
+                               step(np.maximum(probed, opening)) + np.maximum(extra, link))
         ok = (covered >= remaining - 1e-9) & ~np.asarray(short)
         first = np.where(ok.any(axis=0), ok.argmax(axis=0), len(self.grid))
         rows = np.arange(len(self.grid) - 1)[:, None]
