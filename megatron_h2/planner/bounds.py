@@ -302,28 +302,13 @@ class BatchShape(ShapeMemory, RestBound, SyncCoupling):
     def _root_extras(self) -> tuple[float, float]:
         """Lower bounds on the summed fill (edges included) and on the link time of every
         plan of this shape, whatever its slowest stage: the layers filled into the cheapest
-        memory capacity (each chip type's kinds as convex segments, each kind's block as if it
-        ended the pipeline, where it holds the most), and the fewest stages that hold them,
-        each but one with a link of at least the cheapest of its type's."""
+        memory capacity (:meth:`_segment_fill` with no time caps), and the fewest stages that
+        hold them, each but one with a link of at least the cheapest of its type's."""
         caps = self.capacity(np.array([self.w_max]))  # memory-bound: every kind's time cap is L
-        most = self._most_layers(caps)[:, 0]
-        units, widths = [], []
-        for chip in self.types:
-            kinds = sorted(self.kinds_of[chip], key=lambda k: self.fill_unit[k])
-            running = 0.0
-            for kind in kinds:
-                if most[kind] > running:
-                    units.append(float(self.fill_unit[kind]))
-                    widths.append(most[kind] - running)
-                    running = float(most[kind])
-        fill, left = 0.0, float(self.layers)
-        for unit, width in sorted(zip(units, widths)):
-            take = min(width, left)
-            fill, left = fill + unit * take, left - take
-        edges = float(self.head_time.min() + self.embedding_time.min())
+        fill = float(self._segment_fill(self._most_layers(caps))[0])
         per_stage = float(caps[:, 0, 0].max())  # warm-up 0 holds the most
         stages = -(-self.layers // max(int(per_stage), 1))
-        return fill + edges, (stages - 1) * min(self.type_link.values())
+        return fill, (stages - 1) * min(self.type_link.values())
 
     def _own_work(self, work: np.ndarray | float) -> np.ndarray | float:
         """The slowest stage's own work when the largest folded steady term is ``work`` (the
@@ -393,11 +378,13 @@ class BatchShape(ShapeMemory, RestBound, SyncCoupling):
         w = max(self.w_floor, float(self.head_need.min()))  # some kind holds the head
         return max(float(self._root_terms(w, self.tail_floor, self.root_links)), self.root_coupled)
 
-    def _root_terms(self, w: Any, tail: Any, links: Any) -> Any:
+    def _root_terms(self, w: Any, tail: Any, links: Any, fill: Any = None) -> Any:
         """The root bound where the largest folded steady term is at least ``w``, the
-        end-of-step term at least ``tail`` and the links at least ``links``: the slowest stage's
-        own work counts under every schedule (zero-bubble: in its tail), and the fill."""
-        own, fill = self._own_work(w), self.root_fill
+        end-of-step term at least ``tail``, the links at least ``links`` and the summed fill at
+        least ``fill`` (default :attr:`root_fill`): the slowest stage's own work counts under
+        every schedule (zero-bubble: in its tail), and the fill."""
+        own = self._own_work(w)
+        fill = self.root_fill if fill is None else fill
         if self.schedule == "zero-bubble":
             tail = np.maximum(tail, self.tail_share * own)
             return self.steady * w + np.maximum(fill + tail, own) + links
@@ -408,9 +395,10 @@ class BatchShape(ShapeMemory, RestBound, SyncCoupling):
         term, on probes from the root's up to four times it: where the slowest steady term is in
         ``(g_j, g_j+1]``, the layers fit the capacity at ``g_j+1`` (every chip type's block as
         if it ended the pipeline), so the end-of-step term is at least :func:`least_sync` of the
-        types' capacities and sync inverses there, and the stages at least the layers over the
-        largest single-stage capacity there, each but one with a link; above the top probe,
-        the uncoupled terms."""
+        types' capacities and sync inverses there, the stages at least the layers over the
+        largest single-stage capacity there, each but one with a link, and the summed fill at
+        least the layers filled into the cheapest capacity there (:meth:`_segment_fill`, time
+        caps included); above the top probe, the uncoupled terms."""
         floor = max(self.w_floor, float(self.head_need.min()))
         top = min(self.w_max, 4.0 * floor)
         if not top > floor:
@@ -423,8 +411,10 @@ class BatchShape(ShapeMemory, RestBound, SyncCoupling):
         sync = least_sync(held, rates, float(self.layers))[1:]
         stages = np.ceil(self.layers / np.maximum(caps[:, 1:, 0].max(axis=0), 1.0) - 1e-9)
         links = np.maximum(stages - 1.0, 0.0) * min(self.type_link.values())
+        fill = np.maximum(self._segment_fill(most)[1:], self.root_fill)  # at g_j+1
         terms = self._root_terms(
-            probes[:-1], np.maximum(sync, self.tail_floor), np.maximum(links, self.root_links)
+            probes[:-1], np.maximum(sync, self.tail_floor), np.maximum(links, self.root_links),
+            fill,
         )
         beyond = self._root_terms(top, self.tail_floor, self.root_links)
         return float(min(terms.min(), beyond))
@@ -511,6 +501,7 @@ class BatchShape(ShapeMemory, RestBound, SyncCoupling):
         sync: np.ndarray | float = 0.0,
         rates: Sequence[np.ndarray | float] | None = None,
         cutoff: float = INF,
+        fronts: tuple[np.ndarray, float, float] | None = None,
     ) -> np.ndarray:
         """Lower bound on the step time per option column (see the module docstring).
 
@@ -524,6 +515,9 @@ class BatchShape(ShapeMemory, RestBound, SyncCoupling):
         sync), which with the unused types' couples the sync with the probe
         (:func:`~megatron_h2.planner.sync_coupling.least_sync`). A column whose bound is at
         least ``cutoff`` without that coupling keeps that bound (also at least ``cutoff``).
+        ``fronts``: (per option its front stage's end-of-step floor with the embedding, the
+        unused types' least, their least stage link): the lesser of closing with the option's
+        block in front and of an unused type's block in front (one more stage and link).
         """
         widths, units = [], []
         mandatory_layers: np.ndarray | float = 0.0
@@ -578,17 +572,23 @@ class BatchShape(ShapeMemory, RestBound, SyncCoupling):
                 beyond = self.steady * top + np.maximum(sync, self._own_work(top))
             else:
                 beyond = self.steady * top + self._own_work(top) + sync
+        extra = stage_links[1:] if unused else 0.0
+
+        def step(z: np.ndarray) -> np.ndarray:  # the slowest stage's fill + tail: its work
+            if self.schedule == "zero-bubble":
+                tail = np.maximum(z, self.tail_share * own)
+                return self.steady * low + np.maximum(fill[1:] + tail, own)
+            return self.steady * low + np.maximum(fill[1:], own) + z
 
         def settle(probed: np.ndarray) -> np.ndarray:
-            if self.schedule == "zero-bubble":  # the slowest stage's fill + tail: its work
-                tail = np.maximum(probed, self.tail_share * own)
-                terms = self.steady * low + np.maximum(fill[1:] + tail, own)
-            else:
-                terms = self.steady * low + np.maximum(fill[1:], own) + probed
-            terms = terms + (stage_links[1:] if unused else 0.0)
+            if fronts is None:
+                terms = step(probed) + extra
+            else:  # close with this block in front, or an unused type's block in front of it
+                closing, opening, link = fronts
+                terms = np.minimum(step(np.maximum(probed, closing)) + extra,
+                                   step(np.maximum(probed, opening)) + np.maximum(extra, link))
             best = np.where(admissible, terms, INF).min(axis=0)
             return (best if beyond is None else np.minimum(best, beyond)) + links
-
         keep = None  # the coupled sync (never lower) only where the uncoupled bound may win
         if cutoff < INF and (rates is not None or unused):
             loose = settle(sync)

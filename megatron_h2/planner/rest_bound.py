@@ -40,6 +40,9 @@ class RestBound:
     _unused: dict[int, tuple[np.ndarray, np.ndarray]]
     _stage_caps: dict[int, np.ndarray]
     type_link: dict[int, float]
+    layers: int
+    head_time: np.ndarray
+    embedding_time: np.ndarray
 
     def _lead_grid(self) -> np.ndarray:
         """Leads at which the programme over unused chip types (:meth:`rest`) is tabled: under
@@ -206,6 +209,27 @@ class RestBound:
             stages = np.ceil(np.maximum(units, 0.0) / np.maximum(caps, 1.0) - 1e-9)
         link = min(self.type_link[chip] for t, chip in enumerate(self.types) if mask >> t & 1)
         return np.where(caps > 0, stages, 0.0) * link
+
+    def _segment_fill(self, most: np.ndarray) -> np.ndarray:
+        """Per probe, the least summed fill (edges included) of the layers where each kind
+        holds at most ``most`` (kind x probe, :meth:`_most_layers`): each chip type's kinds as
+        convex segments (by fill per layer, each adding what it holds beyond the cheaper ones;
+        a type runs one kind, whose layers cost no less than these segments' up to its
+        ``most``), the layers filled into the cheapest first; inf where they do not fit."""
+        units, widths = [], []
+        for chip in self.types:
+            running = np.zeros(most.shape[1])
+            for kind in sorted(self.kinds_of[chip], key=lambda k: self.fill_unit[k]):
+                units.append(float(self.fill_unit[kind]))
+                widths.append(np.maximum(most[kind] - running, 0.0))
+                running = np.maximum(running, most[kind])
+        order = np.argsort(units, kind="stable")
+        stacked = np.array(widths)[order]  # segment x probe, cheapest first
+        before = np.cumsum(stacked, axis=0) - stacked
+        take = np.minimum(np.maximum(self.layers - before, 0.0), stacked)
+        fill = np.asarray(units)[order] @ take
+        fill = np.where(take.sum(axis=0) >= self.layers - 1e-9, fill, np.inf)
+        return fill + float(self.head_time.min() + self.embedding_time.min())
 
     def _unused_segments(self, mask: int) -> tuple[np.ndarray, np.ndarray]:
         """The cost segments of the unused chip types in ``mask`` (:meth:`segment_table`),

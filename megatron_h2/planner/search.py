@@ -484,7 +484,7 @@ class _Search:
         bounds = shape.bound(
             parts, others, np.concatenate(leads), np.concatenate(child_links),
             np.concatenate(edges), np.concatenate(needs), np.concatenate(syncs), rates,
-            self.threshold * (1 - _SLACK),
+            self.threshold * (1 - _SLACK), _fronts(shape, columns, others),
         )  # fmt: skip
         out, lo, values = [], 0, bounds.tolist()
         for kind, count in columns:
@@ -536,6 +536,20 @@ class _Search:
         if found.value < best and self.options.polish:
             self.polish.improve(shape, suffix, found.value)
         return found.value
+
+
+def _fronts(
+    shape: BatchShape, columns: list[tuple[int, np.ndarray]], others: int
+) -> tuple[np.ndarray, float, float] | None:
+    """For :meth:`BatchShape.bound`: per option the end-of-step floor of its block's front
+    stage with the embedding (if the pipeline closes there), and the least floor and the least
+    link of a stage of the unused types ``others`` (if one goes in front); None if none."""
+    unused = [t for i, t in enumerate(shape.types) if others >> i & 1]
+    if not unused:
+        return None
+    closing = np.concatenate([np.full(len(c), shape.embedding_tail[k]) for k, c in columns])
+    opening = min(shape.type_embedding_tail[t] for t in unused)
+    return closing, opening, min(shape.type_link[t] for t in unused)
 
 
 def _need(shape: BatchShape, node: Node | Suffix) -> float:

@@ -3,13 +3,15 @@ of every pipeline structure below them, on small random clusters: every option's
 most the step time of every closed pipeline it leads to, and the bounds see the stages that hold
 the head (its steady term, and under zero-bubble its deferred weight gradients), the first
 stage's sync with the embedding, the links of the stages still to come, at a shape's root
-the fill of the cheapest memory capacity, and the end-of-step term coupled with the steady
-term (``least_sync``)."""
+the fill of the cheapest memory capacity (and of the cheapest capacity at each probe), and the
+end-of-step term coupled with the steady term (``least_sync``), and closing with an option's
+block in front bounded apart from an unused type in front (``search._fronts``)."""
 
 from __future__ import annotations
 
 import importlib
 import random
+from typing import Any
 
 import numpy as np
 import pytest
@@ -232,15 +234,8 @@ def test_the_sync_coupled_with_the_steady_term_raises_the_bounds(schedule: str) 
     """Where few layers fit per stage at a probe, the end-of-step term is at least what the
     stages that do hold them sync: some option's bound and the root bound are higher with the
     coupling than without it (and, by the tests above, never above the exact split)."""
-    cost = small_case(0)
-    run = search_module._Search(cost, SearchOptions(8, top_k=10**6))
-    shape = BatchShape(cost, 8, 1, schedule, 1, 4)
-    shape.build_grid(shape.w_max, 64)
-    node, gains = suffixes.root_node(shape), []
-    for _, kind, count in run._options(shape, node):
-        if kind < 0:
-            continue
-        child = node.child(shape, kind, count, run._block_links(shape, node, kind, count))
+    gains: list[float] = []
+    for run, shape, child in first_children(small_case(0), schedule, 4):
         coupled = sorted(bound for bound, _, _ in run._options(shape, child))
         shape.coupled_sync = lambda *args: None  # the bound without the coupling
         apart = sorted(bound for bound, _, _ in run._options(shape, child))
@@ -251,3 +246,50 @@ def test_the_sync_coupled_with_the_steady_term_raises_the_bounds(schedule: str) 
         max(shape.w_floor, float(shape.head_need.min())), shape.tail_floor, shape.root_links
     )
     assert shape.root_bound() > uncoupled
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zero-bubble"])
+@pytest.mark.parametrize("dp", [2, None])
+def test_the_root_bound_fills_the_layers_at_each_probe(schedule: str, dp: int | None) -> None:
+    """Where the slowest steady term is at most a probe, every stage holds at most its
+    capacity there (time caps too), so the summed fill is at least the layers filled into the
+    cheapest capacity at that probe: the root bound is higher with that fill than with the
+    memory-only fill at every probe (and, by the tests above, never above the exact split)."""
+    shape = BatchShape(small_case(0), 8, 1, schedule, 1, dp)
+    coupled = shape.root_bound()
+    shape._segment_fill = lambda most: np.full(most.shape[1], shape.root_fill)
+    memory_only = shape._coupled_root()
+    terms = shape._root_terms(
+        max(shape.w_floor, float(shape.head_need.min())), shape.tail_floor, shape.root_links
+    )
+    assert coupled > max(float(terms), memory_only) * (1 + 1e-6)
+
+
+def test_an_option_bounds_closing_and_an_unused_type_in_front_apart(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """With chip types still unused, an option's bound is the lesser of closing with its block
+    in front (that kind's first-stage end-of-step floor) and an unused type in front (theirs,
+    and one more stage's link): some option below a first block is bounded higher than with
+    the two mixed, none lower (and, by the tests above, never above the exact split)."""
+    gains: list[float] = []
+    for run, shape, node in first_children(small_case(0, vocab=3000), "1f1b", 2):
+        apart = {(k, c): bound for bound, k, c in run._options(shape, node)}
+        with monkeypatch.context() as patch:
+            patch.setattr(search_module, "_fronts", lambda *args: None)
+            mixed = {(k, c): bound for bound, k, c in run._options(shape, node)}
+        gains += [apart[key] - mixed[key] for key in apart if apart[key] < INF]
+    assert min(gains) >= -1e-12 and max(gains) > 0
+
+
+def first_children(cost: CostModel, schedule: str, dp: int) -> list[tuple[Any, BatchShape, Any]]:
+    """(search, shape, node) for every first block of the micro-batch-1 shape of ``dp``."""
+    run = search_module._Search(cost, SearchOptions(8, top_k=10**6))
+    shape = BatchShape(cost, 8, 1, schedule, 1, dp)
+    shape.build_grid(shape.w_max, 64)
+    root = suffixes.root_node(shape)
+    return [
+        (run, shape, root.child(shape, kind, count, run._block_links(shape, root, kind, count)))
+        for _, kind, count in run._options(shape, root)
+        if kind >= 0
+    ]

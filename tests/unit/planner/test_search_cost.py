@@ -31,7 +31,7 @@ def test_the_coupled_sync_below_the_cutoff_only_changes_no_decision(
 
     def checked(self: BatchShape, *args: object) -> np.ndarray:
         cut = original(self, *args)  # type: ignore[arg-type]
-        full = original(self, *args[:8])  # type: ignore[arg-type]
+        full = original(self, *args[:8], INF, *args[9:])  # type: ignore[arg-type]
         cutoff = args[8] if len(args) > 8 else INF
         same = cut == full
         assert (same | ((cut >= cutoff) & (full >= cutoff))).all()  # pruned either way
@@ -40,7 +40,10 @@ def test_the_coupled_sync_below_the_cutoff_only_changes_no_decision(
 
     monkeypatch.setattr(BatchShape, "bound", checked)
     fast = fingerprint(search(cost, options))
-    monkeypatch.setattr(BatchShape, "bound", lambda self, *args: original(self, *args[:8]))
+    def coupled(self: BatchShape, *args: object) -> np.ndarray:
+        return original(self, *args[:8], INF, *args[9:])  # type: ignore[arg-type]
+
+    monkeypatch.setattr(BatchShape, "bound", coupled)
     assert fingerprint(search(cost, options)) == fast  # every column coupled: the same search
     assert skipped[0] > 0  # and the cutoff did skip the coupling somewhere
 
