@@ -78,15 +78,17 @@ def free_port() -> int:
 
 def torchrun(nproc: int, args: list[str], env_extra: dict | None = None,
              timeout: float = 240):
-    """``python -m torch.distributed.run ... pretrain_gpt.py ARGS`` on this host, one thread per
-    process; returns the CompletedProcess (text output captured)."""
+    """``python -m torch.distributed.run --standalone ... pretrain_gpt.py ARGS`` on this host,
+    one thread per process; returns the CompletedProcess (text output captured).
+
+    ``--standalone``: the launcher's rendezvous store binds a port the system picks and keeps it,
+    so launches running at once (``pytest -n``) cannot race for a port chosen beforehand."""
     import subprocess
     import sys
 
     env = dict(os.environ, OMP_NUM_THREADS="1", **(env_extra or {}))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
-           "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
-           str(ROOT / "pretrain_gpt.py"), *args]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+           str(nproc), str(ROOT / "pretrain_gpt.py"), *args]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
 
 
