@@ -8,7 +8,10 @@ an entry point or named by $MEGATRON_H2_PLUGINS."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
+import torch
 
 pytest.register_assert_rewrite("tests.helpers")  # helpers' asserts explain failures as tests' do
 
@@ -20,6 +23,15 @@ from tests.helpers.tiny_runs import VOCAB  # noqa: E402
 load_plugins()  # a vendor's own plug-in (entry point or $MEGATRON_H2_PLUGINS) joins the suite
 load_plugins({PLUGINS_ENV: CPU2_PLUGIN})  # registers "cpu2" for this test session
 AVAILABLE = [name for name, cls in ACCELERATORS.items() if cls.is_available()]
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Under pytest-xdist (``-n N``) each worker is one core's worth: torch in the worker and in
+    every process its tests start runs one thread, so that N workers do not spin 2N OpenMP
+    threads on N cores."""
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        os.environ["OMP_NUM_THREADS"] = "1"
+        torch.set_num_threads(1)
 
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:

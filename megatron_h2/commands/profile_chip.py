@@ -30,7 +30,6 @@ import hashlib
 import json
 import os
 import platform
-import socket
 import subprocess
 import sys
 import tempfile
@@ -168,12 +167,11 @@ def worker(a) -> None:
 
 
 def run_workers(argv: list[str], task: str, nproc: int, out: Path) -> object:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
-           "--master-addr", "127.0.0.1", "--master-port", str(port), "-m",
-           "megatron_h2.commands.profile_chip", *argv, "--worker", str(out), "--worker-task", task]
+    # --standalone: the launcher binds a free port itself and keeps it (no port picked here
+    # and released, which another launch starting at the same time could take)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+           str(nproc), "-m", "megatron_h2.commands.profile_chip", *argv, "--worker", str(out),
+           "--worker-task", task]
     env = dict(os.environ, OMP_NUM_THREADS="1")
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if proc.returncode != 0:

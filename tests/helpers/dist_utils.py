@@ -14,9 +14,15 @@ import torch.multiprocessing as mp
 
 from tests.helpers.paths import ROOT
 
+# What the ranks' server process imports once, before it forks them: no rank pays the start-up
+# (about 2 s of CPU for torch) again.
+PRELOAD = ["torch", "torch.distributed", "tests.helpers.dist_utils"]
+
 
 def _worker(rank: int, world_size: int, init_file: str, fn: Callable, args: tuple,
-            queue: Any, backend: str = "gloo") -> None:
+            queue: Any, backend: str, environ: dict[str, str]) -> None:
+    os.environ.clear()  # the caller's environment now, not the server's when it started
+    os.environ.update(environ)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     import torch
 
@@ -41,14 +47,18 @@ def run_distributed(fn: Callable, world_size: int, *args: Any, timeout: float = 
     gloo) process group; return their results.
 
     ``fn`` must be a module-level function; results must be picklable. A failing rank's
-    traceback is raised here as an AssertionError.
+    traceback is raised here as an AssertionError. The ranks are forked from a server process
+    that has imported :data:`PRELOAD` once (multiprocessing's "forkserver"), with this process's
+    environment as it is now.
     """
-    ctx = mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(PRELOAD)
     queue = ctx.Queue()
     with tempfile.TemporaryDirectory() as tmp:
         init_file = os.path.join(tmp, "init")
+        environ = dict(os.environ)
         procs = [ctx.Process(target=_worker,
-                             args=(r, world_size, init_file, fn, args, queue, backend))
+                             args=(r, world_size, init_file, fn, args, queue, backend, environ))
                  for r in range(world_size)]
         for p in procs:
             p.start()
@@ -78,15 +88,17 @@ def free_port() -> int:
 
 def torchrun(nproc: int, args: list[str], env_extra: dict | None = None,
              timeout: float = 240):
-    """``python -m torch.distributed.run ... pretrain_gpt.py ARGS`` on this host, one thread per
-    process; returns the CompletedProcess (text output captured)."""
+    """``python -m torch.distributed.run --standalone ... pretrain_gpt.py ARGS`` on this host,
+    one thread per process; returns the CompletedProcess (text output captured).
+
+    ``--standalone``: the launcher's rendezvous store binds a port the system picks and keeps it,
+    so launches running at once (``pytest -n``) cannot race for a port chosen beforehand."""
     import subprocess
     import sys
 
     env = dict(os.environ, OMP_NUM_THREADS="1", **(env_extra or {}))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
-           "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
-           str(ROOT / "pretrain_gpt.py"), *args]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+           str(nproc), str(ROOT / "pretrain_gpt.py"), *args]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
 
 
