@@ -31,15 +31,13 @@ the load, so that runs compare (the targets are wall seconds on an idle machine)
 from __future__ import annotations
 
 import argparse
-import importlib
 import os
 import statistics
 import sys
 import time
 from pathlib import Path
-from types import SimpleNamespace
 
-from planner_family import member
+from planner_family import member, use_cpu_clock
 
 from megatron_h2.errors import ConfigError
 from megatron_h2.planner import (
@@ -80,9 +78,8 @@ def main() -> int:
     )
     args = parser.parse_args()
     schedules = tuple(name.strip() for name in args.schedules.split(","))
-    if args.cpu_clock:  # the search reads its clock through its module's ``time``
-        module = importlib.import_module("megatron_h2.planner.search")
-        module.time = SimpleNamespace(monotonic=time.process_time)
+    if args.cpu_clock:
+        use_cpu_clock()
         print("time limits count CPU seconds of this process (--cpu-clock)")
     if args.scaling:
         axes = [name.strip() for name in args.axes.split(",") if name.strip()]

@@ -16,12 +16,10 @@ from __future__ import annotations
 
 import argparse
 import heapq
-import importlib
 import time
-from types import SimpleNamespace
 from typing import Any
 
-from planner_family import member
+from planner_family import member, use_cpu_clock
 
 from megatron_h2.planner.search import SearchOptions, _Search
 from megatron_h2.planner.suffixes import Left, root_node
@@ -46,8 +44,7 @@ def suffix_label(shape: Any, suffix: Any) -> str:
 def run(size: int, seed: int, limit: float, solve: float, rows: int) -> None:
     item = member(seed, size)
     print(item.label)
-    module = importlib.import_module("megatron_h2.planner.search")  # its clock: CPU seconds
-    module.time = SimpleNamespace(monotonic=time.process_time)
+    use_cpu_clock()
     options = SearchOptions(item.global_batch_size, top_k=5, time_limit_s=limit,
                             schedules=("1f1b", "interleaved", "zero-bubble"))
     places: list[tuple[float, str, Any]] = []

@@ -12,9 +12,12 @@ more than half the cluster's memory (a member where nothing can fit says nothing
 
 from __future__ import annotations
 
+import importlib
 import math
 import random
+import time
 from dataclasses import dataclass, replace
+from types import SimpleNamespace
 
 from megatron_h2.config import ModelConfig
 from megatron_h2.planner import Cluster, CostConfig, CostModel, model_from_dict
@@ -171,3 +174,10 @@ def moe_member(seed: int, size: int = 1024) -> Member:
     label = (f"moe seed {seed}: {len(cluster.chips)} types, {name} {experts} experts top-{topk}"
              f" ({pattern}), batch {global_batch}")
     return Member(label, cost, global_batch, sum(c.count for c in cluster.chips))
+
+
+def use_cpu_clock() -> None:
+    """Make the plan search's time limit count CPU seconds of this process, not wall seconds
+    (the search reads its clock through its module's ``time``)."""
+    module = importlib.import_module("megatron_h2.planner.search")
+    module.time = SimpleNamespace(monotonic=time.process_time)

@@ -585,5 +585,5 @@ def build_data_parallel_optimizer(model: nn.Module, config: OptimizerConfig,
     grads = Fp32Grads(buckets, [b.buffer for b in buckets.buckets])
     mains = make_main_params(buckets, grads)
     inner = AdamW(param_groups([(names[p], p, mains[p]) for p in params], config),
-                              **adamw_kwargs(config, kernels))
+                  **adamw_kwargs(config, kernels))
     return ReplicatedOptimizer(inner, buckets, mains, grads)

@@ -225,7 +225,7 @@ class RestBound:
                 running = np.maximum(running, most[kind])
         order = np.argsort(units, kind="stable")
         stacked = np.array(widths)[order]  # segment x probe, cheapest first
-        before = np.cumsum(stacked, axis=0) - stacked
+        before = running_sum(stacked) - stacked
         take = np.minimum(np.maximum(self.layers - before, 0.0), stacked)
         fill = np.asarray(units)[order] @ take
         fill = np.where(take.sum(axis=0) >= self.layers - 1e-9, fill, np.inf)

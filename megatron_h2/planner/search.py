@@ -78,8 +78,7 @@ class _Search:
         self.evaluated: set[tuple[int, str, int, tuple[tuple[int, ...], ...]]] = set()
         # MoE: kinds that differ only in their EP degree merged for the structure search
         self.make = MergedShape if options.merge_ep and cost.model.is_moe else BatchShape
-        self.polish = Polish(self._evaluate, lambda: time.monotonic() > self.deadline,
-                             lambda: self.threshold * (1 - _SLACK))
+        self.polish = Polish(self._evaluate, self._late, lambda: self.threshold * (1 - _SLACK))
 
     @property
     def threshold(self) -> float:
