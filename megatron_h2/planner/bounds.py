@@ -50,6 +50,15 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from megatron_h2.planner.bound_columns import (
+    FLOOR_SIZE,
+    ColumnFloor,
+    ColumnTerms,
+    admissible_rows,
+    fill_floor,
+    live_columns,
+    take_columns,
+)
 from megatron_h2.planner.cost_model import MODES, CostModel, zero_bubble_share
 from megatron_h2.planner.partition import INF
 from megatron_h2.planner.rest_bound import RestBound, running_sum
@@ -85,7 +94,7 @@ class Kind:
         self.micro_batches, self.factor = micro_batches, factor
 
 
-class BatchShape(ShapeMemory, RestBound, SyncCoupling):
+class BatchShape(ShapeMemory, RestBound, SyncCoupling, ColumnFloor):
     """Stage kinds, memory caps, link times and bound tables for one batch shape: micro-batch
     size and pipeline schedule (with its number of model chunks ``V``), and for ``interleaved``
     the one DP degree ``dp`` of every stage. ``only`` keeps just the kinds with those (chip
@@ -442,6 +451,7 @@ class BatchShape(ShapeMemory, RestBound, SyncCoupling):
         self._from_leads: dict[int, tuple[np.ndarray, np.ndarray]] = {}
         self._segment_tables: dict[int, np.ndarray] = {}
         self._unused: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+        self._unused_widths: dict[int, np.ndarray] = {}
         self._stage_caps: dict[int, np.ndarray] = {}
         self._type_caps: dict[int, np.ndarray] = {}
         self._coupled_type_caps: np.ndarray | None = None
@@ -502,6 +512,7 @@ class BatchShape(ShapeMemory, RestBound, SyncCoupling):
         rates: Sequence[np.ndarray | float] | None = None,
         cutoff: float = INF,
         fronts: tuple[np.ndarray, float, float] | None = None,
+        floors: bool = True,
     ) -> np.ndarray:
         """Lower bound on the step time per option column (see the module docstring).
 
@@ -518,6 +529,7 @@ class BatchShape(ShapeMemory, RestBound, SyncCoupling):
         ``fronts``: (per option its front stage's end-of-step floor with the embedding, the
         unused types' least, their least stage link): the lesser of closing with the option's
         block in front and of an unused type's block in front (one more stage and link).
+        With ``floors`` a column is first bounded with a floor of its fill (:mod:`.bound_columns`).
         """
         widths, units = [], []
         mandatory_layers: np.ndarray | float = 0.0
@@ -534,67 +546,54 @@ class BatchShape(ShapeMemory, RestBound, SyncCoupling):
         r_widths = None
         if unused:
             r_units, table = self._unused_segments(unused)
-            r_widths = table[:, :, self.lead_index(np.asarray(leads))]  # segment x probe x option
             units.extend(r_units)
-            shape = np.broadcast_shapes(shape, r_widths.shape[1:])
+            shape = np.broadcast_shapes(shape, (len(self.grid), len(leads)))
         units_arr = np.asarray(units)
+        remaining = self.layers - np.asarray(mandatory_layers, dtype=np.float64)
+        stage_links: np.ndarray | float = 0.0
+        placed_free = sum(widths) if widths else 0.0
+        if unused:  # units the placed blocks cannot take need new stages, each with a link
+            stage_links = self.new_stage_links(unused, leads, remaining - placed_free)
+        sync = np.asarray(sync, dtype=np.float64)
+        terms = ColumnTerms(self, need, sync, links, stage_links[1:] if unused else 0.0, fronts)
+        index = self.lead_index(np.asarray(leads)) if unused else None
+        if floors and cutoff < INF and len(units) * len(leads) >= FLOOR_SIZE:  # the exact fill
+            # only in the columns whose floor may be below the cutoff
+            total = placed_free + (self.unused_widths(unused)[:, index] if unused else 0.0)
+            least = fill_floor(units_arr, remaining, mandatory_cost, edges, shape)
+            floor = terms.settle(sync, least, admissible_rows(self.grid, total, remaining, short,
+                                                              need))
+            live = live_columns(floor, cutoff)
+            if len(live) < len(floor):  # bound_columns.py: the columns kept, exactly
+                if len(live):
+                    kept = take_columns(live, len(floor), fixed, unused, leads, links, edges, need,
+                                        sync, rates, cutoff, fronts)
+                    floor[live] = self.bound(*kept, floors=False)
+                return floor
+        if unused:
+            r_widths = table[:, :, index]  # segment x probe x option
         order = np.argsort(units_arr, kind="stable")
         place = np.empty(len(units), dtype=np.int64)
         place[order] = np.arange(len(units))  # where each segment goes, cheapest first
         stacked = np.empty((len(units),) + shape)
-        for index, width in enumerate(widths):
-            stacked[place[index]] = width
+        for at, width in enumerate(widths):
+            stacked[place[at]] = width
         if r_widths is not None:
             stacked[place[len(widths) :]] = r_widths
-        remaining = self.layers - np.asarray(mandatory_layers, dtype=np.float64)
-        stage_links: np.ndarray | float = 0.0
-        if unused:  # units the placed blocks cannot take need new stages, each with a link
-            placed_free = sum(widths) if widths else 0.0
-            stage_links = self.new_stage_links(unused, leads, remaining - placed_free)
         before = running_sum(stacked)
         before -= stacked
         take = np.minimum(np.maximum(remaining - before, 0.0), stacked)
         flat = take.reshape(len(units), -1)
         fill = (units_arr[order] @ flat).reshape(shape) + mandatory_cost + edges
         covered = flat.sum(axis=0).reshape(shape)
-        grid = self.grid[:, None]
-        low = np.maximum(grid[:-1], need)
-        own = self._own_work(low)
-        sync = np.asarray(sync, dtype=np.float64)
-        ok = (covered >= remaining - 1e-9) & ~np.asarray(short)
-        first = np.where(ok.any(axis=0), ok.argmax(axis=0), len(self.grid))
-        rows = np.arange(len(self.grid) - 1)[:, None]
-        admissible = (rows >= np.maximum(first - 1, 0)[None, :]) & (grid[1:] >= need)
-        beyond = None
-        if not self.grid_is_max:  # work above the top probe: already worse than the K-th best
-            top = np.maximum(self.grid[-1], need)
-            if self.schedule == "zero-bubble":
-                beyond = self.steady * top + np.maximum(sync, self._own_work(top))
-            else:
-                beyond = self.steady * top + self._own_work(top) + sync
-        extra = stage_links[1:] if unused else 0.0
-
-        def step(z: np.ndarray) -> np.ndarray:  # the slowest stage's fill + tail: its work
-            if self.schedule == "zero-bubble":
-                tail = np.maximum(z, self.tail_share * own)
-                return self.steady * low + np.maximum(fill[1:] + tail, own)
-            return self.steady * low + np.maximum(fill[1:], own) + z
-
-        def settle(probed: np.ndarray) -> np.ndarray:
-            if fronts is None:
-                terms = step(probed) + extra
-            else:  # close with this block in front, or an unused type's block in front of it
-                closing, opening, link = fronts
-                terms = np.minimum(step(np.maximum(probed, closing)) + extra,
-                                   step(np.maximum(probed, opening)) + np.maximum(extra, link))
-            best = np.where(admissible, terms, INF).min(axis=0)
-            return (best if beyond is None else np.minimum(best, beyond)) + links
+        admissible = admissible_rows(self.grid, covered, remaining, short, need)
         keep = None  # the coupled sync (never lower) only where the uncoupled bound may win
         if cutoff < INF and (rates is not None or unused):
-            loose = settle(sync)
+            loose = terms.settle(sync, fill, admissible)
             keep = loose < cutoff
             if not keep.any():
                 return loose
             keep = None if keep.all() else keep
         coupled = self.coupled_sync(fixed, rates, unused, leads, keep)
-        return settle(sync if coupled is None else np.maximum(sync, coupled[1:]))  # at g_j+1
+        probed = sync if coupled is None else np.maximum(sync, coupled[1:])  # at g_j+1
+        return terms.settle(probed, fill, admissible)
