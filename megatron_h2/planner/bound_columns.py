@@ -24,7 +24,7 @@ MARGIN = 1e-9
 """Relative margin of the floor over the cutoff before a column counts as pruned (the floor
 and the exact fill round differently)."""
 
-FLOOR_SIZE = 400
+FLOOR_SIZE = 800
 """Fewest segments x option columns of a bound call that go through the floors first (below,
 the exact fill costs less than the floors and the second call; the values are the same)."""
 

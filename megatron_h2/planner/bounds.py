@@ -328,8 +328,10 @@ class BatchShape(ShapeMemory, RestBound, SyncCoupling, ColumnFloor):
         """Upper bound on units per (kind, probe, warm-up) with folded work at most the probe."""
         with np.errstate(divide="ignore", invalid="ignore"):
             timed = np.floor(probes[None, :, None] / self.unit[:, None, :])  # kind x probe x mode
-        timed = np.where(self.unit[:, None, :] > 0, timed, INF)
-        caps = np.minimum(timed[:, :, :, None], self.mem_caps[:, None, :, :]).max(axis=2)
+        timed = np.where(self.unit[:, None, :] > 0, timed, INF)[:, :, :, None]
+        caps = np.minimum(timed[:, :, 0], self.mem_caps[:, None, 0])
+        for mode in range(1, timed.shape[2]):  # the most over modes, one at a time (no 4-D temp)
+            np.maximum(caps, np.minimum(timed[:, :, mode], self.mem_caps[:, None, mode]), out=caps)
         return np.clip(caps, 0, self.layers)
 
     def _prefix(self, caps: np.ndarray) -> np.ndarray:
