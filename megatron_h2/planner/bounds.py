@@ -56,6 +56,7 @@ from megatron_h2.planner.rest_bound import RestBound, running_sum
 from megatron_h2.planner.shape_memory import ShapeMemory
 from megatron_h2.planner.stage_costs import StageCosts
 from megatron_h2.planner.sync_coupling import SyncCoupling, least_sync
+from megatron_h2.planner.zero_bubble_fill import fill_shares
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
@@ -188,8 +189,9 @@ class BatchShape(ShapeMemory, RestBound, SyncCoupling):
         m = self.kinds[0].micro_batches
         if self.schedule == "zero-bubble":
             weight = np.array([k.costs.layer_weight_grad for k in self.kinds])
+            weight *= fill_shares(self.schedule, [k.micro_batches for k in self.kinds])
             steady = floor if m > 1 else 0.0  # one micro-batch: no steady term
-            return steady + max(self.layers * float((units - 2.0 * weight).min()), 0.0)
+            return steady + max(self.layers * float((units - weight).min()), 0.0)
         work = floor / max(m - 1, 1) / self.chunks  # W of the slowest stage / V
         return (m * self.chunks - 1) * work + max(work, self.layers * float(units.min()))
 
@@ -223,7 +225,7 @@ class BatchShape(ShapeMemory, RestBound, SyncCoupling):
 
     def _tables(self) -> None:
         """The per-kind bound tables (times, fills, memory caps, edges, syncs) and ``w_max``."""
-        layers, v = self.layers, self.chunks
+        layers, v, kinds = self.layers, self.chunks, self.kinds
         factors = np.array([k.factor for k in self.kinds], dtype=np.float64)
         times = np.array([[k.costs.layer_time(r) for r in range(len(MODES))] for k in self.kinds])
         scale = 1.0 / v if self.schedule == "interleaved" else 1.0
@@ -233,7 +235,7 @@ class BatchShape(ShapeMemory, RestBound, SyncCoupling):
         folds = factors if self.factor_max > 0 else np.ones(len(self.kinds))
         self.unit = folds[:, None] * times  # folded steady term per unit (w = W / V per unit)
         weight = np.array([k.costs.layer_weight_grad for k in self.kinds])
-        share = 2.0 if self.schedule == "zero-bubble" else 0.0  # (1 + b) <= 2: a lower bound
+        share = fill_shares(self.schedule, [k.micro_batches for k in self.kinds])  # 1 + b <= it
         self.fill_unit = times[:, 0] - share * weight
         # zero-bubble's tail (1 + b) G_k of the slowest stage k is at least this share of W_k
         self.tail_share = 0.0
@@ -269,8 +271,7 @@ class BatchShape(ShapeMemory, RestBound, SyncCoupling):
         grads = np.zeros(len(self.kinds))
         if self.schedule == "zero-bubble":
             longest = max(self.positions, 2)
-            shares = [zero_bubble_share(longest, k.micro_batches) for k in self.kinds]
-            grads = 1.0 + np.array(shares)
+            grads = 1.0 + np.array([zero_bubble_share(longest, k.micro_batches) for k in kinds])
         self.sync_one = np.array([k.costs.dp_sync(v, False, False) for k in self.kinds])
         self.sync_one += grads * weight
         self.head_tail = np.array([k.costs.dp_sync(v, False, True) for k in self.kinds])
@@ -311,8 +312,7 @@ class BatchShape(ShapeMemory, RestBound, SyncCoupling):
         return fill, (stages - 1) * min(self.type_link.values())
 
     def _own_work(self, work: np.ndarray | float) -> np.ndarray | float:
-        """The slowest stage's own work when the largest folded steady term is ``work`` (the
-        probe itself when no stage has a steady term)."""
+        """The slowest stage's own work at the largest folded steady term ``work`` (F = 0: it)."""
         return work / max(self.factor_max, 1)
 
     def capacity(self, probes: np.ndarray) -> np.ndarray:
