@@ -44,16 +44,36 @@ def share_rise(shape: BatchShape, stages: np.ndarray | int) -> np.ndarray:
     whose pipelines have at least ``stages`` stages (one number per option): probe x option,
     ``L`` times the least over kinds of ``(s_k - 1 - b(p, m_k)) G_k`` (:func:`fill_shares`),
     with ``p`` also at least the layers over the largest single-stage capacity at the probe
-    (read at ``g_j+1`` as the fill is); 0 under other schedules and for MoE models (whose
-    per-layer numbers are means over dense and MoE layers)."""
+    (read at ``g_j+1`` as the fill is); one row of zeros where nothing rises: under other
+    schedules, with one micro-batch per replica (``s = 1``, ``b = 0``) and for MoE models
+    (whose per-layer numbers are means over dense and MoE layers)."""
     stages = np.atleast_1d(np.asarray(stages, dtype=np.int64))
-    if shape.schedule != "zero-bubble" or not shape.kinds or shape.cost.model.is_moe:
-        return np.zeros((len(shape.grid), len(stages)))
-    held = shape.prefix[:, :, 1].max(axis=0)  # warm-up 0 holds the most: probe
-    with np.errstate(divide="ignore"):
+    per_layer, least = _tables(shape)
+    if per_layer is None:
+        return np.zeros((1, len(stages)))
+    lengths = np.minimum(np.maximum(least[:, None], stages[None, :]), shape.positions)
+    return shape.layers * per_layer[lengths]
+
+
+def _tables(shape: BatchShape) -> tuple[np.ndarray | None, np.ndarray]:
+    """Per pipeline length ``p = 0 .. positions`` the least over kinds of ``(s_k - 1 - b(p,
+    m_k)) G_k`` (0 for ``p < 2``; None where it is 0 everywhere), and per probe the fewest
+    stages that hold the layers at one stage's largest capacity (capped at the positions):
+    kept on the shape per grid (they depend on its kinds and grid only)."""
+    key = ("zero_bubble_fill", shape._grid_key)
+    cached = shape.__dict__.get("_zero_bubble_fill")
+    if cached is not None and cached[0] == key:
+        return cached[1], cached[2]
+    per_layer = None
+    if shape.schedule == "zero-bubble" and shape.kinds and not shape.cost.model.is_moe:
+        per_layer = _per_layer(shape)
+        per_layer = per_layer if per_layer.any() else None
+    held = shape.prefix[:, :, 1].max(axis=0) if shape.kinds else np.zeros(len(shape.grid))
+    with np.errstate(divide="ignore"):  # warm-up 0 holds the most
         least = np.ceil(shape.layers / np.maximum(held, 1e-9) - 1e-9)
-    lengths = np.maximum(np.minimum(least, shape.positions)[:, None], stages[None, :])
-    return shape.layers * _per_layer(shape)[np.minimum(lengths, shape.positions).astype(int)]
+    least = np.minimum(least, shape.positions).astype(np.int64)
+    shape.__dict__["_zero_bubble_fill"] = (key, per_layer, least)
+    return per_layer, least
 
 
 def _per_layer(shape: BatchShape) -> np.ndarray:

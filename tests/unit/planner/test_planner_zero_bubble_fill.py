@@ -62,8 +62,9 @@ def test_one_micro_batch_fills_with_one_share_of_the_weight_gradients() -> None:
 def test_the_share_falls_with_the_stages_below_a_node() -> None:
     """Two micro-batches per replica: ``b(p) = 1 / (p - 1)``, so pipelines of at least three
     stages fill at least ``(1 - b(p)) G`` more per layer; none under 1F1B."""
-    cost = small_case(1)
+    cost = small_case(0)
     shape = BatchShape(cost, 4, 1, "zero-bubble", 1, 2)
+    assert shape.positions >= 4  # pipelines of 3 and 4 stages
     shape.build_grid(shape.w_max, 64)
     weight = min(k.costs.layer_weight_grad for k in shape.kinds)
     rises = share_rise(shape, np.arange(shape.positions + 1))
@@ -75,6 +76,9 @@ def test_the_share_falls_with_the_stages_below_a_node() -> None:
     flat = BatchShape(cost, 4, 1, "1f1b", 1, 2)
     flat.build_grid(flat.w_max, 64)
     assert not share_rise(flat, np.arange(4)).any()
+    one = BatchShape(cost, 2, 1, "zero-bubble", 1, 2)  # one micro-batch: b = 0, s = 1
+    one.build_grid(one.w_max, 64)
+    assert not share_rise(one, np.arange(one.positions + 1)).any()
 
 
 def test_the_rise_reaches_the_option_bounds(monkeypatch: pytest.MonkeyPatch) -> None:
