@@ -476,16 +476,17 @@ class _Search:
                 own = max(own, float(shape.head_need[kind]))
             needs.append(np.full(len(count), max(need, own)))
             last = node.suffix[-1][0] if node.suffix else kind
-            edges.append(shape.head_time[last] + shape.embedding_min
-                         + share_rise(shape, node.position + count))  # probe x option
+            edges.append(np.full(len(count), shape.head_time[last] + shape.embedding_min))
             child_links.append(node.links + self._block_links(shape, node, kind, count))
             syncs.append(shape.sync_bound(node.suffix + ((kind, count),), others, last, kind))
             leads.append(shape.kinds[kind].dp * (start + count))
             lo = hi
         rates = shape.block_rates(node.suffix) + [shape.sync_inverse[k] for k, _ in columns]
+        stages = node.position + np.concatenate([count for _, count in columns])
+        rise = share_rise(shape, stages)  # probe x option (or one row of zeros)
         bounds = shape.bound(
             parts, others, np.concatenate(leads), np.concatenate(child_links),
-            np.concatenate(edges, axis=1), np.concatenate(needs), np.concatenate(syncs), rates,
+            np.concatenate(edges) + rise, np.concatenate(needs), np.concatenate(syncs), rates,
             self.threshold * (1 - _SLACK), _fronts(shape, columns, others),
         )  # fmt: skip
         out, lo, values = [], 0, bounds.tolist()

@@ -49,8 +49,8 @@ def share_rise(shape: BatchShape, stages: np.ndarray | int) -> np.ndarray:
     (whose per-layer numbers are means over dense and MoE layers)."""
     stages = np.atleast_1d(np.asarray(stages, dtype=np.int64))
     per_layer, least = _tables(shape)
-    if per_layer is None:
-        return np.zeros((1, len(stages)))
+    if per_layer is None or not per_layer[min(max(least[0], stages.max()), shape.positions)]:
+        return np.zeros((1, len(stages)))  # it grows with p, and least falls with the probe
     lengths = np.minimum(np.maximum(least[:, None], stages[None, :]), shape.positions)
     return shape.layers * per_layer[lengths]
 
