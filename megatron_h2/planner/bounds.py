@@ -65,6 +65,7 @@ from megatron_h2.planner.rest_bound import RestBound, running_sum
 from megatron_h2.planner.shape_memory import ShapeMemory
 from megatron_h2.planner.stage_costs import StageCosts
 from megatron_h2.planner.sync_coupling import SyncCoupling, least_sync
+from megatron_h2.planner.zero_bubble_fill import fill_shares
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
@@ -197,8 +198,9 @@ class BatchShape(ShapeMemory, RestBound, SyncCoupling, ColumnFloor):
         m = self.kinds[0].micro_batches
         if self.schedule == "zero-bubble":
             weight = np.array([k.costs.layer_weight_grad for k in self.kinds])
+            weight *= fill_shares(self.schedule, [k.micro_batches for k in self.kinds])
             steady = floor if m > 1 else 0.0  # one micro-batch: no steady term
-            return steady + max(self.layers * float((units - 2.0 * weight).min()), 0.0)
+            return steady + max(self.layers * float((units - weight).min()), 0.0)
         work = floor / max(m - 1, 1) / self.chunks  # W of the slowest stage / V
         return (m * self.chunks - 1) * work + max(work, self.layers * float(units.min()))
 
@@ -220,8 +222,7 @@ class BatchShape(ShapeMemory, RestBound, SyncCoupling, ColumnFloor):
         self.root_coupled = self._coupled_root() if self.positions else 0.0
 
     def _type_links(self) -> dict[int, float]:
-        """Per chip type, a lower bound on the link of one of its stages in front of any
-        stage (the cheapest to any type of this shape)."""
+        """Per chip type, a lower bound on its stages' link to any stage (the cheapest)."""
         return {
             t: self.link_factor * min(
                 self.link(self.cost.cluster.chips[t].name, self.cost.cluster.chips[u].name)
@@ -232,7 +233,7 @@ class BatchShape(ShapeMemory, RestBound, SyncCoupling, ColumnFloor):
 
     def _tables(self) -> None:
         """The per-kind bound tables (times, fills, memory caps, edges, syncs) and ``w_max``."""
-        layers, v = self.layers, self.chunks
+        layers, v, kinds = self.layers, self.chunks, self.kinds
         factors = np.array([k.factor for k in self.kinds], dtype=np.float64)
         times = np.array([[k.costs.layer_time(r) for r in range(len(MODES))] for k in self.kinds])
         scale = 1.0 / v if self.schedule == "interleaved" else 1.0
@@ -242,7 +243,7 @@ class BatchShape(ShapeMemory, RestBound, SyncCoupling, ColumnFloor):
         folds = factors if self.factor_max > 0 else np.ones(len(self.kinds))
         self.unit = folds[:, None] * times  # folded steady term per unit (w = W / V per unit)
         weight = np.array([k.costs.layer_weight_grad for k in self.kinds])
-        share = 2.0 if self.schedule == "zero-bubble" else 0.0  # (1 + b) <= 2: a lower bound
+        share = fill_shares(self.schedule, [k.micro_batches for k in self.kinds])  # 1 + b <= it
         self.fill_unit = times[:, 0] - share * weight
         # zero-bubble's tail (1 + b) G_k of the slowest stage k is at least this share of W_k
         self.tail_share = 0.0
@@ -278,8 +279,7 @@ class BatchShape(ShapeMemory, RestBound, SyncCoupling, ColumnFloor):
         grads = np.zeros(len(self.kinds))
         if self.schedule == "zero-bubble":
             longest = max(self.positions, 2)
-            shares = [zero_bubble_share(longest, k.micro_batches) for k in self.kinds]
-            grads = 1.0 + np.array(shares)
+            grads = 1.0 + np.array([zero_bubble_share(longest, k.micro_batches) for k in kinds])
         self.sync_one = np.array([k.costs.dp_sync(v, False, False) for k in self.kinds])
         self.sync_one += grads * weight
         self.head_tail = np.array([k.costs.dp_sync(v, False, True) for k in self.kinds])
@@ -320,8 +320,7 @@ class BatchShape(ShapeMemory, RestBound, SyncCoupling, ColumnFloor):
         return fill, (stages - 1) * min(self.type_link.values())
 
     def _own_work(self, work: np.ndarray | float) -> np.ndarray | float:
-        """The slowest stage's own work when the largest folded steady term is ``work`` (the
-        probe itself when no stage has a steady term)."""
+        """The slowest stage's own work at the largest folded steady term ``work`` (F = 0: it)."""
         return work / max(self.factor_max, 1)
 
     def capacity(self, probes: np.ndarray) -> np.ndarray:

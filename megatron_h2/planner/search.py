@@ -59,6 +59,7 @@ from megatron_h2.planner.structure import (
     to_plan,
 )
 from megatron_h2.planner.suffixes import Entry, Left, Node, closed_bounds, root_node, suffix_need
+from megatron_h2.planner.zero_bubble_fill import share_rise
 
 __all__ = ["OWN_DP_SPACES", "Candidate", "SearchOptions", "SearchResult", "SearchStats", "search"]
 
@@ -422,6 +423,7 @@ class _Search:
         need = _need(shape, node)
         if suffix and shape.closes(position) and not (use_all and mask):
             edges = float(shape.head_time[suffix[-1][0]] + shape.embedding_time[suffix[0][0]])
+            edges = edges + share_rise(shape, position)  # probe x 1
             sync = shape.sync_bound(suffix, 0, suffix[-1][0], suffix[0][0])
             placed = [(u, caps[:, None], count) for u, caps, count in groups]
             here = np.array([node.lead])
@@ -480,9 +482,11 @@ class _Search:
             leads.append(shape.kinds[kind].dp * (start + count))
             lo = hi
         rates = shape.block_rates(node.suffix) + [shape.sync_inverse[k] for k, _ in columns]
+        stages = node.position + np.concatenate([count for _, count in columns])
+        rise = share_rise(shape, stages)  # probe x option (or one row of zeros)
         bounds = shape.bound(
             parts, others, np.concatenate(leads), np.concatenate(child_links),
-            np.concatenate(edges), np.concatenate(needs), np.concatenate(syncs), rates,
+            np.concatenate(edges) + rise, np.concatenate(needs), np.concatenate(syncs), rates,
             self.threshold * (1 - _SLACK), _fronts(shape, columns, others),
         )  # fmt: skip
         out, lo, values = [], 0, bounds.tolist()

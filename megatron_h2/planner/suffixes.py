@@ -12,6 +12,7 @@ import numpy as np
 
 from megatron_h2.planner.bounds import BatchShape
 from megatron_h2.planner.structure import Suffix
+from megatron_h2.planner.zero_bubble_fill import share_rise
 
 Groups = tuple[tuple[float, np.ndarray, int], ...]  # (per-layer time, capacity, stages)
 
@@ -79,10 +80,10 @@ def closed_bounds(shape: BatchShape, suffixes: list[Suffix], lead: int,
     ``suffixes`` (pipeline order) of the same blocks' stage counts and DP degrees (hence
     warm-ups), differing only in the kinds (EP degrees); ``lead``, ``links``: theirs."""
     first, last = [s[0][0] for s in suffixes], [s[-1][0] for s in suffixes]
-    edges = shape.head_time[last] + shape.embedding_time[first]
+    position, warmups = sum(count for _, count in suffixes[0]), shape.warmups(suffixes[0])
+    edges = shape.head_time[last] + shape.embedding_time[first] + share_rise(shape, position)
     syncs = np.array([shape.sync_bound(s, 0, s[-1][0], s[0][0]) for s in suffixes])
     needs = np.maximum([suffix_need(shape, s) for s in suffixes], shape.embedding_need[first])
-    position, warmups = sum(count for _, count in suffixes[0]), shape.warmups(suffixes[0])
     parts, rates, front, width = [], [], 0, len(suffixes)
     for block, (_, count) in enumerate(suffixes[0]):
         used = [s[block][0] for s in suffixes]
