@@ -23,7 +23,7 @@ from safetensors import safe_open
 
 from megatron_h2.training.main import main
 from tests.e2e.test_moe_training import ARCHS, assert_same_run, moe_references, records
-from tests.helpers.dist_utils import torchrun
+from tests.helpers.fork_run import fork_run
 from tests.unit.training.test_parallel_training import MODEL
 
 EP2 = ["--expert-model-parallel-size", "2", "--moe-token-dispatcher-type", "alltoall"]
@@ -63,7 +63,7 @@ def check(name: str, got: dict[int, dict], want: dict[int, dict], norms: bool = 
 
 
 def run(nproc: int, arch: str, corpus: str, out, *flags: str):
-    proc = torchrun(nproc, [*MODEL, *ARCHS[arch], "--data-path", corpus, "--log-jsonl",
+    proc = fork_run(nproc, [*MODEL, *ARCHS[arch], "--data-path", corpus, "--log-jsonl",
                             str(out), *flags], timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return proc
