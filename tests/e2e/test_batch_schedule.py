@@ -1,4 +1,4 @@
-"""Megatron's batch ramp-up under pipeline and data parallelism (torchrun, PP 2 x DP 2) with the
+"""Megatron's batch ramp-up under pipeline and data parallelism (forked ranks, PP 2 x DP 2) with the
 losses of one process."""
 
 import json

@@ -1,5 +1,5 @@
-"""--bf16 (bf16 weights, fp32 main weights and gradients) under TP / PP / DP, with real torchrun
-launches (gloo, CPU), against one process with --bf16; bf16 checkpoints move between layouts and
+"""--bf16 (bf16 weights, fp32 main weights and gradients) under TP / PP / DP, with multi-rank
+runs (gloo, CPU), against one process with --bf16; bf16 checkpoints move between layouts and
 load under fp32.
 
 Tolerance 2e-4 relative, not fp32's 1e-5, and not bitwise: a layout changes the order of fp32

@@ -1,4 +1,4 @@
-"""Data-parallel pipelines trained by real torchrun launches (gloo, CPU, fp32, dropout 0): the
+"""Data-parallel pipelines trained by multi-rank runs (gloo, CPU, fp32, dropout 0): the
 losses of 10 iterations equal one process's over the whole global batch within 1e-5, for
 pipelines that shard the model differently (TP, stage boundaries, chip types through the
 bridge, interleaving, ZeRO-1, uneven shares); a checkpoint saved with pipelines resumes in one

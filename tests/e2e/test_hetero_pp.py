@@ -1,5 +1,5 @@
 """HeteroPP: stages on different chip types with their own TP and layer counts, joined by the
-cross-vendor bridge; compared with one process (real torchrun launches, gloo, CPU).
+cross-vendor bridge; compared with one process (multi-rank runs, gloo, CPU).
 
 The model is a GPT-3-style command line (Megatron's default architecture), so the word
 embedding on the first chip type and its tied copy on the last are summed across the chip types

@@ -1,6 +1,6 @@
 """Continuing a Megatron-LM run (a fixture Megatron-Core saved at TP 2, with Adam's state, and
 one its distributed optimizer saved at DP 2) for 5 iterations: under the saved layout
-(torchrun), in one process, and under a different plan (two pipeline stages on two chip types
+(forked ranks), in one process, and under a different plan (two pipeline stages on two chip types
 through the bridge) the losses agree, and the iteration and consumed samples go on from the
 checkpoint's."""
 

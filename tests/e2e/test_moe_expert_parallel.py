@@ -1,4 +1,4 @@
-"""Expert parallelism with real torchrun launches (gloo, CPU) against one process.
+"""Expert parallelism with multi-rank runs (gloo, CPU) against one process.
 
 The two MoE command lines of tests/e2e/test_moe_training.py (Mixtral-like: softmax top-2, aux and
 z losses, shared experts, a dense first layer, biases; DeepSeek-V3-like: sigmoid scores, expert
@@ -10,7 +10,7 @@ reduce-scattered back): 10 iterations must reproduce the single-process losses, 
 and tokens per expert (so the same tokens are dropped) within 1e-5 relative.
 
 Cost: the one-process references are computed once per module and every run in this process
-(references and resumes) uses one thread, as each torchrun rank does (two threads per process
+(references and resumes) uses one thread, as each rank of a run does (two threads per process
 on a shared machine spend most of a step waiting for each other).
 """
 

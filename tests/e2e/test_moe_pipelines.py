@@ -1,4 +1,4 @@
-"""Expert parallelism in plans of several data-parallel pipelines (real torchrun launches, gloo,
+"""Expert parallelism in plans of several data-parallel pipelines (multi-rank runs, gloo,
 CPU, fp32, dropout 0) against one process.
 
 Each pipeline sets its own EP: pipeline 0 holds two of the four experts per rank (DP 2, EP 2),

@@ -1,4 +1,4 @@
-"""Mixture-of-experts training with real torchrun launches (gloo, CPU) against one process.
+"""Mixture-of-experts training with multi-rank runs (gloo, CPU) against one process.
 
 Two MoE command lines on the GPT of tests/unit/training/test_parallel_training.py: a Mixtral-
 like one (softmax top-2, aux and z losses, shared experts, a dense first layer) and a

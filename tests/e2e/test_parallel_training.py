@@ -1,4 +1,4 @@
-"""TP / PP / DP training with real torchrun launches (gloo, CPU) against one process.
+"""TP / PP / DP training with multi-rank runs (gloo, CPU) against one process.
 
 Every layout must reproduce the single-process losses of the first 10 iterations within 1e-5
 relative; checkpoints saved under one layout resume under others; a failing rank ends the job

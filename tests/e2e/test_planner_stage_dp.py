@@ -1,5 +1,5 @@
 """A plan the planner writes with per-chip-type DP degrees (tests/unit/planner/
-test_planner_stage_dp.py) trains under torchrun with one process's losses."""
+test_planner_stage_dp.py) trains on forked ranks with one process's losses."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """Per-stage data parallelism across processes: stages with different DP (and TP) degrees.
 
-Multi-process tests check the tied embedding's exact sum; real torchrun launches (gloo, CPU)
+Multi-process tests check the tied embedding's exact sum; multi-rank runs (gloo, CPU)
 compare 10 iterations with one process, one shared reference run."""
 
 from __future__ import annotations

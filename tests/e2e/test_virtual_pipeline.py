@@ -1,4 +1,4 @@
-"""Interleaved (virtual-stage) 1F1B and zero-bubble schedules in real torchrun launches (gloo,
+"""Interleaved (virtual-stage) 1F1B and zero-bubble schedules in multi-rank runs (gloo,
 CPU), uniform and heterogeneous, against one process; gradient buckets armed per chunk;
 checkpoints across virtual layouts."""
 
