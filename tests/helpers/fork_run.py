@@ -50,7 +50,7 @@ def _train_rank(args: list[str], environ: dict[str, str], out: str) -> None:
 
 
 def fork_run(nproc: int, args: list[str], env_extra: dict | None = None,
-                    timeout: float = 240) -> subprocess.CompletedProcess:
+             timeout: float = 240) -> subprocess.CompletedProcess:
     """``pretrain_gpt.py ARGS`` on ``nproc`` forked ranks; returns what
     :func:`~tests.helpers.dist_utils.torchrun` would: return code 0 when every rank ended with
     0 (else the first other code), the ranks' stdout and stderr one after the other."""
