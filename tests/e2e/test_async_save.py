@@ -14,7 +14,7 @@ from megatron_h2.checkpointing.format import LATEST_FILE, METADATA_FILE
 from megatron_h2.checkpointing.integrity import MANIFEST_FILE
 from megatron_h2.training.main import main
 from megatron_h2.training.step import StepRunner
-from tests.helpers.dist_utils import torchrun
+from tests.helpers.fork_run import fork_run
 from tests.helpers.tiny_runs import flags, records
 
 SAVES = ("--train-iters", "6", "--save-interval", "2", "--eval-iters", "0")
@@ -72,7 +72,7 @@ def test_training_proceeds_during_the_write_and_the_checkpoint_equals_a_sync_sav
 @pytest.mark.e2e
 def test_async_save_under_pipeline_parallelism_commits_complete_checkpoints(corpus, tmp_path):
     ckpt, sync = tmp_path / "async", tmp_path / "sync"
-    proc = torchrun(2, [*flags(corpus, tmp_path, *SAVES, "--async-save", "--save", str(ckpt),
+    proc = fork_run(2, [*flags(corpus, tmp_path, *SAVES, "--async-save", "--save", str(ckpt),
                                "--pipeline-model-parallel-size", "2")])
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert main(flags(corpus, tmp_path, *SAVES, "--save", str(sync))) == 0
@@ -102,7 +102,7 @@ def test_async_save_of_fp16_main_weights_and_loss_scaler_resumes_in_one_process(
     two-process run (losses and loss scales)."""
     background, sync, resumed = tmp_path / "async", tmp_path / "sync", tmp_path / "resumed"
     for run, extra in ((background, ["--async-save"]), (sync, [])):
-        proc = torchrun(2, flags(corpus, run, *FP16, "--use-distributed-optimizer", *extra,
+        proc = fork_run(2, flags(corpus, run, *FP16, "--use-distributed-optimizer", *extra,
                                  "--save", str(run / "ckpt")))
         assert proc.returncode == 0, proc.stderr[-3000:]
     for it in (4, 8):  # byte-identical parts, the same metadata (scaler state included)

@@ -1,4 +1,4 @@
-"""Megatron's batch ramp-up under pipeline and data parallelism (torchrun, PP 2 x DP 2) with the
+"""Megatron's batch ramp-up under pipeline and data parallelism (forked ranks, PP 2 x DP 2) with the
 losses of one process."""
 
 import json
@@ -6,7 +6,8 @@ import json
 import pytest
 
 from megatron_h2.training.main import main
-from tests.helpers.dist_utils import losses, torchrun
+from tests.helpers.dist_utils import losses
+from tests.helpers.fork_run import fork_run
 from tests.helpers.tiny_runs import MODEL
 
 
@@ -19,7 +20,7 @@ def test_rampup_under_pipeline_and_data_parallel_matches_one_process(corpus, tmp
              "120", "--rampup-batch-size", "4", "4", "30", "--eod-mask-loss",
              "--calculate-per-token-loss"]
     assert main([*flags, "--log-jsonl", str(tmp_path / "one.jsonl")]) == 0
-    proc = torchrun(4, [*flags, "--pipeline-model-parallel-size", "2", "--log-jsonl",
+    proc = fork_run(4, [*flags, "--pipeline-model-parallel-size", "2", "--log-jsonl",
                         str(tmp_path / "pp_dp.jsonl")])
     assert proc.returncode == 0, proc.stderr[-3000:]
     want, got = losses(tmp_path / "one.jsonl"), losses(tmp_path / "pp_dp.jsonl")

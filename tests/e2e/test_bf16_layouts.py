@@ -1,5 +1,5 @@
-"""--bf16 (bf16 weights, fp32 main weights and gradients) under TP / PP / DP, with real torchrun
-launches (gloo, CPU), against one process with --bf16; bf16 checkpoints move between layouts and
+"""--bf16 (bf16 weights, fp32 main weights and gradients) under TP / PP / DP, with multi-rank
+runs (gloo, CPU), against one process with --bf16; bf16 checkpoints move between layouts and
 load under fp32.
 
 Tolerance 2e-4 relative, not fp32's 1e-5, and not bitwise: a layout changes the order of fp32
@@ -19,7 +19,7 @@ import pytest
 
 from megatron_h2.training.main import main
 from tests.e2e.test_parallel_training import _reference, figures
-from tests.helpers.dist_utils import torchrun
+from tests.helpers.fork_run import fork_run
 from tests.unit.training.test_parallel_training import MODEL
 
 REL = 2e-4
@@ -81,7 +81,7 @@ def test_bf16_layout_matches_single_process(name, corpus, request, fp32_referenc
     want = request.getfixturevalue("bf16_reduce_reference" if name.startswith("reduce")
                                    else "bf16_reference")
     out = tmp_path / "log.jsonl"
-    proc = torchrun(nproc, [*MODEL, "--data-path", corpus, "--log-jsonl", str(out), "--bf16",
+    proc = fork_run(nproc, [*MODEL, "--data-path", corpus, "--log-jsonl", str(out), "--bf16",
                             *flags])
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert_bf16_close(figures(out), want, fp32_reference)
@@ -95,13 +95,13 @@ def test_bf16_checkpoint_moves_between_layouts_and_to_fp32(corpus, bf16_referenc
     of the saved fp32 weights): both continue the uninterrupted bf16 losses. Resumed in fp32 it
     continues within one bf16 rounding of them (the weights it starts from are the same)."""
     ckpt = tmp_path / "ckpt"
-    first = torchrun(4, [*MODEL, "--data-path", corpus, "--bf16", "--tensor-model-parallel-size",
+    first = fork_run(4, [*MODEL, "--data-path", corpus, "--bf16", "--tensor-model-parallel-size",
                          "2", "--pipeline-model-parallel-size", "2", "--save", str(ckpt),
                          "--exit-interval", "5", "--log-jsonl", str(tmp_path / "a.jsonl")])
     assert first.returncode == 0, first.stderr[-3000:]
     assert main([*MODEL, "--data-path", corpus, "--bf16", "--load", str(ckpt),
                  "--log-jsonl", str(tmp_path / "b.jsonl")]) == 0
-    third = torchrun(4, [*MODEL, "--data-path", corpus, "--bf16",
+    third = fork_run(4, [*MODEL, "--data-path", corpus, "--bf16",
                          "--pipeline-model-parallel-size", "2", "--use-distributed-optimizer",
                          "--load", str(ckpt), "--log-jsonl", str(tmp_path / "c.jsonl")])
     assert third.returncode == 0, third.stderr[-3000:]

@@ -1,4 +1,4 @@
-"""Data-parallel pipelines trained by real torchrun launches (gloo, CPU, fp32, dropout 0): the
+"""Data-parallel pipelines trained by multi-rank runs (gloo, CPU, fp32, dropout 0): the
 losses of 10 iterations equal one process's over the whole global batch within 1e-5, for
 pipelines that shard the model differently (TP, stage boundaries, chip types through the
 bridge, interleaving, ZeRO-1, uneven shares); a checkpoint saved with pipelines resumes in one
@@ -14,7 +14,8 @@ import yaml
 
 from megatron_h2.training.main import main
 from tests.helpers.dist_utils import assert_losses_close as close
-from tests.helpers.dist_utils import losses, tiny_model_flags, torchrun
+from tests.helpers.dist_utils import losses, tiny_model_flags
+from tests.helpers.fork_run import fork_run
 
 CHIPS = {"fast": {"device": "cpu"}, "slow": {"device": "cpu"}}
 
@@ -44,7 +45,7 @@ def reference(corpus: str, folder: Path, global_batch: int, *extra: str) -> dict
 
 def train(corpus: str, folder: Path, plan: str, ranks: int, *extra: str):
     log = folder / "pipelines.jsonl"
-    proc = torchrun(ranks, [*tiny_model_flags(), "--data-path", corpus, "--hetero-plan", plan,
+    proc = fork_run(ranks, [*tiny_model_flags(), "--data-path", corpus, "--hetero-plan", plan,
                             "--log-jsonl", str(log), *extra], timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return losses(log), proc

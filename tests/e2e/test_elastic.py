@@ -18,7 +18,8 @@ from pathlib import Path
 import pytest
 
 from megatron_h2.plan.schema import HeteroPlan
-from tests.helpers.dist_utils import losses, torchrun
+from tests.helpers.dist_utils import losses
+from tests.helpers.fork_run import fork_run
 from tests.helpers.paths import ROOT
 
 # Small memories force a pipeline over every chip, as in examples/clusters/cpu_2types.yaml.
@@ -90,7 +91,7 @@ def test_a_lost_chip_is_replanned_and_training_resumes_exactly(corpus, tmp_path)
     ref_log = tmp_path / "ref.jsonl"
     ref_train = [a if a != str(log) else str(ref_log) for a in train]
     ref_train = ref_train[:ref_train.index("--save")] + ref_train[ref_train.index("--save") + 4:]
-    done = torchrun(second.world_size, [*ref_train, "--hetero-plan",
+    done = fork_run(second.world_size, [*ref_train, "--hetero-plan",
                                         str(save / "elastic" / "plan_attempt1.yaml"),
                                         "--load", str(ref)])
     assert done.returncode == 0, done.stderr[-3000:]

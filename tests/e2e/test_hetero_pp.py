@@ -1,5 +1,5 @@
 """HeteroPP: stages on different chip types with their own TP and layer counts, joined by the
-cross-vendor bridge; compared with one process (real torchrun launches, gloo, CPU).
+cross-vendor bridge; compared with one process (multi-rank runs, gloo, CPU).
 
 The model is a GPT-3-style command line (Megatron's default architecture), so the word
 embedding on the first chip type and its tied copy on the last are summed across the chip types
@@ -10,7 +10,8 @@ import json
 import pytest
 
 from megatron_h2.training.main import main
-from tests.helpers.dist_utils import losses, torchrun
+from tests.helpers.dist_utils import losses
+from tests.helpers.fork_run import fork_run
 from tests.unit.pipeline.test_hetero_pp import MODEL, write_plan
 
 
@@ -39,7 +40,7 @@ THREE_STAGES = [{"chip": "fast", "tensor_parallel_size": 2, "num_layers": 2},
 def test_three_stages_tp_2_1_2_through_the_bridge(corpus, reference, tmp_path):
     plan = write_plan(tmp_path / "plan.yaml", THREE_STAGES)
     out, trace = tmp_path / "log.jsonl", tmp_path / "trace.json"
-    proc = torchrun(5, [*MODEL, "--data-path", corpus, "--hetero-plan", plan, "--force-bridge",
+    proc = fork_run(5, [*MODEL, "--data-path", corpus, "--hetero-plan", plan, "--force-bridge",
                         "--log-jsonl", str(out), "--timeline-trace", str(trace)])
     assert proc.returncode == 0, proc.stderr[-3000:]
     close(losses(out), reference, 1e-5)
@@ -59,7 +60,7 @@ def test_two_stages_tp_2_1_with_dp_2(corpus, reference, tmp_path):
                       [{"chip": "fast", "tensor_parallel_size": 2, "num_layers": 4},
                        {"chip": "slow", "tensor_parallel_size": 1, "num_layers": 2}], dp=2)
     out = tmp_path / "log.jsonl"
-    proc = torchrun(6, [*MODEL, "--data-path", corpus, "--hetero-plan", plan, "--force-bridge",
+    proc = fork_run(6, [*MODEL, "--data-path", corpus, "--hetero-plan", plan, "--force-bridge",
                         "--log-jsonl", str(out)])
     assert proc.returncode == 0, proc.stderr[-3000:]
     close(losses(out), reference, 1e-5)
@@ -73,7 +74,7 @@ def test_bf16_bridge_and_emulated_slowdown(corpus, reference, tmp_path):
                        {"chip": "slow", "tensor_parallel_size": 1, "num_layers": 2}],
                       chips=chips)
     out = tmp_path / "log.jsonl"
-    proc = torchrun(2, [*MODEL, "--data-path", corpus, "--hetero-plan", plan, "--force-bridge",
+    proc = fork_run(2, [*MODEL, "--data-path", corpus, "--hetero-plan", plan, "--force-bridge",
                         "--bridge-dtype", "bf16", "--log-jsonl", str(out)])
     assert proc.returncode == 0, proc.stderr[-3000:]
     close(losses(out), reference, 1e-2)

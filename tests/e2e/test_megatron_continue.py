@@ -1,6 +1,6 @@
 """Continuing a Megatron-LM run (a fixture Megatron-Core saved at TP 2, with Adam's state, and
 one its distributed optimizer saved at DP 2) for 5 iterations: under the saved layout
-(torchrun), in one process, and under a different plan (two pipeline stages on two chip types
+(forked ranks), in one process, and under a different plan (two pipeline stages on two chip types
 through the bridge) the losses agree, and the iteration and consumed samples go on from the
 checkpoint's."""
 
@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 
 from megatron_h2.training.main import main
-from tests.helpers.dist_utils import losses, torchrun, write_counting_corpus
+from tests.helpers.dist_utils import losses, write_counting_corpus
+from tests.helpers.fork_run import fork_run
 from tests.helpers.paths import ROOT
 from tests.unit.pipeline.test_hetero_pp import write_plan
 
@@ -66,7 +67,7 @@ def test_continue_under_another_plan(arch, fmt, corpus, tmp_path):
     assert [r["iteration"] for r in rows] == [3, 4, 5, 6, 7]
     assert [r["consumed_samples"] for r in rows] == [12, 16, 20, 24, 28]  # 8 before
     saved = tmp_path / "saved.jsonl"
-    proc = torchrun(2, [*flags, "--tensor-model-parallel-size", "2", "--micro-batch-size", "2",
+    proc = fork_run(2, [*flags, "--tensor-model-parallel-size", "2", "--micro-batch-size", "2",
                         "--global-batch-size", "4", "--log-jsonl", str(saved)])
     assert proc.returncode == 0, proc.stderr[-3000:]
     close(losses(saved), losses(one), 1e-5)
@@ -75,7 +76,7 @@ def test_continue_under_another_plan(arch, fmt, corpus, tmp_path):
                        {"chip": "slow", "tensor_parallel_size": 1, "num_layers": 1}],
                       micro=2, global_batch=4)
     other = tmp_path / "other.jsonl"
-    proc = torchrun(2, [*flags, "--hetero-plan", plan, "--force-bridge",
+    proc = fork_run(2, [*flags, "--hetero-plan", plan, "--force-bridge",
                         "--log-jsonl", str(other)])
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "Megatron-LM" in proc.stdout and "bridge" in proc.stdout
@@ -92,14 +93,14 @@ def test_continue_a_distributed_optimizer_run_saved_at_dp2(corpus, tmp_path):
     flags = [*model_flags("gpt", corpus, tmp_path), "--load", load, "--micro-batch-size", "2",
              "--global-batch-size", "4"]
     saved = tmp_path / "saved.jsonl"
-    proc = torchrun(2, [*flags, "--use-distributed-optimizer", "--log-jsonl", str(saved)])
+    proc = fork_run(2, [*flags, "--use-distributed-optimizer", "--log-jsonl", str(saved)])
     assert proc.returncode == 0, proc.stderr[-3000:]
     plan = write_plan(tmp_path / "plan.yaml",
                       [{"chip": "fast", "tensor_parallel_size": 1, "num_layers": 1},
                        {"chip": "slow", "tensor_parallel_size": 1, "num_layers": 1}],
                       micro=2, global_batch=4)
     other = tmp_path / "other.jsonl"
-    proc = torchrun(2, [*model_flags("gpt", corpus, tmp_path), "--load", load, "--hetero-plan",
+    proc = fork_run(2, [*model_flags("gpt", corpus, tmp_path), "--load", load, "--hetero-plan",
                         plan, "--force-bridge", "--log-jsonl", str(other)])
     assert proc.returncode == 0, proc.stderr[-3000:]
     close(losses(other), losses(saved), 1e-5)

@@ -9,7 +9,8 @@ import pytest
 
 from megatron_h2.training.main import main
 from tests.e2e.test_megatron_continue import close, corpus, model_flags, records  # noqa: F401
-from tests.helpers.dist_utils import losses, torchrun
+from tests.helpers.dist_utils import losses
+from tests.helpers.fork_run import fork_run
 from tests.helpers.paths import ROOT
 from tests.unit.pipeline.test_hetero_pp import write_plan
 
@@ -37,7 +38,7 @@ def test_continue_a_moe_run_saved_at_ep2(corpus, tmp_path):  # noqa: F811
                        {"chip": "slow", "tensor_parallel_size": 1, "num_layers": 1}],
                       micro=2, global_batch=4)
     other = tmp_path / "other.jsonl"
-    proc = torchrun(2, [*model_flags("llama", corpus, tmp_path), *MOE, "--load",
+    proc = fork_run(2, [*model_flags("llama", corpus, tmp_path), *MOE, "--load",
                         str(FIXTURES / "moe_ep2" / "torch_dist"), "--hetero-plan", plan,
                         "--force-bridge", "--log-jsonl", str(other)])
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -1,4 +1,4 @@
-"""Expert parallelism with real torchrun launches (gloo, CPU) against one process.
+"""Expert parallelism with multi-rank runs (gloo, CPU) against one process.
 
 The two MoE command lines of tests/e2e/test_moe_training.py (Mixtral-like: softmax top-2, aux and
 z losses, shared experts, a dense first layer, biases; DeepSeek-V3-like: sigmoid scores, expert
@@ -10,7 +10,7 @@ reduce-scattered back): 10 iterations must reproduce the single-process losses, 
 and tokens per expert (so the same tokens are dropped) within 1e-5 relative.
 
 Cost: the one-process references are computed once per module and every run in this process
-(references and resumes) uses one thread, as each torchrun rank does (two threads per process
+(references and resumes) uses one thread, as each rank of a run does (two threads per process
 on a shared machine spend most of a step waiting for each other).
 """
 
@@ -23,7 +23,7 @@ from safetensors import safe_open
 
 from megatron_h2.training.main import main
 from tests.e2e.test_moe_training import ARCHS, assert_same_run, moe_references, records
-from tests.helpers.dist_utils import torchrun
+from tests.helpers.fork_run import fork_run
 from tests.unit.training.test_parallel_training import MODEL
 
 EP2 = ["--expert-model-parallel-size", "2", "--moe-token-dispatcher-type", "alltoall"]
@@ -63,7 +63,7 @@ def check(name: str, got: dict[int, dict], want: dict[int, dict], norms: bool = 
 
 
 def run(nproc: int, arch: str, corpus: str, out, *flags: str):
-    proc = torchrun(nproc, [*MODEL, *ARCHS[arch], "--data-path", corpus, "--log-jsonl",
+    proc = fork_run(nproc, [*MODEL, *ARCHS[arch], "--data-path", corpus, "--log-jsonl",
                             str(out), *flags], timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return proc

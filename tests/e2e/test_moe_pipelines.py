@@ -1,4 +1,4 @@
-"""Expert parallelism in plans of several data-parallel pipelines (real torchrun launches, gloo,
+"""Expert parallelism in plans of several data-parallel pipelines (multi-rank runs, gloo,
 CPU, fp32, dropout 0) against one process.
 
 Each pipeline sets its own EP: pipeline 0 holds two of the four experts per rank (DP 2, EP 2),
@@ -15,7 +15,7 @@ import pytest
 import yaml
 
 from tests.e2e.test_moe_training import ARCHS, assert_same_run, moe_references, records
-from tests.helpers.dist_utils import torchrun
+from tests.helpers.fork_run import fork_run
 from tests.unit.training.test_parallel_training import MODEL
 
 CHIPS = {"fast": {"device": "cpu"}, "slow": {"device": "cpu"}}
@@ -41,7 +41,7 @@ def write_plan(path, *pipelines: tuple[int, int, list[dict]]) -> str:
 
 
 def train(ranks: int, arch: str, corpus: str, plan: str, out, *flags: str):
-    proc = torchrun(ranks, [*MODEL, *ARCHS[arch], "--data-path", corpus, "--hetero-plan", plan,
+    proc = fork_run(ranks, [*MODEL, *ARCHS[arch], "--data-path", corpus, "--hetero-plan", plan,
                             "--moe-token-dispatcher-type", "alltoall", "--log-jsonl", str(out),
                             *flags], timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]

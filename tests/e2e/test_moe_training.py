@@ -1,4 +1,4 @@
-"""Mixture-of-experts training with real torchrun launches (gloo, CPU) against one process.
+"""Mixture-of-experts training with multi-rank runs (gloo, CPU) against one process.
 
 Two MoE command lines on the GPT of tests/unit/training/test_parallel_training.py: a Mixtral-
 like one (softmax top-2, aux and z losses, shared experts, a dense first layer) and a
@@ -17,7 +17,8 @@ import pytest
 from safetensors import safe_open
 
 from megatron_h2.training.main import main
-from tests.helpers.dist_utils import losses, torchrun
+from tests.helpers.dist_utils import losses
+from tests.helpers.fork_run import fork_run
 from tests.unit.training.test_parallel_training import MODEL
 
 MIXTRAL_LIKE = ["--num-experts", "4", "--moe-router-topk", "2", "--moe-aux-loss-coeff", "1e-2",
@@ -93,7 +94,7 @@ LAYOUTS = {  # name: (processes, flags)
 def test_layout_matches_single_process(arch, layout, corpus, references, tmp_path):
     nproc, flags = LAYOUTS[layout]
     out = tmp_path / "log.jsonl"
-    proc = torchrun(nproc, [*MODEL, *ARCHS[arch], "--data-path", corpus, "--log-jsonl",
+    proc = fork_run(nproc, [*MODEL, *ARCHS[arch], "--data-path", corpus, "--log-jsonl",
                             str(out), *flags], timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert_same_run(records(out), references[arch])
@@ -104,7 +105,7 @@ def test_layout_matches_single_process(arch, layout, corpus, references, tmp_pat
 def test_checkpoint_saved_under_dp2_resumes_in_one_process(corpus, references, tmp_path):
     arch = DEEPSEEK_LIKE
     ckpt = tmp_path / "ckpt"
-    first = torchrun(2, [*MODEL, *arch, "--data-path", corpus, "--save", str(ckpt),
+    first = fork_run(2, [*MODEL, *arch, "--data-path", corpus, "--save", str(ckpt),
                          "--exit-interval", "5", "--log-jsonl", str(tmp_path / "a.jsonl")],
                      timeout=600)
     assert first.returncode == 0, first.stderr[-3000:]
@@ -134,7 +135,7 @@ def test_two_chip_types_through_the_bridge(arch, corpus, references, tmp_path):
                         "data_parallel_size": 2},
                        {"chip": "slow", "tensor_parallel_size": 1, "num_layers": 3}])
     out = tmp_path / "log.jsonl"
-    proc = torchrun(3, [*MODEL, *ARCHS[arch], "--data-path", corpus, "--hetero-plan", plan,
+    proc = fork_run(3, [*MODEL, *ARCHS[arch], "--data-path", corpus, "--hetero-plan", plan,
                         "--force-bridge", "--log-jsonl", str(out)], timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert_same_run(records(out), references[arch])

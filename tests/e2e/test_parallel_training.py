@@ -1,4 +1,4 @@
-"""TP / PP / DP training with real torchrun launches (gloo, CPU) against one process.
+"""TP / PP / DP training with multi-rank runs (gloo, CPU) against one process.
 
 Every layout must reproduce the single-process losses of the first 10 iterations within 1e-5
 relative; checkpoints saved under one layout resume under others; a failing rank ends the job
@@ -20,6 +20,7 @@ from safetensors import safe_open
 
 from megatron_h2.training.main import main
 from tests.helpers.dist_utils import free_port, losses, torchrun
+from tests.helpers.fork_run import fork_run
 from tests.helpers.paths import ROOT
 from tests.unit.training.test_parallel_training import MODEL
 
@@ -101,7 +102,7 @@ def test_layout_matches_single_process(name, corpus, request, tmp_path):
     want = request.getfixturevalue("llama_reference" if name.startswith("llama")
                                    else "reference_figures")
     out = tmp_path / "log.jsonl"
-    proc = torchrun(nproc, [*MODEL, "--data-path", corpus, "--log-jsonl", str(out), *flags])
+    proc = fork_run(nproc, [*MODEL, "--data-path", corpus, "--log-jsonl", str(out), *flags])
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert_figures(figures(out), want)
     if "--timing-log-level" in flags:  # every rank's timers, pipeline waits included
@@ -114,7 +115,7 @@ def test_checkpoint_moves_between_layouts(corpus, reference, tmp_path):
     """Saved at (TP, PP, DP) = (2, 2, 1) after 5 iterations; resumed at (1, 1, 1) and at
     (1, 2, 2) with the distributed optimizer: both continue with the uninterrupted losses."""
     ckpt = tmp_path / "ckpt"
-    first = torchrun(4, [*MODEL, "--data-path", corpus, "--tensor-model-parallel-size", "2",
+    first = fork_run(4, [*MODEL, "--data-path", corpus, "--tensor-model-parallel-size", "2",
                          "--pipeline-model-parallel-size", "2", "--save", str(ckpt),
                          "--exit-interval", "5", "--log-jsonl", str(tmp_path / "a.jsonl")])
     assert first.returncode == 0, first.stderr[-3000:]
@@ -128,7 +129,7 @@ def test_checkpoint_moves_between_layouts(corpus, reference, tmp_path):
     assert tied in keys[0] and tied not in keys[1] and "output_layer.weight" not in keys[1]
     assert main([*MODEL, "--data-path", corpus, "--load", str(ckpt),
                  "--log-jsonl", str(tmp_path / "b.jsonl")]) == 0
-    third = torchrun(4, [*MODEL, "--data-path", corpus, "--pipeline-model-parallel-size", "2",
+    third = fork_run(4, [*MODEL, "--data-path", corpus, "--pipeline-model-parallel-size", "2",
                          "--use-distributed-optimizer", "--load", str(ckpt),
                          "--log-jsonl", str(tmp_path / "c.jsonl")])
     assert third.returncode == 0, third.stderr[-3000:]

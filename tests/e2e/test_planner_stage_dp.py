@@ -1,5 +1,5 @@
 """A plan the planner writes with per-chip-type DP degrees (tests/unit/planner/
-test_planner_stage_dp.py) trains under torchrun with one process's losses."""
+test_planner_stage_dp.py) trains on forked ranks with one process's losses."""
 
 from __future__ import annotations
 
@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers.dist_utils import assert_losses_close, losses, tiny_model_flags, torchrun
+from tests.helpers.dist_utils import assert_losses_close, losses, tiny_model_flags
+from tests.helpers.fork_run import fork_run
 from tests.unit.planner.test_planner_stage_dp import planned
 
 
@@ -17,7 +18,7 @@ def test_planned_per_type_dp_plan_trains_like_one_process(
 ) -> None:
     path, plan, _ = planned(tmp_path)
     out = tmp_path / "log.jsonl"
-    proc = torchrun(
+    proc = fork_run(
         plan.world_size,
         [*tiny_model_flags(), "--data-path", corpus, "--hetero-plan", path,
          "--log-jsonl", str(out)],

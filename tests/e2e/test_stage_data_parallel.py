@@ -1,6 +1,6 @@
 """Per-stage data parallelism across processes: stages with different DP (and TP) degrees.
 
-Multi-process tests check the tied embedding's exact sum; real torchrun launches (gloo, CPU)
+Multi-process tests check the tied embedding's exact sum; multi-rank runs (gloo, CPU)
 compare 10 iterations with one process, one shared reference run."""
 
 from __future__ import annotations
@@ -14,7 +14,8 @@ import torch
 from megatron_h2.plan.schema import ChipSpec, HeteroPlan, StageSpec
 from megatron_h2.training.main import main
 from tests.helpers.dist_utils import assert_losses_close as close
-from tests.helpers.dist_utils import losses, run_distributed, torchrun
+from tests.helpers.dist_utils import losses, run_distributed
+from tests.helpers.fork_run import fork_run
 from tests.unit.distributed.test_stage_data_parallel import MODEL, dp_2_1, write_plan
 
 # ------------------------------------------------------------------ tied embedding sum
@@ -102,7 +103,7 @@ def test_dp_2_1_matches_one_process_and_resumes_uniform(corpus, reference, tmp_p
     checkpoint resumes in one process with the uninterrupted losses."""
     plan = write_plan(tmp_path / "plan.yaml", dp_2_1())
     out, trace, ckpt = tmp_path / "a.jsonl", tmp_path / "trace.json", tmp_path / "ckpt"
-    proc = torchrun(4, [*MODEL, "--data-path", corpus, "--hetero-plan", plan,
+    proc = fork_run(4, [*MODEL, "--data-path", corpus, "--hetero-plan", plan,
                         "--log-jsonl", str(out), "--timeline-trace", str(trace),
                         "--save", str(ckpt), "--save-interval", "5"])
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -142,7 +143,7 @@ def test_per_stage_dp_matches_one_process(name, corpus, reference, tmp_path):
     nproc, stages, extra, flags = RUNS[name]
     plan = write_plan(tmp_path / "plan.yaml", stages, **extra)
     out = tmp_path / "log.jsonl"
-    proc = torchrun(nproc, [*MODEL, "--data-path", corpus, "--hetero-plan", plan,
+    proc = fork_run(nproc, [*MODEL, "--data-path", corpus, "--hetero-plan", plan,
                             "--log-jsonl", str(out), *flags])
     assert proc.returncode == 0, proc.stderr[-3000:]
     close(losses(out), reference)
@@ -177,7 +178,7 @@ def test_per_stage_dp_with_bf16_matches_one_process(corpus, reference, bf16_refe
     with --bf16 (see test_bf16_layouts); losses not the fp32 ones."""
     plan = write_plan(tmp_path / "plan.yaml", dp_2_1())
     out = tmp_path / "log.jsonl"
-    proc = torchrun(4, [*MODEL, *NORMS, "--data-path", corpus, "--hetero-plan", plan, "--bf16",
+    proc = fork_run(4, [*MODEL, *NORMS, "--data-path", corpus, "--hetero-plan", plan, "--bf16",
                         "--use-distributed-optimizer", "--overlap-grad-reduce",
                         "--overlap-param-gather", "--log-jsonl", str(out)])
     assert proc.returncode == 0, proc.stderr[-3000:]

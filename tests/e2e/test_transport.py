@@ -77,7 +77,8 @@ def test_hetero_run_over_nixl_equals_one_process(corpus, tiny_reference, tmp_pat
     precision check of the last iteration runs too (it must not change the losses)."""
     import yaml
 
-    from tests.helpers.dist_utils import losses, torchrun
+    from tests.helpers.dist_utils import losses
+    from tests.helpers.fork_run import fork_run
 
     log = tmp_path / "log.jsonl"
     plan = _plan([{"chips": ["a", "b"], "transport": "nixl"}])
@@ -85,7 +86,7 @@ def test_hetero_run_over_nixl_equals_one_process(corpus, tiny_reference, tmp_pat
     plan["stages"] = [{"chip": "a", "tensor_parallel_size": 2, "num_layers": 3},
                       {"chip": "b", "tensor_parallel_size": 1, "num_layers": 1}]
     (tmp_path / "plan.yaml").write_text(yaml.safe_dump(plan))
-    proc = torchrun(3, [*MODEL, "--data-path", corpus, "--hetero-plan",
+    proc = fork_run(3, [*MODEL, "--data-path", corpus, "--hetero-plan",
                         str(tmp_path / "plan.yaml"), "--force-bridge", "--bridge-chunk-mb",
                         "0.01", "--log-jsonl", str(log), "--precision-check-interval", "10"])
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -1,4 +1,4 @@
-"""Interleaved (virtual-stage) 1F1B and zero-bubble schedules in real torchrun launches (gloo,
+"""Interleaved (virtual-stage) 1F1B and zero-bubble schedules in multi-rank runs (gloo,
 CPU), uniform and heterogeneous, against one process; gradient buckets armed per chunk;
 checkpoints across virtual layouts."""
 
@@ -12,7 +12,8 @@ import torch.distributed as dist
 
 from megatron_h2.training.main import main
 from tests.helpers.dist_utils import assert_losses_close as close
-from tests.helpers.dist_utils import losses, run_distributed, torchrun
+from tests.helpers.dist_utils import losses, run_distributed
+from tests.helpers.fork_run import fork_run
 from tests.unit.pipeline.test_virtual_pipeline import BATCH, HETERO_STAGES, MODEL, write_plan
 
 
@@ -48,7 +49,7 @@ def test_schedule_matches_single_process(name, corpus, reference, tmp_path):
     nproc, flags = LAYOUTS[name]
     out, trace = tmp_path / "log.jsonl", tmp_path / "trace.json"
     extra = ["--timeline-trace", str(trace)] if name.startswith("pp2_v2_uneven") else []
-    proc = torchrun(nproc, [*MODEL, *BATCH, "--data-path", corpus, "--log-jsonl", str(out),
+    proc = fork_run(nproc, [*MODEL, *BATCH, "--data-path", corpus, "--log-jsonl", str(out),
                             *flags, *extra])
     assert proc.returncode == 0, proc.stderr[-3000:]
     close(losses(out), reference)
@@ -69,7 +70,7 @@ def test_heterogeneous_virtual_stages_through_the_bridge_and_checkpoints(corpus,
     checkpoint resumes under PP 2 x V 2: all with the uninterrupted losses."""
     plan = write_plan(tmp_path / "plan.yaml", HETERO_STAGES)
     ckpt, ckpt2 = tmp_path / "ckpt", tmp_path / "ckpt2"
-    proc = torchrun(5, [*MODEL, "--data-path", corpus, "--hetero-plan", plan, "--force-bridge",
+    proc = fork_run(5, [*MODEL, "--data-path", corpus, "--hetero-plan", plan, "--force-bridge",
                         "--save", str(ckpt), "--save-interval", "5",
                         "--log-jsonl", str(tmp_path / "a.jsonl")])
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -80,7 +81,7 @@ def test_heterogeneous_virtual_stages_through_the_bridge_and_checkpoints(corpus,
                  "--save", str(ckpt2), "--save-interval", "7",
                  "--log-jsonl", str(tmp_path / "b.jsonl")]) == 0
     close(losses(tmp_path / "b.jsonl"), {k: v for k, v in reference.items() if k > 5})
-    third = torchrun(2, [*MODEL, *BATCH, "--data-path", corpus, "--load", str(ckpt2),
+    third = fork_run(2, [*MODEL, *BATCH, "--data-path", corpus, "--load", str(ckpt2),
                          "--ckpt-step", "7", "--pipeline-model-parallel-size", "2",
                          "--virtual-pipeline-model-parallel-size", "2",
                          "--log-jsonl", str(tmp_path / "c.jsonl")])

@@ -16,7 +16,7 @@ from tests.helpers.paths import ROOT
 
 # What the ranks' server process imports once, before it forks them: no rank pays the start-up
 # (about 2 s of CPU for torch) again.
-PRELOAD = ["torch", "torch.distributed", "tests.helpers.dist_utils"]
+PRELOAD = ["torch", "torch.distributed", "tests.helpers.dist_utils", "megatron_h2.training.main"]
 
 
 def _worker(rank: int, world_size: int, init_file: str, fn: Callable, args: tuple,
