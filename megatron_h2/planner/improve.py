@@ -9,8 +9,10 @@ faster:
 
 * in its own batch shape: a block one stage longer or shorter, a block at another TP degree (or,
   under own DP degrees, another TP and DP degree) of its chip type, two adjacent blocks swapped,
-  a block dropped, a block of an unused chip type added (in front, behind, or between two
-  blocks) or put in a block's place;
+  a block dropped, under one DP degree two blocks changed at once (one dropped or a stage
+  longer or shorter, another a stage longer or shorter: a climb cannot make such moves one at a
+  time when each alone is slower), a block of an unused chip type added (in front, behind, or
+  between two blocks) or put in a block's place;
 * in the neighbouring batch shapes (micro-batch size halved, kept or doubled, DP degree halved,
   kept or doubled, any schedule): the same blocks, each keeping its chips (stages scaled by
   the DP ratio) or its stages.
