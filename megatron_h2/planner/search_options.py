@@ -26,7 +26,7 @@ class SearchOptions:
     grid_points: int = 64
     dive_shapes: int = 24
     dive_nodes: int = 24
-    dive_stale: int = 2
+    dive_stale: int = 4
     """The short dives stop after this many batch shapes in a row whose dives found no better
     plan (the search's time then goes to the bounds; :mod:`.dives`)."""
     schedules: tuple[str, ...] = SCHEDULES
