@@ -9,8 +9,10 @@ faster:
 
 * in its own batch shape: a block one stage longer or shorter, a block at another TP degree (or,
   under own DP degrees, another TP and DP degree) of its chip type, two adjacent blocks swapped,
-  a block dropped, a block of an unused chip type added (in front, behind, or between two
-  blocks) or put in a block's place;
+  a block dropped, under one DP degree two blocks changed at once (one dropped or a stage
+  longer or shorter, another a stage longer or shorter: a climb cannot make such moves one at a
+  time when each alone is slower), a block of an unused chip type added (in front, behind, or
+  between two blocks) or put in a block's place;
 * in the neighbouring batch shapes (micro-batch size halved, kept or doubled, DP degree halved,
   kept or doubled, any schedule): the same blocks, each keeping its chips (stages scaled by
   the DP ratio) or its stages.
@@ -24,6 +26,7 @@ only the plans it knows, and when it knows them, change.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Iterator
 
 from megatron_h2.planner.bounds import BatchShape
@@ -77,15 +80,19 @@ def _blocks_changed(shape: BatchShape, suffix: Suffix) -> Iterator[Suffix]:
                     yield head + ((other, n),) + tail
 
 
-def _blocks_moved(shape: BatchShape, suffix: Suffix) -> Iterator[Suffix]:
-    """Neighbours that swap two adjacent blocks, drop one, add a block of an unused chip type
-    (every kind, one stage or its most, at every place) or put one in a block's place."""
-    kinds = shape.kinds
+def _blocks_moved(suffix: Suffix) -> Iterator[Suffix]:
+    """Neighbours that swap two adjacent blocks or drop one."""
     for i in range(len(suffix) - 1):
         yield suffix[:i] + (suffix[i + 1], suffix[i]) + suffix[i + 2 :]
     if len(suffix) > 1:
         for i in range(len(suffix)):
             yield suffix[:i] + suffix[i + 1 :]
+
+
+def _blocks_added(shape: BatchShape, suffix: Suffix) -> Iterator[Suffix]:
+    """Neighbours that add a block of an unused chip type (every kind, one stage or its most,
+    at every place) or put one in a block's place."""
+    kinds = shape.kinds
     used = {kinds[k].chip for k, _ in suffix}
     for chip in shape.types:
         if chip in used:
@@ -99,12 +106,32 @@ def _blocks_moved(shape: BatchShape, suffix: Suffix) -> Iterator[Suffix]:
                     yield suffix[:i] + ((kind, n),) + suffix[i + 1 :]
 
 
+def _pairs_changed(shape: BatchShape, suffix: Suffix) -> Iterator[Suffix]:
+    """Neighbours two moves away (one DP degree only): one block dropped or a stage longer or
+    shorter and another block a stage longer or shorter, the moves a climb cannot make one at a
+    time when each alone is slower (a block dropped and its layers taken by one more stage of
+    another)."""
+    if not shape.uniform:
+        return
+    for i, (kind, count) in enumerate(suffix):
+        for first in (0, count - 1, count + 1):
+            for j, (other, other_count) in enumerate(suffix):
+                if j == i:
+                    continue
+                for second in (other_count - 1, other_count + 1):
+                    blocks = list(suffix)
+                    blocks[i], blocks[j] = (kind, first), (other, second)
+                    yield tuple(block for block in blocks if block[1])
+
+
 def shape_neighbours(shape: BatchShape, suffix: Suffix) -> list[Suffix]:
     """The closed pipelines of ``shape`` one change away from ``suffix`` (module docstring),
     each once, without ``suffix`` itself."""
     seen = {suffix}
     out = []
-    for other in (*_blocks_changed(shape, suffix), *_blocks_moved(shape, suffix)):
+    moves = (_blocks_changed(shape, suffix), _blocks_moved(suffix), _pairs_changed(shape, suffix),
+             _blocks_added(shape, suffix))
+    for other in itertools.chain(*moves):
         if other not in seen and _valid(shape, other):
             seen.add(other)
             out.append(other)

@@ -40,6 +40,7 @@ import numpy as np
 from megatron_h2.errors import ConfigError
 from megatron_h2.planner.bounds import BatchShape
 from megatron_h2.planner.cost_model import CostModel
+from megatron_h2.planner.dives import dive_grids, dive_order
 from megatron_h2.planner.improve import Polish
 from megatron_h2.planner.merged_shape import MergedShape
 from megatron_h2.planner.partition import INF
@@ -88,6 +89,10 @@ class _Search:
         if len(self.best) < self.options.top_k:
             return self.options.cutoff_s
         return min(-self.best[0][0], self.options.cutoff_s)
+
+    def _best_value(self) -> float:
+        """The best step time found so far (inf before the first plan)."""
+        return min((-item[0] for item in self.best), default=INF)
 
     def _late(self) -> bool:
         """Past the time limit (or :attr:`SearchOptions.max_prefixes`)."""
@@ -269,18 +274,17 @@ class _Search:
 
     def _run_shapes(self, shapes: list[BatchShape]) -> Left:
         """Search ``shapes``: short dives, then :meth:`_refine`; what the time limit left."""
-        shapes.sort(key=lambda s: s.root_bound())
-        for shape in shapes[: self.options.dive_shapes]:  # short dives: good incumbents early
-            if (
-                shape.root_bound() >= self.threshold * (1 - _SLACK)
-                or self._late()
-            ):
+        dives = dive_order(shapes, lambda: self.threshold * (1 - _SLACK), self._late)
+        stale = 0  # short dives, good incumbents early, until so many shapes in a row fail
+        for shape in itertools.islice(dives, self.options.dive_shapes):
+            before = self._best_value()
+            for top in dive_grids(shape, self._best_value):
+                shape.build_grid(top, 64)
+                self._explore(shape, root_node(shape), budget=self.options.dive_nodes)
+            stale = 0 if self._best_value() < before else stale + 1
+            if stale >= self.options.dive_stale:
                 break
-            shape.prepare()
-            if shape.root_bound() >= self.threshold * (1 - _SLACK):
-                continue
-            shape.build_grid(self.threshold if self.threshold < INF else shape.w_max, 64)
-            self._explore(shape, root_node(shape), budget=self.options.dive_nodes)
+        shapes.sort(key=lambda s: s.root_bound())
         return self._refine(shapes, [], [])
 
     def _refine(self, shapes: list[BatchShape], refined: list[tuple[float, BatchShape]],
@@ -532,7 +536,7 @@ class _Search:
         found = Found(
             split.step_time_s, shape.mbs, shape.schedule, shape.chunks, suffix, split, shape.kinds
         )
-        best = min((-item[0] for item in self.best), default=INF)
+        best = self._best_value()
         heapq.heappush(self.best, (-found.value, next(self.counter), found))
         if len(self.best) > self.options.top_k:
             heapq.heappop(self.best)

@@ -26,6 +26,9 @@ class SearchOptions:
     grid_points: int = 64
     dive_shapes: int = 24
     dive_nodes: int = 24
+    dive_stale: int = 4
+    """The short dives stop after this many batch shapes in a row whose dives found no better
+    plan (the search's time then goes to the bounds; :mod:`.dives`)."""
     schedules: tuple[str, ...] = SCHEDULES
     """Pipeline schedules to consider (``1f1b``, ``interleaved``, ``zero-bubble``)."""
     max_virtual_stages: int = 4
@@ -69,6 +72,7 @@ class SearchOptions:
         positive_int(self.grid_points, "grid_points", minimum=8)
         positive_int(self.dive_shapes, "dive_shapes", minimum=0)
         positive_int(self.dive_nodes, "dive_nodes")
+        positive_int(self.dive_stale, "dive_stale")
         if self.micro_batch_sizes is not None:
             for size in self.micro_batch_sizes:
                 positive_int(size, "micro_batch_size")

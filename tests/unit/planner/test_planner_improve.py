@@ -1,6 +1,7 @@
 """The local improvement of found plans (``improve.py``): every neighbour is a closed pipeline
-of its batch shape's plan space (the branch and bound's own leaves, enumerated), a climb ends
-at a plan no neighbour beats, and the search finds the same optimum with and without it."""
+of its batch shape's plan space (the branch and bound's own leaves, enumerated) and the
+two-block moves are among them, a climb ends at a plan no neighbour beats, and the search
+finds the same optimum with and without it."""
 
 from __future__ import annotations
 
@@ -42,19 +43,37 @@ def shapes_of(cost, gbs: int) -> list[BatchShape]:
     return out
 
 
+def two_moves(suffix) -> set:
+    """``suffix`` with one block dropped or a stage longer or shorter and another block a stage
+    longer or shorter (what :func:`shape_neighbours` must offer under one DP degree)."""
+    out = set()
+    for i, (kind, count) in enumerate(suffix):
+        for first in (0, count - 1, count + 1):
+            for j, (other, other_count) in enumerate(suffix):
+                for second in (other_count - 1, other_count + 1):
+                    if j != i:
+                        blocks = list(suffix)
+                        blocks[i], blocks[j] = (kind, first), (other, second)
+                        out.add(tuple(b for b in blocks if b[1]))
+    return out
+
+
 @pytest.mark.parametrize("seed", range(6))
 def test_every_neighbour_is_a_plan_of_the_shape(seed: int) -> None:
     cost = small_case(seed)
     run = search_module._Search(cost, SearchOptions(8, time_limit_s=600))
-    checked = 0
+    checked = pairs = 0
     for shape in shapes_of(cost, 8):
         space = leaves(run, shape, root_node(shape), set())
         for suffix in space:
             near = shape_neighbours(shape, suffix)
             assert suffix not in near and len(set(near)) == len(near)
             assert set(near) <= space, (shape.schedule, shape.dp, suffix, set(near) - space)
+            wanted = two_moves(suffix) & space - {suffix} if shape.uniform else set()
+            assert wanted <= set(near), (shape.dp, suffix, wanted - set(near))  # two moves
+            pairs += len(wanted)
             checked += len(near)
-    assert checked > 0
+    assert checked > 0 and pairs > 0
 
 
 def exact(shape: BatchShape, suffix) -> float | None:
