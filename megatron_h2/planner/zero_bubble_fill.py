@@ -68,10 +68,12 @@ def _tables(shape: BatchShape) -> tuple[np.ndarray | None, np.ndarray]:
     if shape.schedule == "zero-bubble" and shape.kinds and not shape.cost.model.is_moe:
         per_layer = _per_layer(shape)
         per_layer = per_layer if per_layer.any() else None
-    held = shape.prefix[:, :, 1].max(axis=0) if shape.kinds else np.zeros(len(shape.grid))
-    with np.errstate(divide="ignore"):  # warm-up 0 holds the most
-        least = np.ceil(shape.layers / np.maximum(held, 1e-9) - 1e-9)
-    least = np.minimum(least, shape.positions).astype(np.int64)
+    least = np.zeros(1, dtype=np.int64)  # nothing rises: no table needed (none may exist)
+    if per_layer is not None:
+        held = shape.prefix[:, :, 1].max(axis=0)  # warm-up 0 holds the most
+        with np.errstate(divide="ignore"):
+            least = np.ceil(shape.layers / np.maximum(held, 1e-9) - 1e-9)
+        least = np.minimum(least, shape.positions).astype(np.int64)
     shape.__dict__["_zero_bubble_fill"] = (key, per_layer, least)
     return per_layer, least
 
