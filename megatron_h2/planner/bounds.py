@@ -60,6 +60,7 @@ from megatron_h2.planner.bound_columns import (
     take_columns,
 )
 from megatron_h2.planner.cost_model import MODES, CostModel, zero_bubble_share
+from megatron_h2.planner.own_root import own_root_terms
 from megatron_h2.planner.partition import INF
 from megatron_h2.planner.rest_bound import RestBound, running_sum
 from megatron_h2.planner.shape_memory import ShapeMemory
@@ -381,10 +382,8 @@ class BatchShape(ShapeMemory, RestBound, SyncCoupling, ColumnFloor):
 
     def root_bound(self) -> float:
         """Lower bound on the step time of every plan of this batch shape."""
-        if not self.positions:
-            return INF
-        if not self.prepared:
-            return self.pre_bound
+        if not self.positions or not self.prepared:
+            return self.pre_bound if self.positions else INF
         w = max(self.w_floor, float(self.head_need.min()))  # some kind holds the head
         return max(float(self._root_terms(w, self.tail_floor, self.root_links)), self.root_coupled)
 
@@ -408,10 +407,10 @@ class BatchShape(ShapeMemory, RestBound, SyncCoupling, ColumnFloor):
         types' capacities and sync inverses there, the stages at least the layers over the
         largest single-stage capacity there, each but one with a link, and the summed fill at
         least the layers filled into the cheapest capacity there (:meth:`_segment_fill`, time
-        caps included); above the top probe, the uncoupled terms."""
+        caps included; own DP: with the links, jointly over the types' kinds, :mod:`.own_root`);
+        above the top probe, the uncoupled terms."""
         floor = max(self.w_floor, float(self.head_need.min()))
-        top = min(self.w_max, 4.0 * floor)
-        if not top > floor:
+        if not (top := min(self.w_max, 4.0 * floor)) > floor:
             return 0.0
         probes = np.geomspace(floor, top, 97)
         caps = self.capacity(probes)  # kind x probe x warm-up
@@ -422,10 +421,10 @@ class BatchShape(ShapeMemory, RestBound, SyncCoupling, ColumnFloor):
         stages = np.ceil(self.layers / np.maximum(caps[:, 1:, 0].max(axis=0), 1.0) - 1e-9)
         links = np.maximum(stages - 1.0, 0.0) * min(self.type_link.values())
         fill = np.maximum(self._segment_fill(most)[1:], self.root_fill)  # at g_j+1
-        terms = self._root_terms(
-            probes[:-1], np.maximum(sync, self.tail_floor), np.maximum(links, self.root_links),
-            fill,
-        )
+        tail = np.maximum(sync, self.tail_floor)
+        terms = self._root_terms(probes[:-1], tail, np.maximum(links, self.root_links), fill)
+        if not self.uniform:  # own DP: each type one kind or none, fill and links joint
+            terms = np.maximum(terms, own_root_terms(self, probes, most, tail))
         beyond = self._root_terms(top, self.tail_floor, self.root_links)
         return float(min(terms.min(), beyond))
 

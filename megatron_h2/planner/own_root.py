@@ -1,0 +1,65 @@
+"""The fill and links of an own-DP shape's root, bounded jointly over its chip types' choices.
+
+Under own DP degrees (:class:`~megatron_h2.planner.bounds.BatchShape` with ``dp`` None) a chip
+type is either unused or runs exactly one stage kind with all of its chips: ``n`` stages of that
+kind (``n t d`` = its chip count), each holding at least one layer and, where the slowest folded
+steady term is at most a probe ``g``, at most the kind's capacity there (its block as if it ended
+the pipeline, :meth:`~megatron_h2.planner.bounds.BatchShape._most_layers`: an upper bound
+wherever it sits). Every stage but one has a link of at least its type's cheapest. So the summed
+fill plus links of every plan is at least the least, over the choices of one kind or none per
+type whose layers sum to ``L``, of ``sum (x_k fill_k + n_k link_k)`` minus the largest link, plus
+the edges' least fill: a multiple-choice knapsack over types and layer counts ``0 .. L``, solved
+exactly by a small dynamic programme per probe (polynomial in the types, kinds and layers).
+
+The root's loose form takes the fill (the cheapest capacity of every kind at once, a type's
+kinds all counted) and the links (the fewest stages that hold the layers) apart; tied to the
+kinds, a type's small DP degree brings its many stages' layers and links with it.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+if TYPE_CHECKING:
+    from megatron_h2.planner.bounds import BatchShape
+
+
+def own_fill_links(shape: BatchShape, most: np.ndarray) -> np.ndarray:
+    """Per probe, a lower bound on the summed fill (edges included) plus the links of every own-DP
+    plan of ``shape`` whose stages hold at most ``most`` (kind x probe, whole units) layers each
+    block: the knapsack of the module docstring; inf where no choice holds the layers."""
+    layers, probes = shape.layers, most.shape[1]
+    cost = np.full((probes, layers + 1), np.inf)  # probe x units placed so far
+    cost[:, 0] = 0.0
+    for chip in shape.types:
+        chosen = cost.copy()  # the type unused
+        for kind in shape.kinds_of[chip]:
+            stages = shape.kinds[kind].max_stages
+            unit, links = float(shape.fill_unit[kind]), stages * shape.type_link[chip]
+            held = np.minimum(most[kind], layers)
+            for units in range(stages, int(held.max(initial=0)) + 1):
+                more = cost[:, : layers + 1 - units] + (units * unit + links)
+                more[held < units] = np.inf  # more than this block holds at that probe
+                np.minimum(chosen[:, units:], more, out=chosen[:, units:])
+        cost = chosen
+    edges = float(shape.head_time.min() + shape.embedding_time.min())
+    return cost[:, layers] - max(shape.type_link.values()) + edges
+
+
+def own_root_terms(
+    shape: BatchShape, probes: np.ndarray, most: np.ndarray, tail: np.ndarray
+) -> np.ndarray:
+    """The root bound per probe interval ``(g_j, g_j+1]`` (``probes[:-1]``) of an own-DP shape
+    with the fill and links joint (:func:`own_fill_links` at ``g_j+1``) and the end-of-step term
+    at least ``tail`` (per interval): ``max(fill + z, own) + links >= max(joint + z, own +
+    least links)`` (zero-bubble; the others add ``z`` outside the max)."""
+    joint = own_fill_links(shape, most)[1:]
+    low = probes[:-1]
+    own = shape._own_work(low)
+    least_links = shape.root_links
+    if shape.schedule == "zero-bubble":
+        tail = np.maximum(tail, shape.tail_share * own)
+        return shape.steady * low + np.maximum(joint + tail, own + least_links)
+    return shape.steady * low + np.maximum(joint, own + least_links) + tail
