@@ -79,3 +79,25 @@ def test_the_own_dp_root_bound_never_exceeds_the_exact_split_and_rises(
             loose = shape._coupled_root()
         raised += shape.root_coupled > loose * (1 + 1e-6)
     assert checked > 0 and raised > 0
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zero-bubble"])
+def test_no_option_is_bounded_below_its_shapes_root(
+    schedule: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every plan below a node is one of its shape's, so every option's bound is at least the
+    shape's root bound (by the test above, still never above the exact split): with the root
+    bound set to the shape's exact best (the tightest valid one), no option is below it."""
+    lifted = 0
+    for shape in own_shapes(range(6), schedule):
+        run = search_module._Search(shape.cost, SearchOptions(8, top_k=10**6))
+        shape.build_grid(shape.w_max, 64)
+        node = suffixes.root_node(shape)
+        least = exact_below(run, shape, node, [0])
+        if least == INF:
+            continue
+        before = min(bound for bound, _, _ in run._options(shape, node))
+        monkeypatch.setattr(shape, "root_bound", lambda least=least: least)
+        assert min(bound for bound, _, _ in run._options(shape, node)) >= least
+        lifted += before < least
+    assert lifted > 0
