@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from megatron_h2.planner import suffixes
+from megatron_h2.planner import own_root, suffixes
 from megatron_h2.planner.bounds import BatchShape
 from megatron_h2.planner.cluster import ChipType, Cluster
 from megatron_h2.planner.cost_model import CostConfig, CostModel, zero_bubble_share
@@ -258,7 +258,12 @@ def test_the_root_bound_fills_the_layers_at_each_probe(schedule: str, dp: int | 
     shape = BatchShape(small_case(0), 8, 1, schedule, 1, dp)
     coupled = shape.root_bound()
     shape._segment_fill = lambda most: np.full(most.shape[1], shape.root_fill)
-    memory_only = shape._coupled_root()
+    memory = shape._most_layers(shape.capacity(np.array([shape.w_max])))  # no time caps
+    joint = own_root.own_fill_links  # own DP: its knapsack on the memory caps alone too
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(own_root, "own_fill_links", lambda s, most: joint(
+            s, np.repeat(memory, most.shape[1], axis=1)))
+        memory_only = shape._coupled_root()
     terms = shape._root_terms(
         max(shape.w_floor, float(shape.head_need.min())), shape.tail_floor, shape.root_links
     )
