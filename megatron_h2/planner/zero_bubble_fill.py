@@ -81,12 +81,11 @@ def _tables(shape: BatchShape) -> tuple[np.ndarray | None, np.ndarray]:
 def _per_layer(shape: BatchShape) -> np.ndarray:
     """Per pipeline length ``p = 0 .. positions`` the least over kinds of
     ``(s_k - 1 - b(p, m_k)) G_k`` (0 for ``p < 2``)."""
-    m = np.array([k.micro_batches for k in shape.kinds], dtype=np.float64)
+    micro = [k.micro_batches for k in shape.kinds]
     weight = np.array([k.costs.layer_weight_grad for k in shape.kinds])
-    shares = fill_shares(shape.schedule, [k.micro_batches for k in shape.kinds])
-    p = np.arange(shape.positions + 1, dtype=np.float64)[:, None]
-    with np.errstate(divide="ignore", invalid="ignore"):
-        b = np.minimum(m[None, :] - 1.0, p - 1.0) / (p - 1.0)  # zero_bubble_share, p >= 2
+    shares = fill_shares(shape.schedule, micro)
+    b = np.array([[zero_bubble_share(max(p, 2), m) for m in micro]
+                  for p in range(shape.positions + 1)])  # rows 0 and 1 zeroed below
     rise = np.maximum((shares[None, :] - 1.0 - b) * weight[None, :], 0.0).min(axis=1)
     rise[:2] = 0.0
     return rise
