@@ -43,6 +43,7 @@ from megatron_h2.planner.cost_model import CostModel
 from megatron_h2.planner.dives import dive_grids, dive_order
 from megatron_h2.planner.improve import Polish
 from megatron_h2.planner.merged_shape import MergedShape
+from megatron_h2.planner.option_columns import ChipColumns, block_links, chip_columns
 from megatron_h2.planner.partition import INF
 from megatron_h2.planner.search_options import (
     OWN_DP_SPACES,
@@ -444,9 +445,8 @@ class _Search:
         for t_index, chip in enumerate(shape.types):  # one bound call per chip type
             if not mask >> t_index & 1:
                 continue
-            columns = [(k, shape.counts(k, room)) for k in shape.kinds_of[chip]]
-            columns = [(k, c) for k, c in columns if len(c)]
-            if columns:
+            columns = chip_columns(shape, chip, node.lead, room)
+            if columns is not None:
                 if fixed is None:  # the suffix's blocks, only where a child may follow
                     fixed = self._fixed(shape, node)
                 options += self._bounds(shape, node, fixed, need, columns)
@@ -461,39 +461,17 @@ class _Search:
         node: Node,
         fixed: list[tuple[float, np.ndarray, Any]],
         need: float,
-        columns: list[tuple[int, np.ndarray]],
+        chip: ChipColumns,
     ) -> list[tuple[float, int, int]]:
-        """Bounds of prepending each (kind, stage count) of ``columns`` (kinds of one chip
+        """Bounds of prepending each (kind, stage count) of ``chip``'s columns (kinds of one chip
         type, each with its counts) in front of ``node``, in one bound call."""
+        columns = chip.columns
         others = node.mask & ~(1 << shape.types.index(shape.kinds[columns[0][0]].chip))
-        width = sum(len(c) for _, c in columns)
-        parts, needs, edges, child_links, syncs, leads = list(fixed), [], [], [], [], []
-        lo = 0
-        for kind, count in columns:
-            hi = lo + len(count)
-            start = shape.start(kind, node.lead)
-            caps = np.zeros((len(shape.grid), width))  # this kind's options only
-            caps[:, lo:hi] = shape.block(kind, start, start + count)
-            stages = np.zeros(width)
-            stages[lo:hi] = count
-            parts.append((float(shape.fill_unit[kind]), caps, stages))
-            own = float(shape.unit[kind, 0])
-            if not node.suffix:  # the block ends the pipeline: its last stage holds the head
-                own = max(own, float(shape.head_need[kind]))
-            needs.append(np.full(len(count), max(need, own)))
-            last = node.suffix[-1][0] if node.suffix else kind
-            edges.append(np.full(len(count), shape.head_time[last] + shape.embedding_min))
-            child_links.append(node.links + self._block_links(shape, node, kind, count))
-            syncs.append(shape.sync_bound(node.suffix + ((kind, count),), others, last, kind))
-            leads.append(shape.kinds[kind].dp * (start + count))
-            lo = hi
-        rates = shape.block_rates(node.suffix) + [shape.sync_inverse[k] for k, _ in columns]
-        stages = node.position + np.concatenate([count for _, count in columns])
-        rise = share_rise(shape, stages)  # probe x option (or one row of zeros)
+        needs, edges, links, syncs = chip.terms(shape, node, need, others)
         bounds = shape.bound(
-            parts, others, np.concatenate(leads), np.concatenate(child_links),
-            np.concatenate(edges) + rise, np.concatenate(needs), np.concatenate(syncs), rates,
-            self.threshold * (1 - _SLACK), _fronts(shape, columns, others),
+            list(fixed) + chip.parts, others, chip.leads, links, edges + chip.rise, needs, syncs,
+            shape.block_rates(node.suffix) + chip.rates, self.threshold * (1 - _SLACK),
+            _fronts(shape, chip.closing, others),
         )  # fmt: skip
         out, lo, values = [], 0, bounds.tolist()
         for kind, count in columns:
@@ -504,10 +482,8 @@ class _Search:
     def _block_links(self, shape: BatchShape, node: Node, kind: int, count: Any) -> Any:
         """Link time in the step formula added by prepending ``count`` stages of ``kind``."""
         name = shape.kinds[kind].name
-        total = (count - 1) * shape.link(name, name)
-        if node.suffix:
-            total = total + shape.link(name, shape.kinds[node.suffix[0][0]].name)
-        return shape.link_factor * total
+        front = node.suffix[0][0] if node.suffix else None
+        return block_links(shape, front, kind, (count - 1) * shape.link(name, name))
 
     @staticmethod
     def _key(shape: BatchShape, suffix: Suffix) -> tuple[Any, ...]:
@@ -548,15 +524,14 @@ class _Search:
 
 
 def _fronts(
-    shape: BatchShape, columns: list[tuple[int, np.ndarray]], others: int
+    shape: BatchShape, closing: np.ndarray, others: int
 ) -> tuple[np.ndarray, float, float] | None:
-    """For :meth:`BatchShape.bound`: per option the end-of-step floor of its block's front
-    stage with the embedding (if the pipeline closes there), and the least floor and the least
+    """For :meth:`BatchShape.bound`: ``closing`` (per option the end-of-step floor of its
+    block's front stage with the embedding, if the pipeline closes there), and the least floor and the least
     link of a stage of the unused types ``others`` (if one goes in front); None if none."""
     unused = [t for i, t in enumerate(shape.types) if others >> i & 1]
     if not unused:
         return None
-    closing = np.concatenate([np.full(len(c), shape.embedding_tail[k]) for k, c in columns])
     opening = min(shape.type_embedding_tail[t] for t in unused)
     return closing, opening, min(shape.type_link[t] for t in unused)
 

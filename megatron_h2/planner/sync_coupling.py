@@ -81,30 +81,40 @@ class SyncCoupling:
             rows = np.append(rows, points - 1)
         chips = [t for t in range(len(self.types)) if unused >> t & 1]
         leads = np.atleast_1d(leads)
-        a = np.empty((len(fixed) + len(chips), len(rows), len(leads)))
+        width = len(leads)
+        if keep is not None:  # each column's value depends on that column only
+            leads = leads[keep]
+        runs = _disjoint_runs(fixed, width)
+        a = np.empty((len(runs) + len(chips), len(rows), len(leads)))
         r = np.empty(a.shape)
         with np.errstate(invalid="ignore"):  # 0 stages x inf: no group
-            for index, (_, block, count) in enumerate(fixed):
-                a[index] = block[rows]
-                rate = np.inf if rates is None else rates[index]
-                if np.ndim(count) == 0 and np.ndim(rate) == 0:  # the same product, as floats
-                    r[index] = float(count) * float(rate) if count > 0 else 0.0
-                    continue
-                stages = np.asarray(count, dtype=np.float64)
-                r[index] = np.where(stages > 0, stages * rate, 0.0)
+            for group, run in enumerate(runs):
+                for index in run:
+                    block = _columns(fixed[index][1][rows], keep, width)
+                    count = fixed[index][2]
+                    rate = np.inf if rates is None else rates[index]
+                    if np.ndim(count) == 0 and np.ndim(rate) == 0:  # the same product, as floats
+                        a[group] = block
+                        r[group] = float(count) * float(rate) if count > 0 else 0.0
+                        continue
+                    stages = _columns(np.asarray(count, dtype=np.float64), keep, width)
+                    rate = _columns(np.asarray(rate), keep, width)
+                    if index == run[0]:
+                        a[group], r[group] = block, np.where(stages > 0, stages * rate, 0.0)
+                    else:  # its columns only (a group of rate 0 holds nothing)
+                        a[group] = np.where(stages > 0, block, a[group])
+                        r[group] = np.where(stages > 0, stages * rate, r[group])
         if chips:
             at = self.lead_index(leads)
-            a[len(fixed) :] = self._coupled_caps(rows)[chips][:, :, at]
-            r[len(fixed) :] = np.array([self.type_sync_inverse[self.types[t]] for t in chips])[
+            a[len(runs) :] = self._coupled_caps(rows)[chips][:, :, at]
+            r[len(runs) :] = np.array([self.type_sync_inverse[self.types[t]] for t in chips])[
                 :, None, None
             ]
-        if keep is not None:  # each column's value depends on that column only
-            a, r = a[:, :, keep], r[:, :, keep]
         coarse = _least(a, r, float(self.layers))
         fine = np.searchsorted(rows, np.arange(len(self.grid)))  # the next one up
         if keep is None:
             return coarse[fine]
-        out = np.full((len(self.grid), len(leads)), -np.inf)
+        out = np.full((len(self.grid), width), -np.inf)
         out[:, keep] = coarse[fine]
         return out
 
@@ -159,3 +169,32 @@ def _least(a: np.ndarray, r: np.ndarray, layers: float) -> np.ndarray:
         crossing = low + np.maximum(layers - low_value, 0.0) * np.where(fits, slope, 0.0)
     crossing = np.where(start >= layers, 0.0, np.minimum(crossing, high))
     return np.where(fits | (start >= layers), crossing, points.max(axis=0))
+
+
+def _disjoint_runs(
+    fixed: Sequence[tuple[float, np.ndarray, np.ndarray | int]], width: int
+) -> list[list[int]]:
+    """The known blocks in runs that :func:`_least` may take as one group each: consecutive
+    blocks with stages per option (``width`` columns) that no two have in one column (the
+    option blocks of one bound call, one kind each). In a column the run's other blocks have
+    no stages, so no rate: they hold nothing and add exact zeros, and the sums over the groups
+    (in group order) and the breakpoints other than zero are the same."""
+    runs: list[list[int]] = []
+    support = None
+    for index, (_, _, count) in enumerate(fixed):
+        on = np.asarray(count) > 0 if np.ndim(count) and np.shape(count)[-1] == width else None
+        if on is not None and support is not None and not (support & on).any():
+            runs[-1].append(index)
+            support = support | on
+        else:
+            runs.append([index])
+            support = on
+    return runs
+
+
+def _columns(value: np.ndarray, keep: np.ndarray | None, width: int) -> np.ndarray:
+    """``value`` (one row or probe x option) restricted to the ``keep`` columns of ``width``
+    (one column for every option kept as it is)."""
+    if keep is None or not value.ndim or value.shape[-1] != width:
+        return value
+    return value[..., keep]

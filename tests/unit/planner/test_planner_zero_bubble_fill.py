@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from megatron_h2.planner import suffixes
+from megatron_h2.planner import option_columns, suffixes
 from megatron_h2.planner.bounds import BatchShape
 from megatron_h2.planner.search_options import SearchOptions
 from megatron_h2.planner.zero_bubble_fill import fill_shares, share_rise
@@ -98,8 +98,9 @@ def test_the_rise_reaches_the_option_bounds(monkeypatch: pytest.MonkeyPatch) -> 
             node = node.child(shape, kind, count, run._block_links(shape, node, kind, count))
         with_rise = {(k, c): b for b, k, c in run._options(shape, node)}
         with monkeypatch.context() as patch:
-            patch.setattr(search_module, "share_rise",
+            patch.setattr(option_columns, "share_rise",
                           lambda s, p: np.zeros((len(s.grid), np.size(p))))
+            patch.delitem(shape.__dict__, "_chip_columns")  # the columns built anew
             without = {(k, c): b for b, k, c in run._options(shape, node)}
         assert all(with_rise[key] >= without[key] for key in without)
         raised += sum(with_rise[key] > without[key] * (1 + 1e-9) for key in without)
