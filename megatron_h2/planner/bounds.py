@@ -60,6 +60,7 @@ from megatron_h2.planner.bound_columns import (
     take_columns,
 )
 from megatron_h2.planner.cost_model import MODES, CostModel, zero_bubble_share
+from megatron_h2.planner.option_group import known_blocks
 from megatron_h2.planner.own_root import own_root_terms
 from megatron_h2.planner.partition import INF
 from megatron_h2.planner.rest_bound import RestBound, running_sum
@@ -531,17 +532,7 @@ class BatchShape(ShapeMemory, RestBound, SyncCoupling, ColumnFloor):
         block in front and of an unused type's block in front (one more stage and link).
         With ``floors`` a column is first bounded with a floor of its fill (:mod:`.bound_columns`).
         """
-        widths, units = [], []
-        mandatory_layers: np.ndarray | float = 0.0
-        mandatory_cost: np.ndarray | float = 0.0
-        short: np.ndarray | bool = False
-        for unit, caps, count in fixed:
-            mandatory_layers = mandatory_layers + count
-            mandatory_cost = mandatory_cost + unit * count
-            free = caps - count  # whole numbers: caps < count exactly when free < 0
-            short = short | (free < -1e-9)
-            widths.append(np.maximum(free, 0.0))
-            units.append(unit)
+        widths, units, mandatory_layers, mandatory_cost, short = known_blocks(list(fixed))
         shape = np.broadcast_shapes(*(w.shape for w in widths))
         r_widths = None
         if unused:

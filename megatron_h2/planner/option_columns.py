@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from megatron_h2.planner.option_group import OptionGroup
 from megatron_h2.planner.zero_bubble_fill import share_rise
 
 if TYPE_CHECKING:
@@ -55,6 +56,7 @@ class ChipColumns:
             lo = hi
         self.leads, self.inner = np.concatenate(leads), np.concatenate(inner)
         self.rates = [shape.sync_inverse[k] for k, _ in columns]
+        self.parts = OptionGroup(self.parts, self.rates).parts  # one group for the sync
         self.counts = np.concatenate([c for _, c in columns])
         self.rise = share_rise(shape, position + self.counts)
         self.kinds = np.repeat([k for k, _ in columns], [len(c) for _, c in columns])

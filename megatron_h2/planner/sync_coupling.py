@@ -19,6 +19,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from megatron_h2.planner.option_group import OptionGroup
+
 if TYPE_CHECKING:
     from collections.abc import Sequence
 
@@ -84,26 +86,25 @@ class SyncCoupling:
         width = len(leads)
         if keep is not None:  # each column's value depends on that column only
             leads = leads[keep]
-        runs = _disjoint_runs(fixed, width)
+        runs = _runs(fixed, rates)
         a = np.empty((len(runs) + len(chips), len(rows), len(leads)))
         r = np.empty(a.shape)
         with np.errstate(invalid="ignore"):  # 0 stages x inf: no group
             for group, run in enumerate(runs):
-                for index in run:
-                    block = _columns(fixed[index][1][rows], keep, width)
-                    count = fixed[index][2]
-                    rate = np.inf if rates is None else rates[index]
-                    if np.ndim(count) == 0 and np.ndim(rate) == 0:  # the same product, as floats
-                        a[group] = block
-                        r[group] = float(count) * float(rate) if count > 0 else 0.0
-                        continue
-                    stages = _columns(np.asarray(count, dtype=np.float64), keep, width)
-                    rate = _columns(np.asarray(rate), keep, width)
-                    if index == run[0]:
-                        a[group], r[group] = block, np.where(stages > 0, stages * rate, 0.0)
-                    else:  # its columns only (a group of rate 0 holds nothing)
-                        a[group] = np.where(stages > 0, block, a[group])
-                        r[group] = np.where(stages > 0, stages * rate, r[group])
+                if isinstance(run, OptionGroup):
+                    a[group] = _columns(run.caps_at(rows), keep, width)
+                    r[group] = _columns(run.held, keep, width)
+                    continue
+                block, count = _columns(fixed[run][1][rows], keep, width), fixed[run][2]
+                rate = np.inf if rates is None else rates[run]
+                if np.ndim(count) == 0 and np.ndim(rate) == 0:  # the same product, as floats
+                    a[group] = block
+                    r[group] = float(count) * float(rate) if count > 0 else 0.0
+                    continue
+                stages = _columns(np.asarray(count, dtype=np.float64), keep, width)
+                a[group] = block
+                r[group] = np.where(stages > 0, stages * _columns(np.asarray(rate), keep, width),
+                                    0.0)
         if chips:
             at = self.lead_index(leads)
             a[len(runs) :] = self._coupled_caps(rows)[chips][:, :, at]
@@ -171,24 +172,24 @@ def _least(a: np.ndarray, r: np.ndarray, layers: float) -> np.ndarray:
     return np.where(fits | (start >= layers), crossing, points.max(axis=0))
 
 
-def _disjoint_runs(
-    fixed: Sequence[tuple[float, np.ndarray, np.ndarray | int]], width: int
-) -> list[list[int]]:
-    """The known blocks in runs that :func:`_least` may take as one group each: consecutive
-    blocks with stages per option (``width`` columns) that no two have in one column (the
-    option blocks of one bound call, one kind each). In a column the run's other blocks have
-    no stages, so no rate: they hold nothing and add exact zeros, and the sums over the groups
-    (in group order) and the breakpoints other than zero are the same."""
-    runs: list[list[int]] = []
-    support = None
-    for index, (_, _, count) in enumerate(fixed):
-        on = np.asarray(count) > 0 if np.ndim(count) and np.shape(count)[-1] == width else None
-        if on is not None and support is not None and not (support & on).any():
-            runs[-1].append(index)
-            support = support | on
+def _runs(
+    fixed: Sequence[tuple[float, np.ndarray, np.ndarray | int]],
+    rates: Sequence[np.ndarray | float] | None,
+) -> list[int | OptionGroup]:
+    """The groups of :func:`_least`: a known block's index, or an :class:`OptionGroup` in
+    place of all its blocks (when they come in a row with its rates)."""
+    runs: list[int | OptionGroup] = []
+    index = 0
+    while index < len(fixed):
+        group = getattr(fixed[index], "group", None)
+        end = index + len(group.parts) if group is not None else index + 1
+        if (group is not None and group.whole(fixed, index) and rates is not None
+                and tuple(rates[index:end]) == group.rates):
+            runs.append(group)
+            index = end
         else:
-            runs.append([index])
-            support = on
+            runs.append(index)
+            index += 1
     return runs
 
 
