@@ -63,7 +63,7 @@ from megatron_h2.planner.cost_model import MODES, CostModel, zero_bubble_share
 from megatron_h2.planner.option_group import known_blocks
 from megatron_h2.planner.own_root import own_root_terms
 from megatron_h2.planner.partition import INF
-from megatron_h2.planner.rest_bound import RestBound, running_sum
+from megatron_h2.planner.rest_bound import RestBound, greedy_take
 from megatron_h2.planner.shape_memory import ShapeMemory
 from megatron_h2.planner.stage_costs import StageCosts
 from megatron_h2.planner.sync_coupling import SyncCoupling, least_sync
@@ -571,9 +571,7 @@ class BatchShape(ShapeMemory, RestBound, SyncCoupling, ColumnFloor):
             stacked[place[at]] = width
         if r_widths is not None:
             stacked[place[len(widths) :]] = r_widths
-        before = running_sum(stacked)
-        before -= stacked
-        take = np.minimum(np.maximum(remaining - before, 0.0), stacked)
+        take = greedy_take(stacked, remaining)
         flat = take.reshape(len(units), -1)
         fill = (units_arr[order] @ flat).reshape(shape) + mandatory_cost + edges
         covered = flat.sum(axis=0).reshape(shape)

@@ -254,6 +254,19 @@ def running_sum(stack: np.ndarray) -> np.ndarray:
     return out
 
 
+def greedy_take(stack: np.ndarray, layers: Any) -> np.ndarray:
+    """What filling ``layers`` into the rows of ``stack`` (widths, whole numbers) in order takes
+    of each: ``min(max(layers - before, 0), width)`` with ``before`` the widths of the rows
+    ahead (summed one row at a time, exact), in one buffer."""
+    out = np.empty_like(stack)
+    out[0] = 0.0
+    for row in range(1, len(stack)):
+        np.add(out[row - 1], stack[row - 1], out=out[row])
+    np.subtract(layers, out, out=out)
+    np.maximum(out, 0.0, out=out)
+    return np.minimum(out, stack, out=out)
+
+
 def _window_max(values: np.ndarray, width: int) -> np.ndarray:
     """``out[..., a] = values[..., a : a + width].max(axis=-1)`` for every full window (by
     doubling spans: a few passes instead of ``width``)."""

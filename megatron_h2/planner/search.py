@@ -527,8 +527,9 @@ def _fronts(
     shape: BatchShape, closing: np.ndarray, others: int
 ) -> tuple[np.ndarray, float, float] | None:
     """For :meth:`BatchShape.bound`: ``closing`` (per option the end-of-step floor of its
-    block's front stage with the embedding, if the pipeline closes there), and the least floor and the least
-    link of a stage of the unused types ``others`` (if one goes in front); None if none."""
+    block's front stage with the embedding, if the pipeline closes there), and the least floor
+    and the least link of a stage of the unused types ``others`` (if one goes in front); None
+    if none."""
     unused = [t for i, t in enumerate(shape.types) if others >> i & 1]
     if not unused:
         return None
