@@ -60,6 +60,7 @@ from megatron_h2.planner.bound_columns import (
     take_columns,
 )
 from megatron_h2.planner.cost_model import MODES, CostModel, zero_bubble_share
+from megatron_h2.planner.lead_cache import at_leads
 from megatron_h2.planner.option_group import known_blocks
 from megatron_h2.planner.own_root import own_root_terms
 from megatron_h2.planner.partition import INF
@@ -547,7 +548,7 @@ class BatchShape(ShapeMemory, RestBound, SyncCoupling, ColumnFloor):
             stage_links = self.new_stage_links(unused, leads, remaining - placed_free)
         sync = np.asarray(sync, dtype=np.float64)
         terms = ColumnTerms(self, need, sync, links, stage_links[1:] if unused else 0.0, fronts)
-        index = self.lead_index(np.asarray(leads)) if unused else None
+        index = at_leads(self, leads, "index", lambda: self.lead_index(leads)) if unused else None
         if floors and cutoff < INF and len(units) * len(leads) >= FLOOR_SIZE:  # the exact fill
             # only in the columns whose floor may be below the cutoff
             total = placed_free + (self.unused_widths(unused)[:, index] if unused else 0.0)
@@ -562,7 +563,7 @@ class BatchShape(ShapeMemory, RestBound, SyncCoupling, ColumnFloor):
                     floor[live] = self.bound(*kept, floors=False)
                 return floor
         if unused:
-            r_widths = table[:, :, index]  # segment x probe x option
+            r_widths = at_leads(self, leads, ("segments", unused), lambda: table[:, :, index])
         order = np.argsort(units_arr, kind="stable")
         place = np.empty(len(units), dtype=np.int64)
         place[order] = np.arange(len(units))  # where each segment goes, cheapest first

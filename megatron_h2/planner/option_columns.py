@@ -55,6 +55,7 @@ class ChipColumns:
             leads.append(shape.kinds[kind].dp * (start + count))
             lo = hi
         self.leads, self.inner = np.concatenate(leads), np.concatenate(inner)
+        self.leads.setflags(write=False)  # bound calls gather at them once (lead_cache.py)
         self.rates = [shape.sync_inverse[k] for k, _ in columns]
         self.parts = OptionGroup(self.parts, self.rates).parts  # one group for the sync
         self.counts = np.concatenate([c for _, c in columns])

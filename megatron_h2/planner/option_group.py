@@ -47,8 +47,8 @@ class OptionGroup:
             and len(fixed) - index >= len(self.parts)
 
     def caps_at(self, rows: np.ndarray) -> np.ndarray:
-        """The capacities at the probes ``rows`` (kept for the last rows asked)."""
-        if self._rows is None or not np.array_equal(self._rows[0], rows):
+        """The capacities at the probes ``rows`` (kept for the last rows array asked)."""
+        if self._rows is None or self._rows[0] is not rows:
             self._rows = (rows, self.caps[rows])
         return self._rows[1]
 

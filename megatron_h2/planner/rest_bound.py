@@ -12,6 +12,8 @@ from typing import Any
 
 import numpy as np
 
+from megatron_h2.planner.lead_cache import at_leads
+
 EXACT_REST_TYPES = 4
 """Most unused chip types whose joint capacity :meth:`RestBound.rest` computes exactly."""
 
@@ -204,7 +206,9 @@ class RestBound:
         in ``mask`` may take them: each new stage holds at most :meth:`stage_caps` units and
         sends to the stage after it over a link of at least its type's cheapest
         (:attr:`type_link`). Probe x option."""
-        caps = self.stage_caps(mask)[:, self.lead_index(np.asarray(leads))]
+        leads = np.asarray(leads)
+        caps = at_leads(self, leads, ("stage", mask),  # type: ignore[arg-type]
+                        lambda: self.stage_caps(mask)[:, self.lead_index(leads)])
         with np.errstate(divide="ignore", invalid="ignore"):  # whole numbers: exact quotients
             stages = np.ceil(np.maximum(units, 0.0) / np.maximum(caps, 1.0) - 1e-9)
         link = min(self.type_link[chip] for t, chip in enumerate(self.types) if mask >> t & 1)

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from megatron_h2.planner.lead_cache import at_leads
 from megatron_h2.planner.option_group import OptionGroup
 
 if TYPE_CHECKING:
@@ -76,14 +77,10 @@ class SyncCoupling:
         each column's value does not depend on the others)."""
         if rates is None and not unused:
             return None
-        points = len(self.grid)
-        step = max(points // COUPLED_PROBES, 1)
-        rows = np.arange(step - 1, points, step)
-        if rows[-1] != points - 1:
-            rows = np.append(rows, points - 1)
+        rows, fine = self._coupled_rows()
         chips = [t for t in range(len(self.types)) if unused >> t & 1]
         leads = np.atleast_1d(leads)
-        width = len(leads)
+        width, every = len(leads), leads
         if keep is not None:  # each column's value depends on that column only
             leads = leads[keep]
         runs = _runs(fixed, rates)
@@ -106,18 +103,32 @@ class SyncCoupling:
                 r[group] = np.where(stages > 0, stages * _columns(np.asarray(rate), keep, width),
                                     0.0)
         if chips:
-            at = self.lead_index(leads)
-            a[len(runs) :] = self._coupled_caps(rows)[chips][:, :, at]
+            held = at_leads(self, every, ("coupled", unused),  # type: ignore[arg-type]
+                            lambda: self._coupled_caps(rows)[chips][:, :, self.lead_index(every)])
+            a[len(runs) :] = _columns(held, keep, width)
             r[len(runs) :] = np.array([self.type_sync_inverse[self.types[t]] for t in chips])[
                 :, None, None
             ]
         coarse = _least(a, r, float(self.layers))
-        fine = np.searchsorted(rows, np.arange(len(self.grid)))  # the next one up
         if keep is None:
             return coarse[fine]
         out = np.full((len(self.grid), width), -np.inf)
         out[:, keep] = coarse[fine]
         return out
+
+    def _coupled_rows(self) -> tuple[np.ndarray, np.ndarray]:
+        """The probes of :meth:`coupled_sync` (every so many of the grid and its last) and per
+        probe of the grid the next one of them up (kept per number of probes)."""
+        points = len(self.grid)
+        cached = self.__dict__.get("_coupled_rows_at")
+        if cached is None or cached[0] != points:
+            step = max(points // COUPLED_PROBES, 1)
+            rows = np.arange(step - 1, points, step)
+            if rows[-1] != points - 1:
+                rows = np.append(rows, points - 1)
+            cached = (points, rows, np.searchsorted(rows, np.arange(points)))
+            self.__dict__["_coupled_rows_at"] = cached
+        return cached[1], cached[2]
 
     def _coupled_caps(self, rows: np.ndarray) -> np.ndarray:
         """Every chip type's capacity (:meth:`type_caps`) at the probes ``rows`` of
@@ -151,9 +162,12 @@ def _least(a: np.ndarray, r: np.ndarray, layers: float) -> np.ndarray:
     """:func:`least_sync` of stacked capacities and rates (group x probe x option)."""
     a = np.where(r > 0, np.maximum(a, 0.0), 0.0)  # rate 0: the group holds nothing
     free = np.isinf(r)  # held at any Z > 0
-    start = np.where(free, a, 0.0).sum(axis=0)  # held at Z = 0+
-    a = np.where(free, 0.0, a)
-    r = np.where(free, 0.0, r)
+    if free.any():
+        start = np.where(free, a, 0.0).sum(axis=0)  # held at Z = 0+
+        a = np.where(free, 0.0, a)
+        r = np.where(free, 0.0, r)
+    else:  # nothing held at Z = 0+ (a sum of zeros)
+        start = np.zeros(a.shape[1:])
     with np.errstate(divide="ignore", invalid="ignore"):
         points = np.where(a > 0, a / np.where(a > 0, r, 1.0), 0.0)
     # the sum at every breakpoint: point x group x probe x option, summed over groups
