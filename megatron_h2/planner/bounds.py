@@ -533,7 +533,8 @@ class BatchShape(ShapeMemory, RestBound, SyncCoupling, ColumnFloor):
         block in front and of an unused type's block in front (one more stage and link).
         With ``floors`` a column is first bounded with a floor of its fill (:mod:`.bound_columns`).
         """
-        widths, units, mandatory_layers, mandatory_cost, short = known_blocks(list(fixed))
+        widths, units, mandatory_layers, mandatory_cost, short, placed_free = known_blocks(
+            list(fixed))
         shape = np.broadcast_shapes(*(w.shape for w in widths))
         r_widths = None
         if unused:
@@ -543,7 +544,6 @@ class BatchShape(ShapeMemory, RestBound, SyncCoupling, ColumnFloor):
         units_arr = np.asarray(units)
         remaining = self.layers - np.asarray(mandatory_layers, dtype=np.float64)
         stage_links: np.ndarray | float = 0.0
-        placed_free = sum(widths) if widths else 0.0
         if unused:  # units the placed blocks cannot take need new stages, each with a link
             stage_links = self.new_stage_links(unused, leads, remaining - placed_free)
         sync = np.asarray(sync, dtype=np.float64)

@@ -61,7 +61,8 @@ class ChipColumns:
         self.counts = np.concatenate([c for _, c in columns])
         self.rise = share_rise(shape, position + self.counts)
         self.kinds = np.repeat([k for k, _ in columns], [len(c) for _, c in columns])
-        kinds = self.kinds.tolist()
+        kinds = self.kind_list = self.kinds.tolist()  # per option its kind and stage count
+        self.count_list = self.counts.tolist()
         self.closing = shape.embedding_tail[self.kinds]
         self.own = shape.unit[self.kinds, 0]
         self.own_head = np.maximum(self.own, shape.head_need[self.kinds])  # the last block

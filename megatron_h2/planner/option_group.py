@@ -31,6 +31,7 @@ class OptionGroup:
         self.units = [unit for unit, _, _ in parts]
         free = [caps - count for _, caps, count in parts]  # whole numbers
         self.widths = [np.maximum(f, 0.0) for f in free]
+        self.free = sum(self.widths)  # whole numbers: exact in any order
         self.short = np.logical_or.reduce([f < -1e-9 for f in free])
         self.layers = sum(count for _, _, count in parts)  # one block per column: exact
         self.cost = sum(unit * count for unit, _, count in parts)
@@ -64,21 +65,25 @@ class OptionPart(tuple):  # type: ignore[type-arg]
         return self
 
 
-def known_blocks(fixed: list[Part]) -> tuple[list[np.ndarray], list[float], Any, Any, Any]:
+def known_blocks(
+    fixed: list[Part],
+) -> tuple[list[np.ndarray], list[float], Any, Any, Any, Any]:
     """What the option bound sums over its known blocks: their free widths (capacity less
-    stages, at least 0) and fills per layer, in order, their summed stages and fill, and where
-    some block is short of a layer per stage (its capacity below its stages)."""
+    stages, at least 0) and fills per layer, in order, their summed stages and fill, where
+    some block is short of a layer per stage (its capacity below its stages) and their summed
+    free widths (whole numbers: exact in any order)."""
     widths: list[np.ndarray] = []
     units: list[float] = []
     layers: Any = 0.0
     cost: Any = 0.0
     short: Any = False
+    free_sum: Any = 0.0
     index = 0
     while index < len(fixed):
         group = getattr(fixed[index], "group", None)
         if group is not None and group.whole(fixed, index):
             layers, cost = layers + group.layers, cost + group.cost
-            short = short | group.short
+            short, free_sum = short | group.short, free_sum + group.free
             widths += group.widths
             units += group.units
             index += len(group.parts)
@@ -89,5 +94,6 @@ def known_blocks(fixed: list[Part]) -> tuple[list[np.ndarray], list[float], Any,
         short = short | (free < -1e-9)
         widths.append(np.maximum(free, 0.0))
         units.append(unit)
+        free_sum = free_sum + widths[-1]
         index += 1
-    return widths, units, layers, cost, short
+    return widths, units, layers, cost, short, free_sum

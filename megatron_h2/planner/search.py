@@ -473,11 +473,7 @@ class _Search:
             shape.block_rates(node.suffix) + chip.rates, self.threshold * (1 - _SLACK),
             _fronts(shape, chip.closing, others),
         )  # fmt: skip
-        out, lo, values = [], 0, bounds.tolist()
-        for kind, count in columns:
-            out += [(values[lo + i], kind, n) for i, n in enumerate(count.tolist())]
-            lo += len(count)
-        return out
+        return list(zip(bounds.tolist(), chip.kind_list, chip.count_list))
 
     def _block_links(self, shape: BatchShape, node: Node, kind: int, count: Any) -> Any:
         """Link time in the step formula added by prepending ``count`` stages of ``kind``."""
