@@ -207,12 +207,18 @@ class RestBound:
         sends to the stage after it over a link of at least its type's cheapest
         (:attr:`type_link`). Probe x option."""
         leads = np.asarray(leads)
-        caps = at_leads(self, leads, ("stage", mask),  # type: ignore[arg-type]
-                        lambda: self.stage_caps(mask)[:, self.lead_index(leads)])
+        most, some, link = at_leads(self, leads, ("stage", mask),  # type: ignore[arg-type]
+                                    lambda: self._stage_terms(mask, leads))
         with np.errstate(divide="ignore", invalid="ignore"):  # whole numbers: exact quotients
-            stages = np.ceil(np.maximum(units, 0.0) / np.maximum(caps, 1.0) - 1e-9)
+            stages = np.ceil(np.maximum(units, 0.0) / most - 1e-9)
+        return np.where(some, stages, 0.0) * link
+
+    def _stage_terms(self, mask: int, leads: np.ndarray) -> tuple[np.ndarray, np.ndarray, float]:
+        """:meth:`new_stage_links`' tables at ``leads``: the stage caps (at least 1), where they
+        are positive, and the least link of a type in ``mask``."""
+        caps = self.stage_caps(mask)[:, self.lead_index(leads)]
         link = min(self.type_link[chip] for t, chip in enumerate(self.types) if mask >> t & 1)
-        return np.where(caps > 0, stages, 0.0) * link
+        return np.maximum(caps, 1.0), caps > 0, link
 
     def _segment_fill(self, most: np.ndarray) -> np.ndarray:
         """Per probe, the least summed fill (edges included) of the layers where each kind
