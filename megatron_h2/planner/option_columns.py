@@ -57,7 +57,7 @@ class ChipColumns:
         self.leads, self.inner = np.concatenate(leads), np.concatenate(inner)
         self.leads.setflags(write=False)  # bound calls gather at them once (lead_cache.py)
         self.rates = [shape.sync_inverse[k] for k, _ in columns]
-        self.parts = OptionGroup(self.parts, self.rates).parts  # one group for the sync
+        self.parts = OptionGroup(self.parts, self.rates).parts  # taken as one (option_group.py)
         self.counts = np.concatenate([c for _, c in columns])
         self.rise = share_rise(shape, position + self.counts)
         self.kinds = np.repeat([k for k, _ in columns], [len(c) for _, c in columns])
