@@ -1,7 +1,8 @@
 """Where a family member's proven gap sits at the time limit (``bench_planner.py --family``'s
 search, limits in CPU seconds): which batch shapes and suffixes hold the lowest bounds left,
 and, for the lowest few, the exact best plan below them (that suffix or shape searched alone,
-best first, for ``--solve`` more CPU seconds): how loose each bound is.
+best first, for ``--solve`` more CPU seconds; ``--solve 0`` lists the places only): how loose
+each bound is.
 
     cd bench && ../.venv/bin/python bench_planner_gap.py --size 10000 --seed 1 --limit 30
 
@@ -98,6 +99,11 @@ def run(size: int, seed: int, limit: float, solve: float, rows: int) -> None:
     print("lowest bound per shape (first 12):")
     for key, bound in sorted(shapes.items(), key=lambda p: p[1])[:12]:
         print(f"  {bound:.4f} ({100 * (best / bound - 1):.1f}% below best)  {key}")
+    if solve <= 0:  # --solve 0: the places only
+        print(f"lowest {rows} places (not searched alone: --solve 0):")
+        for bound, label, _ in places[:rows]:
+            print(f"  {bound:.4f}  {label}")
+        return
     print(f"lowest {rows} places, each searched alone for {solve:.0f} s of CPU:")
     for bound, label, what in places[:rows]:
         sub_lower, sub_best, done = _solve_alone(item.cost, options, what, best, solve)
@@ -149,9 +155,12 @@ def main() -> None:
     parser.add_argument("--size", type=int, required=True)
     parser.add_argument("--seed", type=int, required=True)
     parser.add_argument("--limit", type=float, required=True, help="CPU seconds")
-    parser.add_argument("--solve", type=float, default=20.0, help="CPU s per place alone")
+    parser.add_argument("--solve", type=float, default=20.0,
+                        help="CPU s per place alone (0: list the places without solving them)")
     parser.add_argument("--rows", type=int, default=4)
     args = parser.parse_args()
+    if args.solve < 0:
+        parser.error("--solve must be 0 (skip solving places alone) or positive")
     run(args.size, args.seed, args.limit, args.solve, args.rows)
 
 

@@ -19,7 +19,15 @@ faster:
 
 Each neighbour is a closed pipeline of the plan space, solved exactly by the search's own stage
 two (the layer split, :func:`~megatron_h2.planner.structure.solve_structure`) with the K-th best
-as cutoff, and counted once (a pipeline solved already is not solved again). Nothing here
+as cutoff, and counted once (a pipeline solved already is not solved again).
+
+A climb takes a move into a neighbouring batch shape only when the moved plan alone is faster,
+so it can end in a shape whose best plan is slower than a neighbouring shape's: on the
+100,000-chip 405B family member it ended at a 16.908 s plan under DP 128 while under DP 256 a
+climb from the same blocks with about their chips reaches 15.348 s. So where a climb ends,
+:meth:`Polish._kick` moves its plan into each neighbouring shape, climbs from the fastest few
+of those moved plans within their shapes even though each starts slower, and goes on from the
+first end that beats the plan (up to :attr:`Polish.kicks` times). Nothing here
 prunes or bounds anything: the search stays exhaustive and its proven bound means what it did;
 only the plans it knows, and when it knows them, change.
 """
@@ -30,12 +38,15 @@ import itertools
 from collections.abc import Callable, Iterator
 
 from megatron_h2.planner.bounds import BatchShape
-from megatron_h2.planner.structure import Suffix
+from megatron_h2.planner.structure import Suffix, solve_structure
 
 __all__ = ["Polish", "shape_neighbours"]
 
 ShapeKey = tuple[int, str, int, int | None]  # micro-batch size, schedule, chunks, DP (None: own)
 Point = tuple[BatchShape, Suffix, float]  # a plan: its shape, blocks and step time
+KICK_REACH = 1.1  # a kick climbs from moved plans at most this much slower than where it starts
+Step = Callable[[BatchShape, Suffix, float], float | None]  # a neighbour's step time, or None
+Neighbours = Callable[[BatchShape, Suffix], Iterator[tuple[BatchShape, Suffix]]]
 
 
 def _valid(shape: BatchShape, suffix: Suffix) -> bool:
@@ -142,7 +153,9 @@ class Polish:
     """Hill climbing from each new best plan (:meth:`improve`), over the batch shapes
     :meth:`register` was given. ``evaluate`` solves a closed pipeline exactly and returns its
     step time (None if solved already, or if it cannot beat the K-th best); ``expired`` says
-    when the time limit is up; ``threshold`` is the K-th best step time."""
+    when the time limit is up; ``threshold`` is the K-th best step time. Where a climb ends,
+    up to ``kicks`` times a climb from its plan moved into the neighbouring shapes
+    (:meth:`_kick`, from the ``starts`` fastest moved plans)."""
 
     def __init__(
         self,
@@ -151,9 +164,11 @@ class Polish:
         threshold: Callable[[], float],
         budget: int = 200,
         rounds: int = 10,
+        kicks: int = 3,
+        starts: int = 2,
     ) -> None:
         self.evaluate, self.expired, self.threshold = evaluate, expired, threshold
-        self.budget, self.rounds = budget, rounds
+        self.budget, self.rounds, self.kicks, self.starts = budget, rounds, kicks, starts
         self.shapes: dict[ShapeKey, BatchShape] = {}
         self._index: dict[int, dict[tuple[int, int, int, int], int]] = {}
         self.active = False
@@ -169,32 +184,73 @@ class Polish:
     def improve(self, shape: BatchShape, suffix: Suffix, value: float) -> Point:
         """Climb from the plan ``suffix`` of ``shape`` (step ``value``) to a faster neighbour
         while there is one, giving up after :attr:`budget` neighbours without a faster one or
-        :attr:`budget` x :attr:`rounds` neighbours in all; the plan reached. Not re-entrant:
-        plans found while climbing are not climbed from again (the climb goes on from them)."""
+        :attr:`budget` x :attr:`rounds` neighbours in all, then kick (:meth:`_kick`) and climb
+        again while that finds a faster plan; the plan reached. Not re-entrant: plans found
+        while climbing are not climbed from again (the climb goes on from them)."""
         if self.active:
             return shape, suffix, value
         self.active = True
         try:
-            return self._climb((shape, suffix, value))
+            point = self._climb((shape, suffix, value), self._recorded, self._neighbours)
+            for _ in range(self.kicks):
+                kicked = self._kick(point)
+                if kicked is None:
+                    break
+                point = self._climb(kicked, self._recorded, self._neighbours)
+            return point
         finally:
             self.active = False
 
-    def _climb(self, point: Point) -> Point:
+    def _recorded(self, shape: BatchShape, suffix: Suffix, _: float) -> float | None:
+        return self.evaluate(shape, suffix)
+
+    def _climb(self, point: Point, step: Step, neighbours: Neighbours) -> Point:
+        """First-improvement climb from ``point`` over ``neighbours``, each timed by ``step``
+        (with the climbed plan's step time, which it must beat)."""
         total = self.budget * self.rounds
         while True:
             moved, left = False, self.budget
-            for target, other in self._neighbours(point[0], point[1]):
+            for target, other in neighbours(point[0], point[1]):
                 if left <= 0 or total <= 0 or self.expired():
                     return point
                 left, total = left - 1, total - 1
                 self.solved += 1
-                step = self.evaluate(target, other)
-                if step is not None and step < point[2]:
-                    point, moved = (target, other, step), True
+                value = step(target, other, point[2])
+                if value is not None and value < point[2]:
+                    point, moved = (target, other, value), True
                     self.moves += 1
                     break
             if not moved:
                 return point
+
+    def _kick(self, point: Point) -> Point | None:
+        """A plan faster than ``point`` (where a climb ended) from its blocks moved into the
+        neighbouring shapes of another micro-batch size or DP degree that may still win: the
+        :attr:`starts` fastest moved plans at most :data:`KICK_REACH` times slower, each
+        climbed within its shape although it starts slower (exact splits with the climbed plan
+        as cutoff, not recorded; each pipeline once per kick); the first end faster than
+        ``point``, recorded by ``evaluate``, or None."""
+        shape, suffix, value = point
+        seen: set[tuple[int, Suffix]] = set()
+
+        def step(target: BatchShape, other: Suffix, cutoff: float) -> float | None:
+            if (id(target), other) in seen or self.expired():
+                return None
+            seen.add((id(target), other))
+            split = solve_structure(target, other, cutoff=cutoff)
+            return None if split is None else split.step_time_s
+
+        moved = [(target, other) for target, other in self._neighbours(shape, suffix)
+                 if (target.mbs, target.dp) != (shape.mbs, shape.dp)]
+        starts = [(v, i, t, s) for i, (t, s) in enumerate(moved)
+                  if (v := step(t, s, KICK_REACH * value)) is not None]
+        for start, _, target, other in sorted(starts)[: self.starts]:
+            end = self._climb((target, other, start), step,
+                              lambda t, s: ((t, n) for n in shape_neighbours(t, s)))
+            if end[2] < value and (found := self.evaluate(target, end[1])) is not None:
+                if found < value:
+                    return target, end[1], found
+        return None
 
     def _neighbours(self, shape: BatchShape, suffix: Suffix) -> Iterator[tuple[BatchShape, Suffix]]:
         """Neighbours in ``shape`` first, then the same blocks in the neighbouring shapes that

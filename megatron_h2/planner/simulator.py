@@ -319,16 +319,20 @@ def write_timeline_png(result: SimulationResult, path: str | Path) -> None:
     p, v = plan.pipeline_parallel_size, plan.virtual_pipeline_size
     fig, ax = plt.subplots(figsize=(13, 0.45 * p + 1.8))
     shade = {"F": 0.45, "B": 1.0, "W": 0.75}
-    for e in result.events:
+    bars: dict[tuple[int, object, float, str], list[tuple[float, float]]] = {}
+    for e in result.events:  # one broken_barh per stage and look (per event: quadratic)
         colour = "0.55" if e.kind == "sync" else colours[plan.stages[e.stage].chip]
         hatch = CHUNK_HATCHES[e.chunk % len(CHUNK_HATCHES)] if v > 1 else ""
         if e.kind == "W":
             hatch += "//"
+        look = (e.stage, colour, shade.get(e.kind, 1.0), hatch)
+        bars.setdefault(look, []).append((e.start_s, e.end_s - e.start_s))
+    for (stage, colour, alpha, hatch), ranges in bars.items():
         ax.broken_barh(
-            [(e.start_s, e.end_s - e.start_s)],
-            (e.stage - 0.4, 0.8),
+            ranges,
+            (stage - 0.4, 0.8),
             facecolors=colour,
-            alpha=shade.get(e.kind, 1.0),
+            alpha=alpha,
             edgecolor="white",
             linewidth=0.2,
             hatch=hatch or None,

@@ -131,6 +131,34 @@ def test_trace_and_timeline_files(tmp_path: Path) -> None:
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_timeline_draws_each_event_once_in_one_bar_set_per_stage_and_look(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every event is one rectangle, in one collection per stage and look (colour, shade,
+    hatch): one collection per event made the drawing quadratic in the events (minutes for the
+    1,024-chip example's 16,154 events)."""
+    pytest.importorskip("matplotlib")
+    from matplotlib.figure import Figure
+
+    cost = CostModel(FAST_LINKS, MODEL)
+    plan = HeteroPlan(
+        1, 1, 4, {"A": ChipSpec("cpu"), "B": ChipSpec("cpu")},
+        [StageSpec("B", 1, 3), StageSpec("A", 1, 5)], schedule="zero-bubble",
+    )  # fmt: skip
+    result = simulate(plan, cost)
+    drawn: list[int] = []
+    save = Figure.savefig
+
+    def counting(figure: Figure, *args: object, **kwargs: object) -> None:
+        drawn.extend(len(c.get_paths()) for c in figure.axes[0].collections)
+        save(figure, *args, **kwargs)
+
+    monkeypatch.setattr(Figure, "savefig", counting)
+    write_timeline_png(result, tmp_path / "timeline.png")
+    assert sum(drawn) == len(result.events)
+    assert len(drawn) == 2 * 4  # per stage: F, B (input gradients), W, DP sync
+
+
 def uniform(schedule: str, p: int, m: int, v: int) -> HeteroPlan:
     """p equal stages of v equal chunks on chip A (8 layers)."""
     layers = 8 // p
