@@ -107,6 +107,11 @@ class ShapeMemory:
             static = np.array([self.chunks * c.layer_static for c in costs])[:, None, None]
             room = np.array([c.capacity - c.working for c in costs])[:, None, None]
             caps[kinds] = np.where(valid[None, None, :], _most_units(room, static + held), 0.0)
+        if self.schedule == "zero-bubble" and self.closes(1):
+            # warm-up 0 was the last stage of two or more (front index 1); a pipeline of one
+            # stage (front index 0: fewer deferred inputs) may hold more: its exact caps
+            one = np.array([self.mode_caps(kind, 1, 0) for kind in range(len(self.kinds))])
+            caps[:, :, 0] = np.maximum(caps[:, :, 0], one)
         return caps
 
     def shortest(self, stages: int) -> int:

@@ -86,6 +86,19 @@ def check_every_structure(cost: CostModel, dp: int | None, schedule: str) -> int
     return checked[0]
 
 
+def test_a_one_stage_zero_bubble_pipeline_stays_above_its_bounds() -> None:
+    """Under zero-bubble the one stage of a one-stage pipeline defers fewer weight-gradient
+    inputs than the last stage of a longer one, so it may hold more layers: here (micro-batch 2,
+    DP 2) one stage of a kind holds all 6 layers where the last of two stages holds at most 5,
+    and the close-here bound of that one-stage suffix stays at most its exact step time."""
+    cost = small_case(9)
+    shape = BatchShape(cost, 8, 2, "zero-bubble", 1, 2)
+    assert shape.closes(1)
+    split = solve_structure(shape, ((0, 1),))
+    assert split is not None and split.layers == (6,)  # the case this test is about
+    assert check_every_structure(cost, 2, "zero-bubble") > 0
+
+
 def test_the_head_stage_bounds_the_steady_term_and_the_tail() -> None:
     """A large vocabulary: the last stage's head weighs more than a layer. Below a suffix, the
     largest steady term is at least (m - 1) x (head + one layer) on its last stage's kind, and
