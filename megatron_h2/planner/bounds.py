@@ -67,6 +67,7 @@ from megatron_h2.planner.partition import INF
 from megatron_h2.planner.rest_bound import RestBound, greedy_take
 from megatron_h2.planner.shape_memory import ShapeMemory
 from megatron_h2.planner.stage_costs import StageCosts
+from megatron_h2.planner.stage_links import raise_links
 from megatron_h2.planner.sync_coupling import SyncCoupling, least_sync
 from megatron_h2.planner.zero_bubble_fill import fill_shares
 
@@ -527,7 +528,7 @@ class BatchShape(ShapeMemory, RestBound, SyncCoupling, ColumnFloor):
         ``rates``: per known block its kind's :attr:`sync_inverse` (None: blocks uncapped by the
         sync), which with the unused types' couples the sync with the probe
         (:func:`~megatron_h2.planner.sync_coupling.least_sync`). A column whose bound is at
-        least ``cutoff`` without that coupling keeps that bound (also at least ``cutoff``).
+        least ``cutoff`` without it and the new stages' link floor (:mod:`.stage_links`) keeps it.
         ``fronts``: (per option its front stage's end-of-step floor with the embedding, the
         unused types' least, their least stage link): the lesser of closing with the option's
         block in front and of an unused type's block in front (one more stage and link).
@@ -584,6 +585,7 @@ class BatchShape(ShapeMemory, RestBound, SyncCoupling, ColumnFloor):
             if not keep.any():
                 return loose
             keep = None if keep.all() else keep
+        terms.extra = raise_links(self, terms.extra, unused, leads, remaining - placed_free, keep)
         coupled = self.coupled_sync(fixed, rates, unused, leads, keep)
         probed = sync if coupled is None else np.maximum(sync, coupled[1:])  # at g_j+1
         return terms.settle(probed, fill, admissible)

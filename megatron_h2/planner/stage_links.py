@@ -1,0 +1,105 @@
+"""The least link time of the stages that chip types not yet placed must add, for the bounds of
+:class:`~megatron_h2.planner.bounds.BatchShape` (:meth:`RestBound.new_stage_links`).
+
+The units a suffix's placed blocks cannot take need new stages of unused types, each sending to
+the stage after it over a link of at least its type's cheapest ``l_t``
+(:attr:`RestBound.type_link`). The loose count takes every new stage at the largest capacity of
+any unused type and the cheapest link of any: on the 100,000-chip 70B member that is 11 new
+stages of the 8-stage type, where the types' most stages and their own links need about 40%
+more stage links. This module counts them per type instead.
+
+A chip type runs one kind ``k`` in one block: ``n`` stages hold at most ``min(n c_k, C_k)``
+units, ``c_k`` the largest mean over ``n`` of what ``n`` of its stages hold in front of the
+lead (under zero-bubble a stage further from the end may hold more than the one behind it) and
+``C_k`` the most a block of its most stages holds there. Its kinds sorted by
+``c_1 >= c_2 >= ...``, the concave ``phi(n)`` with slope ``c_j`` up to ``max(C_1 .. C_j)`` is at
+least each of them (before it reaches ``max(C_1 .. C_k)`` its slope is at least ``c_k``). So
+``x`` units on that type cost at least ``l_t`` per ``c_j`` units along those segments, a convex
+cost; the least total over any split of the units among the types, stages taken fractionally,
+is a greedy fill of every type's segments cheapest per unit first: a lower bound on the link
+time of every way to place them.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+if TYPE_CHECKING:
+    from megatron_h2.planner.bounds import BatchShape
+
+
+def raise_links(shape: BatchShape, extra: np.ndarray | float, mask: int, leads: np.ndarray,
+                units: np.ndarray | float, keep: np.ndarray | None) -> np.ndarray | float:
+    """The new stages' link term of a bound call (``extra``: probe rows 1 .. x option, read at
+    ``g_j+1``) at least :func:`type_link_floor` in the columns of ``keep`` (every column where
+    None; only those whose bound may still win need it): ``extra`` itself where no chip type
+    is unused."""
+    if not mask:
+        return extra
+    columns = np.arange(len(leads)) if keep is None else np.flatnonzero(keep)
+    rows = len(shape.grid)
+    need = np.broadcast_to(units, (rows, len(leads)))[:, columns]
+    floor = type_link_floor(shape, mask, np.asarray(leads)[columns], need)[1:]
+    out = np.array(np.broadcast_to(extra, (rows - 1, len(leads))), dtype=np.float64)
+    out[:, columns] = np.maximum(out[:, columns], floor)
+    return out
+
+
+def type_link_floor(shape: BatchShape, mask: int, leads: np.ndarray,
+                    units: np.ndarray | float) -> np.ndarray:
+    """Least link time of new stages of the chip types in ``mask`` that hold ``units`` (probe x
+    option: what the placed blocks cannot take) in front of suffixes with ``leads`` (one per
+    option): probe x option (module docstring; 0 where no units are left)."""
+    ends, costs, rates = _segments(shape, mask)  # segment x probe x grid lead, cheapest first
+    index = shape.lead_index(np.asarray(leads))
+    need = np.maximum(units, 0.0)
+    end, rate = ends[:, :, index], rates[:, :, index]
+    start = np.concatenate([np.zeros_like(end[:1]), end[:-1]])
+    take = np.clip(need - start, 0.0, end - start)
+    return (take * rate).sum(axis=0)
+
+
+def _segments(shape: BatchShape, mask: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Per grid lead and probe, every unused type's link segments sorted by link time per unit:
+    (cumulative units, cumulative link time, link time per unit), segment x probe x grid lead;
+    cached on the shape per grid and mask."""
+    cache = shape.__dict__.setdefault("_type_link_segments", {})
+    key = (shape._grid_key, mask)
+    if key not in cache:
+        widths, rates = [], []
+        for t_index, chip in enumerate(shape.types):
+            if mask >> t_index & 1:
+                width, per_stage = _type_segments(shape, chip)
+                widths.append(width)
+                with np.errstate(divide="ignore"):
+                    rates.append(np.where(width > 0, shape.type_link[chip]
+                                          / np.maximum(per_stage, 1e-30), 0.0))
+        width, rate = np.concatenate(widths), np.concatenate(rates)
+        order = np.argsort(rate, axis=0, kind="stable")
+        width = np.take_along_axis(width, order, axis=0)
+        rate = np.take_along_axis(rate, order, axis=0)
+        cache[key] = (np.cumsum(width, axis=0), np.cumsum(width * rate, axis=0), rate)
+    return cache[key]
+
+
+def _type_segments(shape: BatchShape, chip: int) -> tuple[np.ndarray, np.ndarray]:
+    """One chip type's capacity segments in front of each grid lead: (widths, units per stage),
+    kind x probe x grid lead, its kinds sorted by units per stage, largest first (cached on the
+    shape per grid)."""
+    cache = shape.__dict__.setdefault("_type_capacity_segments", {})
+    key = (shape._grid_key, chip)
+    if key not in cache:
+        per_stage, block = [], []
+        for kind in shape.kinds_of[chip]:
+            counts = np.arange(1, min(shape.kinds[kind].max_stages, shape.positions) + 1)
+            caps = shape._block_from_leads(shape.prefix, kind, counts)[0]  # probe x lead x n
+            per_stage.append((caps / counts).max(axis=2))  # n stages hold at most n c_k
+            block.append(caps[:, :, -1])
+        c, cap = np.array(per_stage), np.array(block)
+        order = np.argsort(-c, axis=0, kind="stable")
+        c = np.take_along_axis(c, order, axis=0)
+        reach = np.maximum.accumulate(np.take_along_axis(cap, order, axis=0), axis=0)
+        cache[key] = (np.diff(reach, axis=0, prepend=0.0), c)
+    return cache[key]

@@ -1,0 +1,117 @@
+"""The least link time of the new stages that unused chip types add
+(:mod:`megatron_h2.planner.stage_links`): never above the least links of any choice of one kind
+and a stage count per unused type that holds the units (each type's blocks at the lead in front
+of the suffix, where its stages hold the most), every option's bound on clusters of four chip
+types never above the exact split below it, and some bound raised by it."""
+
+from __future__ import annotations
+
+import itertools
+import random
+
+import numpy as np
+import pytest
+
+from megatron_h2.planner import stage_links, suffixes
+from megatron_h2.planner.bounds import BatchShape
+from megatron_h2.planner.cluster import ChipType, Cluster
+from megatron_h2.planner.cost_model import CostConfig, CostModel
+from megatron_h2.planner.search_options import SearchOptions
+from megatron_h2.planner.stage_links import type_link_floor
+from tests.helpers.planner_models import planner_model
+from tests.unit.planner.test_planner_bounds import exact_below, search_module
+
+
+def four_types(seed: int) -> CostModel:
+    """Four chip types of 2-6 chips with tight, uneven memory and uneven links."""
+    rng = random.Random(1000 + seed)
+    chips = tuple(
+        ChipType(
+            "ABCD"[index], "cpu", rng.choice([2, 4, 6]), rng.choice([1, 2]),
+            rng.uniform(0.05, 0.5), rng.uniform(3, 12) / 1024, rng.uniform(0.5, 10),
+            rng.uniform(0.05, 2),
+        )
+        for index in range(4)
+    )  # fmt: skip
+    model = planner_model(rng.choice([5, 6, 8]), 64, 176, 4, 128, 1000, 2)
+    return CostModel(Cluster(chips, rng.uniform(0.05, 1)), model, CostConfig())
+
+
+def least_links(shape: BatchShape, mask: int, lead: int, units: np.ndarray) -> np.ndarray:
+    """Per probe the least summed links ``n l_t`` over every choice, per type in ``mask``, of
+    none or one kind and ``n`` of its stages in front of ``lead`` that hold ``units``."""
+    choices = []
+    for t_index, chip in enumerate(shape.types):
+        if mask >> t_index & 1:
+            rows = [(np.zeros(len(shape.grid)), 0.0)]
+            for kind in shape.kinds_of[chip]:
+                start = shape.start(kind, lead)
+                for n in range(1, min(shape.kinds[kind].max_stages, shape.positions) + 1):
+                    held = shape.block(kind, start, np.array([start + n]))[:, 0]
+                    rows.append((held, n * shape.type_link[chip]))
+            choices.append(rows)
+    best = np.full(len(shape.grid), np.inf)
+    for pick in itertools.product(*choices):
+        held = sum(h for h, _ in pick)
+        links = sum(c for _, c in pick)
+        best = np.where(held >= units - 1e-9, np.minimum(best, links), best)
+    return best
+
+
+@pytest.mark.parametrize("schedule,dp", [("1f1b", 1), ("1f1b", 2), ("zero-bubble", 1),
+                                         ("1f1b", None)])
+@pytest.mark.parametrize("seed", range(3))
+def test_the_floor_never_exceeds_the_least_links_of_any_choice(
+    seed: int, schedule: str, dp: int | None
+) -> None:
+    cost = four_types(seed)
+    shape = BatchShape(cost, 8, 1, schedule, 1, dp)
+    if not shape.kinds:
+        pytest.skip("nothing fits")
+    shape.build_grid(shape.w_max, 64)
+    checked = 0
+    for mask in range(1, 1 << len(shape.types)):
+        for lead in shape.leads[:4].tolist():
+            for units in range(1, shape.layers + 1):
+                floor = type_link_floor(shape, mask, np.array([lead]),
+                                        np.full((len(shape.grid), 1), float(units)))[:, 0]
+                least = least_links(shape, mask, lead, np.full(len(shape.grid), units))
+                assert (floor <= least * (1 + 1e-9) + 1e-15).all(), (mask, lead, units)
+                checked += int(np.isfinite(least).sum())
+    assert checked > 0
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zero-bubble"])
+@pytest.mark.parametrize("seed", range(3))
+def test_bounds_of_four_types_never_exceed_the_exact_split(seed: int, schedule: str) -> None:
+    cost = four_types(seed)
+    run = search_module._Search(cost, SearchOptions(8, top_k=10**6))
+    shape = BatchShape(cost, 8, 1, schedule, 1, 1)
+    shape.build_grid(shape.w_max, 64)
+    checked = [0]
+    exact_below(run, shape, suffixes.root_node(shape), checked)
+    assert checked[0] > 0
+
+
+def test_the_floor_raises_some_option_bound(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Below a first block, some option is bounded higher with the per-type floor than with
+    the loose count alone (every new stage at the largest capacity and cheapest link of any
+    unused type), none lower."""
+    gains: list[float] = []
+    for seed in range(3):
+        cost = four_types(seed)
+        run = search_module._Search(cost, SearchOptions(8, top_k=10**6))
+        shape = BatchShape(cost, 8, 1, "1f1b", 1, 1)
+        shape.build_grid(shape.w_max, 64)
+        root = suffixes.root_node(shape)
+        for _, kind, count in run._options(shape, root):
+            if kind < 0:
+                continue
+            node = root.child(shape, kind, count, run._block_links(shape, root, kind, count))
+            tight = {(k, c): b for b, k, c in run._options(shape, node)}
+            with monkeypatch.context() as patch:
+                patch.setattr(stage_links, "type_link_floor", lambda s, m, leads, u:
+                              np.zeros((len(s.grid), len(leads))))
+                loose = {(k, c): b for b, k, c in run._options(shape, node)}
+            gains += [tight[key] - loose[key] for key in tight if np.isfinite(tight[key])]
+    assert min(gains) >= -1e-12 and max(gains) > 0
