@@ -35,9 +35,8 @@ the cheapest capacity first; the slowest stage's own work is at least ``g_j / ma
 lower bound on the slowest DP sync (the layers spread over every stage that may exist, and at
 least the last stage's with the head and the first stage's with the embedding, and at least
 the least sync at which the layers fit at ``g_j+1``, :mod:`.sync_coupling`), the known link
-times and the links of the stages still to come (the layers the known blocks cannot hold need at
-least so many new stages of at most the largest single-stage capacity at ``g_j+1``, each with a
-link of at least its type's cheapest) gives
+times and the links of the stages still to come (the layers the known blocks cannot hold need
+new stages, each type's with its own capacities and link, :mod:`.stage_links`) gives
 ``T >= g_j + max(Fill(g_j+1), g_j / max F) + sync + links`` for some admissible ``j``. A shape's
 root bound uses the least probe with the fill of the cheapest memory capacity (no time caps),
 the links of the fewest stages that hold every layer and the first and last stages' syncs,
@@ -67,7 +66,7 @@ from megatron_h2.planner.partition import INF
 from megatron_h2.planner.rest_bound import RestBound, greedy_take
 from megatron_h2.planner.shape_memory import ShapeMemory
 from megatron_h2.planner.stage_costs import StageCosts
-from megatron_h2.planner.stage_links import raise_links
+from megatron_h2.planner.stage_links import raise_new_stages
 from megatron_h2.planner.sync_coupling import SyncCoupling, least_sync
 from megatron_h2.planner.zero_bubble_fill import fill_shares
 
@@ -578,14 +577,15 @@ class BatchShape(ShapeMemory, RestBound, SyncCoupling, ColumnFloor):
         fill = (units_arr[order] @ flat).reshape(shape) + mandatory_cost + edges
         covered = flat.sum(axis=0).reshape(shape)
         admissible = admissible_rows(self.grid, covered, remaining, short, need)
-        keep = None  # the coupled sync (never lower) only where the uncoupled bound may win
+        keep = None  # the coupled sync and new stages (never lower) only where it may win
         if cutoff < INF and (rates is not None or unused):
             loose = terms.settle(sync, fill, admissible)
             keep = loose < cutoff
             if not keep.any():
                 return loose
             keep = None if keep.all() else keep
-        terms.extra = raise_links(self, terms.extra, unused, leads, remaining - placed_free, keep)
+        fill = raise_new_stages(self, terms, fill, unused, leads, remaining - placed_free,
+                                mandatory_layers, keep)
         coupled = self.coupled_sync(fixed, rates, unused, leads, keep)
         probed = sync if coupled is None else np.maximum(sync, coupled[1:])  # at g_j+1
         return terms.settle(probed, fill, admissible)

@@ -26,33 +26,52 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from megatron_h2.planner.zero_bubble_fill import _tables
+
 if TYPE_CHECKING:
+    from megatron_h2.planner.bound_columns import ColumnTerms
     from megatron_h2.planner.bounds import BatchShape
 
 
-def raise_links(shape: BatchShape, extra: np.ndarray | float, mask: int, leads: np.ndarray,
-                units: np.ndarray | float, keep: np.ndarray | None) -> np.ndarray | float:
-    """The new stages' link term of a bound call (``extra``: probe rows 1 .. x option, read at
-    ``g_j+1``) at least :func:`type_link_floor` in the columns of ``keep`` (every column where
-    None; only those whose bound may still win need it): ``extra`` itself where no chip type
-    is unused."""
+def raise_new_stages(shape: BatchShape, terms: ColumnTerms, fill: np.ndarray, mask: int,
+                     leads: np.ndarray, units: np.ndarray | float, placed: np.ndarray | float,
+                     keep: np.ndarray | None) -> np.ndarray:
+    """In the columns of ``keep`` of a bound call (every column where None; only those whose
+    bound may still win need it), the new stages' link term ``terms.extra`` at least
+    :func:`new_stage_floor`'s, and under zero-bubble the summed ``fill`` (probe x option) with
+    the deferred share of a pipeline of the ``placed`` stages plus the fewest new stages that
+    hold ``units``: the fill raised by what that adds to
+    :func:`~megatron_h2.planner.zero_bubble_fill.share_rise` (already in the fill for the
+    placed stages). The fill is returned; nothing changes where no chip type is unused."""
     if not mask:
-        return extra
+        return fill
     columns = np.arange(len(leads)) if keep is None else np.flatnonzero(keep)
     rows = len(shape.grid)
     need = np.broadcast_to(units, (rows, len(leads)))[:, columns]
-    floor = type_link_floor(shape, mask, np.asarray(leads)[columns], need)[1:]
-    out = np.array(np.broadcast_to(extra, (rows - 1, len(leads))), dtype=np.float64)
-    out[:, columns] = np.maximum(out[:, columns], floor)
+    at = np.asarray(leads)[columns]
+    links = new_stage_floor(shape, mask, at, need, True)[1:]
+    extra = np.array(np.broadcast_to(terms.extra, (rows - 1, len(leads))), dtype=np.float64)
+    extra[:, columns] = np.maximum(extra[:, columns], links)
+    terms.extra = extra
+    per_layer, least = _tables(shape)
+    if per_layer is None:
+        return fill
+    placed = np.broadcast_to(np.asarray(placed, dtype=np.int64), (len(leads),))[columns]
+    new = np.ceil(new_stage_floor(shape, mask, at, need, False) - 1e-9).astype(np.int64)
+    before = np.minimum(np.maximum(least[:, None], placed[None, :]), shape.positions)
+    after = np.minimum(np.maximum(before, placed[None, :] + new), shape.positions)
+    out = np.array(np.broadcast_to(fill, (rows, len(leads))), dtype=np.float64)
+    out[:, columns] += shape.layers * (per_layer[after] - per_layer[before])
     return out
 
 
-def type_link_floor(shape: BatchShape, mask: int, leads: np.ndarray,
-                    units: np.ndarray | float) -> np.ndarray:
-    """Least link time of new stages of the chip types in ``mask`` that hold ``units`` (probe x
-    option: what the placed blocks cannot take) in front of suffixes with ``leads`` (one per
-    option): probe x option (module docstring; 0 where no units are left)."""
-    ends, costs, rates = _segments(shape, mask)  # segment x probe x grid lead, cheapest first
+def new_stage_floor(shape: BatchShape, mask: int, leads: np.ndarray, units: np.ndarray | float,
+                    links: bool) -> np.ndarray:
+    """Least link time (``links``) or least number of the new stages of the chip types in
+    ``mask`` that hold ``units`` (probe x option: what the placed blocks cannot take) in front
+    of suffixes with ``leads`` (one per option), stages taken fractionally: probe x option
+    (module docstring; 0 where no units are left)."""
+    ends, rates = _segments(shape, mask, links)  # segment x probe x grid lead, cheapest first
     index = shape.lead_index(np.asarray(leads))
     need = np.maximum(units, 0.0)
     end, rate = ends[:, :, index], rates[:, :, index]
@@ -61,26 +80,24 @@ def type_link_floor(shape: BatchShape, mask: int, leads: np.ndarray,
     return (take * rate).sum(axis=0)
 
 
-def _segments(shape: BatchShape, mask: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Per grid lead and probe, every unused type's link segments sorted by link time per unit:
-    (cumulative units, cumulative link time, link time per unit), segment x probe x grid lead;
-    cached on the shape per grid and mask."""
-    cache = shape.__dict__.setdefault("_type_link_segments", {})
-    key = (shape._grid_key, mask)
+def _segments(shape: BatchShape, mask: int, links: bool) -> tuple[np.ndarray, np.ndarray]:
+    """Per grid lead and probe, every unused type's capacity segments sorted by link time per
+    unit (``links``) or stages per unit: (cumulative units, cost per unit), segment x probe x
+    grid lead; cached on the shape per grid and mask."""
+    cache = shape.__dict__.setdefault("_new_stage_segments", {})
+    key = (shape._grid_key, mask, links)
     if key not in cache:
         widths, rates = [], []
         for t_index, chip in enumerate(shape.types):
             if mask >> t_index & 1:
                 width, per_stage = _type_segments(shape, chip)
                 widths.append(width)
-                with np.errstate(divide="ignore"):
-                    rates.append(np.where(width > 0, shape.type_link[chip]
-                                          / np.maximum(per_stage, 1e-30), 0.0))
+                cost = shape.type_link[chip] if links else 1.0
+                rates.append(np.where(width > 0, cost / np.maximum(per_stage, 1e-30), 0.0))
         width, rate = np.concatenate(widths), np.concatenate(rates)
         order = np.argsort(rate, axis=0, kind="stable")
         width = np.take_along_axis(width, order, axis=0)
-        rate = np.take_along_axis(rate, order, axis=0)
-        cache[key] = (np.cumsum(width, axis=0), np.cumsum(width * rate, axis=0), rate)
+        cache[key] = (np.cumsum(width, axis=0), np.take_along_axis(rate, order, axis=0))
     return cache[key]
 
 

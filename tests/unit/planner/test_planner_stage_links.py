@@ -1,8 +1,9 @@
-"""The least link time of the new stages that unused chip types add
-(:mod:`megatron_h2.planner.stage_links`): never above the least links of any choice of one kind
-and a stage count per unused type that holds the units (each type's blocks at the lead in front
-of the suffix, where its stages hold the most), every option's bound on clusters of four chip
-types never above the exact split below it, and some bound raised by it."""
+"""The new stages that unused chip types add (:mod:`megatron_h2.planner.stage_links`): their
+least link time and least number never above those of any choice of one kind and a stage count
+per unused type that holds the units (each type's blocks at the lead in front of the suffix,
+where its stages hold the most), every option's bound on clusters of four chip types (1F1B, and
+zero-bubble with few micro-batches per replica, whose fill share falls with the stages) never
+above the exact split below it, and some bound raised by them."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from megatron_h2.planner.bounds import BatchShape
 from megatron_h2.planner.cluster import ChipType, Cluster
 from megatron_h2.planner.cost_model import CostConfig, CostModel
 from megatron_h2.planner.search_options import SearchOptions
-from megatron_h2.planner.stage_links import type_link_floor
+from megatron_h2.planner.stage_links import new_stage_floor
 from tests.helpers.planner_models import planner_model
 from tests.unit.planner.test_planner_bounds import exact_below, search_module
 
@@ -37,9 +38,11 @@ def four_types(seed: int) -> CostModel:
     return CostModel(Cluster(chips, rng.uniform(0.05, 1)), model, CostConfig())
 
 
-def least_links(shape: BatchShape, mask: int, lead: int, units: np.ndarray) -> np.ndarray:
-    """Per probe the least summed links ``n l_t`` over every choice, per type in ``mask``, of
-    none or one kind and ``n`` of its stages in front of ``lead`` that hold ``units``."""
+def least_links(shape: BatchShape, mask: int, lead: int, units: np.ndarray,
+                links: bool = True) -> np.ndarray:
+    """Per probe the least summed links ``n l_t`` (or stages ``n``) over every choice, per type
+    in ``mask``, of none or one kind and ``n`` of its stages in front of ``lead`` that hold
+    ``units``."""
     choices = []
     for t_index, chip in enumerate(shape.types):
         if mask >> t_index & 1:
@@ -48,7 +51,7 @@ def least_links(shape: BatchShape, mask: int, lead: int, units: np.ndarray) -> n
                 start = shape.start(kind, lead)
                 for n in range(1, min(shape.kinds[kind].max_stages, shape.positions) + 1):
                     held = shape.block(kind, start, np.array([start + n]))[:, 0]
-                    rows.append((held, n * shape.type_link[chip]))
+                    rows.append((held, n * (shape.type_link[chip] if links else 1.0)))
             choices.append(rows)
     best = np.full(len(shape.grid), np.inf)
     for pick in itertools.product(*choices):
@@ -73,35 +76,41 @@ def test_the_floor_never_exceeds_the_least_links_of_any_choice(
     for mask in range(1, 1 << len(shape.types)):
         for lead in shape.leads[:4].tolist():
             for units in range(1, shape.layers + 1):
-                floor = type_link_floor(shape, mask, np.array([lead]),
-                                        np.full((len(shape.grid), 1), float(units)))[:, 0]
-                least = least_links(shape, mask, lead, np.full(len(shape.grid), units))
-                assert (floor <= least * (1 + 1e-9) + 1e-15).all(), (mask, lead, units)
-                checked += int(np.isfinite(least).sum())
+                need = np.full((len(shape.grid), 1), float(units))
+                for links in (True, False):
+                    floor = new_stage_floor(shape, mask, np.array([lead]), need, links)[:, 0]
+                    least = least_links(shape, mask, lead, need[:, 0], links)
+                    assert (floor <= least * (1 + 1e-9) + 1e-15).all(), (mask, lead, units)
+                    checked += int(np.isfinite(least).sum())
     assert checked > 0
 
 
-@pytest.mark.parametrize("schedule", ["1f1b", "zero-bubble"])
+@pytest.mark.parametrize("schedule,batch", [("1f1b", 8), ("zero-bubble", 8), ("zero-bubble", 4)])
 @pytest.mark.parametrize("seed", range(3))
-def test_bounds_of_four_types_never_exceed_the_exact_split(seed: int, schedule: str) -> None:
+def test_bounds_of_four_types_never_exceed_the_exact_split(
+    seed: int, schedule: str, batch: int
+) -> None:
     cost = four_types(seed)
-    run = search_module._Search(cost, SearchOptions(8, top_k=10**6))
-    shape = BatchShape(cost, 8, 1, schedule, 1, 1)
+    run = search_module._Search(cost, SearchOptions(batch, top_k=10**6))
+    shape = BatchShape(cost, batch, 1, schedule, 1, 1)
     shape.build_grid(shape.w_max, 64)
     checked = [0]
     exact_below(run, shape, suffixes.root_node(shape), checked)
     assert checked[0] > 0
 
 
-def test_the_floor_raises_some_option_bound(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Below a first block, some option is bounded higher with the per-type floor than with
+@pytest.mark.parametrize("schedule,batch", [("1f1b", 8), ("zero-bubble", 4)])
+def test_the_new_stages_raise_some_option_bound(
+    monkeypatch: pytest.MonkeyPatch, schedule: str, batch: int
+) -> None:
+    """Below a first block, some option is bounded higher with the per-type floors than with
     the loose count alone (every new stage at the largest capacity and cheapest link of any
-    unused type), none lower."""
+    unused type, and under zero-bubble the fill share of the placed stages), none lower."""
     gains: list[float] = []
     for seed in range(3):
         cost = four_types(seed)
-        run = search_module._Search(cost, SearchOptions(8, top_k=10**6))
-        shape = BatchShape(cost, 8, 1, "1f1b", 1, 1)
+        run = search_module._Search(cost, SearchOptions(batch, top_k=10**6))
+        shape = BatchShape(cost, batch, 1, schedule, 1, 1)
         shape.build_grid(shape.w_max, 64)
         root = suffixes.root_node(shape)
         for _, kind, count in run._options(shape, root):
@@ -110,7 +119,7 @@ def test_the_floor_raises_some_option_bound(monkeypatch: pytest.MonkeyPatch) -> 
             node = root.child(shape, kind, count, run._block_links(shape, root, kind, count))
             tight = {(k, c): b for b, k, c in run._options(shape, node)}
             with monkeypatch.context() as patch:
-                patch.setattr(stage_links, "type_link_floor", lambda s, m, leads, u:
+                patch.setattr(stage_links, "new_stage_floor", lambda s, m, leads, u, links:
                               np.zeros((len(s.grid), len(leads))))
                 loose = {(k, c): b for b, k, c in run._options(shape, node)}
             gains += [tight[key] - loose[key] for key in tight if np.isfinite(tight[key])]
