@@ -515,6 +515,7 @@ class BatchShape(ShapeMemory, RestBound, SyncCoupling, ColumnFloor):
         cutoff: float = INF,
         fronts: tuple[np.ndarray, float, float] | None = None,
         floors: bool = True,
+        new_stages: bool = True,
     ) -> np.ndarray:
         """Lower bound on the step time per option column (see the module docstring).
 
@@ -531,7 +532,8 @@ class BatchShape(ShapeMemory, RestBound, SyncCoupling, ColumnFloor):
         ``fronts``: (per option its front stage's end-of-step floor with the embedding, the
         unused types' least, their least stage link): the lesser of closing with the option's
         block in front and of an unused type's block in front (one more stage and link).
-        With ``floors`` a column is first bounded with a floor of its fill (:mod:`.bound_columns`).
+        With ``floors`` a column is first bounded with a floor of its fill (:mod:`.bound_columns`);
+        with ``new_stages`` the unused types' new stages are counted per type (:mod:`.stage_links`).
         """
         widths, units, mandatory_layers, mandatory_cost, short, placed_free = known_blocks(
             list(fixed))
@@ -560,7 +562,7 @@ class BatchShape(ShapeMemory, RestBound, SyncCoupling, ColumnFloor):
                 if len(live):
                     kept = take_columns(live, len(floor), fixed, unused, leads, links, edges, need,
                                         sync, rates, cutoff, fronts)
-                    floor[live] = self.bound(*kept, floors=False)
+                    floor[live] = self.bound(*kept, floors=False, new_stages=new_stages)
                 return floor
         if unused:
             r_widths = at_leads(self, leads, ("segments", unused), lambda: table[:, :, index])
@@ -577,15 +579,18 @@ class BatchShape(ShapeMemory, RestBound, SyncCoupling, ColumnFloor):
         fill = (units_arr[order] @ flat).reshape(shape) + mandatory_cost + edges
         covered = flat.sum(axis=0).reshape(shape)
         admissible = admissible_rows(self.grid, covered, remaining, short, need)
-        keep = None  # the coupled sync and new stages (never lower) only where it may win
+        keep = live = None  # the coupled sync and new stages (never lower) where they may win
         if cutoff < INF and (rates is not None or unused):
-            loose = terms.settle(sync, fill, admissible)
+            rows = terms.rows(sync, fill, admissible)
+            loose = terms.least(rows)
             keep = loose < cutoff
             if not keep.any():
                 return loose
+            live = rows + terms.links < cutoff  # the rows of a column whose term may win
             keep = None if keep.all() else keep
-        fill = raise_new_stages(self, terms, fill, unused, leads, remaining - placed_free,
-                                mandatory_layers, keep)
+        if new_stages:
+            fill = raise_new_stages(self, terms, fill, unused, leads, remaining - placed_free,
+                                    mandatory_layers, live)
         coupled = self.coupled_sync(fixed, rates, unused, leads, keep)
         probed = sync if coupled is None else np.maximum(sync, coupled[1:])  # at g_j+1
         return terms.settle(probed, fill, admissible)
