@@ -114,23 +114,21 @@ def _segments(shape: BatchShape, mask: int, links: bool,
     cache = shape.__dict__.setdefault("_new_stage_segments", {})
     key = (shape._grid_key, mask, links, tuple(shape.type_link.values()) if links else ())
     if key not in cache:
-        widths, rates = [], []
-        for t_index, chip in enumerate(shape.types):
-            if mask >> t_index & 1:
-                width, per_stage = _type_segments(shape, chip)
-                widths.append(width)
-                cost = shape.type_link[chip] if links else 1.0
-                rates.append(np.where(width > 0, cost / np.maximum(per_stage, 1e-30), 0.0))
-        width = np.concatenate(widths).transpose(2, 0, 1)  # grid lead x segment x probe
-        rate = np.concatenate(rates).transpose(2, 0, 1)
-        cache[key] = (width, rate, np.empty_like(width), np.empty_like(rate),
-                      np.zeros(len(width), dtype=bool))
-    width, rate, ends, sorted_rates, done = cache[key]
+        types = [(chip, _type_segments(shape, chip)) for t_index, chip in enumerate(shape.types)
+                 if mask >> t_index & 1]
+        size = (len(shape.leads), sum(len(w) for _, (w, _) in types), len(shape.grid))
+        cache[key] = (types, np.empty(size), np.empty(size), np.zeros(size[0], dtype=bool))
+    types, ends, sorted_rates, done = cache[key]
     todo = np.unique(index[~done[index]])
-    if len(todo):
-        order = np.argsort(rate[todo], axis=1, kind="stable")
-        ends[todo] = np.cumsum(np.take_along_axis(width[todo], order, axis=1), axis=1)
-        sorted_rates[todo] = np.take_along_axis(rate[todo], order, axis=1)
+    if len(todo):  # grid lead x segment x probe at the leads not yet sorted
+        width = np.concatenate([w[:, :, todo] for _, (w, _) in types]).transpose(2, 0, 1)
+        cost = np.concatenate([
+            np.where(w[:, :, todo] > 0, (shape.type_link[chip] if links else 1.0)
+                     / np.maximum(c[:, :, todo], 1e-30), 0.0)
+            for chip, (w, c) in types]).transpose(2, 0, 1)  # fmt: skip
+        order = np.argsort(cost, axis=1, kind="stable")
+        ends[todo] = np.cumsum(np.take_along_axis(width, order, axis=1), axis=1)
+        sorted_rates[todo] = np.take_along_axis(cost, order, axis=1)
         done[todo] = True
     return ends, sorted_rates
 
