@@ -13,6 +13,7 @@ import random
 import numpy as np
 import pytest
 
+from megatron_h2.planner import bounds as bounds_module
 from megatron_h2.planner import stage_links, suffixes
 from megatron_h2.planner.bounds import BatchShape
 from megatron_h2.planner.cluster import ChipType, Cluster
@@ -134,3 +135,28 @@ def test_the_new_stages_raise_some_option_bound(
                 loose = {(k, c): b for b, k, c in run._options(shape, node)}
             gains += [tight[key] - loose[key] for key in tight if np.isfinite(tight[key])]
     assert min(gains) >= -1e-12 and max(gains) > 0
+
+
+def test_dives_order_without_the_per_type_count(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A dive's options (which only order and skip) are bounded as without the per-type count
+    of new stages, so the dives find the plans they found before; the best-first options with
+    it, higher somewhere."""
+    raised = 0
+    for seed in range(3):
+        cost = four_types(seed)
+        run = search_module._Search(cost, SearchOptions(8, top_k=10**6))
+        shape = BatchShape(cost, 8, 1, "1f1b", 1, 1)
+        shape.build_grid(shape.w_max, 64)
+        root = suffixes.root_node(shape)
+        for _, kind, count in run._options(shape, root):
+            if kind < 0:
+                continue
+            node = root.child(shape, kind, count, run._block_links(shape, root, kind, count))
+            dive = run._options(shape, node, dive=True)
+            tight = run._options(shape, node)
+            with monkeypatch.context() as patch:
+                patch.setattr(bounds_module, "raise_new_stages", lambda s, t, fill, *a: fill)
+                assert run._options(shape, node) == dive
+            raised += sum(a[0] > b[0] for a, b in zip(sorted(tight, key=lambda o: o[1:]),
+                                                       sorted(dive, key=lambda o: o[1:])))
+    assert raised > 0
