@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import itertools
 import random
+from collections.abc import Iterator
+from typing import Any
 
 import numpy as np
 import pytest
@@ -118,6 +120,19 @@ def test_the_new_stages_raise_some_option_bound(
     the loose count alone (every new stage at the largest capacity and cheapest link of any
     unused type, and under zero-bubble the fill share of the placed stages), none lower."""
     gains: list[float] = []
+    for run, shape, node in first_blocks(schedule, batch):
+        tight = {(k, c): b for b, k, c in run._options(shape, node)}
+        with monkeypatch.context() as patch:
+            patch.setattr(stage_links, "_floor_at", lambda s, m, index, probe, need, links:
+                          np.zeros(len(need)))
+            loose = {(k, c): b for b, k, c in run._options(shape, node)}
+        gains += [tight[key] - loose[key] for key in tight if np.isfinite(tight[key])]
+    assert min(gains) >= -1e-12 and max(gains) > 0
+
+
+def first_blocks(schedule: str, batch: int) -> Iterator[tuple[Any, BatchShape, Any]]:
+    """(search, shape, node) below every first block of the one-DP shapes of micro-batch
+    size 1 of :func:`four_types` seeds 0-2."""
     for seed in range(3):
         cost = four_types(seed)
         run = search_module._Search(cost, SearchOptions(batch, top_k=10**6))
@@ -125,16 +140,9 @@ def test_the_new_stages_raise_some_option_bound(
         shape.build_grid(shape.w_max, 64)
         root = suffixes.root_node(shape)
         for _, kind, count in run._options(shape, root):
-            if kind < 0:
-                continue
-            node = root.child(shape, kind, count, run._block_links(shape, root, kind, count))
-            tight = {(k, c): b for b, k, c in run._options(shape, node)}
-            with monkeypatch.context() as patch:
-                patch.setattr(stage_links, "_floor_at", lambda s, m, index, probe, need, links:
-                              np.zeros(len(need)))
-                loose = {(k, c): b for b, k, c in run._options(shape, node)}
-            gains += [tight[key] - loose[key] for key in tight if np.isfinite(tight[key])]
-    assert min(gains) >= -1e-12 and max(gains) > 0
+            if kind >= 0:
+                yield run, shape, root.child(shape, kind, count,
+                                             run._block_links(shape, root, kind, count))
 
 
 def test_dives_order_without_the_per_type_count(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -142,21 +150,12 @@ def test_dives_order_without_the_per_type_count(monkeypatch: pytest.MonkeyPatch)
     of new stages, so the dives find the plans they found before; the best-first options with
     it, higher somewhere."""
     raised = 0
-    for seed in range(3):
-        cost = four_types(seed)
-        run = search_module._Search(cost, SearchOptions(8, top_k=10**6))
-        shape = BatchShape(cost, 8, 1, "1f1b", 1, 1)
-        shape.build_grid(shape.w_max, 64)
-        root = suffixes.root_node(shape)
-        for _, kind, count in run._options(shape, root):
-            if kind < 0:
-                continue
-            node = root.child(shape, kind, count, run._block_links(shape, root, kind, count))
-            dive = run._options(shape, node, dive=True)
-            tight = run._options(shape, node)
-            with monkeypatch.context() as patch:
-                patch.setattr(bounds_module, "raise_new_stages", lambda s, t, fill, *a: fill)
-                assert run._options(shape, node) == dive
-            raised += sum(a[0] > b[0] for a, b in zip(sorted(tight, key=lambda o: o[1:]),
-                                                       sorted(dive, key=lambda o: o[1:])))
+    for run, shape, node in first_blocks("1f1b", 8):
+        dive = run._options(shape, node, dive=True)
+        tight = run._options(shape, node)
+        with monkeypatch.context() as patch:
+            patch.setattr(bounds_module, "raise_new_stages", lambda s, t, fill, *a: fill)
+            assert run._options(shape, node) == dive
+        raised += sum(a[0] > b[0] for a, b in zip(sorted(tight, key=lambda o: o[1:]),
+                                                   sorted(dive, key=lambda o: o[1:])))
     assert raised > 0
