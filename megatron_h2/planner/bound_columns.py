@@ -119,6 +119,16 @@ class ColumnTerms:
     def settle(self, probed: np.ndarray, fill: np.ndarray, admissible: np.ndarray) -> np.ndarray:
         """Per column the least term over the ``admissible`` rows (and above the top probe)
         with the end-of-step term at least ``probed`` and the summed ``fill``."""
+        return self.least(self.rows(probed, fill, admissible))
+
+    def least(self, rows: np.ndarray) -> np.ndarray:
+        """Per column the least of :meth:`rows` (and above the top probe), with the links."""
+        best = rows.min(axis=0)
+        return (best if self.beyond is None else np.minimum(best, self.beyond)) + self.links
+
+    def rows(self, probed: np.ndarray, fill: np.ndarray, admissible: np.ndarray) -> np.ndarray:
+        """Per probe row and column the term of :meth:`settle` without the links (INF where
+        not ``admissible``)."""
         extra = self.extra
         if self.fronts is None:
             terms = self.step(probed, fill) + extra
@@ -127,5 +137,4 @@ class ColumnTerms:
             terms = np.minimum(self.step(np.maximum(probed, closing), fill) + extra,
                                self.step(np.maximum(probed, opening), fill)
                                + np.maximum(extra, link))
-        best = np.where(admissible, terms, INF).min(axis=0)
-        return (best if self.beyond is None else np.minimum(best, self.beyond)) + self.links
+        return np.where(admissible, terms, INF)

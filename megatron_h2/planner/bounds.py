@@ -35,9 +35,8 @@ the cheapest capacity first; the slowest stage's own work is at least ``g_j / ma
 lower bound on the slowest DP sync (the layers spread over every stage that may exist, and at
 least the last stage's with the head and the first stage's with the embedding, and at least
 the least sync at which the layers fit at ``g_j+1``, :mod:`.sync_coupling`), the known link
-times and the links of the stages still to come (the layers the known blocks cannot hold need at
-least so many new stages of at most the largest single-stage capacity at ``g_j+1``, each with a
-link of at least its type's cheapest) gives
+times and the links of the stages still to come (the layers the known blocks cannot hold need
+new stages, each type's with its own capacities and link, :mod:`.stage_links`) gives
 ``T >= g_j + max(Fill(g_j+1), g_j / max F) + sync + links`` for some admissible ``j``. A shape's
 root bound uses the least probe with the fill of the cheapest memory capacity (no time caps),
 the links of the fewest stages that hold every layer and the first and last stages' syncs,
@@ -67,6 +66,7 @@ from megatron_h2.planner.partition import INF
 from megatron_h2.planner.rest_bound import RestBound, greedy_take
 from megatron_h2.planner.shape_memory import ShapeMemory
 from megatron_h2.planner.stage_costs import StageCosts
+from megatron_h2.planner.stage_links import raise_new_stages
 from megatron_h2.planner.sync_coupling import SyncCoupling, least_sync
 from megatron_h2.planner.zero_bubble_fill import fill_shares
 
@@ -515,6 +515,7 @@ class BatchShape(ShapeMemory, RestBound, SyncCoupling, ColumnFloor):
         cutoff: float = INF,
         fronts: tuple[np.ndarray, float, float] | None = None,
         floors: bool = True,
+        new_stages: bool = True,
     ) -> np.ndarray:
         """Lower bound on the step time per option column (see the module docstring).
 
@@ -527,11 +528,12 @@ class BatchShape(ShapeMemory, RestBound, SyncCoupling, ColumnFloor):
         ``rates``: per known block its kind's :attr:`sync_inverse` (None: blocks uncapped by the
         sync), which with the unused types' couples the sync with the probe
         (:func:`~megatron_h2.planner.sync_coupling.least_sync`). A column whose bound is at
-        least ``cutoff`` without that coupling keeps that bound (also at least ``cutoff``).
+        least ``cutoff`` without it and the new stages' link floor (:mod:`.stage_links`) keeps it.
         ``fronts``: (per option its front stage's end-of-step floor with the embedding, the
         unused types' least, their least stage link): the lesser of closing with the option's
         block in front and of an unused type's block in front (one more stage and link).
-        With ``floors`` a column is first bounded with a floor of its fill (:mod:`.bound_columns`).
+        With ``floors`` a column is first bounded with a floor of its fill (:mod:`.bound_columns`);
+        with ``new_stages`` the unused types' new stages are counted per type (:mod:`.stage_links`).
         """
         widths, units, mandatory_layers, mandatory_cost, short, placed_free = known_blocks(
             list(fixed))
@@ -560,7 +562,7 @@ class BatchShape(ShapeMemory, RestBound, SyncCoupling, ColumnFloor):
                 if len(live):
                     kept = take_columns(live, len(floor), fixed, unused, leads, links, edges, need,
                                         sync, rates, cutoff, fronts)
-                    floor[live] = self.bound(*kept, floors=False)
+                    floor[live] = self.bound(*kept, floors=False, new_stages=new_stages)
                 return floor
         if unused:
             r_widths = at_leads(self, leads, ("segments", unused), lambda: table[:, :, index])
@@ -577,13 +579,18 @@ class BatchShape(ShapeMemory, RestBound, SyncCoupling, ColumnFloor):
         fill = (units_arr[order] @ flat).reshape(shape) + mandatory_cost + edges
         covered = flat.sum(axis=0).reshape(shape)
         admissible = admissible_rows(self.grid, covered, remaining, short, need)
-        keep = None  # the coupled sync (never lower) only where the uncoupled bound may win
+        keep = live = None  # the coupled sync and new stages (never lower) where they may win
         if cutoff < INF and (rates is not None or unused):
-            loose = terms.settle(sync, fill, admissible)
+            rows = terms.rows(sync, fill, admissible)
+            loose = terms.least(rows)
             keep = loose < cutoff
             if not keep.any():
                 return loose
+            live = rows + terms.links < cutoff  # the rows of a column whose term may win
             keep = None if keep.all() else keep
+        if new_stages:
+            fill = raise_new_stages(self, terms, fill, unused, leads, remaining - placed_free,
+                                    mandatory_layers, live)
         coupled = self.coupled_sync(fixed, rates, unused, leads, keep)
         probed = sync if coupled is None else np.maximum(sync, coupled[1:])  # at g_j+1
         return terms.settle(probed, fill, admissible)

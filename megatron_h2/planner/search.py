@@ -370,7 +370,7 @@ class _Search:
         """Depth-first dive below a suffix, best option first, visiting at most ``budget`` nodes."""
         self.stats.nodes += 1
         visited = 1
-        for bound, kind, count in self._options(shape, node):
+        for bound, kind, count in self._options(shape, node, dive=True):
             if bound >= self.threshold * (1 - _SLACK):
                 continue
             if visited >= budget or self._late():
@@ -418,11 +418,12 @@ class _Search:
         return fixed
 
     def _options(
-        self, shape: BatchShape, node: Node, use_all: bool = False
+        self, shape: BatchShape, node: Node, use_all: bool = False, dive: bool = False
     ) -> list[tuple[float, int, int]]:
         """The close-here leaf (kind -1) and every child (kind, stage count), with bounds (one
         :meth:`_bounds` call per chip type), best first; with ``use_all`` the leaf only once every
-        chip type of the shape is used."""
+        chip type of the shape is used. A ``dive`` only orders and skips, so it leaves out the
+        per-type new stages (:mod:`.stage_links`: their cost buys a proven bound, not a plan)."""
         suffix, groups, position, mask = node.suffix, node.groups, node.position, node.mask
         options: list[tuple[float, int, int]] = []
         need = _need(shape, node)
@@ -449,7 +450,7 @@ class _Search:
             if columns is not None:
                 if fixed is None:  # the suffix's blocks, only where a child may follow
                     fixed = self._fixed(shape, node)
-                options += self._bounds(shape, node, fixed, need, columns)
+                options += self._bounds(shape, node, fixed, need, columns, not dive)
         root = shape.root_bound()  # every plan below the node is one of the shape's
         options = [(max(bound, root), kind, count) for bound, kind, count in options]
         options.sort(key=lambda item: (item[0], -item[2]))
@@ -462,16 +463,18 @@ class _Search:
         fixed: list[tuple[float, np.ndarray, Any]],
         need: float,
         chip: ChipColumns,
+        new_stages: bool = True,
     ) -> list[tuple[float, int, int]]:
         """Bounds of prepending each (kind, stage count) of ``chip``'s columns (kinds of one chip
-        type, each with its counts) in front of ``node``, in one bound call."""
+        type, each with its counts) in front of ``node``, in one bound call (``new_stages``:
+        :meth:`BatchShape.bound`'s)."""
         columns = chip.columns
         others = node.mask & ~(1 << shape.types.index(shape.kinds[columns[0][0]].chip))
         needs, edges, links, syncs = chip.terms(shape, node, need, others)
         bounds = shape.bound(
             list(fixed) + chip.parts, others, chip.leads, links, edges + chip.rise, needs, syncs,
             shape.block_rates(node.suffix) + chip.rates, self.threshold * (1 - _SLACK),
-            _fronts(shape, chip.closing, others),
+            _fronts(shape, chip.closing, others), new_stages=new_stages,
         )  # fmt: skip
         return list(zip(bounds.tolist(), chip.kind_list, chip.count_list))
 

@@ -43,7 +43,7 @@ def share_rise(shape: BatchShape, stages: np.ndarray | int) -> np.ndarray:
     """What the fill of ``shape`` (zero-bubble, its grid built) rises by at least below options
     whose pipelines have at least ``stages`` stages (one number per option): probe x option,
     ``L`` times the least over kinds of ``(s_k - 1 - b(p, m_k)) G_k`` (:func:`fill_shares`),
-    with ``p`` also at least the layers over the largest single-stage capacity at the probe
+    with ``p`` also at least the fewest stages that hold the layers at the probe
     (read at ``g_j+1`` as the fill is); one row of zeros where nothing rises: under other
     schedules, with one micro-batch per replica (``s = 1``, ``b = 0``) and for MoE models
     (whose per-layer numbers are means over dense and MoE layers)."""
@@ -58,7 +58,7 @@ def share_rise(shape: BatchShape, stages: np.ndarray | int) -> np.ndarray:
 def _tables(shape: BatchShape) -> tuple[np.ndarray | None, np.ndarray]:
     """Per pipeline length ``p = 0 .. positions`` the least over kinds of ``(s_k - 1 - b(p,
     m_k)) G_k`` (0 for ``p < 2``; None where it is 0 everywhere), and per probe the fewest
-    stages that hold the layers at one stage's largest capacity (capped at the positions):
+    stages that hold the layers (:func:`_fewest_stages`, capped at the positions):
     kept on the shape per grid (they depend on its kinds and grid only)."""
     key = ("zero_bubble_fill", shape._grid_key)
     cached = shape.__dict__.get("_zero_bubble_fill")
@@ -70,12 +70,22 @@ def _tables(shape: BatchShape) -> tuple[np.ndarray | None, np.ndarray]:
         per_layer = per_layer if per_layer.any() else None
     least = np.zeros(1, dtype=np.int64)  # nothing rises: no table needed (none may exist)
     if per_layer is not None:
-        held = shape.prefix[:, :, 1].max(axis=0)  # warm-up 0 holds the most
-        with np.errstate(divide="ignore"):
-            least = np.ceil(shape.layers / np.maximum(held, 1e-9) - 1e-9)
-        least = np.minimum(least, shape.positions).astype(np.int64)
+        least = _fewest_stages(shape)
     shape.__dict__["_zero_bubble_fill"] = (key, per_layer, least)
     return per_layer, least
+
+
+def _fewest_stages(shape: BatchShape) -> np.ndarray:
+    """Per probe the fewest stages that hold the layers (capped at the positions): the last
+    stage (warm-up 0) at most the most any kind holds at warm-up 0, each other stage (warm-up 1
+    or more: a lead of at least one) the most any kind holds at any of those. Under zero-bubble
+    the last stage holds two deferred inputs and may hold less than a stage in front of it
+    (where deferred inputs outweigh activations), so warm-up 0 alone is no bound."""
+    stage = np.diff(shape.prefix, axis=2).max(axis=0)  # probe x warm-up
+    last, other = stage[:, 0], stage[:, 1:].max(axis=1)
+    with np.errstate(divide="ignore", invalid="ignore"):  # whole numbers: exact quotients
+        more = np.ceil(np.maximum(shape.layers - last, 0.0) / np.maximum(other, 1e-9) - 1e-9)
+    return np.minimum(1 + more, shape.positions).astype(np.int64)
 
 
 def _per_layer(shape: BatchShape) -> np.ndarray:

@@ -12,8 +12,9 @@ import pytest
 from megatron_h2.planner import option_columns, suffixes
 from megatron_h2.planner.bounds import BatchShape
 from megatron_h2.planner.search_options import SearchOptions
-from megatron_h2.planner.zero_bubble_fill import fill_shares, share_rise
+from megatron_h2.planner.zero_bubble_fill import _tables, fill_shares, share_rise
 from tests.unit.planner.test_planner_bounds import exact_below, search_module, small_case
+from tests.unit.planner.test_planner_stage_links import four_types
 
 
 def check_few_micro_batches(seed: int, batch: int, dp: int | None) -> tuple[int, int]:
@@ -41,6 +42,31 @@ def test_zero_bubble_bounds_with_few_micro_batches_never_exceed_the_exact_split(
 ) -> None:
     checked, _ = check_few_micro_batches(seed, batch, dp)
     assert checked > 0 or dp is None  # some pipelines fit (own DP may leave none)
+
+
+@pytest.mark.parametrize("make", [small_case, four_types])
+def test_the_fewest_stages_never_exceed_those_that_hold_the_layers(make) -> None:
+    """Per probe, the fewest stages that :func:`share_rise` takes for every pipeline are at
+    most the fewest whose warm-ups ``0 .. p - 1`` hold the layers at the most any kind holds at
+    each (one DP degree): under zero-bubble the last stage, warm-up 0, holds two deferred
+    inputs and may hold less than the stage in front of it."""
+    checked = 0
+    for seed in (*range(6), 35, 36):  # four_types 35 and 36 (8 micro-batches of 4): warm-up 0
+        cost = make(seed)  # holds less than warm-up 1
+        for batch, mbs in ((4, 1), (8, 2), (8, 4), (32, 4)):
+            shape = BatchShape(cost, batch, mbs, "zero-bubble", 1, 1)
+            if not shape.kinds:
+                continue
+            shape.build_grid(shape.w_max, 64)
+            per_layer, least = _tables(shape)
+            if per_layer is None:
+                continue
+            held = np.diff(shape.prefix, axis=2).max(axis=0).cumsum(axis=1)  # probe x stages
+            fits = held >= shape.layers - 1e-9
+            fewest = np.where(fits.any(axis=1), fits.argmax(axis=1) + 1, shape.positions)
+            assert (least <= np.minimum(fewest, shape.positions)).all(), (seed, batch, mbs)
+            checked += 1
+    assert checked > 0
 
 
 def test_one_micro_batch_fills_with_one_share_of_the_weight_gradients() -> None:

@@ -42,8 +42,8 @@ def test_the_coupled_sync_below_the_cutoff_only_changes_no_decision(
 
     monkeypatch.setattr(BatchShape, "bound", checked)
     fast = fingerprint(search(cost, options))
-    def coupled(self: BatchShape, *args: object) -> np.ndarray:
-        return original(self, *args[:8], INF, *args[9:])  # type: ignore[arg-type]
+    def coupled(self: BatchShape, *args: object, **kwargs: object) -> np.ndarray:
+        return original(self, *args[:8], INF, *args[9:], **kwargs)  # type: ignore[arg-type]
 
     monkeypatch.setattr(BatchShape, "bound", coupled)
     assert fingerprint(search(cost, options)) == fast  # every column coupled: the same search
@@ -72,7 +72,7 @@ def test_the_fill_floors_change_no_bound_below_the_cutoff(
 
     def checked(self: BatchShape, *args: object, **kwargs: object) -> np.ndarray:
         fast = original(self, *args, **kwargs)  # type: ignore[arg-type]
-        exact = original(self, *args, floors=False)  # type: ignore[arg-type]
+        exact = original(self, *args, **{**kwargs, "floors": False})  # type: ignore[arg-type]
         cutoff = args[8] if len(args) > 8 else INF
         same = fast == exact  # the same floats below the cutoff; pruned either way above it
         assert (same | ((fast >= cutoff) & (exact >= cutoff))).all()
@@ -84,7 +84,7 @@ def test_the_fill_floors_change_no_bound_below_the_cutoff(
     fast = fingerprint(search(cost, options))
 
     def exact(self: BatchShape, *args: object, **kwargs: object) -> np.ndarray:
-        return original(self, *args, floors=False)  # type: ignore[arg-type]
+        return original(self, *args, **{**kwargs, "floors": False})  # type: ignore[arg-type]
 
     monkeypatch.setattr(BatchShape, "bound", exact)
     assert fingerprint(search(cost, options)) == fast  # no floors: the same search
