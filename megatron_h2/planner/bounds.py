@@ -60,6 +60,7 @@ from megatron_h2.planner.bound_columns import (
     take_columns,
 )
 from megatron_h2.planner.cost_model import MODES, CostModel, zero_bubble_share
+from megatron_h2.planner.joint_root import joint_root_terms
 from megatron_h2.planner.lead_cache import at_leads
 from megatron_h2.planner.option_group import known_blocks
 from megatron_h2.planner.own_root import own_root_terms
@@ -427,6 +428,8 @@ class BatchShape(ShapeMemory, RestBound, SyncCoupling, ColumnFloor):
         terms = self._root_terms(probes[:-1], tail, np.maximum(links, self.root_links), fill)
         if not self.uniform:  # own DP: each type one kind or none, fill and links joint
             terms = np.maximum(terms, own_root_terms(self, probes, most, tail))
+        else:  # one DP: each type one block of one kind or none (:mod:`.joint_root`)
+            terms = np.maximum(terms, joint_root_terms(self, probes, tail, fill))
         beyond = self._root_terms(top, self.tail_floor, self.root_links)
         return float(min(terms.min(), beyond))
 
