@@ -37,7 +37,7 @@ from megatron_h2.planner.zero_bubble_fill import fill_shares
 if TYPE_CHECKING:
     from megatron_h2.planner.bounds import BatchShape
 
-PROBES = 24
+PROBES = 16
 """Probes at which the knapsack is solved; each interval reads the next solved probe up (the
 fill and links can only fall as the probe grows, so that stays a lower bound)."""
 
@@ -58,14 +58,32 @@ def mode_widths(shape: BatchShape, kind: int, probes: np.ndarray, caps: np.ndarr
     return held.cumsum(axis=2)
 
 
+def stage_buckets(most: int) -> tuple[np.ndarray, np.ndarray]:
+    """Ranges ``[low, high]`` of stage counts ``1 .. most`` that :func:`kind_costs` takes at once:
+    one each up to 8, then about a quarter wider each."""
+    edges = [1]
+    while edges[-1] <= most:
+        edges.append(edges[-1] + max(1, edges[-1] // 4 if edges[-1] > 8 else 1))
+    low = np.array(edges[:-1])
+    return low, np.minimum(np.array(edges[1:]) - 1, most)
+
+
 def kind_costs(
     shape: BatchShape, kind: int, probes: np.ndarray, caps: np.ndarray, rise: np.ndarray
 ) -> np.ndarray:
     """Per probe and unit count ``x = 0 .. L``: the least segment fill plus links of one block of
     ``kind`` holding ``x`` units over its stage counts (inf where none holds them; 0 at 0);
     ``caps`` as :func:`mode_widths` takes them; ``rise``: per probe, what every unit's fill
-    rises by (zero-bubble's shorter share)."""
+    rises by (zero-bubble's shorter share). Stage counts ``n`` in a range ``[a, b]``
+    (:func:`stage_buckets`) count ``a`` links and the segments of ``b`` stages (more stages
+    hold more in each mode, so fill no more): a lower bound for each."""
+    best = np.full((len(probes), shape.layers + 1), np.inf)
+    best[:, 0] = 0.0
     widths = mode_widths(shape, kind, probes, caps)  # mode x probe x n
+    if not widths[-1, :, -1].max() >= 1:
+        return best  # holds nothing at these probes
+    low, high = stage_buckets(widths.shape[2])
+    widths = widths[:, :, high - 1]  # mode x probe x bucket
     k = shape.kinds[kind]
     prices = np.array([k.costs.layer_time(m) for m in range(len(MODES))])
     prices = prices - (prices[0] - shape.fill_unit[kind])  # the fill per unit by mode
@@ -78,12 +96,10 @@ def kind_costs(
         upper = widths[mode][:, :, None]
         fill += prices[mode][:, None, None] * np.clip(x - below, 0.0, np.maximum(upper - below, 0.0))
         below = np.maximum(below, upper)
-    stages = np.arange(1, widths.shape[2] + 1, dtype=np.float64)[None, :, None]
-    chip = shape.kinds[kind].chip
-    total = fill + stages * shape.type_link[chip]
+    stages = low[None, :, None].astype(np.float64)
+    total = fill + stages * shape.type_link[k.chip]
     total = np.where((x <= below) & (x >= stages), total, np.inf)
-    best = total.min(axis=1)  # probe x units
-    best[:, 0] = 0.0
+    best[:, 1:] = total.min(axis=1)[:, 1:]  # probe x units
     return best
 
 

@@ -37,23 +37,27 @@ STEPS = 24
 kept)."""
 
 
-def length_caps(shape: BatchShape, stages: int) -> np.ndarray:
+def length_caps(shape: BatchShape, stages: int, most: bool = False) -> np.ndarray:
     """Most units per (kind, recompute mode, position from the end ``q < stages``) of a stage of
-    a ``stages``-stage pipeline (no embedding or head: an upper bound; cached)."""
+    a ``stages``-stage pipeline (no embedding or head: an upper bound; cached); with ``most``
+    one mode only, the one that holds the most (kind x 1 x position)."""
     cache = shape.__dict__.setdefault("_length_caps", {})
-    if stages not in cache:
+    if (stages, most) not in cache:
         if shape.schedule != "zero-bubble":
             caps = shape.mem_caps[:, :, :stages]
+            caps = caps.max(axis=1, keepdims=True) if most else caps
         else:
-            caps = np.zeros((len(shape.kinds), len(MODES), stages))
+            caps = np.zeros((len(shape.kinds), 1 if most else len(MODES), stages))
             for m in sorted({k.micro_batches for k in shape.kinds}):
                 kinds = [i for i, k in enumerate(shape.kinds) if k.micro_batches == m]
-                caps[kinds] = _zero_bubble_caps(shape, kinds, stages, m)
-        cache[stages] = np.minimum(caps, shape.layers)
-    return cache[stages]
+                caps[kinds] = _zero_bubble_caps(shape, kinds, stages, m, most)
+        cache[stages, most] = np.minimum(caps, shape.layers)
+    return cache[stages, most]
 
 
-def _zero_bubble_caps(shape: BatchShape, kinds: list[int], stages: int, m: int) -> np.ndarray:
+def _zero_bubble_caps(
+    shape: BatchShape, kinds: list[int], stages: int, m: int, most: bool
+) -> np.ndarray:
     """:func:`length_caps` of ``kinds`` (``m`` micro-batches per replica) under zero-bubble:
     per position ``q`` the peaks of stage ``stages - 1 - q`` (its deferred inputs grow with
     that index): kind x mode x position."""
@@ -62,6 +66,7 @@ def _zero_bubble_caps(shape: BatchShape, kinds: list[int], stages: int, m: int) 
     padded = np.array([p + [p[0]] * (width - len(p)) for p in pairs], dtype=np.float64)
     costs = [shape.kinds[i].costs for i in kinds]
     act = np.array([c.layer_activation for c in costs])[:, :, None, None]  # kind x mode
+    act = act.min(axis=1, keepdims=True) if most else act  # the least held holds the most
     keep = np.array([c.layer_weight_inputs for c in costs])[:, None, None, None]
     held = (padded[None, None, :, :, 0] * act + padded[None, None, :, :, 1] * keep).max(axis=3)
     static = np.array([shape.chunks * c.layer_static for c in costs])[:, None, None]
@@ -99,8 +104,12 @@ def fewest_stages(shape: BatchShape, probes: np.ndarray) -> np.ndarray:
     stages = max(first, int(np.ceil(shape.layers / max(single, 1e-9) - 1e-9)))
     for index in range(len(probes) - 1, -1, -1):  # fewer stages fit at larger probes
         while stages <= shape.positions:
-            caps = np.minimum(length_caps(shape, stages), timed[:, index, :, None]).max(axis=1)
-            caps = np.clip(caps, 0.0, shape.layers)  # kind x position, the most over modes
+            if shape.schedule == "zero-bubble":  # the time caps' most, then the memory's
+                caps = np.minimum(length_caps(shape, stages, True)[:, 0],
+                                  timed[:, index, :].max(axis=1)[:, None])
+            else:
+                caps = np.minimum(length_caps(shape, stages), timed[:, index, :, None]).max(axis=1)
+            caps = np.clip(caps, 0.0, shape.layers)  # kind x position
             if caps.max(axis=0).sum() >= shape.layers and assignment_bound(
                     caps, most) >= shape.layers - 1e-9:
                 break
