@@ -32,6 +32,7 @@ import numpy as np
 
 from megatron_h2.planner.cost_model import MODES, zero_bubble_share
 from megatron_h2.planner.length_floor import fewest_stages, position_caps, stage_links
+from megatron_h2.planner.own_root import least_over_types
 from megatron_h2.planner.zero_bubble_fill import fill_shares
 
 if TYPE_CHECKING:
@@ -124,22 +125,10 @@ def joint_fill_links(
     """Per probe, a lower bound on the summed fill (edges included) plus the links of every plan
     of the one-DP ``shape`` whose slowest folded steady term is at most the probe: the knapsack
     of the module docstring with the memory ``caps`` (:func:`mode_widths`), each kind's fill per
-    unit ``rises`` higher (kind x probe); inf
-    where no choice holds the layers."""
-    layers = shape.layers
-    cost = np.full((len(probes), layers + 1), np.inf)
-    cost[:, 0] = 0.0
-    for chip in shape.types:
-        own = np.min([kind_costs(shape, kind, probes, caps, rises[kind])
-                      for kind in shape.kinds_of[chip]], axis=0)
-        chosen = cost.copy()  # the type unused
-        for units in range(1, layers + 1):
-            if np.isfinite(own[:, units]).any():
-                more = cost[:, : layers + 1 - units] + own[:, units : units + 1]
-                np.minimum(chosen[:, units:], more, out=chosen[:, units:])
-        cost = chosen
-    edges = float(shape.head_time.min() + shape.embedding_time.min())
-    return cost[:, layers] - max(shape.type_link.values()) + edges
+    unit ``rises`` higher (kind x probe); inf where no choice holds the layers."""
+    tables = [np.min([kind_costs(shape, kind, probes, caps, rises[kind])
+                      for kind in shape.kinds_of[chip]], axis=0) for chip in shape.types]
+    return least_over_types(shape, tables)
 
 
 def joint_root_terms(
