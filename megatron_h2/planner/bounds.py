@@ -60,7 +60,7 @@ from megatron_h2.planner.bound_columns import (
     take_columns,
 )
 from megatron_h2.planner.cost_model import MODES, CostModel, zero_bubble_share
-from megatron_h2.planner.joint_root import joint_root_terms
+from megatron_h2.planner.joint_root import deep_root, joint_root_terms
 from megatron_h2.planner.lead_cache import at_leads
 from megatron_h2.planner.option_group import known_blocks
 from megatron_h2.planner.own_root import own_root_terms
@@ -432,6 +432,12 @@ class BatchShape(ShapeMemory, RestBound, SyncCoupling, ColumnFloor):
             terms = np.maximum(terms, joint_root_terms(self, probes, tail, fill))
         beyond = self._root_terms(top, self.tail_floor, self.root_links)
         return float(min(terms.min(), beyond))
+
+    def refine_root(self, cutoff: float) -> None:
+        """Raise the root bound of a one-DP shape once by :func:`.joint_root.deep_root`."""
+        if self.uniform and self.prepared and "_deep" not in self.__dict__:
+            self._deep = deep_root(self, cutoff)
+            self.root_coupled = max(self.root_coupled, self._deep)
 
     def build_grid(self, w_high: float, points: int, coarse: int = 32) -> None:
         """Probe values from the root bound up to ``w_high`` (geometric) and their prefix sums.

@@ -42,6 +42,9 @@ PROBES = 16
 """Probes at which the knapsack is solved; each interval reads the next solved probe up (the
 fill and links can only fall as the probe grows, so that stays a lower bound)."""
 
+SYNCS = 16
+"""Intervals of the largest end-of-step term in :func:`deep_root` (and one each below and above)."""
+
 
 def mode_widths(shape: BatchShape, kind: int, probes: np.ndarray, caps: np.ndarray) -> np.ndarray:
     """Per recompute mode, probe and stage count ``n = 1 .. most``: the most units ``n`` stages
@@ -139,7 +142,10 @@ def joint_root_terms(
     not below ``g_j+1``: the fill and links joint (:func:`joint_fill_links`), or the summed
     ``fill`` (per interval) and the links of the fewest stages
     (:func:`~megatron_h2.planner.length_floor.stage_links`), whichever is larger; under
-    zero-bubble both fills rise with the fewest stages."""
+    zero-bubble both fills rise with the fewest stages. MoE models (layers unlike, merged kinds
+    without per-kind costs, :mod:`.merged_shape`): 0."""
+    if shape.cost.model.is_moe:
+        return np.zeros(len(probes) - 1)
     picks = np.unique(np.linspace(1, len(probes) - 1, PROBES).round().astype(np.int64))
     at = np.searchsorted(picks, np.arange(1, len(probes)))  # interval -> solved probe
     stages = fewest_stages(shape, probes[picks])
@@ -159,3 +165,46 @@ def joint_root_terms(
         joint_terms = np.maximum(joint, own + least_links) + tail
         loose_terms = np.maximum(loose, own) + tail + least_links
     return shape.steady * low + np.maximum(joint_terms, loose_terms)
+
+
+def deep_root(shape: BatchShape, cutoff: float) -> float:
+    """A lower bound on every plan of the one-DP ``shape`` with the end-of-step term coupled
+    too, or ``cutoff`` if that is lower: on the cells of :data:`PROBES` probe intervals and
+    :data:`SYNCS` intervals ``(Z_k, Z_k+1]`` of the largest end-of-step term, each stage of kind
+    ``k`` holds at most ``r_k Z_k+1`` units (its term grows at least linearly in them, ``r`` its
+    :attr:`~megatron_h2.planner.bounds.BatchShape.sync_inverse`), so the knapsack runs with
+    those caps too and the term is at least ``Z_k``; the least over the cells whose steady term
+    and links may be below ``cutoff`` (the others bound at least ``cutoff``), and above the top
+    probe the uncoupled terms. About ``SYNCS`` times the root's joint terms in CPU."""
+    floor = max(shape.w_floor, float(shape.head_need.min()))
+    if not (top := min(shape.w_max, 4.0 * floor)) > floor or shape.cost.model.is_moe:
+        return 0.0  # MoE: as joint_root_terms
+    probes = np.geomspace(floor, top, 97)  # as the coupled root's
+    picks = np.unique(np.linspace(1, len(probes) - 1, PROBES).round().astype(np.int64))
+    solved, low = probes[picks], probes[np.concatenate(([0], picks[:-1]))]
+    stages = fewest_stages(shape, solved)
+    links = np.maximum(shape.root_links, stage_links(shape, solved, stages))
+    keep = shape.steady * low + links < cutoff
+    rates = np.asarray(shape.sync_inverse, dtype=np.float64)
+    finite = rates[np.isfinite(rates) & (rates > 0)]
+    best = shape._root_terms(top, shape.tail_floor, shape.root_links)  # above the top probe
+    if not keep.any() or not len(finite):  # nothing below the cutoff, or no DP sync
+        return float(min(best, cutoff)) if not keep.any() else 0.0
+    best = min(best, cutoff) if not keep.all() else best
+    solved, low, stages, links = solved[keep], low[keep], stages[keep], links[keep]
+    rises, caps = share_rises(shape, stages), position_caps(shape, stages)
+    own = shape._own_work(low)
+    edges = np.geomspace(max(shape.tail_floor, 1e-9), shape.layers / finite.min(), SYNCS)
+    edges = np.concatenate(([0.0], edges, [np.inf]))
+    for k in range(len(edges) - 1):
+        per_stage = np.floor(rates * edges[k + 1])  # rates > 0 (inf: no DP sync)
+        held = np.minimum(caps, per_stage[None, :, None, None])
+        joint = joint_fill_links(shape, solved, held, rises)
+        z = max(edges[k], shape.tail_floor)
+        if shape.schedule == "zero-bubble":
+            tail = np.maximum(z, shape.tail_share * own)
+            terms = np.maximum(joint + tail, own + links)
+        else:
+            terms = np.maximum(joint, own + links) + z
+        best = min(best, float((shape.steady * low + terms).min()))
+    return float(best)
