@@ -177,7 +177,8 @@ def deep_root(shape: BatchShape, cutoff: float) -> float:
     and links may be below ``cutoff`` (the others bound at least ``cutoff``), and above the top
     probe the uncoupled terms. About ``SYNCS`` times the root's joint terms in CPU."""
     floor = max(shape.w_floor, float(shape.head_need.min()))
-    if not (top := min(shape.w_max, 4.0 * floor)) > floor or shape.cost.model.is_moe:
+    if not (top := min(shape.w_max, 4.0 * floor)) > floor or shape.cost.model.is_moe or (
+            not shape.positions):
         return 0.0  # MoE: as joint_root_terms
     probes = np.geomspace(floor, top, 97)  # as the coupled root's
     picks = np.unique(np.linspace(1, len(probes) - 1, PROBES).round().astype(np.int64))
