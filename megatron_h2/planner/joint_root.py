@@ -18,6 +18,9 @@ n link)`` minus the largest link, plus the edges' least fill: per kind the best 
 each unit count (``O(n L)`` per probe), then a min-plus knapsack over types and unit counts
 ``0 .. L`` (``O(T L^2)`` per probe): polynomial in the types, kinds and layers.
 
+:func:`deep_root` couples the largest end-of-step term in as well (each stage's units at most
+its kind's sync inverse times it), once per shape the search keeps after its root.
+
 The root's loose form took the fill (every kind's most capacity at the no-recompute fill, a
 type's kinds all counted) and the links (the fewest stages that hold the layers, each at the
 cheapest link of any type) apart: a 405B model needs many stages, mostly with recompute, on the
