@@ -101,7 +101,8 @@ def kind_costs(
     below = np.zeros(widths.shape[1:] + (1,))
     for mode in range(len(MODES)):
         upper = widths[mode][:, :, None]
-        fill += prices[mode][:, None, None] * np.clip(x - below, 0.0, np.maximum(upper - below, 0.0))
+        width = np.maximum(upper - below, 0.0)
+        fill += prices[mode][:, None, None] * np.clip(x - below, 0.0, width)
         below = np.maximum(below, upper)
     stages = low[None, :, None].astype(np.float64)
     total = fill + stages * shape.type_link[k.chip]

@@ -28,7 +28,6 @@ from megatron_h2.planner.sync_coupling import least_sync
 from tests.helpers.planner_models import LLAMA_KEYS, planner_model
 
 search_module = importlib.import_module("megatron_h2.planner.search")
-bounds_module = importlib.import_module("megatron_h2.planner.bounds")
 
 
 def small_case(seed: int, vocab: int = 1000) -> CostModel:
@@ -255,15 +254,13 @@ def test_the_root_bound_fills_the_layers_at_each_probe(schedule: str, dp: int | 
     """Where the slowest steady term is at most a probe, every stage holds at most its
     capacity there (time caps too), so the summed fill is at least the layers filled into the
     cheapest capacity at that probe: the root bound is higher with that fill than with the
-    memory-only fill at every probe (and, by the tests above, never above the exact split).
-    One DP degree: without the joint terms of :mod:`.joint_root` (their own test)."""
+    memory-only fill at every probe (and, by the tests above, never above the exact split)."""
     shape = BatchShape(small_case(0), 8, 1, schedule, 1, dp)
+    coupled = shape.root_bound()
+    shape._segment_fill = lambda most: np.full(most.shape[1], shape.root_fill)
+    memory = shape._most_layers(shape.capacity(np.array([shape.w_max])))  # no time caps
+    joint = own_root.own_fill_links  # own DP: its knapsack on the memory caps alone too
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(bounds_module, "joint_root_terms", lambda *args: 0.0)
-        coupled = shape._coupled_root()
-        shape._segment_fill = lambda most: np.full(most.shape[1], shape.root_fill)
-        memory = shape._most_layers(shape.capacity(np.array([shape.w_max])))  # no time caps
-        joint = own_root.own_fill_links  # own DP: its knapsack on the memory caps alone too
         patch.setattr(own_root, "own_fill_links", lambda s, most: joint(
             s, np.repeat(memory, most.shape[1], axis=1)))
         memory_only = shape._coupled_root()
