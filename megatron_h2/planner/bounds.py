@@ -59,6 +59,7 @@ from megatron_h2.planner.bound_columns import (
     take_columns,
 )
 from megatron_h2.planner.cost_model import MODES, CostModel, zero_bubble_share
+from megatron_h2.planner.joint_root import deep_root, joint_root_terms
 from megatron_h2.planner.lead_cache import at_leads
 from megatron_h2.planner.option_group import known_blocks
 from megatron_h2.planner.own_root import own_root_terms
@@ -401,7 +402,7 @@ class BatchShape(ShapeMemory, RestBound, SyncCoupling, ColumnFloor):
             return self.steady * w + np.maximum(fill + tail, own) + links
         return self.steady * w + np.maximum(own, fill) + tail + links
 
-    def _coupled_root(self) -> float:
+    def _coupled_root(self, joint: bool = False) -> float:
         """The root bound with the end-of-step term and the links coupled with the steady
         term, on probes from the root's up to four times it: where the slowest steady term is in
         ``(g_j, g_j+1]``, the layers fit the capacity at ``g_j+1`` (every chip type's block as
@@ -409,8 +410,8 @@ class BatchShape(ShapeMemory, RestBound, SyncCoupling, ColumnFloor):
         types' capacities and sync inverses there, the stages at least the layers over the
         largest single-stage capacity there, each but one with a link, and the summed fill at
         least the layers filled into the cheapest capacity there (:meth:`_segment_fill`, time
-        caps included; own DP: with the links, jointly over the types' kinds, :mod:`.own_root`);
-        above the top probe, the uncoupled terms."""
+        caps included; own DP: with the links, jointly over the types' kinds, :mod:`.own_root`;
+        one DP with ``joint``: :mod:`.joint_root`); above the top probe, the uncoupled terms."""
         floor = max(self.w_floor, float(self.head_need.min()))
         if not (top := min(self.w_max, 4.0 * floor)) > floor:
             return 0.0
@@ -427,8 +428,16 @@ class BatchShape(ShapeMemory, RestBound, SyncCoupling, ColumnFloor):
         terms = self._root_terms(probes[:-1], tail, np.maximum(links, self.root_links), fill)
         if not self.uniform:  # own DP: each type one kind or none, fill and links joint
             terms = np.maximum(terms, own_root_terms(self, probes, most, tail))
+        elif joint:  # one DP, refined: each type one block of one kind or none (.joint_root)
+            terms = np.maximum(terms, joint_root_terms(self, probes, tail, fill))
         beyond = self._root_terms(top, self.tail_floor, self.root_links)
         return float(min(terms.min(), beyond))
+
+    def refine_root(self, cutoff: float) -> None:
+        """Raise a one-DP shape's root bound once: its ``joint`` terms and :func:`.deep_root`."""
+        if self.uniform and self.prepared and self.positions and "_deep" not in self.__dict__:
+            self._deep = max(self._coupled_root(joint=True), deep_root(self, cutoff))
+            self.root_coupled = max(self.root_coupled, self._deep)
 
     def build_grid(self, w_high: float, points: int, coarse: int = 32) -> None:
         """Probe values from the root bound up to ``w_high`` (geometric) and their prefix sums.

@@ -30,18 +30,33 @@ def own_fill_links(shape: BatchShape, most: np.ndarray) -> np.ndarray:
     """Per probe, a lower bound on the summed fill (edges included) plus the links of every own-DP
     plan of ``shape`` whose stages hold at most ``most`` (kind x probe, whole units) layers each
     block: the knapsack of the module docstring; inf where no choice holds the layers."""
-    layers, probes = shape.layers, most.shape[1]
-    cost = np.full((probes, layers + 1), np.inf)  # probe x units placed so far
-    cost[:, 0] = 0.0
+    layers, x = shape.layers, np.arange(shape.layers + 1)
+    tables = []
     for chip in shape.types:
-        chosen = cost.copy()  # the type unused
+        table = np.full((most.shape[1], layers + 1), np.inf)  # probe x units
         for kind in shape.kinds_of[chip]:
             stages = shape.kinds[kind].max_stages
             unit, links = float(shape.fill_unit[kind]), stages * shape.type_link[chip]
-            held = np.minimum(most[kind], layers)
-            for units in range(stages, int(held.max(initial=0)) + 1):
-                more = cost[:, : layers + 1 - units] + (units * unit + links)
-                more[held < units] = np.inf  # more than this block holds at that probe
+            held = np.minimum(most[kind], layers)[:, None]
+            cost = np.where((x >= stages) & (x <= held), x * unit + links, np.inf)
+            np.minimum(table, cost, out=table)
+        tables.append(table)
+    return least_over_types(shape, tables)
+
+
+def least_over_types(shape: BatchShape, tables: list[np.ndarray]) -> np.ndarray:
+    """Per probe, the least summed cost over one choice per chip type (its ``tables`` entry:
+    probe x units ``0 .. L``, the cost of holding that many units; 0 units: the type unused)
+    whose units add up to ``L`` (a min-plus knapsack), less the largest link (one stage has
+    none) plus the edges' least fill."""
+    layers = shape.layers
+    cost = np.full((tables[0].shape[0], layers + 1), np.inf)  # probe x units placed so far
+    cost[:, 0] = 0.0
+    for table in tables:
+        chosen = cost.copy()  # the type unused
+        for units in range(1, layers + 1):
+            if np.isfinite(table[:, units]).any():
+                more = cost[:, : layers + 1 - units] + table[:, units : units + 1]
                 np.minimum(chosen[:, units:], more, out=chosen[:, units:])
         cost = chosen
     edges = float(shape.head_time.min() + shape.embedding_time.min())

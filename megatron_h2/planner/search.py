@@ -300,6 +300,7 @@ class _Search:
             if self._late():
                 return Left(shapes[index:], refined, queue)
             shape.prepare()
+            shape.refine_root(self.threshold * (1 - _SLACK))  # the sync coupled too
             if shape.root_bound() >= self.threshold * (1 - _SLACK):
                 self.stats.batch_shapes_pruned += 1
                 continue

@@ -1,0 +1,215 @@
+"""The fill and links of a one-DP shape's root, bounded jointly over its chip types' blocks.
+
+Under one DP degree (:class:`~megatron_h2.planner.bounds.BatchShape` with ``dp`` set) a chip type
+is either unused or runs one block of ``n`` stages of one kind (one TP degree), ``1 <= n <=`` its
+most stages, each stage holding at least one layer. Where the slowest folded steady term is at
+most a probe ``g``, a stage of kind ``k`` at warm-up ``q`` holds at most ``min(g / (F u_m),
+cap_m(q))`` units in recompute mode ``m`` (``u_m`` its per-unit time, ``cap_m`` its memory cap);
+counted from warm-up 0 (the block as if it ended the pipeline: caps fall with the warm-up),
+``n`` stages hold at most ``W_m(n)`` units in the modes up to ``m``. A stage's mode is the
+fastest that fits, and a stage in mode ``m`` holds no more than ``W_m`` allows, so its units
+fill at no less than the convex segments: the first ``W_0(n)`` at mode 0's per-unit fill, the
+next ``W_1(n) - W_0(n)`` at mode 1's, and so on (the fills per unit grow with the mode). Each
+stage but one has a link of at least its type's cheapest.
+
+So the summed fill plus links of every plan is at least the least, over the choices of one kind
+and stage count (or none) per type whose units add up to ``L``, of ``sum (segment fill +
+n link)`` minus the largest link, plus the edges' least fill: per kind the best stage count for
+each unit count (``O(n L)`` per probe), then a min-plus knapsack over types and unit counts
+``0 .. L`` (``O(T L^2)`` per probe): polynomial in the types, kinds and layers.
+
+:func:`deep_root` couples the largest end-of-step term in as well (each stage's units at most
+its kind's sync inverse times it), once per shape the search keeps after its root.
+
+The root's loose form took the fill (every kind's most capacity at the no-recompute fill, a
+type's kinds all counted) and the links (the fewest stages that hold the layers, each at the
+cheapest link of any type) apart: a 405B model needs many stages, mostly with recompute, on the
+types fast enough to hold layers at the probe, and their links are those types'.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from megatron_h2.planner.cost_model import MODES, zero_bubble_share
+from megatron_h2.planner.length_floor import fewest_stages, position_caps, stage_links
+from megatron_h2.planner.own_root import least_over_types
+from megatron_h2.planner.zero_bubble_fill import fill_shares
+
+if TYPE_CHECKING:
+    from megatron_h2.planner.bounds import BatchShape
+
+PROBES = 16
+"""Probes at which the knapsack is solved; each interval reads the next solved probe up (the
+fill and links can only fall as the probe grows, so that stays a lower bound)."""
+
+SYNCS = 16
+"""Intervals of the largest end-of-step term in :func:`deep_root` (and one each below and above)."""
+
+
+def mode_widths(shape: BatchShape, kind: int, probes: np.ndarray, caps: np.ndarray) -> np.ndarray:
+    """Per recompute mode, probe and stage count ``n = 1 .. most``: the most units ``n`` stages
+    of ``kind`` hold in modes up to that one (each mode its ``n`` best warm-ups of ``caps``,
+    probe x kind x mode x warm-up, :func:`~megatron_h2.planner.length_floor.position_caps`):
+    mode x probe x n."""
+    most = min(shape.kinds[kind].max_stages, shape.positions)
+    unit = shape.unit[kind]  # per mode, the folded steady term per unit
+    with np.errstate(divide="ignore", invalid="ignore"):
+        timed = np.where(unit[:, None] > 0, np.floor(probes[None, :] / unit[:, None]), np.inf)
+    mem = np.moveaxis(caps[:, kind], 0, 1)  # mode x probe x warm-up
+    held = np.clip(np.minimum(timed[:, :, None], mem), 0, shape.layers)
+    held = np.maximum.accumulate(held, axis=0)  # modes up to m
+    held = -np.sort(-held, axis=2)[:, :, :most]  # the best warm-ups first
+    return held.cumsum(axis=2)
+
+
+def stage_buckets(most: int) -> tuple[np.ndarray, np.ndarray]:
+    """Ranges ``[low, high]`` of stage counts ``1 .. most`` that :func:`kind_costs` takes at once:
+    one each up to 8, then about a quarter wider each."""
+    edges = [1]
+    while edges[-1] <= most:
+        edges.append(edges[-1] + max(1, edges[-1] // 4 if edges[-1] > 8 else 1))
+    low = np.array(edges[:-1])
+    return low, np.minimum(np.array(edges[1:]) - 1, most)
+
+
+def kind_costs(
+    shape: BatchShape, kind: int, probes: np.ndarray, caps: np.ndarray, rise: np.ndarray
+) -> np.ndarray:
+    """Per probe and unit count ``x = 0 .. L``: the least segment fill plus links of one block of
+    ``kind`` holding ``x`` units over its stage counts (inf where none holds them; 0 at 0);
+    ``caps`` as :func:`mode_widths` takes them; ``rise``: per probe, what every unit's fill
+    rises by (zero-bubble's shorter share). Stage counts ``n`` in a range ``[a, b]``
+    (:func:`stage_buckets`) count ``a`` links and the segments of ``b`` stages (more stages
+    hold more in each mode, so fill no more): a lower bound for each."""
+    best = np.full((len(probes), shape.layers + 1), np.inf)
+    best[:, 0] = 0.0
+    widths = mode_widths(shape, kind, probes, caps)  # mode x probe x n
+    if not widths[-1, :, -1].max() >= 1:
+        return best  # holds nothing at these probes
+    low, high = stage_buckets(widths.shape[2])
+    widths = widths[:, :, high - 1]  # mode x probe x bucket
+    k = shape.kinds[kind]
+    prices = np.array([k.costs.layer_time(m) for m in range(len(MODES))])
+    prices = prices - (prices[0] - shape.fill_unit[kind])  # the fill per unit by mode
+    prices = np.minimum.accumulate(prices[::-1])[::-1]  # non-decreasing (no mode costs less)
+    prices = prices[:, None] + np.asarray(rise)  # mode x probe
+    x = np.arange(shape.layers + 1, dtype=np.float64)[None, None, :]
+    fill = np.zeros(widths.shape[1:] + (shape.layers + 1,))
+    below = np.zeros(widths.shape[1:] + (1,))
+    for mode in range(len(MODES)):
+        upper = widths[mode][:, :, None]
+        width = np.maximum(upper - below, 0.0)
+        fill += prices[mode][:, None, None] * np.clip(x - below, 0.0, width)
+        below = np.maximum(below, upper)
+    stages = low[None, :, None].astype(np.float64)
+    total = fill + stages * shape.type_link[k.chip]
+    total = np.where((x <= below) & (x >= stages), total, np.inf)
+    best[:, 1:] = total.min(axis=1)[:, 1:]  # probe x units
+    return best
+
+
+def share_rises(shape: BatchShape, stages: np.ndarray) -> np.ndarray:
+    """Per kind and probe, what zero-bubble's fill per unit rises by at least
+    (:mod:`.zero_bubble_fill`): ``(s_k - 1 - b(p, m_k)) G_k`` where every plan has at least
+    ``stages`` stages (per probe; 0 under other schedules and for MoE models)."""
+    rises = np.zeros((len(shape.kinds), len(stages)))
+    if shape.schedule != "zero-bubble" or shape.cost.model.is_moe:
+        return rises
+    least = np.clip(stages, 2, max(shape.positions, 2))
+    shares = fill_shares(shape.schedule, [k.micro_batches for k in shape.kinds])
+    for kind, k in enumerate(shape.kinds):
+        b = np.array([zero_bubble_share(int(p), k.micro_batches) for p in least])
+        rises[kind] = np.maximum((shares[kind] - 1.0 - b) * k.costs.layer_weight_grad, 0.0)
+    return rises
+
+
+def joint_fill_links(
+    shape: BatchShape, probes: np.ndarray, caps: np.ndarray, rises: np.ndarray
+) -> np.ndarray:
+    """Per probe, a lower bound on the summed fill (edges included) plus the links of every plan
+    of the one-DP ``shape`` whose slowest folded steady term is at most the probe: the knapsack
+    of the module docstring with the memory ``caps`` (:func:`mode_widths`), each kind's fill per
+    unit ``rises`` higher (kind x probe); inf where no choice holds the layers."""
+    tables = [np.min([kind_costs(shape, kind, probes, caps, rises[kind])
+                      for kind in shape.kinds_of[chip]], axis=0) for chip in shape.types]
+    return least_over_types(shape, tables)
+
+
+def joint_root_terms(
+    shape: BatchShape, probes: np.ndarray, tail: np.ndarray, fill: np.ndarray
+) -> np.ndarray:
+    """The root bound per probe interval ``(g_j, g_j+1]`` (``probes[:-1]``) of a one-DP shape
+    with the end-of-step term at least ``tail`` (per interval), read at the first solved probe
+    not below ``g_j+1``: the fill and links joint (:func:`joint_fill_links`), or the summed
+    ``fill`` (per interval) and the links of the fewest stages
+    (:func:`~megatron_h2.planner.length_floor.stage_links`), whichever is larger; under
+    zero-bubble both fills rise with the fewest stages. MoE models (layers unlike, merged kinds
+    without per-kind costs, :mod:`.merged_shape`): 0."""
+    if shape.cost.model.is_moe:
+        return np.zeros(len(probes) - 1)
+    picks = np.unique(np.linspace(1, len(probes) - 1, PROBES).round().astype(np.int64))
+    at = np.searchsorted(picks, np.arange(1, len(probes)))  # interval -> solved probe
+    stages = fewest_stages(shape, probes[picks])
+    rises = share_rises(shape, stages)
+    caps = position_caps(shape, stages)
+    joint = joint_fill_links(shape, probes[picks], caps, rises)[at]
+    links = stage_links(shape, probes[picks], stages)[at]
+    loose = fill + shape.layers * rises.min(axis=0)[at]
+    low = probes[:-1]
+    own = shape._own_work(low)
+    least_links = np.maximum(shape.root_links, links)
+    if shape.schedule == "zero-bubble":
+        tail = np.maximum(tail, shape.tail_share * own)
+        joint_terms = np.maximum(joint + tail, own + least_links)
+        loose_terms = np.maximum(loose + tail, own) + least_links
+    else:
+        joint_terms = np.maximum(joint, own + least_links) + tail
+        loose_terms = np.maximum(loose, own) + tail + least_links
+    return shape.steady * low + np.maximum(joint_terms, loose_terms)
+
+
+def deep_root(shape: BatchShape, cutoff: float) -> float:
+    """A lower bound on every plan of the one-DP ``shape`` with the end-of-step term coupled
+    too, or ``cutoff`` if that is lower: on the cells of :data:`PROBES` probe intervals and
+    :data:`SYNCS` intervals ``(Z_k, Z_k+1]`` of the largest end-of-step term, each stage of kind
+    ``k`` holds at most ``r_k Z_k+1`` units (its term grows at least linearly in them, ``r`` its
+    :attr:`~megatron_h2.planner.bounds.BatchShape.sync_inverse`), so the knapsack runs with
+    those caps too and the term is at least ``Z_k``; the least over the cells whose steady term
+    and links may be below ``cutoff`` (the others bound at least ``cutoff``), and above the top
+    probe the uncoupled terms. About ``SYNCS`` times the root's joint terms in CPU."""
+    floor = max(shape.w_floor, float(shape.head_need.min()))
+    if not (top := min(shape.w_max, 4.0 * floor)) > floor or shape.cost.model.is_moe or (
+            not shape.positions):
+        return 0.0  # MoE: as joint_root_terms
+    probes = np.geomspace(floor, top, 97)  # as the coupled root's
+    picks = np.unique(np.linspace(1, len(probes) - 1, PROBES).round().astype(np.int64))
+    solved, low = probes[picks], probes[np.concatenate(([0], picks[:-1]))]
+    stages = fewest_stages(shape, solved)
+    links = np.maximum(shape.root_links, stage_links(shape, solved, stages))
+    keep = shape.steady * low + links < cutoff
+    rates = np.asarray(shape.sync_inverse, dtype=np.float64)
+    finite = rates[np.isfinite(rates) & (rates > 0)]
+    best = shape._root_terms(top, shape.tail_floor, shape.root_links)  # above the top probe
+    if not keep.any() or not len(finite):  # nothing below the cutoff, or no DP sync
+        return float(min(best, cutoff)) if not keep.any() else 0.0
+    best = min(best, cutoff) if not keep.all() else best
+    solved, low, stages, links = solved[keep], low[keep], stages[keep], links[keep]
+    rises, caps = share_rises(shape, stages), position_caps(shape, stages)
+    own = shape._own_work(low)
+    edges = np.geomspace(max(shape.tail_floor, 1e-9), shape.layers / finite.min(), SYNCS)
+    edges = np.concatenate(([0.0], edges, [np.inf]))
+    for k in range(len(edges) - 1):
+        per_stage = np.floor(rates * edges[k + 1])  # rates > 0 (inf: no DP sync)
+        held = np.minimum(caps, per_stage[None, :, None, None])
+        joint = joint_fill_links(shape, solved, held, rises)
+        z = max(edges[k], shape.tail_floor)
+        if shape.schedule == "zero-bubble":
+            tail = np.maximum(z, shape.tail_share * own)
+            terms = np.maximum(joint + tail, own + links)
+        else:
+            terms = np.maximum(joint, own + links) + z
+        best = min(best, float((shape.steady * low + terms).min()))
+    return float(best)
