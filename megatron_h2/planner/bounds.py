@@ -62,7 +62,7 @@ from megatron_h2.planner.bound_columns import (
 from megatron_h2.planner.cost_model import MODES, CostModel, zero_bubble_share
 from megatron_h2.planner.lead_cache import at_leads
 from megatron_h2.planner.option_group import known_blocks
-from megatron_h2.planner.own_root import own_root_terms
+from megatron_h2.planner.own_root import joint_root_terms
 from megatron_h2.planner.partition import INF
 from megatron_h2.planner.rest_bound import RestBound, greedy_take
 from megatron_h2.planner.shape_memory import ShapeMemory
@@ -409,8 +409,8 @@ class BatchShape(ShapeMemory, RestBound, SyncCoupling, ColumnFloor):
         types' capacities and sync inverses there, the stages at least the layers over the
         largest single-stage capacity there, each but one with a link, and the summed fill at
         least the layers filled into the cheapest capacity there (:meth:`_segment_fill`, time
-        caps included; own DP: with the links, jointly over the types' kinds, :mod:`.own_root`);
-        above the top probe, the uncoupled terms."""
+        caps included; with the links, jointly over the types' kinds: :mod:`.own_root`,
+        :mod:`.uniform_root`); above the top probe, the uncoupled terms."""
         floor = max(self.w_floor, float(self.head_need.min()))
         if not (top := min(self.w_max, 4.0 * floor)) > floor:
             return 0.0
@@ -425,8 +425,8 @@ class BatchShape(ShapeMemory, RestBound, SyncCoupling, ColumnFloor):
         fill = np.maximum(self._segment_fill(most)[1:], self.root_fill)  # at g_j+1
         tail = np.maximum(sync, self.tail_floor)
         terms = self._root_terms(probes[:-1], tail, np.maximum(links, self.root_links), fill)
-        if not self.uniform:  # own DP: each type one kind or none, fill and links joint
-            terms = np.maximum(terms, own_root_terms(self, probes, most, tail))
+        # each type one kind or none: the fill and links joint
+        terms = np.maximum(terms, joint_root_terms(self, probes, caps, most, tail))
         beyond = self._root_terms(top, self.tail_floor, self.root_links)
         return float(min(terms.min(), beyond))
 

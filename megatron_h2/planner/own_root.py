@@ -22,6 +22,8 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from megatron_h2.planner.uniform_root import uniform_fill_links
+
 if TYPE_CHECKING:
     from megatron_h2.planner.bounds import BatchShape
 
@@ -48,14 +50,18 @@ def own_fill_links(shape: BatchShape, most: np.ndarray) -> np.ndarray:
     return cost[:, layers] - max(shape.type_link.values()) + edges
 
 
-def own_root_terms(
-    shape: BatchShape, probes: np.ndarray, most: np.ndarray, tail: np.ndarray
+def joint_root_terms(
+    shape: BatchShape, probes: np.ndarray, caps: np.ndarray, most: np.ndarray, tail: np.ndarray
 ) -> np.ndarray:
-    """The root bound per probe interval ``(g_j, g_j+1]`` (``probes[:-1]``) of an own-DP shape
-    with the fill and links joint (:func:`own_fill_links` at ``g_j+1``) and the end-of-step term
-    at least ``tail`` (per interval): ``max(fill + z, own) + links >= max(joint + z, own +
-    least links)`` (zero-bubble; the others add ``z`` outside the max)."""
-    joint = own_fill_links(shape, most)[1:]
+    """The root bound per probe interval ``(g_j, g_j+1]`` (``probes[:-1]``) with the fill and
+    links joint at ``g_j+1`` (own DP: :func:`own_fill_links` of the blocks' ``most``; one DP
+    degree: :func:`~megatron_h2.planner.uniform_root.uniform_fill_links` of the stages' ``caps``)
+    and the end-of-step term at least ``tail`` (per interval): ``max(fill + z, own) + links >=
+    max(joint + z, own + least links)`` (zero-bubble; the others add ``z`` outside the max)."""
+    if shape.uniform:
+        joint = uniform_fill_links(shape, caps)[1:]
+    else:
+        joint = own_fill_links(shape, most)[1:]
     low = probes[:-1]
     own = shape._own_work(low)
     least_links = shape.root_links
