@@ -62,7 +62,7 @@ from megatron_h2.planner.bound_columns import (
 from megatron_h2.planner.cost_model import MODES, CostModel, zero_bubble_share
 from megatron_h2.planner.lead_cache import at_leads
 from megatron_h2.planner.option_group import known_blocks
-from megatron_h2.planner.own_root import joint_root_terms
+from megatron_h2.planner.own_root import joint_root
 from megatron_h2.planner.partition import INF
 from megatron_h2.planner.rest_bound import RestBound, greedy_take
 from megatron_h2.planner.shape_memory import ShapeMemory
@@ -425,10 +425,9 @@ class BatchShape(ShapeMemory, RestBound, SyncCoupling, ColumnFloor):
         fill = np.maximum(self._segment_fill(most)[1:], self.root_fill)  # at g_j+1
         tail = np.maximum(sync, self.tail_floor)
         terms = self._root_terms(probes[:-1], tail, np.maximum(links, self.root_links), fill)
+        beyond = float(self._root_terms(top, self.tail_floor, self.root_links))
         # each type one kind or none: the fill and links joint
-        terms = np.maximum(terms, joint_root_terms(self, probes, caps, most, tail))
-        beyond = self._root_terms(top, self.tail_floor, self.root_links)
-        return float(min(terms.min(), beyond))
+        return joint_root(self, probes, caps, most, tail, terms, beyond)
 
     def build_grid(self, w_high: float, points: int, coarse: int = 32) -> None:
         """Probe values from the root bound up to ``w_high`` (geometric) and their prefix sums.

@@ -50,19 +50,56 @@ def own_fill_links(shape: BatchShape, most: np.ndarray) -> np.ndarray:
     return cost[:, layers] - max(shape.type_link.values()) + edges
 
 
+CHUNK = 8
+"""Probe intervals whose joint terms are computed at once (:func:`joint_root`)."""
+
+
+def joint_root(
+    shape: BatchShape,
+    probes: np.ndarray,
+    caps: np.ndarray,
+    most: np.ndarray,
+    tail: np.ndarray,
+    loose: np.ndarray,
+    beyond: float,
+) -> float:
+    """The root bound: the least over the probe intervals ``(g_j, g_j+1]`` (``probes[:-1]``) of
+    the larger of their ``loose`` terms and their terms with the fill and links joint
+    (:func:`joint_root_terms`), and ``beyond`` (above the top probe). The joint terms are
+    computed only where they may set it: lowest loose term first, :data:`CHUNK` intervals at a
+    time, until the next loose term is no lower than the least so far (the same value as
+    computing them everywhere)."""
+    best = beyond
+    order = np.argsort(loose, kind="stable")
+    for start in range(0, len(order), CHUNK):
+        picked = order[start : start + CHUNK]
+        if not loose[picked[0]] < best:
+            break
+        joint = joint_root_terms(shape, probes, caps, most, tail, picked)
+        best = min(best, float(np.maximum(loose[picked], joint).min()))
+    return best
+
+
 def joint_root_terms(
-    shape: BatchShape, probes: np.ndarray, caps: np.ndarray, most: np.ndarray, tail: np.ndarray
+    shape: BatchShape,
+    probes: np.ndarray,
+    caps: np.ndarray,
+    most: np.ndarray,
+    tail: np.ndarray,
+    picked: np.ndarray,
 ) -> np.ndarray:
-    """The root bound per probe interval ``(g_j, g_j+1]`` (``probes[:-1]``) with the fill and
-    links joint at ``g_j+1`` (own DP: :func:`own_fill_links` of the blocks' ``most``; one DP
-    degree: :func:`~megatron_h2.planner.uniform_root.uniform_fill_links` of the stages' ``caps``)
-    and the end-of-step term at least ``tail`` (per interval): ``max(fill + z, own) + links >=
-    max(joint + z, own + least links)`` (zero-bubble; the others add ``z`` outside the max)."""
+    """The root bound of the probe intervals ``picked`` (indices into ``probes[:-1]``) with the
+    fill and links joint at ``g_j+1`` (own DP: :func:`own_fill_links` of the blocks' ``most``;
+    one DP degree: :func:`~megatron_h2.planner.uniform_root.uniform_fill_links` of the stages'
+    ``caps``) and the end-of-step term at least ``tail`` (per interval): ``max(fill + z, own) +
+    links >= max(joint + z, own + least links)`` (zero-bubble; the others add ``z`` outside the
+    max)."""
+    at = picked + 1  # g_j+1
     if shape.uniform:
-        joint = uniform_fill_links(shape, caps)[1:]
+        joint = uniform_fill_links(shape, caps[:, at])
     else:
-        joint = own_fill_links(shape, most)[1:]
-    low = probes[:-1]
+        joint = own_fill_links(shape, most[:, at])
+    low, tail = probes[picked], tail[picked]
     own = shape._own_work(low)
     least_links = shape.root_links
     if shape.schedule == "zero-bubble":

@@ -45,8 +45,7 @@ def uniform_fill_links(shape: BatchShape, caps: np.ndarray) -> np.ndarray:
         for kind in shape.kinds_of[chip]:
             most = min(shape.kinds[kind].max_stages, shape.positions)
             largest = -np.sort(-caps[kind], axis=1)[:, :most]  # probe x stage, largest first
-            running = largest.cumsum(axis=1)
-            stages = (running[:, :, None] < units[None, None, :]).sum(axis=1) + 1  # probe x x
+            stages = fewest_stages(largest.cumsum(axis=1), layers)  # probe x units
             spent = units * float(shape.fill_unit[kind]) + stages * shape.type_link[chip]
             np.minimum(value[:, 1:], np.where(stages <= most, spent, np.inf), out=value[:, 1:])
         chosen = cost.copy()  # the type unused
@@ -59,3 +58,14 @@ def uniform_fill_links(shape: BatchShape, caps: np.ndarray) -> np.ndarray:
         cost = chosen
     edges = float(shape.head_time.min() + shape.embedding_time.min())
     return cost[:, layers] - max(shape.type_link.values()) + edges
+
+
+def fewest_stages(running: np.ndarray, layers: int) -> np.ndarray:
+    """Per probe and ``x = 1 .. layers``: one more than the count of ``running`` (probe x
+    stages, whole numbers, non-decreasing) below ``x``, the fewest stages that hold ``x``
+    units (more than there are where none do)."""
+    probes, width = running.shape[0], layers + 2
+    index = np.minimum(running, layers + 1).astype(np.int64)
+    index += (np.arange(probes) * width)[:, None]
+    counts = np.bincount(index.ravel(), minlength=probes * width).reshape(probes, width)
+    return counts.cumsum(axis=1)[:, :layers] + 1
