@@ -160,7 +160,7 @@ class BatchShape(ShapeMemory, RestBound, SyncCoupling, ColumnFloor):
         self.grid = np.zeros(1)
         self._grid_key: tuple[float, int, int] | None = None
         self.grid_is_max = True
-        self.prepared, self.pre_bound = False, 0.0
+        self.prepared, self.pre_bound, self.tightened = False, 0.0, False
         if not lazy:
             self.prepare()
 
@@ -192,6 +192,14 @@ class BatchShape(ShapeMemory, RestBound, SyncCoupling, ColumnFloor):
         if self.kinds and not self.prepared:
             self._prepare()
         self.prepared = True
+
+    def tighten(self) -> None:
+        """Raise the root bound (once, prepared) with the end-of-step term's levels
+        (:func:`~megatron_h2.planner.uniform_root.sync_levels`; it costs more than the rest of
+        the root, so only for the shapes the search bounds beyond their roots)."""
+        if self.prepared and self.positions and not self.tightened:
+            self.tightened = True
+            self.root_coupled = max(self.root_coupled, self._coupled_root(True))
 
     def cheap_bound(self, floor: float) -> float:
         """A lower bound on :meth:`root_bound` from the 1F1B shape of the same micro-batch size,
@@ -401,7 +409,7 @@ class BatchShape(ShapeMemory, RestBound, SyncCoupling, ColumnFloor):
             return self.steady * w + np.maximum(fill + tail, own) + links
         return self.steady * w + np.maximum(own, fill) + tail + links
 
-    def _coupled_root(self) -> float:
+    def _coupled_root(self, levels: bool = False) -> float:
         """The root bound with the end-of-step term and the links coupled with the steady
         term, on probes from the root's up to four times it: where the slowest steady term is in
         ``(g_j, g_j+1]``, the layers fit the capacity at ``g_j+1`` (every chip type's block as
@@ -426,8 +434,8 @@ class BatchShape(ShapeMemory, RestBound, SyncCoupling, ColumnFloor):
         tail = np.maximum(sync, self.tail_floor)
         terms = self._root_terms(probes[:-1], tail, np.maximum(links, self.root_links), fill)
         beyond = float(self._root_terms(top, self.tail_floor, self.root_links))
-        # each type one kind or none: the fill and links joint
-        return joint_root(self, probes, caps, most, tail, terms, beyond)
+        # each type one kind or none: the fill and links joint (with ``levels``: own_root.py)
+        return joint_root(self, probes, caps, most, tail, terms, beyond, levels)
 
     def build_grid(self, w_high: float, points: int, coarse: int = 32) -> None:
         """Probe values from the root bound up to ``w_high`` (geometric) and their prefix sums.

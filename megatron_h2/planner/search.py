@@ -300,6 +300,8 @@ class _Search:
             if self._late():
                 return Left(shapes[index:], refined, queue)
             shape.prepare()
+            if shape.root_bound() < self.threshold * (1 - _SLACK):
+                shape.tighten()
             if shape.root_bound() >= self.threshold * (1 - _SLACK):
                 self.stats.batch_shapes_pruned += 1
                 continue

@@ -27,6 +27,8 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from megatron_h2.planner.cost_model import zero_bubble_share
+
 if TYPE_CHECKING:
     from megatron_h2.planner.bounds import BatchShape
 
@@ -69,3 +71,44 @@ def fewest_stages(running: np.ndarray, layers: int) -> np.ndarray:
     index += (np.arange(probes) * width)[:, None]
     counts = np.bincount(index.ravel(), minlength=probes * width).reshape(probes, width)
     return counts.cumsum(axis=1)[:, :layers] + 1
+
+
+LEVELS = 24
+"""Levels of the largest end-of-step term on which :func:`level_fill_links` couples it."""
+
+
+def sync_levels(shape: BatchShape) -> tuple[np.ndarray, np.ndarray] | None:
+    """Levels ``Z_0 < Z_1 < ...`` of the largest end-of-step term ``z`` of a one-DP plan
+    (``Z_0`` the shape's floor of it, then geometric up to the most any stage can have) and,
+    per kind and level ``i``, the most units a stage of the kind holds with ``z <= Z_i+1``
+    (no limit at the last level): ``z`` of a stage is at least its DP sync plus, under
+    zero-bubble, the deferred weight gradients ``(1 + b) G`` at ``b`` of the longest pipeline,
+    and grows with its units (:class:`~megatron_h2.planner.partition.StageTable`'s ``tail``
+    without the embedding or head). None where no stage has such a term, and for MoE models
+    (whose per-layer sync is a mean over dense and MoE layers)."""
+    if shape.cost.model.is_moe:
+        return None
+    units = np.arange(1, shape.layers + 1, dtype=np.float64)
+    tails = np.zeros((len(shape.kinds), shape.layers))
+    for index, kind in enumerate(shape.kinds):
+        c = kind.costs
+        if c.data_parallel_size > 1:
+            tails[index] = c.sync_fixed + units * shape.chunks * c.sync_per_layer
+        if shape.schedule == "zero-bubble":
+            share = 1.0 + zero_bubble_share(max(shape.positions, 2), kind.micro_batches)
+            tails[index] += share * c.layer_weight_grad * units
+    top, floor = float(tails[:, -1].max()), max(shape.tail_floor, 0.0)
+    if not top > floor:
+        return None
+    levels = np.unique(np.append(floor, np.geomspace(max(floor, 1e-3 * top), top, LEVELS)))
+    upper = np.append(levels[1:], np.inf) * (1 + 1e-9)  # float noise never cuts a layer
+    held = (tails[:, None, :] <= upper[None, :, None]).sum(axis=2).astype(np.float64)
+    return levels, held
+
+
+def level_fill_links(shape: BatchShape, caps: np.ndarray, held: np.ndarray) -> np.ndarray:
+    """:func:`uniform_fill_links` per level (``held`` from :func:`sync_levels`: kind x level)
+    with every stage's capacity also at most what it holds at that level: level x probe."""
+    capped = np.minimum(caps[:, None, :, :], held[:, :, None, None])  # kind x level x probe x q
+    flat = capped.reshape(caps.shape[0], -1, caps.shape[2])
+    return uniform_fill_links(shape, flat).reshape(held.shape[1], caps.shape[1])

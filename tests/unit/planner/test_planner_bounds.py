@@ -266,6 +266,7 @@ def test_the_root_bound_fills_the_layers_at_each_probe(schedule: str, dp: int | 
             s, np.repeat(memory, most.shape[1], axis=1)))
         patch.setattr(own_root, "uniform_fill_links", lambda s, caps: uniform(
             s, np.repeat(memory_caps, caps.shape[1], axis=1)))
+        patch.setattr(own_root, "sync_levels", lambda s: None)
         memory_only = shape._coupled_root()
     terms = shape._root_terms(
         max(shape.w_floor, float(shape.head_need.min())), shape.tail_floor, shape.root_links

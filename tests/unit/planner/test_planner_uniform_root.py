@@ -70,14 +70,16 @@ def test_the_knapsack_is_the_least_over_every_choice(schedule: str) -> None:
 def test_the_one_dp_root_bound_never_exceeds_the_exact_split_and_rises(
     schedule: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Every one-DP root bound is at most the best exact split below the root (and every
-    option's bound, which is at least it, at most the exact split of every pipeline below
-    that option), and on some shape the joint terms raise it above the root bound without
-    them."""
-    checked, raised = 0, 0
+    """Every one-DP root bound, also raised by the end-of-step levels, is at most the best exact
+    split below the root (and every option's bound, which is at least it, at most the exact
+    split of every pipeline below that option); on some shape the joint terms raise it above
+    the root bound without them, and the levels raise it further."""
+    checked, raised, levelled = 0, 0, 0
     for shape in uniform_shapes(range(16), schedule):
         run = search_module._Search(shape.cost, SearchOptions(8, top_k=10**6))
         shape.build_grid(shape.w_max, 64)
+        joint = shape.root_coupled
+        shape.tighten()
         least = exact_below(run, shape, suffixes.root_node(shape), [0])
         if least < INF:
             assert shape.root_bound() <= least * (1 + 1e-9), (shape.root_bound(), least)
@@ -86,5 +88,33 @@ def test_the_one_dp_root_bound_never_exceeds_the_exact_split_and_rises(
             patch.setattr(own_root, "uniform_fill_links",
                           lambda s, caps: np.zeros(caps.shape[1]))
             loose = shape._coupled_root()
-        raised += shape.root_coupled > loose * (1 + 1e-6)
-    assert checked > 0 and raised > 0
+        raised += joint > loose * (1 + 1e-6)
+        levelled += shape.root_coupled > joint * (1 + 1e-6)
+    assert checked > 0 and raised > 0 and levelled > 0
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zero-bubble"])
+def test_the_levels_hold_what_a_stage_holds_under_each_level(schedule: str) -> None:
+    """A stage's end-of-step term (the exact split's, without the edges) with the units
+    :func:`uniform_root.sync_levels` lets it hold at a level is at most that level's top, and
+    with one unit more above it."""
+    from megatron_h2.planner.partition import StageSlot, StageTable
+
+    found = 0
+    for shape in uniform_shapes(range(6), schedule):
+        levels = uniform_root.sync_levels(shape)
+        if levels is None:
+            continue
+        tops, held = np.append(levels[0][1:], INF), levels[1]
+        for index, kind in enumerate(shape.kinds):
+            m = kind.micro_batches
+            table = StageTable([StageSlot(kind.costs, False, False)] * shape.positions,
+                               shape.layers, [(shape.layers,) * 3] * shape.positions, schedule,
+                               1, m)
+            tail = table.tail[0]  # units 0 .. L (the longest pipeline: the least share)
+            for level, top in enumerate(tops):
+                units = int(held[index, level])
+                assert units == shape.layers or tail[units + 1] > top * (1 + 1e-12)
+                assert units == 0 or tail[units] <= top * (1 + 1e-9)
+                found += 0 < units < shape.layers
+    assert found > 0
