@@ -209,6 +209,8 @@ class _Search:
     def _bound_by_children(self, shape: BatchShape) -> None:
         """Bound a shape not reached by its prepared root and its root's children."""
         shape.prepare()  # its tables' bound, not the cheap one (a small cost)
+        if shape.root_bound() < self.threshold * (1 - _SLACK):
+            shape.tighten()
         bound = shape.root_bound()
         if bound < self.threshold * (1 - _SLACK):  # its root's children: tighter, cheap
             shape.build_grid(min(self.threshold, shape.w_max), self.options.grid_points)
