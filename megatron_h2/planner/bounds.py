@@ -59,16 +59,16 @@ from megatron_h2.planner.bound_columns import (
     take_columns,
 )
 from megatron_h2.planner.cost_model import MODES, CostModel, zero_bubble_share
-from megatron_h2.planner.joint_root import deep_root, joint_root_terms
+from megatron_h2.planner.coupled_root import coupled_root
+from megatron_h2.planner.joint_root import deep_root
 from megatron_h2.planner.lead_cache import at_leads
 from megatron_h2.planner.option_group import known_blocks
-from megatron_h2.planner.own_root import own_root_terms
 from megatron_h2.planner.partition import INF
 from megatron_h2.planner.rest_bound import RestBound, greedy_take
 from megatron_h2.planner.shape_memory import ShapeMemory
 from megatron_h2.planner.stage_costs import StageCosts
 from megatron_h2.planner.stage_links import raise_new_stages
-from megatron_h2.planner.sync_coupling import SyncCoupling, least_sync
+from megatron_h2.planner.sync_coupling import SyncCoupling
 from megatron_h2.planner.zero_bubble_fill import fill_shares
 
 if TYPE_CHECKING:
@@ -161,7 +161,7 @@ class BatchShape(ShapeMemory, RestBound, SyncCoupling, ColumnFloor):
         self.grid = np.zeros(1)
         self._grid_key: tuple[float, int, int] | None = None
         self.grid_is_max = True
-        self.prepared, self.pre_bound = False, 0.0
+        self.prepared, self.pre_bound, self.tightened = False, 0.0, False
         if not lazy:
             self.prepare()
 
@@ -193,6 +193,14 @@ class BatchShape(ShapeMemory, RestBound, SyncCoupling, ColumnFloor):
         if self.kinds and not self.prepared:
             self._prepare()
         self.prepared = True
+
+    def tighten(self) -> None:
+        """Raise the root bound (once, prepared) with the end-of-step term's levels
+        (:func:`~megatron_h2.planner.uniform_root.sync_levels`; it costs more than the rest of
+        the root, so only for the shapes the search bounds beyond their roots)."""
+        if self.prepared and self.positions and not self.tightened:
+            self.tightened = True
+            self.root_coupled = max(self.root_coupled, self._coupled_root(True))
 
     def cheap_bound(self, floor: float) -> float:
         """A lower bound on :meth:`root_bound` from the 1F1B shape of the same micro-batch size,
@@ -402,36 +410,10 @@ class BatchShape(ShapeMemory, RestBound, SyncCoupling, ColumnFloor):
             return self.steady * w + np.maximum(fill + tail, own) + links
         return self.steady * w + np.maximum(own, fill) + tail + links
 
-    def _coupled_root(self, joint: bool = False) -> float:
-        """The root bound with the end-of-step term and the links coupled with the steady
-        term, on probes from the root's up to four times it: where the slowest steady term is in
-        ``(g_j, g_j+1]``, the layers fit the capacity at ``g_j+1`` (every chip type's block as
-        if it ended the pipeline), so the end-of-step term is at least :func:`least_sync` of the
-        types' capacities and sync inverses there, the stages at least the layers over the
-        largest single-stage capacity there, each but one with a link, and the summed fill at
-        least the layers filled into the cheapest capacity there (:meth:`_segment_fill`, time
-        caps included; own DP: with the links, jointly over the types' kinds, :mod:`.own_root`;
-        one DP with ``joint``: :mod:`.joint_root`); above the top probe, the uncoupled terms."""
-        floor = max(self.w_floor, float(self.head_need.min()))
-        if not (top := min(self.w_max, 4.0 * floor)) > floor:
-            return 0.0
-        probes = np.geomspace(floor, top, 97)
-        caps = self.capacity(probes)  # kind x probe x warm-up
-        most = self._most_layers(caps)
-        held = [most[self.kinds_of[t]].max(axis=0) for t in self.types]
-        rates = [self.type_sync_inverse[t] for t in self.types]
-        sync = least_sync(held, rates, float(self.layers))[1:]
-        stages = np.ceil(self.layers / np.maximum(caps[:, 1:, 0].max(axis=0), 1.0) - 1e-9)
-        links = np.maximum(stages - 1.0, 0.0) * min(self.type_link.values())
-        fill = np.maximum(self._segment_fill(most)[1:], self.root_fill)  # at g_j+1
-        tail = np.maximum(sync, self.tail_floor)
-        terms = self._root_terms(probes[:-1], tail, np.maximum(links, self.root_links), fill)
-        if not self.uniform:  # own DP: each type one kind or none, fill and links joint
-            terms = np.maximum(terms, own_root_terms(self, probes, most, tail))
-        elif joint:  # one DP, refined: each type one block of one kind or none (.joint_root)
-            terms = np.maximum(terms, joint_root_terms(self, probes, tail, fill))
-        beyond = self._root_terms(top, self.tail_floor, self.root_links)
-        return float(min(terms.min(), beyond))
+    def _coupled_root(self, levels: bool = False, joint: bool = False) -> float:
+        """The root bound with the end-of-step term and the links coupled with the steady term
+        (:func:`~megatron_h2.planner.coupled_root.coupled_root`)."""
+        return coupled_root(self, levels, joint)
 
     def refine_root(self, cutoff: float) -> None:
         """Raise a one-DP shape's root bound once: its ``joint`` terms and :func:`.deep_root`."""

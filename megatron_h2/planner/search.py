@@ -209,6 +209,8 @@ class _Search:
     def _bound_by_children(self, shape: BatchShape) -> None:
         """Bound a shape not reached by its prepared root and its root's children."""
         shape.prepare()  # its tables' bound, not the cheap one (a small cost)
+        if shape.root_bound() < self.threshold * (1 - _SLACK):
+            shape.tighten()
         bound = shape.root_bound()
         if bound < self.threshold * (1 - _SLACK):  # its root's children: tighter, cheap
             shape.build_grid(min(self.threshold, shape.w_max), self.options.grid_points)
@@ -301,6 +303,8 @@ class _Search:
                 return Left(shapes[index:], refined, queue)
             shape.prepare()
             shape.refine_root(self.threshold * (1 - _SLACK))  # the sync coupled too
+            if shape.root_bound() < self.threshold * (1 - _SLACK):
+                shape.tighten()
             if shape.root_bound() >= self.threshold * (1 - _SLACK):
                 self.stats.batch_shapes_pruned += 1
                 continue
@@ -453,9 +457,8 @@ class _Search:
                     fixed = self._fixed(shape, node)
                 options += self._bounds(shape, node, fixed, need, columns, not dive)
         root = shape.root_bound()  # every plan below the node is one of the shape's
-        options = [(max(bound, root), kind, count) for bound, kind, count in options]
-        options.sort(key=lambda item: (item[0], -item[2]))
-        return options
+        options.sort(key=lambda item: (item[0], -item[2]))  # those lifted to it keep this order
+        return [(max(bound, root), kind, count) for bound, kind, count in options]
 
     def _bounds(
         self,

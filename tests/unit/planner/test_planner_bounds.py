@@ -271,11 +271,15 @@ def test_the_root_bound_fills_the_layers_at_each_probe(schedule: str, dp: int | 
     shape = BatchShape(small_case(0), 8, 1, schedule, 1, dp)
     coupled = shape.root_bound()
     shape._segment_fill = lambda most: np.full(most.shape[1], shape.root_fill)
-    memory = shape._most_layers(shape.capacity(np.array([shape.w_max])))  # no time caps
-    joint = own_root.own_fill_links  # own DP: its knapsack on the memory caps alone too
-    with pytest.MonkeyPatch.context() as patch:
+    memory_caps = shape.capacity(np.array([shape.w_max]))  # no time caps
+    memory = shape._most_layers(memory_caps)
+    joint, uniform = own_root.own_fill_links, own_root.uniform_fill_links  # their knapsacks on
+    with pytest.MonkeyPatch.context() as patch:  # the memory caps alone too
         patch.setattr(own_root, "own_fill_links", lambda s, most: joint(
             s, np.repeat(memory, most.shape[1], axis=1)))
+        patch.setattr(own_root, "uniform_fill_links", lambda s, caps: uniform(
+            s, np.repeat(memory_caps, caps.shape[1], axis=1)))
+        patch.setattr(own_root, "sync_levels", lambda s: None)
         memory_only = shape._coupled_root()
     terms = shape._root_terms(
         max(shape.w_floor, float(shape.head_need.min())), shape.tail_floor, shape.root_links

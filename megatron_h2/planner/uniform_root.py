@@ -1,0 +1,114 @@
+"""The fill and links of a one-DP shape's root, bounded jointly over its chip types' choices.
+
+Under one DP degree (:class:`~megatron_h2.planner.bounds.BatchShape` with ``dp`` given) a chip
+type is either unused or runs one stage kind in one block of ``n`` stages, ``n`` from 1 to the
+kind's most. Where the slowest folded steady term is at most a probe ``g``, no stage holds more
+than its capacity there (time and memory caps, :meth:`~megatron_h2.planner.bounds.BatchShape.
+capacity`), so ``n`` stages of a kind hold at most its ``n`` largest capacities over the
+warm-ups, and a kind that holds ``x`` layers needs at least the fewest stages whose largest
+capacities sum to ``x``. Every stage but one has a link of at least its type's cheapest (a
+block of one type sends mostly to itself, and some types' links are several times others'). So
+the summed fill plus links of every plan is at least the least, over the choices of one kind
+or none per type and its layers ``x`` (summing to ``L``), of ``sum (x fill_k + n_k(x) link)``
+minus the largest link, plus the edges' least fill: a knapsack over types and layer counts
+``0 .. L`` per probe, like the own-DP shapes' (:mod:`.own_root`) but with the stage count that
+the layers need instead of every chip of the type.
+
+The root's loose form takes the fill (the cheapest capacity of every kind at once) and the
+links (the fewest stages that hold every layer, each with the cheapest link of any type) apart:
+many stages of a type with slow links are then counted at the fastest type's link, which holds
+only a few stages. On the 1,024-chip 8-type family member (seed 1) the micro-batch-1
+zero-bubble roots rise 1.136 -> 1.234 s (DP 8) and 1.032 -> 1.137 s (DP 4).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from megatron_h2.planner.cost_model import zero_bubble_share
+
+if TYPE_CHECKING:
+    from megatron_h2.planner.bounds import BatchShape
+
+
+def uniform_fill_links(shape: BatchShape, caps: np.ndarray) -> np.ndarray:
+    """Per probe, a lower bound on the summed fill (edges included) plus the links of every
+    one-DP plan of ``shape`` whose stages hold at most ``caps`` (kind x probe x warm-up, from
+    :meth:`~megatron_h2.planner.bounds.BatchShape.capacity`): the knapsack of the module
+    docstring; inf where no choice holds the layers."""
+    layers, probes = shape.layers, caps.shape[1]
+    units = np.arange(1, layers + 1)
+    cost = np.full((probes, layers + 1), np.inf)  # probe x units placed so far
+    cost[:, 0] = 0.0
+    for chip in shape.types:
+        value = np.full((probes, layers + 1), np.inf)  # the type holding exactly x units
+        for kind in shape.kinds_of[chip]:
+            most = min(shape.kinds[kind].max_stages, shape.positions)
+            largest = -np.sort(-caps[kind], axis=1)[:, :most]  # probe x stage, largest first
+            stages = fewest_stages(largest.cumsum(axis=1), layers)  # probe x units
+            spent = units * float(shape.fill_unit[kind]) + stages * shape.type_link[chip]
+            np.minimum(value[:, 1:], np.where(stages <= most, spent, np.inf), out=value[:, 1:])
+        chosen = cost.copy()  # the type unused
+        for held in range(1, layers + 1):
+            column = value[:, held : held + 1]
+            if np.isinf(column).all():
+                continue
+            np.minimum(chosen[:, held:], cost[:, : layers + 1 - held] + column,
+                       out=chosen[:, held:])
+        cost = chosen
+    edges = float(shape.head_time.min() + shape.embedding_time.min())
+    return cost[:, layers] - max(shape.type_link.values()) + edges
+
+
+def fewest_stages(running: np.ndarray, layers: int) -> np.ndarray:
+    """Per probe and ``x = 1 .. layers``: one more than the count of ``running`` (probe x
+    stages, whole numbers, non-decreasing) below ``x``, the fewest stages that hold ``x``
+    units (more than there are where none do)."""
+    probes, width = running.shape[0], layers + 2
+    index = np.minimum(running, layers + 1).astype(np.int64)
+    index += (np.arange(probes) * width)[:, None]
+    counts = np.bincount(index.ravel(), minlength=probes * width).reshape(probes, width)
+    return counts.cumsum(axis=1)[:, :layers] + 1
+
+
+LEVELS = 24
+"""Levels of the largest end-of-step term on which :func:`level_fill_links` couples it."""
+
+
+def sync_levels(shape: BatchShape) -> tuple[np.ndarray, np.ndarray] | None:
+    """Levels ``Z_0 < Z_1 < ...`` of the largest end-of-step term ``z`` of a one-DP plan
+    (``Z_0`` the shape's floor of it, then geometric up to the most any stage can have) and,
+    per kind and level ``i``, the most units a stage of the kind holds with ``z <= Z_i+1``
+    (no limit at the last level): ``z`` of a stage is at least its DP sync plus, under
+    zero-bubble, the deferred weight gradients ``(1 + b) G`` at ``b`` of the longest pipeline,
+    and grows with its units (:class:`~megatron_h2.planner.partition.StageTable`'s ``tail``
+    without the embedding or head). None where no stage has such a term, and for MoE models
+    (whose per-layer sync is a mean over dense and MoE layers)."""
+    if shape.cost.model.is_moe:
+        return None
+    units = np.arange(1, shape.layers + 1, dtype=np.float64)
+    tails = np.zeros((len(shape.kinds), shape.layers))
+    for index, kind in enumerate(shape.kinds):
+        c = kind.costs
+        if c.data_parallel_size > 1:
+            tails[index] = c.sync_fixed + units * shape.chunks * c.sync_per_layer
+        if shape.schedule == "zero-bubble":
+            share = 1.0 + zero_bubble_share(max(shape.positions, 2), kind.micro_batches)
+            tails[index] += share * c.layer_weight_grad * units
+    top, floor = float(tails[:, -1].max()), max(shape.tail_floor, 0.0)
+    if not top > floor:
+        return None
+    levels = np.unique(np.append(floor, np.geomspace(max(floor, 1e-3 * top), top, LEVELS)))
+    upper = np.append(levels[1:], np.inf) * (1 + 1e-9)  # float noise never cuts a layer
+    held = (tails[:, None, :] <= upper[None, :, None]).sum(axis=2).astype(np.float64)
+    return levels, held
+
+
+def level_fill_links(shape: BatchShape, caps: np.ndarray, held: np.ndarray) -> np.ndarray:
+    """:func:`uniform_fill_links` per level (``held`` from :func:`sync_levels`: kind x level)
+    with every stage's capacity also at most what it holds at that level: level x probe."""
+    capped = np.minimum(caps[:, None, :, :], held[:, :, None, None])  # kind x level x probe x q
+    flat = capped.reshape(caps.shape[0], -1, caps.shape[2])
+    return uniform_fill_links(shape, flat).reshape(held.shape[1], caps.shape[1])
