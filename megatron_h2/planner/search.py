@@ -457,8 +457,9 @@ class _Search:
                     fixed = self._fixed(shape, node)
                 options += self._bounds(shape, node, fixed, need, columns, not dive)
         root = shape.root_bound()  # every plan below the node is one of the shape's
-        options.sort(key=lambda item: (item[0], -item[2]))  # those lifted to it keep this order
-        return [(max(bound, root), kind, count) for bound, kind, count in options]
+        options = [(max(bound, root), kind, count) for bound, kind, count in options]
+        options.sort(key=lambda item: (item[0], -item[2]))
+        return options
 
     def _bounds(
         self,
