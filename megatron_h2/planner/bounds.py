@@ -327,7 +327,7 @@ class BatchShape(ShapeMemory, RestBound, SyncCoupling, ColumnFloor):
         hold them, each but one with a link of at least the cheapest of its type's."""
         caps = self.capacity(np.array([self.w_max]))  # memory-bound: every kind's time cap is L
         fill = float(self._segment_fill(self._most_layers(caps))[0])
-        per_stage = float(caps[:, 0, 0].max())  # warm-up 0 holds the most
+        per_stage = float(caps[:, 0, :].max())  # any warm-up (zero-bubble: not always 0)
         stages = -(-self.layers // max(int(per_stage), 1))
         return fill, (stages - 1) * min(self.type_link.values())
 

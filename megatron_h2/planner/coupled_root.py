@@ -36,7 +36,7 @@ def coupled_root(shape: BatchShape, levels: bool = False, joint: bool = False) -
     held = [most[shape.kinds_of[t]].max(axis=0) for t in shape.types]
     rates = [shape.type_sync_inverse[t] for t in shape.types]
     sync = least_sync(held, rates, float(shape.layers))[1:]
-    stages = np.ceil(shape.layers / np.maximum(caps[:, 1:, 0].max(axis=0), 1.0) - 1e-9)
+    stages = np.ceil(shape.layers / np.maximum(caps[:, 1:, :].max(axis=(0, 2)), 1.0) - 1e-9)
     links = np.maximum(stages - 1.0, 0.0) * min(shape.type_link.values())
     fill = np.maximum(shape._segment_fill(most)[1:], shape.root_fill)  # at g_j+1
     tail = np.maximum(sync, shape.tail_floor)

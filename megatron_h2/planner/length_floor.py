@@ -100,7 +100,7 @@ def fewest_stages(shape: BatchShape, probes: np.ndarray) -> np.ndarray:
         timed = np.where(shape.unit[:, None, :] > 0,
                          np.floor(probes[None, :, None] / shape.unit[:, None, :]), np.inf)
     out = np.full(len(probes), shape.positions + 1, dtype=np.int64)
-    single = np.minimum(shape.mem_caps[:, :, 0], timed[:, -1, :]).max()  # warm-up 0: the most
+    single = np.minimum(shape.mem_caps.max(axis=2), timed[:, -1, :]).max()  # any warm-up's most
     stages = max(first, int(np.ceil(shape.layers / max(single, 1e-9) - 1e-9)))
     for index in range(len(probes) - 1, -1, -1):  # fewer stages fit at larger probes
         while stages <= shape.positions:
@@ -138,7 +138,7 @@ def stage_links(shape: BatchShape, probes: np.ndarray, stages: np.ndarray) -> np
     with np.errstate(divide="ignore", invalid="ignore"):
         held = np.where(shape.unit[:, None, :] > 0,
                         np.floor(probes[None, :, None] / shape.unit[:, None, :]), np.inf)
-    held = np.minimum(held, shape.mem_caps[:, None, :, 0]).max(axis=2)  # kind x probe
+    held = np.minimum(held, shape.mem_caps.max(axis=2)[:, None, :]).max(axis=2)  # kind x probe
     price = np.full(len(probes), np.inf)
     for chip in shape.types:
         holds = held[shape.kinds_of[chip]].max(axis=0) >= 1
