@@ -35,7 +35,7 @@ import numpy as np
 
 from megatron_h2.planner.cost_model import MODES, zero_bubble_share
 from megatron_h2.planner.length_floor import fewest_stages, position_caps, stage_links
-from megatron_h2.planner.own_root import least_over_types
+from megatron_h2.planner.uniform_root import least_over_types
 from megatron_h2.planner.zero_bubble_fill import fill_shares
 
 if TYPE_CHECKING:

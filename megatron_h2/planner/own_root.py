@@ -22,7 +22,12 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from megatron_h2.planner.uniform_root import level_fill_links, sync_levels, uniform_fill_links
+from megatron_h2.planner.uniform_root import (
+    least_over_types,
+    level_fill_links,
+    sync_levels,
+    uniform_fill_links,
+)
 
 if TYPE_CHECKING:
     from megatron_h2.planner.bounds import BatchShape
@@ -44,25 +49,6 @@ def own_fill_links(shape: BatchShape, most: np.ndarray) -> np.ndarray:
             np.minimum(table, cost, out=table)
         tables.append(table)
     return least_over_types(shape, tables)
-
-
-def least_over_types(shape: BatchShape, tables: list[np.ndarray]) -> np.ndarray:
-    """Per probe, the least summed cost over one choice per chip type (its ``tables`` entry:
-    probe x units ``0 .. L``, the cost of holding that many units; 0 units: the type unused)
-    whose units add up to ``L`` (a min-plus knapsack), less the largest link (one stage has
-    none) plus the edges' least fill."""
-    layers = shape.layers
-    cost = np.full((tables[0].shape[0], layers + 1), np.inf)  # probe x units placed so far
-    cost[:, 0] = 0.0
-    for table in tables:
-        chosen = cost.copy()  # the type unused
-        for units in range(1, layers + 1):
-            if np.isfinite(table[:, units]).any():
-                more = cost[:, : layers + 1 - units] + table[:, units : units + 1]
-                np.minimum(chosen[:, units:], more, out=chosen[:, units:])
-        cost = chosen
-    edges = float(shape.head_time.min() + shape.embedding_time.min())
-    return cost[:, layers] - max(shape.type_link.values()) + edges
 
 
 CHUNK = 8

@@ -40,8 +40,7 @@ def uniform_fill_links(shape: BatchShape, caps: np.ndarray) -> np.ndarray:
     docstring; inf where no choice holds the layers."""
     layers, probes = shape.layers, caps.shape[1]
     units = np.arange(1, layers + 1)
-    cost = np.full((probes, layers + 1), np.inf)  # probe x units placed so far
-    cost[:, 0] = 0.0
+    tables = []
     for chip in shape.types:
         value = np.full((probes, layers + 1), np.inf)  # the type holding exactly x units
         for kind in shape.kinds_of[chip]:
@@ -50,13 +49,24 @@ def uniform_fill_links(shape: BatchShape, caps: np.ndarray) -> np.ndarray:
             stages = fewest_stages(largest.cumsum(axis=1), layers)  # probe x units
             spent = units * float(shape.fill_unit[kind]) + stages * shape.type_link[chip]
             np.minimum(value[:, 1:], np.where(stages <= most, spent, np.inf), out=value[:, 1:])
+        tables.append(value)
+    return least_over_types(shape, tables)
+
+
+def least_over_types(shape: BatchShape, tables: list[np.ndarray]) -> np.ndarray:
+    """Per probe, the least summed cost over one choice per chip type (its ``tables`` entry:
+    probe x units ``0 .. L``, the cost of holding that many units; 0 units: the type unused)
+    whose units add up to ``L`` (a min-plus knapsack), less the largest link (one stage has
+    none) plus the edges' least fill."""
+    layers = shape.layers
+    cost = np.full((tables[0].shape[0], layers + 1), np.inf)  # probe x units placed so far
+    cost[:, 0] = 0.0
+    for table in tables:
         chosen = cost.copy()  # the type unused
-        for held in range(1, layers + 1):
-            column = value[:, held : held + 1]
-            if np.isinf(column).all():
-                continue
-            np.minimum(chosen[:, held:], cost[:, : layers + 1 - held] + column,
-                       out=chosen[:, held:])
+        for units in range(1, layers + 1):
+            if np.isfinite(table[:, units]).any():
+                more = cost[:, : layers + 1 - units] + table[:, units : units + 1]
+                np.minimum(chosen[:, units:], more, out=chosen[:, units:])
         cost = chosen
     edges = float(shape.head_time.min() + shape.embedding_time.min())
     return cost[:, layers] - max(shape.type_link.values()) + edges
