@@ -49,6 +49,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from megatron_h2.planner.block_links import block_link_terms
 from megatron_h2.planner.bound_columns import (
     FLOOR_SIZE,
     ColumnFloor,
@@ -229,6 +230,7 @@ class BatchShape(ShapeMemory, RestBound, SyncCoupling, ColumnFloor):
         self._tables()
         self.leads = self._lead_grid()
         self.type_link = self._type_links()
+        self.inner_link, self.outer_link = block_link_terms(self)
         self.w_floor = self._root_w(range(len(self.kinds))) if self.positions else self.w_max
         self.root_fill, self.root_links = self._root_extras() if self.positions else (0.0, 0.0)
         self.root_coupled = self._coupled_root() if self.positions else 0.0

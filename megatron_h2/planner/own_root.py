@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from megatron_h2.planner.block_links import block_links
 from megatron_h2.planner.uniform_root import (
     least_over_types,
     level_fill_links,
@@ -43,7 +44,7 @@ def own_fill_links(shape: BatchShape, most: np.ndarray) -> np.ndarray:
         table = np.full((most.shape[1], layers + 1), np.inf)  # probe x units
         for kind in shape.kinds_of[chip]:
             stages = shape.kinds[kind].max_stages
-            unit, links = float(shape.fill_unit[kind]), stages * shape.type_link[chip]
+            unit, links = float(shape.fill_unit[kind]), block_links(shape, chip, stages)
             held = np.minimum(most[kind], layers)[:, None]
             cost = np.where((x >= stages) & (x <= held), x * unit + links, np.inf)
             np.minimum(table, cost, out=table)

@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from megatron_h2.planner.block_links import block_links, last_block_links
 from megatron_h2.planner.cost_model import zero_bubble_share
 
 if TYPE_CHECKING:
@@ -47,7 +48,7 @@ def uniform_fill_links(shape: BatchShape, caps: np.ndarray) -> np.ndarray:
             most = min(shape.kinds[kind].max_stages, shape.positions)
             largest = -np.sort(-caps[kind], axis=1)[:, :most]  # probe x stage, largest first
             stages = fewest_stages(largest.cumsum(axis=1), layers)  # probe x units
-            spent = units * float(shape.fill_unit[kind]) + stages * shape.type_link[chip]
+            spent = units * float(shape.fill_unit[kind]) + block_links(shape, chip, stages)
             np.minimum(value[:, 1:], np.where(stages <= most, spent, np.inf), out=value[:, 1:])
         tables.append(value)
     return least_over_types(shape, tables)
@@ -69,7 +70,7 @@ def least_over_types(shape: BatchShape, tables: list[np.ndarray]) -> np.ndarray:
                 np.minimum(chosen[:, units:], more, out=chosen[:, units:])
         cost = chosen
     edges = float(shape.head_time.min() + shape.embedding_time.min())
-    return cost[:, layers] - max(shape.type_link.values()) + edges
+    return cost[:, layers] - last_block_links(shape) + edges
 
 
 def fewest_stages(running: np.ndarray, layers: int) -> np.ndarray:

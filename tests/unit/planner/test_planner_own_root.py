@@ -38,11 +38,12 @@ def enumerated(shape: BatchShape, most: np.ndarray, probe: int) -> float:
         for units in itertools.product(*ranges):
             if sum(units) != shape.layers:
                 continue
-            cost = sum(x * float(shape.fill_unit[k]) + shape.kinds[k].max_stages
-                       * shape.type_link[shape.kinds[k].chip] for k, x in zip(kinds, units))
+            cost = sum(x * float(shape.fill_unit[k]) + (shape.kinds[k].max_stages - 1)
+                       * shape.inner_link[shape.kinds[k].chip]
+                       + shape.outer_link[shape.kinds[k].chip] for k, x in zip(kinds, units))
             best = min(best, cost)
     edges = float(shape.head_time.min() + shape.embedding_time.min())
-    return best - max(shape.type_link.values()) + edges
+    return best - max(shape.outer_link.values()) + edges
 
 
 @pytest.mark.parametrize("schedule", ["1f1b", "zero-bubble"])
