@@ -77,7 +77,8 @@ def test_the_own_dp_root_bound_never_exceeds_the_exact_split_and_rises(
             assert shape.root_bound() <= least * (1 + 1e-9), (shape.root_bound(), least)
             checked += 1
         with monkeypatch.context() as patch:
-            patch.setattr(own_root, "own_fill_links", lambda s, most: np.zeros(most.shape[1]))
+            patch.setattr(own_root, "own_fill_links",
+                          lambda s, most, *rest: np.zeros(most.shape[1]))
             loose = shape._coupled_root(levels=True)
         raised += shape.root_coupled > loose * (1 + 1e-6)
     assert checked > 0 and raised > 0

@@ -87,7 +87,7 @@ def test_the_one_dp_root_bound_never_exceeds_the_exact_split_and_rises(
             checked += 1
         with monkeypatch.context() as patch:
             patch.setattr(own_root, "uniform_fill_links",
-                          lambda s, caps: np.zeros(caps.shape[1]))
+                          lambda s, caps, *rest: np.zeros(caps.shape[1]))
             loose = shape._coupled_root()
         raised += joint > loose * (1 + 1e-6)
         levelled += shape.root_coupled > joint * (1 + 1e-6)
