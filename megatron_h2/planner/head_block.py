@@ -63,15 +63,14 @@ def least_with_last(shape: BatchShape, tables: list[np.ndarray],
     done = np.full_like(free, np.inf)  # the last block placed
     for table, last in zip(tables, lasts):
         new_free, new_done = free.copy(), done.copy()
-        for units in range(1, layers + 1):
-            if np.isfinite(table[:, units]).any():
-                np.minimum(new_free[:, units:], free[:, : layers + 1 - units]
-                           + table[:, units : units + 1], out=new_free[:, units:])
-                np.minimum(new_done[:, units:], done[:, : layers + 1 - units]
-                           + table[:, units : units + 1], out=new_done[:, units:])
-            if np.isfinite(last[:, units]).any():
-                np.minimum(new_done[:, units:], free[:, : layers + 1 - units]
-                           + last[:, units : units + 1], out=new_done[:, units:])
+        for units in np.flatnonzero(np.isfinite(table[:, 1:]).any(axis=0)) + 1:
+            np.minimum(new_free[:, units:], free[:, : layers + 1 - units]
+                       + table[:, units : units + 1], out=new_free[:, units:])
+            np.minimum(new_done[:, units:], done[:, : layers + 1 - units]
+                       + table[:, units : units + 1], out=new_done[:, units:])
+        for units in np.flatnonzero(np.isfinite(last[:, 1:]).any(axis=0)) + 1:
+            np.minimum(new_done[:, units:], free[:, : layers + 1 - units]
+                       + last[:, units : units + 1], out=new_done[:, units:])
         free, done = new_free, new_done
     return done[:, layers] + float(shape.embedding_time.min())
 

@@ -43,8 +43,19 @@ def own_fill_links(shape: BatchShape, most: np.ndarray, probes: np.ndarray | Non
     ``probes`` (per column of ``most``) and ``first`` (kind x probe, the warm-up-0 stage's part
     of ``most``; ``tops``: the end-of-step term's top per column, if bounded) the block that
     ends the pipeline is one of the choices (:mod:`.head_block`), its last stage with the head."""
-    layers, x = shape.layers, np.arange(shape.layers + 1)
     heads = None if probes is None else head_units(shape, probes, first, tops)
+    tables, lasts = own_tables(shape, most, first, heads)
+    if heads is None:
+        return least_over_types(shape, tables)
+    return least_with_last(shape, tables, lasts)
+
+
+def own_tables(shape: BatchShape, most: np.ndarray, first: np.ndarray | None,
+               heads: np.ndarray | None) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    """:func:`own_fill_links`' tables per chip type (probe x units ``0 .. L``): the least fill
+    and links of its block holding that many units, and of its block ending the pipeline with
+    its head stage holding at most ``heads`` (kind x probe; None: those all inf)."""
+    layers, x = shape.layers, np.arange(shape.layers + 1)
     tables, lasts = [], []
     for chip in shape.types:
         table = np.full((most.shape[1], layers + 1), np.inf)  # probe x units
@@ -63,9 +74,7 @@ def own_fill_links(shape: BatchShape, most: np.ndarray, probes: np.ndarray | Non
                        out=last)
         tables.append(table)
         lasts.append(last)
-    if heads is None:
-        return least_over_types(shape, tables)
-    return least_with_last(shape, tables, lasts)
+    return tables, lasts
 
 
 CHUNK = 8

@@ -44,9 +44,20 @@ def uniform_fill_links(shape: BatchShape, caps: np.ndarray, probes: np.ndarray |
     ``tops``: the end-of-step term's top per row, if bounded) the block that ends the pipeline
     is one of the choices (:mod:`.head_block`): its head stage at warm-up 0 and the rest at
     warm-ups ``1 .. n - 1``."""
+    heads = None if probes is None else head_units(shape, probes, caps[:, :, 0], tops)
+    tables, lasts = uniform_tables(shape, caps, heads)
+    if heads is None:
+        return least_over_types(shape, tables)
+    return least_with_last(shape, tables, lasts)
+
+
+def uniform_tables(shape: BatchShape, caps: np.ndarray,
+                   heads: np.ndarray | None) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    """:func:`uniform_fill_links`' tables per chip type (row x units ``0 .. L``): the least fill
+    and links of its block holding that many units, and of its block ending the pipeline with
+    its head stage holding at most ``heads`` (kind x row; None: those all inf)."""
     layers, rows = shape.layers, caps.shape[1]
     units = np.arange(1, layers + 1)
-    heads = None if probes is None else head_units(shape, probes, caps[:, :, 0], tops)
     tables, lasts = [], []
     for chip in shape.types:
         value = np.full((rows, layers + 1), np.inf)  # the type holding exactly x units
@@ -68,9 +79,7 @@ def uniform_fill_links(shape: BatchShape, caps: np.ndarray, probes: np.ndarray |
             np.minimum(last[:, 1:], np.where(held, spent, np.inf), out=last[:, 1:])
         tables.append(value)
         lasts.append(last)
-    if heads is None:
-        return least_over_types(shape, tables)
-    return least_with_last(shape, tables, lasts)
+    return tables, lasts
 
 
 def least_over_types(shape: BatchShape, tables: list[np.ndarray]) -> np.ndarray:
