@@ -8,6 +8,7 @@ exact split of every pipeline)."""
 from __future__ import annotations
 
 import itertools
+from typing import Any
 
 import numpy as np
 import pytest
@@ -63,44 +64,51 @@ def uniform_blocks(shape: BatchShape, caps: np.ndarray, heads: np.ndarray,
     return blocks
 
 
+def own_blocks(shape: BatchShape, caps: np.ndarray, heads: np.ndarray,
+               probe: int) -> dict[int, list[tuple[int, int, bool]]]:
+    """Per kind its own-DP block at one probe (every stage of the type): up to its stages'
+    capacities, or, ending the pipeline, with its warm-up-0 stage's the head stage's units."""
+    most, first = shape._most_layers(caps), caps[:, :, 0]
+    blocks: dict[int, list[tuple[int, int, bool]]] = {}
+    for kind, k in enumerate(shape.kinds):
+        n, top = k.max_stages, int(most[kind, probe])
+        blocks[kind] = [(n, x, False) for x in range(n, top + 1)]
+        if heads[kind, probe] >= 1:
+            end = int(top - first[kind, probe] + heads[kind, probe])
+            blocks[kind] += [(n, x, True) for x in range(n, end + 1)]
+    return blocks
+
+
+def _matched(shapes: list[BatchShape], points: int, joint_of: Any, blocks_of: Any) -> int:
+    """Assert that ``joint_of(shape, caps, probes)`` is the enumeration over ``blocks_of`` at
+    every probe of every shape; how many of those were finite."""
+    finite = 0
+    for shape in shapes:
+        probes = np.geomspace(max(shape.w_floor, 1e-12), shape.w_max, points)
+        caps = shape.capacity(probes)
+        joint = joint_of(shape, caps, probes)
+        heads = head_block.head_units(shape, probes, caps[:, :, 0])
+        for probe in range(len(probes)):
+            expected = enumerated(shape, blocks_of(shape, caps, heads, probe))
+            assert joint[probe] == pytest.approx(expected, rel=1e-12) or joint[probe] == expected
+            finite += expected < INF
+    return finite
+
+
 @pytest.mark.parametrize("schedule", ["1f1b", "zero-bubble"])
 def test_the_one_dp_knapsack_with_the_last_block_is_the_least_over_every_choice(
         schedule: str) -> None:
-    finite = 0
-    for shape in uniform_shapes(range(4), schedule):
-        probes = np.geomspace(max(shape.w_floor, 1e-12), shape.w_max, 4)
-        caps = shape.capacity(probes)
-        joint = uniform_root.uniform_fill_links(shape, caps, probes)
-        heads = head_block.head_units(shape, probes, caps[:, :, 0])
-        for probe in range(len(probes)):
-            expected = enumerated(shape, uniform_blocks(shape, caps, heads, probe))
-            assert joint[probe] == pytest.approx(expected, rel=1e-12) or joint[probe] == expected
-            finite += expected < INF
-    assert finite > 0
+    assert _matched(uniform_shapes(range(4), schedule), 4, uniform_root.uniform_fill_links,
+                    uniform_blocks) > 0
 
 
 @pytest.mark.parametrize("schedule", ["1f1b", "zero-bubble"])
 def test_the_own_dp_knapsack_with_the_last_block_is_the_least_over_every_choice(
         schedule: str) -> None:
-    finite = 0
-    for shape in own_shapes(range(8), schedule):
-        probes = np.geomspace(max(shape.w_floor, 1e-12), shape.w_max, 6)
-        caps = shape.capacity(probes)
-        most, first = shape._most_layers(caps), caps[:, :, 0]
-        joint = own_root.own_fill_links(shape, most, probes, first)
-        heads = head_block.head_units(shape, probes, first)
-        for probe in range(len(probes)):
-            blocks = {}
-            for kind, k in enumerate(shape.kinds):
-                n, top = k.max_stages, int(most[kind, probe])
-                blocks[kind] = [(n, x, False) for x in range(n, top + 1)]
-                if heads[kind, probe] >= 1:
-                    end = int(top - first[kind, probe] + heads[kind, probe])
-                    blocks[kind] += [(n, x, True) for x in range(n, end + 1)]
-            expected = enumerated(shape, blocks)
-            assert joint[probe] == pytest.approx(expected, rel=1e-12) or joint[probe] == expected
-            finite += expected < INF
-    assert finite > 0
+    def joint(shape: BatchShape, caps: np.ndarray, probes: np.ndarray) -> np.ndarray:
+        return own_root.own_fill_links(shape, shape._most_layers(caps), probes, caps[:, :, 0])
+
+    assert _matched(own_shapes(range(8), schedule), 6, joint, own_blocks) > 0
 
 
 @pytest.mark.parametrize("schedule", ["1f1b", "zero-bubble"])
