@@ -38,6 +38,11 @@ if TYPE_CHECKING:
     from megatron_h2.planner.bounds import BatchShape
 
 
+TRIAL, PRUNING = 64, 8
+"""A shape's suffix floors (:func:`node_floor`) stop after ``TRIAL`` of them once fewer than one
+in ``PRUNING`` has lifted its option to the cutoff (they only cost there)."""
+
+
 def prepare_last_floors(shape: BatchShape, cutoff: float) -> None:
     """Compute ``shape``'s floors per last block (kind, stages), once, where its root's cells
     below ``cutoff`` are few enough to be worth it (a finite cutoff, a dense model)."""
@@ -124,20 +129,37 @@ def node_floor(shape: BatchShape, suffix: tuple[tuple[int, int], ...], mask: int
         memo[key] = free
     units = _block_units(shape, suffix, capped, heads, rows)
     rises, unused_rise = _share_rises(shape, suffix, mask, units, widest[:, rows])
-    fixed = np.full((len(rows), layers + 1), np.inf)
-    fixed[:, 0] = 0.0
     x = np.arange(layers + 1)
-    for (kind, count), held in zip(suffix, units):
-        price = float(shape.fill_unit[kind]) + rises[kind][:, None]
-        cost = np.where((x >= count) & (x <= held[:, None]), x * price, np.inf)
-        fixed = _convolve(fixed, cost, layers)
+    fixed = _blocks_fill(shape, suffix, units, rises, layers)
     fixed += unused_rise[:, None] * (layers - x)  # the unused types' units fill no cheaper
     last = suffix[-1][0]
-    joint = (_convolve(fixed, memo[key], layers)[:, layers] + links
+    joint = ((fixed + memo[key][:, ::-1]).min(axis=1) + links
              + float(shape.head_time[last] + shape.embedding_time.min()))
     tails = np.maximum(row_tail[rows], float(shape.head_tail[last]))
     cell = np.maximum(_terms(shape, row_low[rows], joint, tails), row_loose[rows])
     return min(float(cell.min()), outside)
+
+
+def _blocks_fill(shape: BatchShape, suffix: tuple[tuple[int, int], ...], units: list[np.ndarray],
+                 rises: np.ndarray, layers: int) -> np.ndarray:
+    """Per row and total ``X = 0 .. L``, the least fill of the suffix's blocks holding ``X``
+    units, each from its stage count up to its ``units`` at its fill per unit (``rises``
+    added): every block its stage count, then the rest cheapest first (inf where they cannot
+    hold ``X``)."""
+    counts = np.array([count for _, count in suffix], dtype=np.float64)
+    prices = np.array([float(shape.fill_unit[kind]) + rises[kind] for kind, _ in suffix])
+    room = np.array(units) - counts[:, None]  # block x row
+    base = (counts[:, None] * prices).sum(axis=0)
+    order = np.argsort(prices, axis=0, kind="stable")
+    prices, room = np.take_along_axis(prices, order, 0), np.take_along_axis(room, order, 0)
+    extra = np.arange(layers + 1, dtype=np.float64)[None, :] - counts.sum()  # units past them
+    out = np.zeros((len(base), layers + 1)) + base[:, None]
+    below = np.zeros(len(base))
+    for price, width in zip(prices, np.maximum(room, 0.0)):
+        out += price[:, None] * np.clip(extra - below[:, None], 0.0, width[:, None])
+        below = below + width
+    fits = (extra >= 0) & (extra <= below[:, None]) & (room.min(axis=0) >= 0)[:, None]
+    return np.where(fits, out, np.inf)
 
 
 def _block_units(shape: BatchShape, suffix: tuple[tuple[int, int], ...], capped: np.ndarray,
@@ -253,15 +275,18 @@ def option_floors(shape: BatchShape, node: Any, options: list[tuple[float, int, 
         return [(max(bound, root, floors.get((kind, count), root)), kind, count)
                 for bound, kind, count in options]
     floor = max(root, floors.get(suffix[-1], root))
+    tried = shape.__dict__.setdefault("_floor_tries", [0, 0])  # node floors computed, pruning
     out = []
     for bound, kind, count in options:
         bound = max(bound, floor)
-        if bound < cutoff:
+        if bound < cutoff and (tried[0] < TRIAL or tried[1] * PRUNING >= tried[0]):
             if kind < 0:
                 bound = max(bound, node_floor(shape, suffix, node.mask, node.links))
             else:
                 bit = 1 << shape.types.index(shape.kinds[kind].chip)
                 bound = max(bound, node_floor(shape, ((kind, count),) + suffix,
                                               node.mask & ~bit, node.links + links(kind, count)))
+            tried[0] += 1
+            tried[1] += bound >= cutoff
         out.append((bound, kind, count))
     return out
