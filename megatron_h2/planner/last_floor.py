@@ -38,6 +38,10 @@ if TYPE_CHECKING:
     from megatron_h2.planner.bounds import BatchShape
 
 
+DEFER = 32
+"""Expansions of a shape (calls of :func:`option_floors`) before its floors are computed: the
+shapes that close in fewer do not pay for them."""
+
 TRIAL, PRUNING = 64, 8
 """A shape's suffix floors (:func:`node_floor`) stop after ``TRIAL`` of them once fewer than one
 in ``PRUNING`` has lifted its option to the cutoff (they only cost there)."""
@@ -267,6 +271,10 @@ def option_floors(shape: BatchShape, node: Any, options: list[tuple[float, int, 
     own), that block's floor and, where still below ``cutoff``, the floor of the suffix it
     makes (:func:`node_floor`; ``links(kind, count)``: the link time a block adds)."""
     root = shape.root_bound()
+    expanded = shape.__dict__.get("_expanded", 0) + 1
+    shape._expanded = expanded  # type: ignore[attr-defined]
+    if expanded == DEFER:  # a shape that does not close within a few expansions
+        prepare_last_floors(shape, cutoff)
     floors = shape.__dict__.get("_last_floors")
     if not floors:
         return [(max(bound, root), kind, count) for bound, kind, count in options]

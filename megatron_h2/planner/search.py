@@ -43,7 +43,7 @@ from megatron_h2.planner.cost_model import CostModel
 from megatron_h2.planner.dives import dive_grids, dive_order
 from megatron_h2.planner.improve import Polish
 from megatron_h2.planner.merged_shape import MergedShape
-from megatron_h2.planner.last_floor import option_floors, prepare_last_floors
+from megatron_h2.planner.last_floor import option_floors
 from megatron_h2.planner.option_columns import ChipColumns, block_links, chip_columns
 from megatron_h2.planner.partition import INF
 from megatron_h2.planner.search_options import (
@@ -309,7 +309,6 @@ class _Search:
             if shape.root_bound() >= self.threshold * (1 - _SLACK):
                 self.stats.batch_shapes_pruned += 1
                 continue
-            prepare_last_floors(shape, self.threshold * (1 - _SLACK))
             self._prepare_shape(shape)
             options = self._options(shape, root_node(shape))
             bound = options[0][0] if options else INF
