@@ -49,7 +49,6 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from megatron_h2.planner.block_links import block_link_terms
 from megatron_h2.planner.bound_columns import (
     FLOOR_SIZE,
     ColumnFloor,
@@ -61,6 +60,7 @@ from megatron_h2.planner.bound_columns import (
 )
 from megatron_h2.planner.cost_model import MODES, CostModel, zero_bubble_share
 from megatron_h2.planner.coupled_root import coupled_root
+from megatron_h2.planner.head_block import block_link_terms
 from megatron_h2.planner.joint_root import deep_root
 from megatron_h2.planner.lead_cache import at_leads
 from megatron_h2.planner.option_group import known_blocks

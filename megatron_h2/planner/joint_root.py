@@ -33,8 +33,8 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from megatron_h2.planner.block_links import block_links
 from megatron_h2.planner.cost_model import MODES, zero_bubble_share
+from megatron_h2.planner.head_block import block_links
 from megatron_h2.planner.length_floor import fewest_stages, position_caps, stage_links
 from megatron_h2.planner.uniform_root import least_over_types
 from megatron_h2.planner.zero_bubble_fill import fill_shares

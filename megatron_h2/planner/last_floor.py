@@ -264,8 +264,10 @@ def _convolve(cost: np.ndarray, table: np.ndarray, layers: int) -> np.ndarray:
     return out
 
 
-def option_floors(shape: BatchShape, node: Any, options: list[tuple[float, int, int]],
-                  cutoff: float, links: Callable[[int, int], float]) -> list[tuple[float, int, int]]:
+def option_floors(
+    shape: BatchShape, node: Any, options: list[tuple[float, int, int]], cutoff: float,
+    links: Callable[[int, int], float],
+) -> list[tuple[float, int, int]]:
     """``options`` of ``node`` (bound, kind, count; kind -1 closes it), each at least the shape's
     root bound and, where its last block is known (the suffix's, or at the root the option's
     own), that block's floor and, where still below ``cutoff``, the floor of the suffix it

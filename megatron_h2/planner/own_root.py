@@ -22,8 +22,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from megatron_h2.planner.block_links import block_links
-from megatron_h2.planner.head_block import head_units, least_with_last
+from megatron_h2.planner.head_block import block_links, head_units, least_with_last
 from megatron_h2.planner.uniform_root import (
     least_over_types,
     level_fill_links,

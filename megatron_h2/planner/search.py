@@ -42,8 +42,8 @@ from megatron_h2.planner.bounds import BatchShape
 from megatron_h2.planner.cost_model import CostModel
 from megatron_h2.planner.dives import dive_grids, dive_order
 from megatron_h2.planner.improve import Polish
-from megatron_h2.planner.merged_shape import MergedShape
 from megatron_h2.planner.last_floor import option_floors
+from megatron_h2.planner.merged_shape import MergedShape
 from megatron_h2.planner.option_columns import ChipColumns, block_links, chip_columns
 from megatron_h2.planner.partition import INF
 from megatron_h2.planner.search_options import (

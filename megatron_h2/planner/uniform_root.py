@@ -27,9 +27,13 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from megatron_h2.planner.block_links import block_links, last_block_links
 from megatron_h2.planner.cost_model import zero_bubble_share
-from megatron_h2.planner.head_block import head_units, least_with_last
+from megatron_h2.planner.head_block import (
+    block_links,
+    head_units,
+    last_block_links,
+    least_with_last,
+)
 
 if TYPE_CHECKING:
     from megatron_h2.planner.bounds import BatchShape

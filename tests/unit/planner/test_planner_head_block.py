@@ -1,5 +1,5 @@
 """The roots' knapsacks with the block that ends the pipeline among the choices
-(:mod:`megatron_h2.planner.head_block`) and a block's links to itself (:mod:`.block_links`):
+(:mod:`megatron_h2.planner.head_block`), with a block's links to itself:
 the knapsacks against enumerating every choice, the head stage's units against the exact stage
 terms, and the roots, which the knapsacks raise on some small random clusters (the tests of
 :mod:`.test_planner_uniform_root` and :mod:`.test_planner_own_root` check them against the
