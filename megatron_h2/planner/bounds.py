@@ -60,6 +60,7 @@ from megatron_h2.planner.bound_columns import (
 )
 from megatron_h2.planner.cost_model import MODES, CostModel, zero_bubble_share
 from megatron_h2.planner.coupled_root import coupled_root
+from megatron_h2.planner.head_block import block_link_terms
 from megatron_h2.planner.joint_root import deep_root
 from megatron_h2.planner.lead_cache import at_leads
 from megatron_h2.planner.option_group import known_blocks
@@ -229,6 +230,7 @@ class BatchShape(ShapeMemory, RestBound, SyncCoupling, ColumnFloor):
         self._tables()
         self.leads = self._lead_grid()
         self.type_link = self._type_links()
+        self.inner_link, self.outer_link = block_link_terms(self)
         self.w_floor = self._root_w(range(len(self.kinds))) if self.positions else self.w_max
         self.root_fill, self.root_links = self._root_extras() if self.positions else (0.0, 0.0)
         self.root_coupled = self._coupled_root() if self.positions else 0.0

@@ -4,7 +4,7 @@ that bounds.py stays short."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -27,9 +27,24 @@ def coupled_root(shape: BatchShape, levels: bool = False, joint: bool = False) -
     included; with the links, jointly over the types' kinds: :mod:`.own_root`,
     :mod:`.uniform_root`; one DP with ``joint``: :mod:`.joint_root` too); above the top probe,
     the uncoupled terms."""
+    cells = root_cells(shape)
+    if cells is None:
+        return 0.0
+    probes, caps, most, tail, fill, terms, beyond = cells
+    if joint:  # one DP, refined: each type one block of one kind or none (.joint_root)
+        terms = np.maximum(terms, joint_root_terms(shape, probes, tail, fill))
+    # each type one kind or none: the fill and links joint (with ``levels``: own_root.py)
+    return joint_root(shape, probes, caps, most, tail, terms, beyond, levels)
+
+
+def root_cells(shape: BatchShape) -> tuple[Any, ...] | None:
+    """The coupled root's probes (97, from the root's steady floor up to four times it), the
+    capacities there (kind x probe x warm-up) and each kind's most (kind x probe), per probe
+    interval the end-of-step floor, the summed fill and the loose root terms, and the terms
+    above the top probe. None where the probes span nothing."""
     floor = max(shape.w_floor, float(shape.head_need.min()))
     if not (top := min(shape.w_max, 4.0 * floor)) > floor:
-        return 0.0
+        return None
     probes = np.geomspace(floor, top, 97)
     caps = shape.capacity(probes)  # kind x probe x warm-up
     most = shape._most_layers(caps)
@@ -41,8 +56,5 @@ def coupled_root(shape: BatchShape, levels: bool = False, joint: bool = False) -
     fill = np.maximum(shape._segment_fill(most)[1:], shape.root_fill)  # at g_j+1
     tail = np.maximum(sync, shape.tail_floor)
     terms = shape._root_terms(probes[:-1], tail, np.maximum(links, shape.root_links), fill)
-    if joint:  # one DP, refined: each type one block of one kind or none (.joint_root)
-        terms = np.maximum(terms, joint_root_terms(shape, probes, tail, fill))
     beyond = float(shape._root_terms(top, shape.tail_floor, shape.root_links))
-    # each type one kind or none: the fill and links joint (with ``levels``: own_root.py)
-    return joint_root(shape, probes, caps, most, tail, terms, beyond, levels)
+    return probes, caps, most, tail, fill, terms, beyond

@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from megatron_h2.planner.cost_model import MODES, zero_bubble_share
+from megatron_h2.planner.head_block import block_links
 from megatron_h2.planner.length_floor import fewest_stages, position_caps, stage_links
 from megatron_h2.planner.uniform_root import least_over_types
 from megatron_h2.planner.zero_bubble_fill import fill_shares
@@ -105,7 +106,7 @@ def kind_costs(
         fill += prices[mode][:, None, None] * np.clip(x - below, 0.0, width)
         below = np.maximum(below, upper)
     stages = low[None, :, None].astype(np.float64)
-    total = fill + stages * shape.type_link[k.chip]
+    total = fill + block_links(shape, k.chip, stages)
     total = np.where((x <= below) & (x >= stages), total, np.inf)
     best[:, 1:] = total.min(axis=1)[:, 1:]  # probe x units
     return best

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from megatron_h2.planner.head_block import block_links, head_units, least_with_last
 from megatron_h2.planner.uniform_root import (
     least_over_types,
     level_fill_links,
@@ -33,22 +34,46 @@ if TYPE_CHECKING:
     from megatron_h2.planner.bounds import BatchShape
 
 
-def own_fill_links(shape: BatchShape, most: np.ndarray) -> np.ndarray:
+def own_fill_links(shape: BatchShape, most: np.ndarray, probes: np.ndarray | None = None,
+                   first: np.ndarray | None = None, tops: np.ndarray | None = None) -> np.ndarray:
     """Per probe, a lower bound on the summed fill (edges included) plus the links of every own-DP
     plan of ``shape`` whose stages hold at most ``most`` (kind x probe, whole units) layers each
-    block: the knapsack of the module docstring; inf where no choice holds the layers."""
+    block: the knapsack of the module docstring; inf where no choice holds the layers. With the
+    ``probes`` (per column of ``most``) and ``first`` (kind x probe, the warm-up-0 stage's part
+    of ``most``; ``tops``: the end-of-step term's top per column, if bounded) the block that
+    ends the pipeline is one of the choices (:mod:`.head_block`), its last stage with the head."""
+    heads = None if probes is None else head_units(shape, probes, first, tops)
+    tables, lasts = own_tables(shape, most, first, heads)
+    if heads is None:
+        return least_over_types(shape, tables)
+    return least_with_last(shape, tables, lasts)
+
+
+def own_tables(shape: BatchShape, most: np.ndarray, first: np.ndarray | None,
+               heads: np.ndarray | None) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    """:func:`own_fill_links`' tables per chip type (probe x units ``0 .. L``): the least fill
+    and links of its block holding that many units, and of its block ending the pipeline with
+    its head stage holding at most ``heads`` (kind x probe; None: those all inf)."""
     layers, x = shape.layers, np.arange(shape.layers + 1)
-    tables = []
+    tables, lasts = [], []
     for chip in shape.types:
         table = np.full((most.shape[1], layers + 1), np.inf)  # probe x units
+        last = np.full((most.shape[1], layers + 1), np.inf)
         for kind in shape.kinds_of[chip]:
             stages = shape.kinds[kind].max_stages
-            unit, links = float(shape.fill_unit[kind]), stages * shape.type_link[chip]
+            unit, links = float(shape.fill_unit[kind]), block_links(shape, chip, stages)
             held = np.minimum(most[kind], layers)[:, None]
             cost = np.where((x >= stages) & (x <= held), x * unit + links, np.inf)
             np.minimum(table, cost, out=table)
+            if heads is None:
+                continue
+            held = np.where(heads[kind] >= 1, most[kind] - first[kind] + heads[kind], -1.0)
+            spent = x * unit + (stages - 1) * shape.inner_link[chip] + float(shape.head_time[kind])
+            np.minimum(last, np.where((x >= stages) & (x <= held[:, None]), spent, np.inf),
+                       out=last)
         tables.append(table)
-    return least_over_types(shape, tables)
+        lasts.append(last)
+    return tables, lasts
 
 
 CHUNK = 8
@@ -107,16 +132,19 @@ def joint_root_terms(
     found = sync_levels(shape) if levels else None
     if found is None:
         if not shape.uniform:
-            return _terms(shape, low, own_fill_links(shape, most[:, at]), tail)
-        return _terms(shape, low, uniform_fill_links(shape, caps[:, at]), tail)
+            joint = own_fill_links(shape, most[:, at], probes[at], caps[:, at, 0])
+            return _terms(shape, low, joint, tail)
+        return _terms(shape, low, uniform_fill_links(shape, caps[:, at], probes[at]), tail)
     # where the largest end-of-step term is in [Z_i, Z_i+1], every stage holds at most what it
     # can with its own term at most Z_i+1, and the term is at least Z_i
     if shape.uniform:
-        joint = level_fill_links(shape, caps[:, at], found[1])  # level x interval
+        joint = level_fill_links(shape, caps[:, at], found, probes[at])  # level x interval
     else:
         capped = np.minimum(caps[:, None, at, :], found[1][:, :, None, None])
-        flat = shape._most_layers(capped.reshape(len(caps), -1, caps.shape[2]))
-        joint = own_fill_links(shape, flat).reshape(len(found[0]), len(picked))
+        capped = capped.reshape(len(caps), -1, caps.shape[2])
+        tops = np.repeat(np.append(found[0][1:], np.inf), len(picked))
+        joint = own_fill_links(shape, shape._most_layers(capped), np.tile(probes[at], len(
+            found[0])), capped[:, :, 0], tops).reshape(len(found[0]), len(picked))
     return _terms(shape, low, joint, np.maximum(tail, found[0][:, None])).min(axis=0)
 
 

@@ -42,6 +42,7 @@ from megatron_h2.planner.bounds import BatchShape
 from megatron_h2.planner.cost_model import CostModel
 from megatron_h2.planner.dives import dive_grids, dive_order
 from megatron_h2.planner.improve import Polish
+from megatron_h2.planner.last_floor import option_floors
 from megatron_h2.planner.merged_shape import MergedShape
 from megatron_h2.planner.option_columns import ChipColumns, block_links, chip_columns
 from megatron_h2.planner.partition import INF
@@ -456,8 +457,8 @@ class _Search:
                 if fixed is None:  # the suffix's blocks, only where a child may follow
                     fixed = self._fixed(shape, node)
                 options += self._bounds(shape, node, fixed, need, columns, not dive)
-        root = shape.root_bound()  # every plan below the node is one of the shape's
-        options = [(max(bound, root), kind, count) for bound, kind, count in options]
+        options = option_floors(shape, node, options, self.threshold * (1 - _SLACK),
+                                lambda k, c: self._block_links(shape, node, k, c))
         options.sort(key=lambda item: (item[0], -item[2]))
         return options
 

@@ -28,29 +28,62 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from megatron_h2.planner.cost_model import zero_bubble_share
+from megatron_h2.planner.head_block import (
+    block_links,
+    head_units,
+    last_block_links,
+    least_with_last,
+)
 
 if TYPE_CHECKING:
     from megatron_h2.planner.bounds import BatchShape
 
 
-def uniform_fill_links(shape: BatchShape, caps: np.ndarray) -> np.ndarray:
+def uniform_fill_links(shape: BatchShape, caps: np.ndarray, probes: np.ndarray | None = None,
+                       tops: np.ndarray | None = None) -> np.ndarray:
     """Per probe, a lower bound on the summed fill (edges included) plus the links of every
     one-DP plan of ``shape`` whose stages hold at most ``caps`` (kind x probe x warm-up, from
     :meth:`~megatron_h2.planner.bounds.BatchShape.capacity`): the knapsack of the module
-    docstring; inf where no choice holds the layers."""
-    layers, probes = shape.layers, caps.shape[1]
+    docstring; inf where no choice holds the layers. With the ``probes`` (per row of ``caps``;
+    ``tops``: the end-of-step term's top per row, if bounded) the block that ends the pipeline
+    is one of the choices (:mod:`.head_block`): its head stage at warm-up 0 and the rest at
+    warm-ups ``1 .. n - 1``."""
+    heads = None if probes is None else head_units(shape, probes, caps[:, :, 0], tops)
+    tables, lasts = uniform_tables(shape, caps, heads)
+    if heads is None:
+        return least_over_types(shape, tables)
+    return least_with_last(shape, tables, lasts)
+
+
+def uniform_tables(shape: BatchShape, caps: np.ndarray,
+                   heads: np.ndarray | None) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    """:func:`uniform_fill_links`' tables per chip type (row x units ``0 .. L``): the least fill
+    and links of its block holding that many units, and of its block ending the pipeline with
+    its head stage holding at most ``heads`` (kind x row; None: those all inf)."""
+    layers, rows = shape.layers, caps.shape[1]
     units = np.arange(1, layers + 1)
-    tables = []
+    tables, lasts = [], []
     for chip in shape.types:
-        value = np.full((probes, layers + 1), np.inf)  # the type holding exactly x units
+        value = np.full((rows, layers + 1), np.inf)  # the type holding exactly x units
+        last = np.full((rows, layers + 1), np.inf)  # the same, its block ending the pipeline
         for kind in shape.kinds_of[chip]:
             most = min(shape.kinds[kind].max_stages, shape.positions)
             largest = -np.sort(-caps[kind], axis=1)[:, :most]  # probe x stage, largest first
             stages = fewest_stages(largest.cumsum(axis=1), layers)  # probe x units
-            spent = units * float(shape.fill_unit[kind]) + stages * shape.type_link[chip]
+            fill = units * float(shape.fill_unit[kind])
+            spent = fill + block_links(shape, chip, stages)
             np.minimum(value[:, 1:], np.where(stages <= most, spent, np.inf), out=value[:, 1:])
+            if heads is None:
+                continue
+            running = heads[kind][:, None] + np.concatenate(
+                (np.zeros((rows, 1)), caps[kind, :, 1:most].cumsum(axis=1)), axis=1)
+            stages = fewest_stages(running, layers)
+            spent = fill + (stages - 1) * shape.inner_link[chip] + float(shape.head_time[kind])
+            held = (stages <= most) & (heads[kind][:, None] >= 1)
+            np.minimum(last[:, 1:], np.where(held, spent, np.inf), out=last[:, 1:])
         tables.append(value)
-    return least_over_types(shape, tables)
+        lasts.append(last)
+    return tables, lasts
 
 
 def least_over_types(shape: BatchShape, tables: list[np.ndarray]) -> np.ndarray:
@@ -69,7 +102,7 @@ def least_over_types(shape: BatchShape, tables: list[np.ndarray]) -> np.ndarray:
                 np.minimum(chosen[:, units:], more, out=chosen[:, units:])
         cost = chosen
     edges = float(shape.head_time.min() + shape.embedding_time.min())
-    return cost[:, layers] - max(shape.type_link.values()) + edges
+    return cost[:, layers] - last_block_links(shape) + edges
 
 
 def fewest_stages(running: np.ndarray, layers: int) -> np.ndarray:
@@ -116,9 +149,15 @@ def sync_levels(shape: BatchShape) -> tuple[np.ndarray, np.ndarray] | None:
     return levels, held
 
 
-def level_fill_links(shape: BatchShape, caps: np.ndarray, held: np.ndarray) -> np.ndarray:
-    """:func:`uniform_fill_links` per level (``held`` from :func:`sync_levels`: kind x level)
-    with every stage's capacity also at most what it holds at that level: level x probe."""
+def level_fill_links(shape: BatchShape, caps: np.ndarray, found: tuple[np.ndarray, np.ndarray],
+                     probes: np.ndarray) -> np.ndarray:
+    """:func:`uniform_fill_links` per level (``found`` from :func:`sync_levels`: the levels and
+    what a stage of each kind holds at each, kind x level) with every stage's capacity also at
+    most what it holds at that level and the head stage's end-of-step term within its top
+    (``probes``: per column of ``caps``): level x probe."""
+    levels, held = found
     capped = np.minimum(caps[:, None, :, :], held[:, :, None, None])  # kind x level x probe x q
     flat = capped.reshape(caps.shape[0], -1, caps.shape[2])
-    return uniform_fill_links(shape, flat).reshape(held.shape[1], caps.shape[1])
+    tops = np.repeat(np.append(levels[1:], np.inf), caps.shape[1])
+    rows = np.tile(probes, len(levels))
+    return uniform_fill_links(shape, flat, rows, tops).reshape(held.shape[1], caps.shape[1])

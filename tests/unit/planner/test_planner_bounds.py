@@ -275,9 +275,9 @@ def test_the_root_bound_fills_the_layers_at_each_probe(schedule: str, dp: int | 
     memory = shape._most_layers(memory_caps)
     joint, uniform = own_root.own_fill_links, own_root.uniform_fill_links  # their knapsacks on
     with pytest.MonkeyPatch.context() as patch:  # the memory caps alone too
-        patch.setattr(own_root, "own_fill_links", lambda s, most: joint(
+        patch.setattr(own_root, "own_fill_links", lambda s, most, *rest: joint(
             s, np.repeat(memory, most.shape[1], axis=1)))
-        patch.setattr(own_root, "uniform_fill_links", lambda s, caps: uniform(
+        patch.setattr(own_root, "uniform_fill_links", lambda s, caps, *rest: uniform(
             s, np.repeat(memory_caps, caps.shape[1], axis=1)))
         patch.setattr(own_root, "sync_levels", lambda s: None)
         memory_only = shape._coupled_root()

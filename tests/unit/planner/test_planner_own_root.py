@@ -38,11 +38,12 @@ def enumerated(shape: BatchShape, most: np.ndarray, probe: int) -> float:
         for units in itertools.product(*ranges):
             if sum(units) != shape.layers:
                 continue
-            cost = sum(x * float(shape.fill_unit[k]) + shape.kinds[k].max_stages
-                       * shape.type_link[shape.kinds[k].chip] for k, x in zip(kinds, units))
+            cost = sum(x * float(shape.fill_unit[k]) + (shape.kinds[k].max_stages - 1)
+                       * shape.inner_link[shape.kinds[k].chip]
+                       + shape.outer_link[shape.kinds[k].chip] for k, x in zip(kinds, units))
             best = min(best, cost)
     edges = float(shape.head_time.min() + shape.embedding_time.min())
-    return best - max(shape.type_link.values()) + edges
+    return best - max(shape.outer_link.values()) + edges
 
 
 @pytest.mark.parametrize("schedule", ["1f1b", "zero-bubble"])
@@ -76,7 +77,8 @@ def test_the_own_dp_root_bound_never_exceeds_the_exact_split_and_rises(
             assert shape.root_bound() <= least * (1 + 1e-9), (shape.root_bound(), least)
             checked += 1
         with monkeypatch.context() as patch:
-            patch.setattr(own_root, "own_fill_links", lambda s, most: np.zeros(most.shape[1]))
+            patch.setattr(own_root, "own_fill_links",
+                          lambda s, most, *rest: np.zeros(most.shape[1]))
             loose = shape._coupled_root(levels=True)
         raised += shape.root_coupled > loose * (1 + 1e-6)
     assert checked > 0 and raised > 0
