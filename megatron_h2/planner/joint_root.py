@@ -9,14 +9,15 @@ counted from warm-up 0 (the block as if it ended the pipeline: caps fall with th
 ``n`` stages hold at most ``W_m(n)`` units in the modes up to ``m``. A stage's mode is the
 fastest that fits, and a stage in mode ``m`` holds no more than ``W_m`` allows, so its units
 fill at no less than the convex segments: the first ``W_0(n)`` at mode 0's per-unit fill, the
-next ``W_1(n) - W_0(n)`` at mode 1's, and so on (the fills per unit grow with the mode). Each
-stage but one has a link of at least its type's cheapest.
+next ``W_1(n) - W_0(n)`` at mode 1's, and so on (the fills per unit grow with the mode). A
+block's links are its type's own link per stage but one plus one to another type, the last
+block's less (:mod:`.block_links`).
 
 So the summed fill plus links of every plan is at least the least, over the choices of one kind
 and stage count (or none) per type whose units add up to ``L``, of ``sum (segment fill +
-n link)`` minus the largest link, plus the edges' least fill: per kind the best stage count for
-each unit count (``O(n L)`` per probe), then a min-plus knapsack over types and unit counts
-``0 .. L`` (``O(T L^2)`` per probe): polynomial in the types, kinds and layers.
+links(n))`` minus the largest cross-type link, plus the edges' least fill: per kind the best
+stage count for each unit count (``O(n L)`` per probe), then a min-plus knapsack over types and
+unit counts ``0 .. L`` (``O(T L^2)`` per probe): polynomial in the types, kinds and layers.
 
 :func:`deep_root` couples the largest end-of-step term in as well (each stage's units at most
 its kind's sync inverse times it), once per shape the search keeps after its root.
@@ -33,6 +34,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from megatron_h2.planner.block_links import block_links
 from megatron_h2.planner.cost_model import MODES, zero_bubble_share
 from megatron_h2.planner.length_floor import fewest_stages, position_caps, stage_links
 from megatron_h2.planner.uniform_root import least_over_types
@@ -105,7 +107,7 @@ def kind_costs(
         fill += prices[mode][:, None, None] * np.clip(x - below, 0.0, width)
         below = np.maximum(below, upper)
     stages = low[None, :, None].astype(np.float64)
-    total = fill + stages * shape.type_link[k.chip]
+    total = fill + block_links(shape, k.chip, stages)
     total = np.where((x <= below) & (x >= stages), total, np.inf)
     best[:, 1:] = total.min(axis=1)[:, 1:]  # probe x units
     return best

@@ -5,9 +5,10 @@ type is either unused or runs exactly one stage kind with all of its chips: ``n`
 kind (``n t d`` = its chip count), each holding at least one layer and, where the slowest folded
 steady term is at most a probe ``g``, at most the kind's capacity there (its block as if it ended
 the pipeline, :meth:`~megatron_h2.planner.bounds.BatchShape._most_layers`: an upper bound
-wherever it sits). Every stage but one has a link of at least its type's cheapest. So the summed
-fill plus links of every plan is at least the least, over the choices of one kind or none per
-type whose layers sum to ``L``, of ``sum (x_k fill_k + n_k link_k)`` minus the largest link, plus
+wherever it sits). A block's links are at least its type's own link per stage but one plus one
+to another type (:mod:`.block_links`). So the summed fill plus links of every plan is at least
+the least, over the choices of one kind or none per type whose layers sum to ``L``, of
+``sum (x_k fill_k + links(n_k))`` minus the largest cross-type link, plus
 the edges' least fill: a multiple-choice knapsack over types and layer counts ``0 .. L``, solved
 exactly by a small dynamic programme per probe (polynomial in the types, kinds and layers).
 
@@ -22,6 +23,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from megatron_h2.planner.block_links import block_links
 from megatron_h2.planner.uniform_root import (
     least_over_types,
     level_fill_links,
@@ -43,7 +45,7 @@ def own_fill_links(shape: BatchShape, most: np.ndarray) -> np.ndarray:
         table = np.full((most.shape[1], layers + 1), np.inf)  # probe x units
         for kind in shape.kinds_of[chip]:
             stages = shape.kinds[kind].max_stages
-            unit, links = float(shape.fill_unit[kind]), stages * shape.type_link[chip]
+            unit, links = float(shape.fill_unit[kind]), block_links(shape, chip, stages)
             held = np.minimum(most[kind], layers)[:, None]
             cost = np.where((x >= stages) & (x <= held), x * unit + links, np.inf)
             np.minimum(table, cost, out=table)

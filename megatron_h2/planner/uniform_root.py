@@ -6,13 +6,14 @@ kind's most. Where the slowest folded steady term is at most a probe ``g``, no s
 than its capacity there (time and memory caps, :meth:`~megatron_h2.planner.bounds.BatchShape.
 capacity`), so ``n`` stages of a kind hold at most its ``n`` largest capacities over the
 warm-ups, and a kind that holds ``x`` layers needs at least the fewest stages whose largest
-capacities sum to ``x``. Every stage but one has a link of at least its type's cheapest (a
-block of one type sends mostly to itself, and some types' links are several times others'). So
-the summed fill plus links of every plan is at least the least, over the choices of one kind
-or none per type and its layers ``x`` (summing to ``L``), of ``sum (x fill_k + n_k(x) link)``
-minus the largest link, plus the edges' least fill: a knapsack over types and layer counts
-``0 .. L`` per probe, like the own-DP shapes' (:mod:`.own_root`) but with the stage count that
-the layers need instead of every chip of the type.
+capacities sum to ``x``. A block of ``n`` stages has ``n - 1`` links from its type to itself and
+one to another type unless it ends the pipeline (:mod:`.block_links`; some types' own links are
+several times others'). So the summed fill plus links of every plan is at least the least, over
+the choices of one kind or none per type and its layers ``x`` (summing to ``L``), of
+``sum (x fill_k + links(n_k(x)))`` minus the largest cross-type link, plus the edges' least
+fill: a knapsack over types and layer counts ``0 .. L`` per probe, like the own-DP shapes'
+(:mod:`.own_root`) but with the stage count that the layers need instead of every chip of the
+type.
 
 The root's loose form takes the fill (the cheapest capacity of every kind at once) and the
 links (the fewest stages that hold every layer, each with the cheapest link of any type) apart:
@@ -27,6 +28,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from megatron_h2.planner.block_links import block_links, last_link
 from megatron_h2.planner.cost_model import zero_bubble_share
 
 if TYPE_CHECKING:
@@ -47,7 +49,7 @@ def uniform_fill_links(shape: BatchShape, caps: np.ndarray) -> np.ndarray:
             most = min(shape.kinds[kind].max_stages, shape.positions)
             largest = -np.sort(-caps[kind], axis=1)[:, :most]  # probe x stage, largest first
             stages = fewest_stages(largest.cumsum(axis=1), layers)  # probe x units
-            spent = units * float(shape.fill_unit[kind]) + stages * shape.type_link[chip]
+            spent = units * float(shape.fill_unit[kind]) + block_links(shape, chip, stages)
             np.minimum(value[:, 1:], np.where(stages <= most, spent, np.inf), out=value[:, 1:])
         tables.append(value)
     return least_over_types(shape, tables)
@@ -56,8 +58,9 @@ def uniform_fill_links(shape: BatchShape, caps: np.ndarray) -> np.ndarray:
 def least_over_types(shape: BatchShape, tables: list[np.ndarray]) -> np.ndarray:
     """Per probe, the least summed cost over one choice per chip type (its ``tables`` entry:
     probe x units ``0 .. L``, the cost of holding that many units; 0 units: the type unused)
-    whose units add up to ``L`` (a min-plus knapsack), less the largest link (one stage has
-    none) plus the edges' least fill."""
+    whose units add up to ``L`` (a min-plus knapsack), less the largest cross-type link
+    (:func:`~megatron_h2.planner.block_links.last_link`: the last block sends none) plus the
+    edges' least fill."""
     layers = shape.layers
     cost = np.full((tables[0].shape[0], layers + 1), np.inf)  # probe x units placed so far
     cost[:, 0] = 0.0
@@ -69,7 +72,7 @@ def least_over_types(shape: BatchShape, tables: list[np.ndarray]) -> np.ndarray:
                 np.minimum(chosen[:, units:], more, out=chosen[:, units:])
         cost = chosen
     edges = float(shape.head_time.min() + shape.embedding_time.min())
-    return cost[:, layers] - max(shape.type_link.values()) + edges
+    return cost[:, layers] - last_link(shape) + edges
 
 
 def fewest_stages(running: np.ndarray, layers: int) -> np.ndarray:

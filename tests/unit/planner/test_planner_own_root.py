@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from megatron_h2.planner import own_root, suffixes
+from megatron_h2.planner.block_links import block_links, last_link
 from megatron_h2.planner.bounds import BatchShape
 from megatron_h2.planner.partition import INF
 from megatron_h2.planner.search_options import SearchOptions
@@ -38,11 +39,12 @@ def enumerated(shape: BatchShape, most: np.ndarray, probe: int) -> float:
         for units in itertools.product(*ranges):
             if sum(units) != shape.layers:
                 continue
-            cost = sum(x * float(shape.fill_unit[k]) + shape.kinds[k].max_stages
-                       * shape.type_link[shape.kinds[k].chip] for k, x in zip(kinds, units))
+            cost = sum(x * float(shape.fill_unit[k])
+                       + block_links(shape, shape.kinds[k].chip, shape.kinds[k].max_stages)
+                       for k, x in zip(kinds, units))
             best = min(best, cost)
     edges = float(shape.head_time.min() + shape.embedding_time.min())
-    return best - max(shape.type_link.values()) + edges
+    return best - last_link(shape) + edges
 
 
 @pytest.mark.parametrize("schedule", ["1f1b", "zero-bubble"])

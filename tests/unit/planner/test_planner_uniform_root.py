@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from megatron_h2.planner import own_root, suffixes, uniform_root
+from megatron_h2.planner.block_links import block_links, last_link
 from megatron_h2.planner.bounds import BatchShape
 from megatron_h2.planner.partition import INF
 from megatron_h2.planner.search_options import SearchOptions
@@ -45,11 +46,11 @@ def enumerated(shape: BatchShape, caps: np.ndarray, probe: int) -> float:
         for picks in itertools.product(*blocks):
             if sum(x for _, x in picks) != shape.layers:
                 continue
-            cost = sum(x * float(shape.fill_unit[k]) + n * shape.type_link[shape.kinds[k].chip]
+            cost = sum(x * float(shape.fill_unit[k]) + block_links(shape, shape.kinds[k].chip, n)
                        for k, (n, x) in zip(kinds, picks))
             best = min(best, cost)
     edges = float(shape.head_time.min() + shape.embedding_time.min())
-    return best - max(shape.type_link.values()) + edges
+    return best - last_link(shape) + edges
 
 
 @pytest.mark.parametrize("schedule", ["1f1b", "zero-bubble"])
