@@ -50,18 +50,20 @@ def length_caps(shape: BatchShape, stages: int, most: bool = False) -> np.ndarra
             caps = np.zeros((len(shape.kinds), 1 if most else len(MODES), stages))
             for m in sorted({k.micro_batches for k in shape.kinds}):
                 kinds = [i for i, k in enumerate(shape.kinds) if k.micro_batches == m]
-                caps[kinds] = _zero_bubble_caps(shape, kinds, stages, m, most)
+                places = [(q, stages - 1 - q) for q in range(stages)]
+                caps[kinds] = zero_bubble_caps(shape, kinds, places, m, most)
         cache[stages, most] = np.minimum(caps, shape.layers)
     return cache[stages, most]
 
 
-def _zero_bubble_caps(
-    shape: BatchShape, kinds: list[int], stages: int, m: int, most: bool
+def zero_bubble_caps(
+    shape: BatchShape, kinds: list[int], places: list[tuple[int, int]], m: int, most: bool
 ) -> np.ndarray:
-    """:func:`length_caps` of ``kinds`` (``m`` micro-batches per replica) under zero-bubble:
-    per position ``q`` the peaks of stage ``stages - 1 - q`` (its deferred inputs grow with
-    that index): kind x mode x position."""
-    pairs = [zero_bubble_peaks(q, m, stages - 1 - q) for q in range(stages)]
+    """Most units of a stage of ``kinds`` (``m`` micro-batches per replica) under zero-bubble at
+    each of ``places``: (warm-up ``q``, index from the front ``s``; its deferred inputs grow
+    with ``s``), no embedding or head: kind x mode (one with ``most``, :func:`length_caps`) x
+    place."""
+    pairs = [zero_bubble_peaks(q, m, s) for q, s in places]
     width = max(len(p) for p in pairs)
     padded = np.array([p + [p[0]] * (width - len(p)) for p in pairs], dtype=np.float64)
     costs = [shape.kinds[i].costs for i in kinds]
