@@ -17,8 +17,7 @@ zero_bubble_peaks`), and fall as either grows. So in every pipeline of at least 
   ``(m, s)``;
 * else the *base*, any number of stages, the caps at ``(m, m - 1)``.
 
-Under 1F1B a stage's caps depend on its warm-up alone: the table's warm-ups but the last are
-the slots and its last entry (every warm-up beyond) the base. A Lagrangian price ``mu >= 0``
+(Back and front slots are capped at the most stages a pipeline has.) A Lagrangian price ``mu >= 0``
 per slot used keeps the knapsack per type: a kind holding ``j`` slots pays ``mu j`` and holds
 its ``j`` best slots' caps and base caps on its other stages; the knapsack's least, less
 ``mu`` times the slots there are, is a lower bound on every plan (each plan uses each slot at
@@ -39,20 +38,24 @@ if TYPE_CHECKING:
 
 def slot_caps(shape: BatchShape, stages: int) -> tuple[np.ndarray, np.ndarray] | None:
     """Caps of the slots (kind x mode x slot) and of the base (kind x mode) of the plans of the
-    one-DP ``shape`` with at least ``stages`` stages (cached); None where the places are not
-    slots (interleaving, a one-stage pipeline, MoE models)."""
-    if shape.chunks > 1 or shape.schedule not in ("1f1b", "zero-bubble") or stages < 2 or (
-            shape.cost.model.is_moe or not shape.uniform):
+    one-DP zero-bubble ``shape`` with at least ``stages`` stages (cached); None for other
+    schedules (1F1B's caps fall with the warm-up alone; measured, slots there raised no root of
+    the 405B member and cost half a second a shape), a one-stage pipeline and MoE models."""
+    if shape.schedule != "zero-bubble" or stages < 2 or shape.cost.model.is_moe or (
+            not shape.uniform):
         return None
     cache = shape.__dict__.setdefault("_slot_caps", {})
     if stages not in cache:
-        if shape.schedule == "zero-bubble":
-            m = shape.kinds[0].micro_batches  # one DP degree: every kind's
-            places = [(q, min(max(stages - 1 - q, 0), m - 1)) for q in range(m)]
-            places += [(m, s) for s in range(m - 1)] + [(m, m - 1)]
-            caps = zero_bubble_caps(shape, list(range(len(shape.kinds))), places, m, False)
-        else:
-            caps = shape.mem_caps
+        m = shape.kinds[0].micro_batches  # one DP degree: every kind's
+        back, front = min(m, shape.positions), min(m - 1, shape.positions)  # no more places
+        places = [(q, min(max(stages - 1 - q, 0), m - 1)) for q in range(back)]
+        places += [(m, s) for s in range(front)] + [(m, m - 1)]
+        known = shape.__dict__.setdefault("_place_caps", {})  # place -> kind x mode
+        todo = sorted(set(places) - set(known))
+        if todo:
+            found = zero_bubble_caps(shape, list(range(len(shape.kinds))), todo, m, False)
+            known.update({place: found[:, :, i] for i, place in enumerate(todo)})
+        caps = np.stack([known[place] for place in places], axis=2)
         caps = np.minimum(caps, shape.layers)
         cache[stages] = (caps[:, :, :-1], caps[:, :, -1])
     return cache[stages]
