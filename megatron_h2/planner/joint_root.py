@@ -227,15 +227,15 @@ def deep_probes(shape: BatchShape) -> np.ndarray | None:
     return np.geomspace(floor, top, 97)
 
 
-def deep_root(shape: BatchShape, cutoff: float) -> float:
+def deep_root(shape: BatchShape, cutoff: float, share: float = 1.0) -> float:
     """A lower bound on every plan of the one-DP ``shape`` with the end-of-step term coupled
     too, or ``cutoff`` if that is lower: on the cells (:class:`CellBounds`) of :data:`PROBES`
     probe intervals and :data:`SYNCS` intervals ``(Z_k, Z_k+1]`` of the largest end-of-step
     term, each stage of kind ``k`` holds at most ``r_k Z_k+1`` units (its term grows at least
     linearly in them), so the knapsack runs with those caps too and the term is at least
     ``Z_k``; the least over the cells whose steady term and links may be below ``cutoff`` (the
-    others bound at least ``cutoff``), the lowest cells refined (:mod:`.sync_cells`), and above
-    the top probe the uncoupled terms."""
+    others bound at least ``cutoff``), the lowest cells refined (:mod:`.sync_cells`, ``share``
+    of its budget), and above the top probe the uncoupled terms."""
     if (probes := deep_probes(shape)) is None:
         return 0.0
     picks = np.unique(np.linspace(1, len(probes) - 1, PROBES).round().astype(np.int64))
@@ -256,4 +256,4 @@ def deep_root(shape: BatchShape, cutoff: float) -> float:
         values = bounds(lows, picks, z_lo, z_hi)
         cells += list(zip(values.tolist(), lows.tolist(), picks.tolist(), z_lo.tolist(),
                           z_hi.tolist()))
-    return float(min(best, refine(shape, cells, bounds, min(best, cutoff))))
+    return float(min(best, refine(shape, cells, bounds, min(best, cutoff), share)))

@@ -50,17 +50,18 @@ def refine(
     cells: list[tuple[float, int, int, float, float]],
     evaluate: Callable[..., np.ndarray],
     cutoff: float,
+    share: float = 1.0,
 ) -> float:
     """The least bound over ``cells`` (bound, probe index low and high, ``Z`` low and high)
     after refining the lowest ones; ``evaluate`` bounds cells given as arrays of those four
     (probe indices into the root's grid), with ``slots=True`` more tightly
     (:mod:`.position_slots`): the lowest cell is bounded so once (:data:`SLOTTED` of the
-    lowest at a time), then split. Refines no cell whose bound is at least ``cutoff``; inf
-    without cells."""
+    lowest at a time), then split, until ``share`` of :data:`CELLS` is spent. Refines no cell
+    whose bound is at least ``cutoff``; inf without cells."""
     heap = [(*cell, False) for cell in cells]
     heapq.heapify(heap)
     spent = 0
-    while heap and heap[0][0] < cutoff and spent < CELLS:
+    while heap and heap[0][0] < cutoff and spent < CELLS * share:
         if not heap[0][5]:  # the lowest, not yet bounded with slots
             popped = [heapq.heappop(heap) for _ in range(min(SLOTTED, len(heap)))]
             batch = [cell for cell in popped if not cell[5]]
