@@ -13,12 +13,13 @@ from megatron_h2.planner import joint_root, sync_cells
 from megatron_h2.planner.bounds import BatchShape
 from megatron_h2.planner.cluster import ChipType, Cluster
 from megatron_h2.planner.cost_model import CostConfig, CostModel
-from megatron_h2.planner.partition import INF, StageSlot, StageTable
+from megatron_h2.planner.partition import INF
 from megatron_h2.planner.structure import solve_structure
 from tests.helpers.planner_models import planner_model
 from tests.unit.planner.test_planner_joint_root import (
     closed_pipelines,
     one_dp_shapes,
+    split_table,
     steady_and_stages,
 )
 
@@ -41,15 +42,11 @@ def test_the_parts_of_a_cell_cover_it() -> None:
         assert all(a[1] == b[0] and a[0] < a[1] for a, b in zip(syncs, syncs[1:]))
 
 
-def largest_tail(shape, suffix, layers: tuple[int, ...]) -> float:
+def largest_tail(shape: BatchShape, suffix: tuple[tuple[int, int], ...],
+                 layers: tuple[int, ...]) -> float:
     """The largest end-of-step term ``z`` of a split (:class:`StageTable`'s ``tail``)."""
-    stages = [kind for kind, count in suffix for _ in range(count)]
-    p, warmups = len(stages), shape.warmups(suffix)
-    slots = [StageSlot(shape.kinds[k].costs, i == 0, i == p - 1) for i, k in enumerate(stages)]
-    caps = [shape.mode_caps(k, p, i, q) for i, (k, q) in enumerate(zip(stages, warmups))]
-    table = StageTable(slots, shape.layers, caps, shape.schedule, shape.chunks,
-                       [shape.kinds[k].micro_batches for k in stages])
-    return float(table.tail[np.arange(p), list(layers)].max())
+    table = split_table(shape, suffix)
+    return float(table.tail[np.arange(len(layers)), list(layers)].max())
 
 
 def long_case(seed: int) -> CostModel:
