@@ -417,10 +417,11 @@ class BatchShape(ShapeMemory, RestBound, SyncCoupling, ColumnFloor):
         (:func:`~megatron_h2.planner.coupled_root.coupled_root`)."""
         return coupled_root(self, levels, joint)
 
-    def refine_root(self, cutoff: float) -> None:
-        """Raise a one-DP shape's root bound once: its ``joint`` terms and :func:`.deep_root`."""
+    def refine_root(self, cutoff: float, share: float = 1.0) -> None:
+        """Raise a one-DP shape's root bound once: its ``joint`` terms and :func:`.deep_root`
+        (its cells refined with ``share`` of :data:`~.sync_cells.CELLS`)."""
         if self.uniform and self.prepared and self.positions and "_deep" not in self.__dict__:
-            self._deep = max(self._coupled_root(joint=True), deep_root(self, cutoff))
+            self._deep = max(self._coupled_root(joint=True), deep_root(self, cutoff, share))
             self.root_coupled = max(self.root_coupled, self._deep)
 
     def build_grid(self, w_high: float, points: int, coarse: int = 32) -> None:

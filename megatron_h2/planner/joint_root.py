@@ -9,14 +9,15 @@ counted from warm-up 0 (the block as if it ended the pipeline: caps fall with th
 ``n`` stages hold at most ``W_m(n)`` units in the modes up to ``m``. A stage's mode is the
 fastest that fits, and a stage in mode ``m`` holds no more than ``W_m`` allows, so its units
 fill at no less than the convex segments: the first ``W_0(n)`` at mode 0's per-unit fill, the
-next ``W_1(n) - W_0(n)`` at mode 1's, and so on (the fills per unit grow with the mode). Each
-stage but one has a link of at least its type's cheapest.
+next ``W_1(n) - W_0(n)`` at mode 1's, and so on (the fills per unit grow with the mode). A
+block's links are its type's own link per stage but one plus one to another type, the last
+block's less (:func:`.head_block.block_links`).
 
 So the summed fill plus links of every plan is at least the least, over the choices of one kind
 and stage count (or none) per type whose units add up to ``L``, of ``sum (segment fill +
-n link)`` minus the largest link, plus the edges' least fill: per kind the best stage count for
-each unit count (``O(n L)`` per probe), then a min-plus knapsack over types and unit counts
-``0 .. L`` (``O(T L^2)`` per probe): polynomial in the types, kinds and layers.
+links(n))`` minus the largest cross-type link, plus the edges' least fill: per kind the best
+stage count for each unit count (``O(n L)`` per probe), then a min-plus knapsack over types and
+unit counts ``0 .. L`` (``O(T L^2)`` per probe): polynomial in the types, kinds and layers.
 
 :func:`deep_root` couples the largest end-of-step term in as well (each stage's units at most
 its kind's sync inverse times it), once per shape the search keeps after its root.
@@ -36,6 +37,8 @@ import numpy as np
 from megatron_h2.planner.cost_model import MODES, zero_bubble_share
 from megatron_h2.planner.head_block import block_links
 from megatron_h2.planner.length_floor import fewest_stages, position_caps, stage_links
+from megatron_h2.planner.position_slots import slot_fill_links
+from megatron_h2.planner.sync_cells import refine
 from megatron_h2.planner.uniform_root import least_over_types
 from megatron_h2.planner.zero_bubble_fill import fill_shares
 
@@ -172,45 +175,85 @@ def joint_root_terms(
     return shape.steady * low + np.maximum(joint_terms, loose_terms)
 
 
-def deep_root(shape: BatchShape, cutoff: float) -> float:
-    """A lower bound on every plan of the one-DP ``shape`` with the end-of-step term coupled
-    too, or ``cutoff`` if that is lower: on the cells of :data:`PROBES` probe intervals and
-    :data:`SYNCS` intervals ``(Z_k, Z_k+1]`` of the largest end-of-step term, each stage of kind
-    ``k`` holds at most ``r_k Z_k+1`` units (its term grows at least linearly in them, ``r`` its
-    :attr:`~megatron_h2.planner.bounds.BatchShape.sync_inverse`), so the knapsack runs with
-    those caps too and the term is at least ``Z_k``; the least over the cells whose steady term
-    and links may be below ``cutoff`` (the others bound at least ``cutoff``), and above the top
-    probe the uncoupled terms. About ``SYNCS`` times the root's joint terms in CPU."""
+class CellBounds:
+    """Lower bounds on the plans of a one-DP ``shape`` in cells of :func:`deep_root`: where the
+    slowest folded steady term is in ``(probes[lo], probes[hi]]`` and the largest end-of-step
+    term in ``(z_lo, z_hi]``, every stage holds at most its caps at ``probes[hi]`` (time, and
+    memory at the fewest stages there) and at most ``r_k z_hi`` units (``r`` the kinds'
+    :attr:`~megatron_h2.planner.bounds.BatchShape.sync_inverse`), so the fill and links are at
+    least the knapsack's with those caps, the steady term at least ``probes[lo]`` and the
+    end-of-step term at least ``z_lo``."""
+
+    def __init__(self, shape: BatchShape, probes: np.ndarray):
+        self.shape, self.probes = shape, probes
+        self.stages = fewest_stages(shape, probes)
+        self.links = np.maximum(shape.root_links, stage_links(shape, probes, self.stages))
+        self.rates = np.asarray(shape.sync_inverse, dtype=np.float64)
+        self._caps: tuple[np.ndarray, np.ndarray] | None = None
+
+    def __call__(
+        self, lo: np.ndarray, hi: np.ndarray, z_lo: np.ndarray, z_hi: np.ndarray,
+        slots: bool = False,
+    ) -> np.ndarray:
+        """The bounds of the cells ``(lo, hi]`` (probe indices) by ``(z_lo, z_hi]``; with
+        ``slots`` the knapsack with the stages' places as shared slots too
+        (:mod:`.position_slots`, a few times the CPU)."""
+        shape, probes, links = self.shape, self.probes, self.links
+        if self._caps is None:  # per probe: the fill's rises and the memory caps
+            self._caps = share_rises(shape, self.stages), position_caps(shape, self.stages)
+        rises, caps = self._caps
+        with np.errstate(invalid="ignore"):  # inf x 0: no DP sync, no cap
+            per_stage = np.floor(self.rates[None, :] * z_hi[:, None] * (1 + 1e-9))
+        per_stage = np.where(np.isinf(self.rates)[None, :], np.inf, per_stage)
+        held = np.minimum(caps[hi], per_stage[:, :, None, None])
+        joint = joint_fill_links(shape, probes[hi], held, rises[:, hi])
+        if slots:
+            joint = np.maximum(joint, slot_fill_links(
+                shape, probes[hi], per_stage, rises[:, hi], self.stages[hi], joint))
+        z, own = np.maximum(z_lo, shape.tail_floor), shape._own_work(probes[lo])
+        if shape.schedule == "zero-bubble":
+            terms = np.maximum(joint + np.maximum(z, shape.tail_share * own), own + links[hi])
+        else:
+            terms = np.maximum(joint, own + links[hi]) + z
+        return shape.steady * probes[lo] + terms
+
+
+def deep_probes(shape: BatchShape) -> np.ndarray | None:
+    """The probe grid of :func:`deep_root` (the coupled root's), or None where it has none."""
     floor = max(shape.w_floor, float(shape.head_need.min()))
     if not (top := min(shape.w_max, 4.0 * floor)) > floor or shape.cost.model.is_moe or (
             not shape.positions):
-        return 0.0  # MoE: as joint_root_terms
-    probes = np.geomspace(floor, top, 97)  # as the coupled root's
+        return None  # MoE: as joint_root_terms
+    return np.geomspace(floor, top, 97)
+
+
+def deep_root(shape: BatchShape, cutoff: float, share: float = 1.0) -> float:
+    """A lower bound on every plan of the one-DP ``shape`` with the end-of-step term coupled
+    too, or ``cutoff`` if that is lower: on the cells (:class:`CellBounds`) of :data:`PROBES`
+    probe intervals and :data:`SYNCS` intervals ``(Z_k, Z_k+1]`` of the largest end-of-step
+    term, each stage of kind ``k`` holds at most ``r_k Z_k+1`` units (its term grows at least
+    linearly in them), so the knapsack runs with those caps too and the term is at least
+    ``Z_k``; the least over the cells whose steady term and links may be below ``cutoff`` (the
+    others bound at least ``cutoff``), the lowest cells refined (:mod:`.sync_cells`, ``share``
+    of its budget), and above the top probe the uncoupled terms."""
+    if (probes := deep_probes(shape)) is None:
+        return 0.0
     picks = np.unique(np.linspace(1, len(probes) - 1, PROBES).round().astype(np.int64))
-    solved, low = probes[picks], probes[np.concatenate(([0], picks[:-1]))]
-    stages = fewest_stages(shape, solved)
-    links = np.maximum(shape.root_links, stage_links(shape, solved, stages))
-    keep = shape.steady * low + links < cutoff
-    rates = np.asarray(shape.sync_inverse, dtype=np.float64)
-    finite = rates[np.isfinite(rates) & (rates > 0)]
-    best = shape._root_terms(top, shape.tail_floor, shape.root_links)  # above the top probe
+    lows = np.concatenate(([0], picks[:-1]))
+    bounds = CellBounds(shape, probes)
+    keep = shape.steady * probes[lows] + bounds.links[picks] < cutoff
+    finite = bounds.rates[np.isfinite(bounds.rates) & (bounds.rates > 0)]
+    best = shape._root_terms(probes[-1], shape.tail_floor, shape.root_links)  # above the top
     if not keep.any() or not len(finite):  # nothing below the cutoff, or no DP sync
         return float(min(best, cutoff)) if not keep.any() else 0.0
     best = min(best, cutoff) if not keep.all() else best
-    solved, low, stages, links = solved[keep], low[keep], stages[keep], links[keep]
-    rises, caps = share_rises(shape, stages), position_caps(shape, stages)
-    own = shape._own_work(low)
+    picks, lows = picks[keep], lows[keep]
     edges = np.geomspace(max(shape.tail_floor, 1e-9), shape.layers / finite.min(), SYNCS)
     edges = np.concatenate(([0.0], edges, [np.inf]))
+    cells = []
     for k in range(len(edges) - 1):
-        per_stage = np.floor(rates * edges[k + 1])  # rates > 0 (inf: no DP sync)
-        held = np.minimum(caps, per_stage[None, :, None, None])
-        joint = joint_fill_links(shape, solved, held, rises)
-        z = max(edges[k], shape.tail_floor)
-        if shape.schedule == "zero-bubble":
-            tail = np.maximum(z, shape.tail_share * own)
-            terms = np.maximum(joint + tail, own + links)
-        else:
-            terms = np.maximum(joint, own + links) + z
-        best = min(best, float((shape.steady * low + terms).min()))
-    return float(best)
+        z_lo, z_hi = np.full(len(picks), edges[k]), np.full(len(picks), edges[k + 1])
+        values = bounds(lows, picks, z_lo, z_hi)
+        cells += list(zip(values.tolist(), lows.tolist(), picks.tolist(), z_lo.tolist(),
+                          z_hi.tolist()))
+    return float(min(best, refine(shape, cells, bounds, min(best, cutoff), share)))

@@ -50,18 +50,20 @@ def length_caps(shape: BatchShape, stages: int, most: bool = False) -> np.ndarra
             caps = np.zeros((len(shape.kinds), 1 if most else len(MODES), stages))
             for m in sorted({k.micro_batches for k in shape.kinds}):
                 kinds = [i for i, k in enumerate(shape.kinds) if k.micro_batches == m]
-                caps[kinds] = _zero_bubble_caps(shape, kinds, stages, m, most)
+                places = [(q, stages - 1 - q) for q in range(stages)]
+                caps[kinds] = zero_bubble_caps(shape, kinds, places, m, most)
         cache[stages, most] = np.minimum(caps, shape.layers)
     return cache[stages, most]
 
 
-def _zero_bubble_caps(
-    shape: BatchShape, kinds: list[int], stages: int, m: int, most: bool
+def zero_bubble_caps(
+    shape: BatchShape, kinds: list[int], places: list[tuple[int, int]], m: int, most: bool
 ) -> np.ndarray:
-    """:func:`length_caps` of ``kinds`` (``m`` micro-batches per replica) under zero-bubble:
-    per position ``q`` the peaks of stage ``stages - 1 - q`` (its deferred inputs grow with
-    that index): kind x mode x position."""
-    pairs = [zero_bubble_peaks(q, m, stages - 1 - q) for q in range(stages)]
+    """Most units of a stage of ``kinds`` (``m`` micro-batches per replica) under zero-bubble at
+    each of ``places``: (warm-up ``q``, index from the front ``s``; its deferred inputs grow
+    with ``s``), no embedding or head: kind x mode (one with ``most``, :func:`length_caps`) x
+    place."""
+    pairs = [_most_active(zero_bubble_peaks(q, m, s)) for q, s in places]
     width = max(len(p) for p in pairs)
     padded = np.array([p + [p[0]] * (width - len(p)) for p in pairs], dtype=np.float64)
     costs = [shape.kinds[i].costs for i in kinds]
@@ -72,6 +74,24 @@ def _zero_bubble_caps(
     static = np.array([shape.chunks * c.layer_static for c in costs])[:, None, None]
     room = np.array([c.capacity - c.working for c in costs])[:, None, None]
     return _most_units(room, static + held)
+
+
+def _most_active(pairs: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """The (active, deferred) peak states that can hold the most bytes, ``A act + D keep`` with
+    ``act, keep >= 0``: the vertices of the states' upper hull towards larger ``A`` and ``D``
+    (every other state holds no more than one of them), so that a stage of thousands of
+    micro-batches costs a few states (exact integers)."""
+    if len(pairs) <= 8:
+        return pairs
+    hull: list[tuple[int, int]] = []  # (D, A), D rising, A falling
+    for deferred, active in sorted((d, a) for a, d in pairs):
+        while hull and hull[-1][1] <= active:  # fewer deferred and no more active
+            hull.pop()
+        while len(hull) >= 2 and (hull[-1][0] - hull[-2][0]) * (active - hull[-2][1]) - (
+                hull[-1][1] - hull[-2][1]) * (deferred - hull[-2][0]) >= 0:
+            hull.pop()  # on or below the chord of its neighbours
+        hull.append((deferred, active))
+    return [(active, deferred) for deferred, active in hull]
 
 
 def assignment_bound(values: np.ndarray, most: np.ndarray) -> float:

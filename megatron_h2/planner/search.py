@@ -92,6 +92,12 @@ class _Search:
             return self.options.cutoff_s
         return min(-self.best[0][0], self.options.cutoff_s)
 
+    @property
+    def _cell_share(self) -> float:
+        """Share of :data:`~.sync_cells.CELLS` a root's refinement spends: all at a minute's
+        limit or more, less at shorter ones (the quick members' proofs are a few seconds)."""
+        return min(1.0, self.options.time_limit_s / 60.0)
+
     def _best_value(self) -> float:
         """The best step time found so far (inf before the first plan)."""
         return min((-item[0] for item in self.best), default=INF)
@@ -303,7 +309,7 @@ class _Search:
             if self._late():
                 return Left(shapes[index:], refined, queue)
             shape.prepare()
-            shape.refine_root(self.threshold * (1 - _SLACK))  # the sync coupled too
+            shape.refine_root(self.threshold * (1 - _SLACK), self._cell_share)  # the sync too
             if shape.root_bound() < self.threshold * (1 - _SLACK):
                 shape.tighten()
             if shape.root_bound() >= self.threshold * (1 - _SLACK):

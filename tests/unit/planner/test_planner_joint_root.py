@@ -45,18 +45,23 @@ def closed_pipelines(shape: BatchShape) -> list[tuple[tuple[int, int], ...]]:
     return out
 
 
+def split_table(shape: BatchShape, suffix: tuple[tuple[int, int], ...]) -> StageTable:
+    """Stage two's table of the closed pipeline ``suffix`` (its terms per stage and unit)."""
+    stages = [kind for kind, count in suffix for _ in range(count)]
+    p, warmups = len(stages), shape.warmups(suffix)
+    slots = [StageSlot(shape.kinds[k].costs, i == 0, i == p - 1) for i, k in enumerate(stages)]
+    caps = [shape.mode_caps(k, p, i, q) for i, (k, q) in enumerate(zip(stages, warmups))]
+    return StageTable(slots, shape.layers, caps, shape.schedule, shape.chunks,
+                      [shape.kinds[k].micro_batches for k in stages])
+
+
 def steady_and_stages(shape: BatchShape, suffix: tuple[tuple[int, int], ...]) -> tuple[float, int]:
     """The exact best split's largest folded steady term (``F w``; ``w`` where ``F = 0``) and its
     stage count (inf if nothing fits)."""
     split = solve_structure(shape, suffix)
     if split is None:
         return INF, 0
-    stages = [kind for kind, count in suffix for _ in range(count)]
-    p, warmups = len(stages), shape.warmups(suffix)
-    slots = [StageSlot(shape.kinds[k].costs, i == 0, i == p - 1) for i, k in enumerate(stages)]
-    caps = [shape.mode_caps(k, p, i, q) for i, (k, q) in enumerate(zip(stages, warmups))]
-    table = StageTable(slots, shape.layers, caps, shape.schedule, shape.chunks,
-                       [shape.kinds[k].micro_batches for k in stages])
+    table, p = split_table(shape, suffix), len(split.layers)
     rows, units = np.arange(p), [layers // shape.chunks for layers in split.layers]
     work = table.work[rows, units]
     if shape.factor_max == 0:  # one micro-batch per replica: the bound probes the work itself
