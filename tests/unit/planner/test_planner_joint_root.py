@@ -149,3 +149,32 @@ def test_the_options_of_the_search_stay_below_the_exact_splits() -> None:
         shape.build_grid(shape.w_max, 64)
         exact_below(run, shape, suffixes.root_node(shape), checked)
     assert checked[0] > 0
+
+
+@pytest.mark.parametrize(("schedule", "chunks"), SCHEDULES)
+def test_the_sync_cells_reaching_the_cutoff_stay_below_the_exact_splits_and_rise(
+        schedule: str, chunks: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With a cutoff above a shape's best exact split, :func:`joint_root.deep_root` (its probes
+    and end-of-step cells up to the cutoff) is at most that split; on some shape it is higher
+    than with the probes up to four times the floor and the cells up to the layers' largest
+    term (the reach before)."""
+    from megatron_h2.planner import joint_root
+
+    def old_reach(shape: BatchShape, floor: float, cutoff: float) -> tuple[float, float]:
+        return min(shape.w_max, 4.0 * floor), INF
+
+    checked = raised = 0
+    for shape in one_dp_shapes(range(12), schedule, chunks):
+        least = min((split.step_time_s for suffix in closed_pipelines(shape)
+                     if (split := solve_structure(shape, suffix)) is not None), default=INF)
+        if least == INF:
+            continue
+        for cutoff in (least * (1 + 1e-6), least * 1.5, least * 4.0):
+            bound = joint_root.deep_root(shape, cutoff)
+            assert bound <= least * (1 + 1e-9), (bound, least, cutoff)
+            with monkeypatch.context() as patch:
+                patch.setattr(joint_root, "_reach", old_reach)
+                before = joint_root.deep_root(shape, cutoff)
+            checked += 1
+            raised += bound > before * (1 + 1e-6)
+    assert checked > 0 and raised > 0
