@@ -179,15 +179,16 @@ def deep_root(shape: BatchShape, cutoff: float) -> float:
     :attr:`~megatron_h2.planner.bounds.BatchShape.sync_inverse`), so the knapsack runs with
     those caps too and the term is at least ``Z_k``; the least over the cells whose steady term
     and links may be below ``cutoff`` (the others bound at least ``cutoff``), and above the top
-    probe the uncoupled terms. The probes and cells reach the ``cutoff`` (:func:`_reach`): above
-    it the steady or end-of-step term alone is at least the cutoff. About ``SYNCS`` times the
-    root's joint terms in CPU."""
+    probe the uncoupled terms. The probes and cells reach the ``cutoff`` (:func:`_reach`,
+    :func:`_probe_grid`): above it the steady or end-of-step term alone is at least the cutoff;
+    below it the cells are those from the floor to the layers' largest term together with
+    :data:`SYNCS` from the floor to the cutoff (finer cells: each bound no lower). About
+    ``SYNCS`` to twice that times the root's joint terms in CPU."""
     floor = max(shape.w_floor, float(shape.head_need.min()))
     top, sync_top = _reach(shape, floor, cutoff)
     if not top > floor or shape.cost.model.is_moe or not shape.positions:
         return 0.0  # MoE: as joint_root_terms
-    probes = np.geomspace(floor, top, 97)  # as the coupled root's, up to the cutoff
-    picks = np.unique(np.linspace(1, len(probes) - 1, PROBES).round().astype(np.int64))
+    probes, picks = _probe_grid(floor, top)
     solved, low = probes[picks], probes[np.concatenate(([0], picks[:-1]))]
     stages = fewest_stages(shape, solved)
     links = np.maximum(shape.root_links, stage_links(shape, solved, stages))
@@ -201,8 +202,10 @@ def deep_root(shape: BatchShape, cutoff: float) -> float:
     solved, low, stages, links = solved[keep], low[keep], stages[keep], links[keep]
     rises, caps = share_rises(shape, stages), position_caps(shape, stages)
     own = shape._own_work(low)
-    edges = np.geomspace(max(shape.tail_floor, 1e-9), min(sync_top, shape.layers / finite.min()),
-                        SYNCS)
+    edges = np.geomspace(max(shape.tail_floor, 1e-9), shape.layers / finite.min(), SYNCS)
+    if sync_top < edges[-1]:  # finer cells below the cutoff (above it: at least the cutoff)
+        finer = np.geomspace(max(shape.tail_floor, 1e-9), sync_top, SYNCS)
+        edges = np.union1d(edges[edges < sync_top], finer)
     edges = np.concatenate(([0.0], edges, [np.inf]))
     for k in range(len(edges) - 1):
         per_stage = np.floor(rates * edges[k + 1])  # rates > 0 (inf: no DP sync)
@@ -218,13 +221,33 @@ def deep_root(shape: BatchShape, cutoff: float) -> float:
     return float(best)
 
 
+def _probe_grid(floor: float, top: float) -> tuple[np.ndarray, np.ndarray]:
+    """The probes of :func:`deep_root` and the indices of those it solves: the coupled root's
+    (97 from ``floor`` to four times it, :data:`PROBES` of them solved), continued at the same
+    ratios up to ``top`` when that is higher (so the intervals below four times the floor are
+    those they were before the probes reached the cutoff)."""
+    low_top = min(top, 4.0 * floor)
+    probes = np.geomspace(floor, low_top, 97)
+    picks = np.unique(np.linspace(1, len(probes) - 1, PROBES).round().astype(np.int64))
+    if top > low_top * (1 + 1e-12):
+        ratio = probes[1] / probes[0]
+        more = int(np.ceil(np.log(top / low_top) / np.log(ratio) - 1e-9))
+        probes = np.concatenate((probes, low_top * ratio ** np.arange(1, more + 1)))
+        probes[-1] = max(probes[-1], top)
+        step = max(int(picks[-1] - picks[-2]), 1) if len(picks) > 1 else 1
+        extra = np.arange(picks[-1] + step, len(probes) - 1 + step, step)
+        picks = np.unique(np.append(picks, np.minimum(extra, len(probes) - 1)))
+    return probes, picks
+
+
 def _reach(shape: BatchShape, floor: float, cutoff: float) -> tuple[float, float]:
     """The top probe of :func:`deep_root` and the top of its end-of-step cells: four times the
     ``floor`` probe (the coupled root's) or, with a finite ``cutoff``, the probe whose steady term
     alone is the cutoff if that is higher (the uncoupled terms above the top probe then bound at
     least the cutoff, where at four times the floor they bound the plans between far below it:
     on the 100,000-chip 70B member, micro-batch 1 zero-bubble at DP 256, 0.769 s where its best
-    plan found takes 1.19 s); the cells up to the cutoff (a larger term alone is at least it)."""
+    plan found takes 1.19 s); and the top of the end-of-step cells: the cutoff (a larger term
+    alone is at least it; inf without one)."""
     top = 4.0 * floor
     if not np.isfinite(cutoff) or cutoff <= 0:
         return min(shape.w_max, top), np.inf
