@@ -180,10 +180,9 @@ def deep_root(shape: BatchShape, cutoff: float) -> float:
     those caps too and the term is at least ``Z_k``; the least over the cells whose steady term
     and links may be below ``cutoff`` (the others bound at least ``cutoff``), and above the top
     probe the uncoupled terms. The probes and cells reach the ``cutoff`` (:func:`_reach`,
-    :func:`_probe_grid`): above it the steady or end-of-step term alone is at least the cutoff;
-    below it the cells are those from the floor to the layers' largest term together with
-    :data:`SYNCS` from the floor to the cutoff (finer cells: each bound no lower). About
-    ``SYNCS`` to twice that times the root's joint terms in CPU."""
+    :func:`_probe_grid`): above it the steady or end-of-step term alone is at least the cutoff,
+    so the cells end at it (split there, each bound no lower; the cells above it cost nothing).
+    About ``SYNCS`` times the root's joint terms in CPU."""
     floor = max(shape.w_floor, float(shape.head_need.min()))
     top, sync_top = _reach(shape, floor, cutoff)
     if not top > floor or shape.cost.model.is_moe or not shape.positions:
@@ -203,9 +202,8 @@ def deep_root(shape: BatchShape, cutoff: float) -> float:
     rises, caps = share_rises(shape, stages), position_caps(shape, stages)
     own = shape._own_work(low)
     edges = np.geomspace(max(shape.tail_floor, 1e-9), shape.layers / finite.min(), SYNCS)
-    if sync_top < edges[-1]:  # finer cells below the cutoff (above it: at least the cutoff)
-        finer = np.geomspace(max(shape.tail_floor, 1e-9), sync_top, SYNCS)
-        edges = np.union1d(edges[edges < sync_top], finer)
+    if sync_top < edges[-1]:  # the cells split at the cutoff (above it: at least the cutoff)
+        edges = np.append(edges[edges < sync_top], sync_top)
     edges = np.concatenate(([0.0], edges, [np.inf]))
     for k in range(len(edges) - 1):
         per_stage = np.floor(rates * edges[k + 1])  # rates > 0 (inf: no DP sync)

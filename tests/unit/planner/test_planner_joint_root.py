@@ -185,7 +185,7 @@ def test_reaching_the_cutoff_raises_the_large_zero_bubble_root(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """On the 100,000-chip 70B family member (seed 1) the micro-batch-1 zero-bubble shape at DP
     256, whose best plan found takes 1.19 s, is bounded at 0.77 s with the probes up to four
-    times the floor (the uncoupled terms above them) and above 0.9 s with them up to the cutoff
+    times the floor (the uncoupled terms above them) and above 0.85 s with them up to the cutoff
     (the family's best plan, 0.9962 s)."""
     from megatron_h2.planner import joint_root
 
@@ -197,4 +197,4 @@ def test_reaching_the_cutoff_raises_the_large_zero_bubble_root(
     with monkeypatch.context() as patch:
         patch.setattr(joint_root, "_reach", old_reach)
         before = joint_root.deep_root(shape, 0.9962)
-    assert before < 0.8 < 0.9 < bound
+    assert before < 0.8 < 0.85 < bound
