@@ -18,6 +18,7 @@ from megatron_h2.planner.bounds import BatchShape
 from megatron_h2.planner.partition import INF, StageSlot, StageTable
 from megatron_h2.planner.search_options import SearchOptions
 from megatron_h2.planner.structure import solve_structure
+from tests.helpers.paths import ROOT
 from tests.unit.planner.test_planner_bounds import small_case
 
 search_module = importlib.import_module("megatron_h2.planner.search")
@@ -154,3 +155,51 @@ def test_the_options_of_the_search_stay_below_the_exact_splits() -> None:
         shape.build_grid(shape.w_max, 64)
         exact_below(run, shape, suffixes.root_node(shape), checked)
     assert checked[0] > 0
+
+
+def old_reach(shape: BatchShape, floor: float, cutoff: float) -> tuple[float, float]:
+    """:func:`joint_root._reach` before the probes and cells reached the cutoff."""
+    return min(shape.w_max, 4.0 * floor), INF
+
+
+@pytest.mark.parametrize(("schedule", "chunks"), SCHEDULES)
+def test_the_sync_cells_reaching_the_cutoff_stay_below_the_exact_splits(
+        schedule: str, chunks: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With a cutoff above a shape's best exact split, :func:`joint_root.deep_root` (its probes
+    and end-of-step cells up to the cutoff) is at most that split, and never below the reach
+    before (the probes up to four times the floor, the cells up to the layers' largest term)."""
+    from megatron_h2.planner import joint_root
+
+    checked = 0
+    for shape in one_dp_shapes(range(12), schedule, chunks):
+        least = min((split.step_time_s for suffix in closed_pipelines(shape)
+                     if (split := solve_structure(shape, suffix)) is not None), default=INF)
+        if least == INF:
+            continue
+        for cutoff in (least * (1 + 1e-6), least * 1.5, least * 4.0):
+            bound = joint_root.deep_root(shape, cutoff)
+            assert bound <= least * (1 + 1e-9), (bound, least, cutoff)
+            with monkeypatch.context() as patch:
+                patch.setattr(joint_root, "_reach", old_reach)
+                assert bound >= joint_root.deep_root(shape, cutoff) * (1 - 1e-9)
+            checked += 1
+    assert checked > 0
+
+
+def test_reaching_the_cutoff_raises_the_large_zero_bubble_root(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """On the 100,000-chip 70B family member (seed 1) the micro-batch-1 zero-bubble shape at DP
+    256, whose best plan found takes 1.19 s, is bounded at 0.77 s with the probes up to four
+    times the floor (the uncoupled terms above them) and above 0.85 s with them up to the cutoff
+    (the family's best plan, 0.9962 s)."""
+    from megatron_h2.planner import joint_root
+
+    monkeypatch.syspath_prepend(str(ROOT / "bench"))
+    planner_family = importlib.import_module("planner_family")
+    item = planner_family.member(1, 100_000)
+    shape = BatchShape(item.cost, item.global_batch_size, 1, "zero-bubble", 1, 256)
+    bound = joint_root.deep_root(shape, 0.9962)
+    with monkeypatch.context() as patch:
+        patch.setattr(joint_root, "_reach", old_reach)
+        before = joint_root.deep_root(shape, 0.9962)
+    assert before < 0.8 < 0.85 < bound
