@@ -46,7 +46,7 @@ def test_no_floor_exceeds_the_exact_split_below_it(
     computed, none given up)."""
     monkeypatch.setattr(last_floor, "TRIAL", 10**9)
     checked = 0
-    for shape in _shapes(schedule, range(12)):
+    for shape in _shapes(schedule, range(8)):
         run = search_module._Search(shape.cost, SearchOptions(8, top_k=10**6))
         shape.build_grid(shape.w_max, 64)
         shape.tighten()
@@ -69,7 +69,7 @@ def test_the_floors_raise_some_option(schedule: str, monkeypatch: pytest.MonkeyP
     monkeypatch.setattr(last_floor, "DEFER", 10**9)
     monkeypatch.setattr(last_floor, "TRIAL", 10**9)
     raised = 0
-    for shape in _shapes(schedule, range(12)):
+    for shape in _shapes(schedule, range(6)):
         run = search_module._Search(shape.cost, SearchOptions(8, top_k=10**6, cutoff_s=1e9))
         shape.build_grid(shape.w_max, 64)
         shape.tighten()

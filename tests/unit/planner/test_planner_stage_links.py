@@ -97,7 +97,7 @@ def test_the_floor_never_exceeds_the_least_links_of_any_choice(
 
 @pytest.mark.parametrize("schedule,batch,chunks", [("1f1b", 8, 1), ("zero-bubble", 8, 1),
                                                   ("zero-bubble", 4, 1), ("interleaved", 8, 2)])
-@pytest.mark.parametrize("seed", range(3))
+@pytest.mark.parametrize("seed", [0, 1])  # seed 2 (8 layers on 18 chips) takes 10x as long
 def test_bounds_of_four_types_never_exceed_the_exact_split(
     seed: int, schedule: str, batch: int, chunks: int
 ) -> None:
