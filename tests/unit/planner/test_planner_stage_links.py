@@ -71,7 +71,7 @@ SHAPES = [("1f1b", 1, 1), ("1f1b", 2, 1), ("zero-bubble", 1, 1), ("zero-bubble",
 
 
 @pytest.mark.parametrize("schedule,dp,chunks", SHAPES)
-@pytest.mark.parametrize("seed", range(3))
+@pytest.mark.parametrize("seed", range(2))
 def test_the_floor_never_exceeds_the_least_links_of_any_choice(
     seed: int, schedule: str, dp: int | None, chunks: int
 ) -> None:
