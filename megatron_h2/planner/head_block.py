@@ -79,16 +79,21 @@ def least_with_last(shape: BatchShape, tables: list[np.ndarray],
     done = np.full_like(free, np.inf)  # the last block placed
     for table, last in zip(tables, lasts):
         new_free, new_done = free.copy(), done.copy()
-        for units in np.flatnonzero(np.isfinite(table[:, 1:]).any(axis=0)) + 1:
-            np.minimum(new_free[:, units:], free[:, : layers + 1 - units]
-                       + table[:, units : units + 1], out=new_free[:, units:])
-            np.minimum(new_done[:, units:], done[:, : layers + 1 - units]
-                       + table[:, units : units + 1], out=new_done[:, units:])
-        for units in np.flatnonzero(np.isfinite(last[:, 1:]).any(axis=0)) + 1:
-            np.minimum(new_done[:, units:], free[:, : layers + 1 - units]
-                       + last[:, units : units + 1], out=new_done[:, units:])
+        add_blocks(new_free, free, table)
+        add_blocks(new_done, done, table)
+        add_blocks(new_done, free, last)
         free, done = new_free, new_done
     return done[:, layers] + float(shape.embedding_time.min())
+
+
+def add_blocks(out: np.ndarray, before: np.ndarray, table: np.ndarray) -> None:
+    """One min-plus step of the roots' knapsacks, in place: ``out[:, x] = min(out[:, x],
+    before[:, x - u] + table[:, u])`` over every block size ``u >= 1`` that ``table`` (probe x
+    units ``0 .. L``) prices somewhere (``out`` and ``before``: probe x units placed)."""
+    layers = out.shape[1] - 1
+    for units in np.flatnonzero(np.isfinite(table[:, 1:]).any(axis=0)) + 1:
+        np.minimum(out[:, units:], before[:, : layers + 1 - units] + table[:, units : units + 1],
+                   out=out[:, units:])
 
 
 def unit_sync_slope(shape: BatchShape) -> np.ndarray:

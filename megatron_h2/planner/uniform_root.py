@@ -29,6 +29,7 @@ import numpy as np
 
 from megatron_h2.planner.cost_model import zero_bubble_share
 from megatron_h2.planner.head_block import (
+    add_blocks,
     block_links,
     head_units,
     last_block_links,
@@ -96,10 +97,7 @@ def least_over_types(shape: BatchShape, tables: list[np.ndarray]) -> np.ndarray:
     cost[:, 0] = 0.0
     for table in tables:
         chosen = cost.copy()  # the type unused
-        for units in range(1, layers + 1):
-            if np.isfinite(table[:, units]).any():
-                more = cost[:, : layers + 1 - units] + table[:, units : units + 1]
-                np.minimum(chosen[:, units:], more, out=chosen[:, units:])
+        add_blocks(chosen, cost, table)
         cost = chosen
     edges = float(shape.head_time.min() + shape.embedding_time.min())
     return cost[:, layers] - last_block_links(shape) + edges
