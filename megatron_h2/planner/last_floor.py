@@ -186,7 +186,7 @@ def _longer_units(shape: BatchShape, suffix: tuple[tuple[int, int], ...], mask: 
     _, capped, heads, _, _, _, _, _, widest, placed = shape._floor_rows
     unused = [k for i, t in enumerate(shape.types) if mask >> i & 1 for k in shape.kinds_of[t]]
     most = widest[unused][:, rows].max(axis=0)  # units per new stage at most
-    position, changed = sum(count for _, count in suffix), False
+    position, first, changed = sum(count for _, count in suffix), units, False
     for _ in range(ROUNDS):
         short = shape.layers - sum(np.maximum(block, 0.0) for block in units)
         with np.errstate(divide="ignore", invalid="ignore"):
@@ -196,8 +196,9 @@ def _longer_units(shape: BatchShape, suffix: tuple[tuple[int, int], ...], mask: 
             break
         lengths, changed = longer.astype(np.int64), True
         units = _block_units(shape, suffix, capped, heads, rows, placed, lengths)
-    if not changed:
-        return None
+    same = all(np.array_equal(a, b) for a, b in zip(first, units))
+    if not changed or same and (lengths <= shape.positions).all():
+        return None  # the same cells
     units[-1] = np.where(lengths > shape.positions, -1.0, units[-1])
     return units
 

@@ -38,6 +38,7 @@ class PlacedRows:
         self.probes, self.held = probes, held
         self._timed: dict[int, np.ndarray] = {}
         self._memory: dict[int, np.ndarray] = {}
+        self._bind: dict[int, bool] = {}
 
     def block_units(self, shape: BatchShape, kind: int, warmups: np.ndarray, behind: int,
                     stages: np.ndarray, rows: np.ndarray) -> np.ndarray | None:
@@ -45,7 +46,7 @@ class PlacedRows:
         ``warmups``, ``behind`` stages after it) the most units the stage holds in a pipeline of
         at least ``stages`` stages (per row; each one that runs the schedule): row x stage
         (None where the schedule's memory does not grow with the pipeline's length)."""
-        if shape.schedule != "zero-bubble":
+        if shape.schedule != "zero-bubble" or not self._binds(shape, kind):
             return None
         count = len(warmups)
         fronts = stages[:, None] - behind - count + np.arange(count)  # index from the front
@@ -59,6 +60,19 @@ class PlacedRows:
         timed = self._timed_caps(shape, kind)[rows]  # row x mode
         units = np.minimum(timed[:, None, :], caps).max(axis=2)
         return np.minimum(np.clip(units, 0.0, shape.layers), self.held[kind, rows][:, None])
+
+    def _binds(self, shape: BatchShape, kind: int) -> bool:
+        """Whether some stage of ``kind`` (warm-ups up to the positions) holds less at some
+        place than its time caps allow at some row, in some mode (else its placed caps are its
+        time caps, as the table's: nothing to gain, and none read)."""
+        if kind not in self._bind:
+            top = self._timed_caps(shape, kind).max(axis=0)  # per mode, the most at any row
+            warmups = min(shape.kinds[kind].micro_batches, shape.positions) + 1
+            least = self._memory_caps(shape, kind, warmups - 1)[:warmups]
+            least = np.minimum(least.min(axis=(0, 1)), shape._placed_stage_caps(
+                kind, 0, 0, max(shape.positions, 2)))  # the last stage's too, the longest
+            self._bind[kind] = bool((least < np.minimum(top, shape.layers)).any())
+        return self._bind[kind]
 
     def _memory_caps(self, shape: BatchShape, kind: int, warmup: int) -> np.ndarray:
         """:func:`zero_bubble_caps` of ``kind`` up to warm-up ``warmup`` at least (cached,
