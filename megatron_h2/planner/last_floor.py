@@ -182,7 +182,7 @@ def _longer_units(shape: BatchShape, suffix: tuple[tuple[int, int], ...], mask: 
     holds at the row; that lengthens the pipeline, and so on for :data:`ROUNDS` rounds (each
     length a lower bound on every pipeline's below, given the last). A row where even the
     longest pipeline cannot hold the layers has its last block at -1 (no plan). None where no
-    row gets longer."""
+    row gets longer, or the units and so the cells stay the same."""
     _, capped, heads, _, _, _, _, _, widest, placed = shape._floor_rows
     unused = [k for i, t in enumerate(shape.types) if mask >> i & 1 for k in shape.kinds_of[t]]
     most = widest[unused][:, rows].max(axis=0)  # units per new stage at most
