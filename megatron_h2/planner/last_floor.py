@@ -31,6 +31,7 @@ import numpy as np
 from megatron_h2.planner.coupled_root import root_cells
 from megatron_h2.planner.head_block import head_units
 from megatron_h2.planner.own_root import _terms, own_tables
+from megatron_h2.planner.placed_rows import PlacedRows
 from megatron_h2.planner.uniform_root import sync_levels, uniform_tables
 from megatron_h2.planner.zero_bubble_fill import fill_shares
 
@@ -102,22 +103,26 @@ def last_floors(shape: BatchShape, cells: tuple[Any, ...], cutoff: float) -> dic
                 rows = np.flatnonzero(cell < cutoff)
                 below[kind, count] = (rows, min(float(np.delete(cell, rows).min(initial=np.inf)),
                                                 rest))
+    placed = PlacedRows(np.tile(probes[live + 1], len(levels)),
+                        np.repeat(held, len(live), axis=1))
     shape._floor_rows = (below, capped, heads, row_low, row_tail, row_loose,  # type: ignore
-                         tables, {}, capped.max(axis=2))
+                         tables, {}, capped.max(axis=2), placed)
     return floors
 
 
 def node_floor(shape: BatchShape, suffix: tuple[tuple[int, int], ...], mask: int,
-               links: float) -> float:
+               links: float, cutoff: float = np.inf) -> float:
     """A lower bound on every plan below the suffix ``suffix`` (blocks from the front; ``mask``
     its unused chip types, ``links`` its exact link time), from the cells of its last block
     below the cutoff (:func:`last_floors`): its blocks each hold ``n .. `` their stages'
-    capacities (the last with its head stage) at their fill, and the unused types the root's
-    knapsack over them; 0 where no floors are kept."""
+    capacities (the last with its head stage; at their places in a pipeline as long as the
+    suffix, :mod:`.placed_rows`) at their fill, and the unused types the root's knapsack over
+    them; the cells still below ``cutoff`` then with the pipeline's least length below the
+    suffix (:func:`_longer_units`). 0 where no floors are kept."""
     data = shape.__dict__.get("_floor_rows")
     if data is None or suffix[-1] not in data[0]:
         return 0.0
-    below, capped, heads, row_low, row_tail, row_loose, tables, memo, widest = data
+    below, capped, heads, _, _, _, tables, memo, widest, placed = data
     rows, outside = below[suffix[-1]]
     if not len(rows):
         return outside
@@ -131,17 +136,71 @@ def node_floor(shape: BatchShape, suffix: tuple[tuple[int, int], ...], mask: int
                 choice[:, 0] = 0.0
                 free = _convolve(free, choice, layers)
         memo[key] = free
-    units = _block_units(shape, suffix, capped, heads, rows)
+    position = sum(count for _, count in suffix)
+    lengths = np.full(len(rows), max(shape.shortest(position), position))
+    units = _block_units(shape, suffix, capped, heads, rows, placed, lengths)
+    cell = _cells(shape, suffix, mask, links, rows, memo[key], units)
+    live = np.flatnonzero(cell < cutoff)
+    if len(live) and shape.schedule == "zero-bubble" and mask:
+        longer = _longer_units(shape, suffix, mask, rows[live], lengths[live],
+                               [block[live] for block in units])
+        if longer is not None:
+            cell[live] = np.maximum(cell[live], _cells(shape, suffix, mask, links, rows[live],
+                                                       memo[key][live], longer))
+    return min(float(cell.min()), outside)
+
+
+def _cells(shape: BatchShape, suffix: tuple[tuple[int, int], ...], mask: int, links: float,
+           rows: np.ndarray, free: np.ndarray, units: list[np.ndarray]) -> np.ndarray:
+    """Per row of ``rows`` the bound of :func:`node_floor` with the suffix's blocks holding at
+    most ``units`` (per block and row) and the unused types the knapsack ``free`` (row x
+    units)."""
+    _, _, _, row_low, row_tail, row_loose, _, _, widest, _ = shape._floor_rows
+    layers = shape.layers
     rises, unused_rise = _share_rises(shape, suffix, mask, units, widest[:, rows])
     x = np.arange(layers + 1)
     fixed = _blocks_fill(shape, suffix, units, rises, layers)
     fixed += unused_rise[:, None] * (layers - x)  # the unused types' units fill no cheaper
     last = suffix[-1][0]
-    joint = ((fixed + memo[key][:, ::-1]).min(axis=1) + links
+    joint = ((fixed + free[:, ::-1]).min(axis=1) + links
              + float(shape.head_time[last] + shape.embedding_time.min()))
     tails = np.maximum(row_tail[rows], float(shape.head_tail[last]))
-    cell = np.maximum(_terms(shape, row_low[rows], joint, tails), row_loose[rows])
-    return min(float(cell.min()), outside)
+    return np.maximum(_terms(shape, row_low[rows], joint, tails), row_loose[rows])
+
+
+ROUNDS = 4
+"""Rounds of :func:`_longer_units`: each may lengthen the pipelines below a suffix."""
+
+
+def _longer_units(shape: BatchShape, suffix: tuple[tuple[int, int], ...], mask: int,
+                  rows: np.ndarray, lengths: np.ndarray,
+                  units: list[np.ndarray]) -> list[np.ndarray] | None:
+    """:func:`_block_units` in pipelines of at least the fewest stages those below ``suffix``
+    have, per row (``units`` at ``lengths``, the suffix's): under zero-bubble the placed stages
+    hold less the longer the pipeline (:mod:`.placed_rows`), so the units they cannot hold
+    need new stages of the unused types (``mask``), each at most the most one of their stages
+    holds at the row; that lengthens the pipeline, and so on for :data:`ROUNDS` rounds (each
+    length a lower bound on every pipeline's below, given the last). A row where even the
+    longest pipeline cannot hold the layers has its last block at -1 (no plan). None where no
+    row gets longer, or the units and so the cells stay the same."""
+    _, capped, heads, _, _, _, _, _, widest, placed = shape._floor_rows
+    unused = [k for i, t in enumerate(shape.types) if mask >> i & 1 for k in shape.kinds_of[t]]
+    most = widest[unused][:, rows].max(axis=0)  # units per new stage at most
+    position, first, changed = sum(count for _, count in suffix), units, False
+    for _ in range(ROUNDS):
+        short = shape.layers - sum(np.maximum(block, 0.0) for block in units)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            new = np.where(short > 0, np.ceil(short / most - 1e-9), 0.0)  # inf: none holds them
+        longer = np.minimum(np.maximum(lengths, position + new), shape.positions + 1)
+        if (longer == lengths).all():
+            break
+        lengths, changed = longer.astype(np.int64), True
+        units = _block_units(shape, suffix, capped, heads, rows, placed, lengths)
+    same = all(np.array_equal(a, b) for a, b in zip(first, units))
+    if not changed or same and (lengths <= shape.positions).all():
+        return None  # the same cells
+    units[-1] = np.where(lengths > shape.positions, -1.0, units[-1])
+    return units
 
 
 def _blocks_fill(shape: BatchShape, suffix: tuple[tuple[int, int], ...], units: list[np.ndarray],
@@ -167,17 +226,27 @@ def _blocks_fill(shape: BatchShape, suffix: tuple[tuple[int, int], ...], units: 
 
 
 def _block_units(shape: BatchShape, suffix: tuple[tuple[int, int], ...], capped: np.ndarray,
-                 heads: np.ndarray, rows: np.ndarray) -> list[np.ndarray]:
-    """Per block of ``suffix`` and row, the most units its stages hold (their warm-ups' caps;
-    the last block's warm-up-0 stage with the head: -1 where it cannot hold the head)."""
-    flat = np.minimum(shape.warmups(suffix), shape.depth - 1)
+                 heads: np.ndarray, rows: np.ndarray, placed: PlacedRows,
+                 lengths: np.ndarray) -> list[np.ndarray]:
+    """Per block of ``suffix`` and row, the most units its stages hold (their warm-ups' caps,
+    at most their places' in a pipeline of at least ``lengths`` stages per row,
+    :mod:`.placed_rows`; the last block's warm-up-0 stage with the head: -1 where it cannot
+    hold the head)."""
+    exact = np.array(shape.warmups(suffix))
+    flat = np.minimum(exact, shape.depth - 1)
     ends = np.cumsum([count for _, count in suffix])
-    out = []
-    for (kind, _), warmups in zip(suffix, np.split(flat, ends[:-1])):
-        out.append(capped[kind][np.ix_(rows, warmups)].sum(axis=1))
+    total, out, stage = int(ends[-1]), [], None
+    for (kind, _), warmups, end in zip(suffix, np.split(flat, ends[:-1]), ends):
+        held = capped[kind][np.ix_(rows, warmups)]  # row x stage
+        more = placed.block_units(shape, kind, exact[end - len(warmups) : end], total - end,
+                                  lengths, rows)
+        if more is not None:
+            held = np.minimum(held, more)
+        out.append(held.sum(axis=1))
+        stage = held[:, -1]  # the last block's last stage: warm-up 0
     kind = suffix[-1][0]
-    out[-1] = np.where(heads[kind, rows] >= 1,
-                       out[-1] - capped[kind, rows, 0] + heads[kind, rows], -1.0)
+    head = np.minimum(heads[kind, rows], stage)
+    out[-1] = np.where(head >= 1, out[-1] - stage + head, -1.0)
     return out
 
 
@@ -291,11 +360,12 @@ def option_floors(
         bound = max(bound, floor)
         if bound < cutoff and (tried[0] < TRIAL or tried[1] * PRUNING >= tried[0]):
             if kind < 0:
-                bound = max(bound, node_floor(shape, suffix, node.mask, node.links))
+                bound = max(bound, node_floor(shape, suffix, node.mask, node.links, cutoff))
             else:
                 bit = 1 << shape.types.index(shape.kinds[kind].chip)
                 bound = max(bound, node_floor(shape, ((kind, count),) + suffix,
-                                              node.mask & ~bit, node.links + links(kind, count)))
+                                              node.mask & ~bit, node.links + links(kind, count),
+                                              cutoff))
             tried[0] += 1
             tried[1] += bound >= cutoff
         out.append((bound, kind, count))
