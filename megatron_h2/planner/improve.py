@@ -227,10 +227,28 @@ class Polish:
         """A plan faster than ``point`` (where a climb ended) from its blocks moved into the
         neighbouring shapes of another micro-batch size or DP degree that may still win: the
         :attr:`starts` fastest moved plans at most :data:`KICK_REACH` times slower, each
-        climbed within its shape although it starts slower (exact splits with the climbed plan
-        as cutoff, not recorded; each pipeline once per kick); the first end faster than
-        ``point``, recorded by ``evaluate``, or None."""
+        climbed within its shape although it starts slower (:meth:`_climb_within`); the first
+        end faster than ``point``, recorded by ``evaluate``, or None."""
         shape, suffix, value = point
+        step = self._unrecorded()
+        moved = [(target, other) for target, other in self._neighbours(shape, suffix)
+                 if (target.mbs, target.dp) != (shape.mbs, shape.dp)]
+        return self._climb_within(moved, step, value)
+
+    def from_dive(self, shape: BatchShape, leaves: list[Suffix], value: float) -> Point | None:
+        """Where a dive into ``shape`` found no plan below the K-th best: a plan faster than
+        ``value`` (the best so far) by climbing within ``shape`` from the :attr:`starts`
+        fastest of the dive's closed pipelines ``leaves`` at most :data:`KICK_REACH` times
+        slower (:meth:`_climb_within`; ``evaluate`` climbs on from a new best); None if none.
+        A dive's leaves can sit just above a tight K-th best while the shape's best plan is a
+        few moves away (the 100,000-chip 70B family member: 1.153 s from a zero-bubble DP 128 dive,
+        climbed to 0.996 s, when the K-th best was 1.11 s)."""
+        if self.active or not leaves:
+            return None
+        return self._climb_within([(shape, leaf) for leaf in leaves], self._unrecorded(), value)
+
+    def _unrecorded(self) -> Step:
+        """Exact splits with the climbed plan as cutoff, not recorded, each pipeline once."""
         seen: set[tuple[int, Suffix]] = set()
 
         def step(target: BatchShape, other: Suffix, cutoff: float) -> float | None:
@@ -240,9 +258,14 @@ class Polish:
             split = solve_structure(target, other, cutoff=cutoff)
             return None if split is None else split.step_time_s
 
-        moved = [(target, other) for target, other in self._neighbours(shape, suffix)
-                 if (target.mbs, target.dp) != (shape.mbs, shape.dp)]
-        starts = [(v, i, t, s) for i, (t, s) in enumerate(moved)
+        return step
+
+    def _climb_within(self, plans: list[tuple[BatchShape, Suffix]], step: Step,
+                      value: float) -> Point | None:
+        """From the :attr:`starts` fastest of ``plans`` at most :data:`KICK_REACH` times
+        ``value``, each climbed within its shape (``step``: exact, not recorded); the first end
+        faster than ``value``, recorded by ``evaluate``, or None."""
+        starts = [(v, i, t, s) for i, (t, s) in enumerate(plans)
                   if (v := step(t, s, KICK_REACH * value)) is not None]
         for start, _, target, other in sorted(starts)[: self.starts]:
             end = self._climb((target, other, start), step,

@@ -83,6 +83,7 @@ class _Search:
         # MoE: kinds that differ only in their EP degree merged for the structure search
         self.make = MergedShape if options.merge_ep and cost.model.is_moe else BatchShape
         self.polish = Polish(self._evaluate, self._late, lambda: self.threshold * (1 - _SLACK))
+        self.leaves: list[Suffix] = []  # the closed pipelines the current dive reached
 
     @property
     def threshold(self) -> float:
@@ -287,10 +288,12 @@ class _Search:
         dives = dive_order(shapes, lambda: self.threshold * (1 - _SLACK), self._late)
         stale = 0  # short dives, good incumbents early, until so many shapes in a row fail
         for shape in itertools.islice(dives, self.options.dive_shapes):
-            before = self._best_value()
+            before, self.leaves = self._best_value(), []
             for top in dive_grids(shape, self._best_value):
                 shape.build_grid(top, 64)
                 self._explore(shape, root_node(shape), budget=self.options.dive_nodes)
+            if self._best_value() >= before and self.options.polish:  # climb from its leaves
+                self.polish.from_dive(shape, self.leaves, before)
             stale = 0 if self._best_value() < before else stale + 1
             if stale >= self.options.dive_stale:
                 break
@@ -397,6 +400,7 @@ class _Search:
                 continue
             if kind < 0:
                 self._evaluate(shape, node.suffix)
+                self.leaves.append(node.suffix)
                 continue
             links = self._block_links(shape, node, kind, count)
             visited += self._explore(shape, node.child(shape, kind, count, links), budget - visited)

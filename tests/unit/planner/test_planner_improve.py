@@ -10,7 +10,7 @@ import importlib
 import pytest
 
 from megatron_h2.planner.bounds import BatchShape
-from megatron_h2.planner.improve import Polish, shape_neighbours
+from megatron_h2.planner.improve import KICK_REACH, Polish, shape_neighbours
 from megatron_h2.planner.partition import INF
 from megatron_h2.planner.search_options import SearchOptions
 from megatron_h2.planner.structure import solve_structure
@@ -138,3 +138,31 @@ def test_kicks_reach_faster_plans_than_the_climb_alone() -> None:
                 assert exact(end_shape, end) == pytest.approx(best, rel=1e-12)
                 faster += best < reached
     assert faster > 0
+
+
+def test_a_dive_that_found_nothing_climbs_from_its_leaves() -> None:
+    """From a dive's closed pipelines all slower than the best plan so far, the climb within
+    the shape (:meth:`Polish.from_dive`) returns a closed pipeline of the shape faster than that
+    plan, at its exact step time, or nothing; from some it finds one (each shape's slowest plans
+    within reach of its fourth-fastest as the leaves, the fourth-fastest as the best)."""
+    found = 0
+    for seed in range(6):
+        cost = small_case(seed)
+        run = search_module._Search(cost, SearchOptions(8, time_limit_s=600))
+        shapes = shapes_of(cost, 8)
+        polish = Polish(exact, lambda: False, lambda: INF)
+        polish.register(shapes)
+        for shape in shapes:
+            plans = sorted((v, s) for s in leaves(run, shape, root_node(shape), set())
+                           if (v := exact(shape, s)) is not None)
+            if len(plans) < 5:
+                continue
+            value = plans[3][0]
+            slower = [s for v, s in plans if value < v <= KICK_REACH * value][-3:]
+            point = polish.from_dive(shape, slower, value)
+            if point is not None:
+                end_shape, end, best = point
+                assert end_shape is shape and best < value
+                assert exact(shape, end) == pytest.approx(best, rel=1e-12)
+                found += 1
+    assert found > 0
