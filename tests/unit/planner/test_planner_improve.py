@@ -166,3 +166,81 @@ def test_a_dive_that_found_nothing_climbs_from_its_leaves() -> None:
                 assert exact(shape, end) == pytest.approx(best, rel=1e-12)
                 found += 1
     assert found > 0
+
+
+def logged_steps(calls: list, path: list) -> tuple:
+    """Exact steps for a climb: the first logs each neighbour solved in ``calls``; the second
+    also each plan faster than the climbed one in ``path`` (the climb's moves)."""
+
+    def step(target, other, _):
+        calls.append(other)
+        return exact(target, other)
+
+    def recorded(target, other, cutoff):
+        found = step(target, other, cutoff)
+        if found is not None and found < cutoff:
+            path.append((other, found))
+        return found
+
+    return step, recorded
+
+
+def test_a_climb_stops_at_its_goal_and_gives_up_after_its_patience() -> None:
+    """A climb with a goal ends at the first plan of the full climb's path faster than the
+    goal (the full climb from the same plan passes it), and one with a patience of ``p`` solves
+    at most ``p`` neighbours after its last move; from some plan each ends earlier than the
+    full climb."""
+    early = short = 0
+    for seed in range(4):
+        cost = small_case(seed)
+        run = search_module._Search(cost, SearchOptions(8, time_limit_s=600))
+        polish = Polish(exact, lambda: False, lambda: INF)
+        for shape in shapes_of(cost, 8):
+            plans = sorted((v, s) for s in leaves(run, shape, root_node(shape), set())
+                           if (v := exact(shape, s)) is not None)
+            if not plans:
+                continue
+            value, suffix = plans[-1]
+            near = lambda t, s: ((t, n) for n in shape_neighbours(t, s))  # noqa: E731
+            path, calls = [], []
+            step, recorded = logged_steps(calls, path)
+            full = polish._climb((shape, suffix, value), recorded, near)
+            goal = (value + full[2]) / 2
+            first = next(((s, v) for s, v in path if v < goal), None)
+            end = polish._climb((shape, suffix, value), step, near, goal=goal)
+            assert (end[1], end[2]) == (first if first else (full[1], full[2]))
+            early += first is not None and first != path[-1]
+            calls.clear()
+            end = polish._climb((shape, suffix, value), step, near, patience=3)
+            tail = len(calls) - 1 - max((i for i, s in enumerate(calls) if s == end[1]),
+                                        default=-1)
+            assert end[2] >= full[2] and tail <= 3
+            short += end[2] > full[2]
+    assert early > 0 and short > 0
+
+
+def test_a_dive_below_the_cutoff_that_records_nothing_climbs_to_a_plan() -> None:
+    """With a cutoff just above one of the fastest plans, dives whose leaves are all at or
+    above it record nothing alone (polishing off) but climb from those leaves to a plan below
+    it with polishing on (:meth:`Polish.from_dive`); every plan found is below the cutoff at its
+    exact step time."""
+    climbed = 0
+    for seed in (9, 11, 19):
+        cost = small_case(seed)
+        values = [c.estimate.step_time_s for c in search_module.search(
+            cost, SearchOptions(8, top_k=3, time_limit_s=600)).candidates]
+        for value in values:
+            found = []
+            for polish in (False, True):
+                options = SearchOptions(8, time_limit_s=600, cutoff_s=value * (1 + 1e-6),
+                                        polish=polish, dive_nodes=8)
+                run = search_module._Search(cost, options)
+                run._dive(run._shapes(own=False))
+                found.append(run._best_value())
+                for _, _, plan in run.best:
+                    assert plan.value < options.cutoff_s
+                    shape = BatchShape(cost, 8, plan.micro_batch_size, plan.schedule,
+                                       plan.chunks, plan.kinds[plan.blocks[0][0]].dp)
+                    assert exact(shape, plan.blocks) == pytest.approx(plan.value, rel=1e-12)
+            climbed += found[0] == INF and found[1] < INF
+    assert climbed > 0
