@@ -155,7 +155,9 @@ class Polish:
     step time (None if solved already, or if it cannot beat the K-th best); ``expired`` says
     when the time limit is up; ``threshold`` is the K-th best step time. Where a climb ends,
     up to ``kicks`` times a climb from its plan moved into the neighbouring shapes
-    (:meth:`_kick`, from the ``starts`` fastest moved plans)."""
+    (:meth:`_kick`, from the ``starts`` fastest moved plans). A climb from a failed dive's
+    leaves (:meth:`from_dive`) gives up after ``dive_patience`` neighbours without a faster
+    one."""
 
     def __init__(
         self,
@@ -166,9 +168,11 @@ class Polish:
         rounds: int = 10,
         kicks: int = 3,
         starts: int = 2,
+        dive_patience: int = 50,
     ) -> None:
         self.evaluate, self.expired, self.threshold = evaluate, expired, threshold
         self.budget, self.rounds, self.kicks, self.starts = budget, rounds, kicks, starts
+        self.dive_patience = dive_patience
         self.shapes: dict[ShapeKey, BatchShape] = {}
         self._index: dict[int, dict[tuple[int, int, int, int], int]] = {}
         self.active = False
@@ -204,12 +208,15 @@ class Polish:
     def _recorded(self, shape: BatchShape, suffix: Suffix, _: float) -> float | None:
         return self.evaluate(shape, suffix)
 
-    def _climb(self, point: Point, step: Step, neighbours: Neighbours) -> Point:
+    def _climb(self, point: Point, step: Step, neighbours: Neighbours, goal: float = 0.0,
+               patience: int | None = None) -> Point:
         """First-improvement climb from ``point`` over ``neighbours``, each timed by ``step``
-        (with the climbed plan's step time, which it must beat)."""
-        total = self.budget * self.rounds
-        while True:
-            moved, left = False, self.budget
+        (with the climbed plan's step time, which it must beat), giving up after ``patience``
+        (default :attr:`budget`) neighbours without a faster one; it stops at the first plan
+        faster than ``goal``."""
+        total, patience = self.budget * self.rounds, patience or self.budget
+        while point[2] >= goal:
+            moved, left = False, patience
             for target, other in neighbours(point[0], point[1]):
                 if left <= 0 or total <= 0 or self.expired():
                     return point
@@ -222,15 +229,38 @@ class Polish:
                     break
             if not moved:
                 return point
+        return point
 
     def _kick(self, point: Point) -> Point | None:
         """A plan faster than ``point`` (where a climb ended) from its blocks moved into the
         neighbouring shapes of another micro-batch size or DP degree that may still win: the
         :attr:`starts` fastest moved plans at most :data:`KICK_REACH` times slower, each
-        climbed within its shape although it starts slower (exact splits with the climbed plan
-        as cutoff, not recorded; each pipeline once per kick); the first end faster than
-        ``point``, recorded by ``evaluate``, or None."""
+        climbed within its shape although it starts slower (:meth:`_climb_within`); the first
+        end faster than ``point``, recorded by ``evaluate``, or None."""
         shape, suffix, value = point
+        step = self._unrecorded()
+        moved = [(target, other) for target, other in self._neighbours(shape, suffix)
+                 if (target.mbs, target.dp) != (shape.mbs, shape.dp)]
+        return self._climb_within(moved, step, value)
+
+    def from_dive(self, shape: BatchShape, leaves: list[Suffix], value: float) -> Point | None:
+        """Where a dive into ``shape`` found no plan below the K-th best: a plan faster than
+        ``value`` (the best so far) by climbing within ``shape`` from the :attr:`starts`
+        fastest of the dive's closed pipelines ``leaves`` at most :data:`KICK_REACH` times
+        slower (:meth:`_climb_within`), each giving up after :attr:`dive_patience` neighbours
+        without a faster one and stopping at its first plan faster than ``value``, which
+        ``evaluate`` records and climbs on from (every plan of that climb recorded); None if
+        none. A dive's leaves can sit just above a tight K-th best while the shape's best plan
+        is a few moves away (the 100,000-chip 70B family member: 1.130 s from a zero-bubble DP
+        128 dive, 1.069 s after 31 neighbours, climbed on to 0.996 s, when the K-th best was
+        1.11 s)."""
+        if self.active or not leaves:
+            return None
+        plans = [(shape, leaf) for leaf in leaves]
+        return self._climb_within(plans, self._unrecorded(), value, self.dive_patience, value)
+
+    def _unrecorded(self) -> Step:
+        """Exact splits with the climbed plan as cutoff, not recorded, each pipeline once."""
         seen: set[tuple[int, Suffix]] = set()
 
         def step(target: BatchShape, other: Suffix, cutoff: float) -> float | None:
@@ -240,13 +270,20 @@ class Polish:
             split = solve_structure(target, other, cutoff=cutoff)
             return None if split is None else split.step_time_s
 
-        moved = [(target, other) for target, other in self._neighbours(shape, suffix)
-                 if (target.mbs, target.dp) != (shape.mbs, shape.dp)]
-        starts = [(v, i, t, s) for i, (t, s) in enumerate(moved)
+        return step
+
+    def _climb_within(self, plans: list[tuple[BatchShape, Suffix]], step: Step, value: float,
+                      patience: int | None = None, goal: float = 0.0) -> Point | None:
+        """From the :attr:`starts` fastest of ``plans`` at most :data:`KICK_REACH` times
+        ``value``, each climbed within its shape (``step``: exact, not recorded; ``patience``
+        and ``goal`` as in :meth:`_climb`); the first end faster than ``value``, recorded by
+        ``evaluate``, or None."""
+        starts = [(v, i, t, s) for i, (t, s) in enumerate(plans)
                   if (v := step(t, s, KICK_REACH * value)) is not None]
         for start, _, target, other in sorted(starts)[: self.starts]:
             end = self._climb((target, other, start), step,
-                              lambda t, s: ((t, n) for n in shape_neighbours(t, s)))
+                              lambda t, s: ((t, n) for n in shape_neighbours(t, s)), goal,
+                              patience)
             if end[2] < value and (found := self.evaluate(target, end[1])) is not None:
                 if found < value:
                     return target, end[1], found

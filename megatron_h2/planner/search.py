@@ -283,19 +283,28 @@ class _Search:
         return frozenset(near)
 
     def _run_shapes(self, shapes: list[BatchShape]) -> Left:
-        """Search ``shapes``: short dives, then :meth:`_refine`; what the time limit left."""
+        """Search ``shapes``: dives (:meth:`_dive`), then :meth:`_refine`; what the limit left."""
+        self._dive(shapes)
+        shapes.sort(key=lambda s: s.root_bound())
+        return self._refine(shapes, [], [])
+
+    def _dive(self, shapes: list[BatchShape]) -> None:
+        """Short dives into ``shapes`` (:func:`~.dives.dive_order`) until ``dive_stale`` shapes
+        in a row found no better plan; one that found none below the step to beat (the best so
+        far, or the cutoff before any) climbs from its leaves (:meth:`Polish.from_dive`)."""
         dives = dive_order(shapes, lambda: self.threshold * (1 - _SLACK), self._late)
         stale = 0  # short dives, good incumbents early, until so many shapes in a row fail
         for shape in itertools.islice(dives, self.options.dive_shapes):
-            before = self._best_value()
+            before, leaves = self._best_value(), []
             for top in dive_grids(shape, self._best_value):
                 shape.build_grid(top, 64)
-                self._explore(shape, root_node(shape), budget=self.options.dive_nodes)
+                self._explore(shape, root_node(shape), self.options.dive_nodes, leaves)
+            beat = min(before, self.threshold)
+            if self._best_value() >= before and self.options.polish and beat < INF:
+                self.polish.from_dive(shape, leaves, beat)
             stale = 0 if self._best_value() < before else stale + 1
             if stale >= self.options.dive_stale:
                 break
-        shapes.sort(key=lambda s: s.root_bound())
-        return self._refine(shapes, [], [])
 
     def _refine(self, shapes: list[BatchShape], refined: list[tuple[float, BatchShape]],
                 queue: list[Entry]) -> Left:
@@ -378,8 +387,10 @@ class _Search:
             self.threshold if self.threshold < INF else shape.w_max, self.options.grid_points
         )
 
-    def _explore(self, shape: BatchShape, node: Node, budget: int) -> int:
-        """Depth-first dive below a suffix, best option first, visiting at most ``budget`` nodes."""
+    def _explore(self, shape: BatchShape, node: Node, budget: int,
+                 leaves: list[Suffix] | None = None) -> int:
+        """Depth-first dive below a suffix, best option first, visiting at most ``budget`` nodes
+        (the closed pipelines it solves appended to ``leaves``)."""
         self.stats.nodes += 1
         visited = 1
         for bound, kind, count in self._options(shape, node, dive=True):
@@ -397,9 +408,12 @@ class _Search:
                 continue
             if kind < 0:
                 self._evaluate(shape, node.suffix)
+                if leaves is not None:
+                    leaves.append(node.suffix)
                 continue
             links = self._block_links(shape, node, kind, count)
-            visited += self._explore(shape, node.child(shape, kind, count, links), budget - visited)
+            child = node.child(shape, kind, count, links)
+            visited += self._explore(shape, child, budget - visited, leaves)
         return visited
 
     def _exact_leaves(self, shape: MergedShape, node: Node) -> list[tuple[float, Suffix]]:

@@ -10,7 +10,7 @@ import importlib
 import pytest
 
 from megatron_h2.planner.bounds import BatchShape
-from megatron_h2.planner.improve import Polish, shape_neighbours
+from megatron_h2.planner.improve import KICK_REACH, Polish, shape_neighbours
 from megatron_h2.planner.partition import INF
 from megatron_h2.planner.search_options import SearchOptions
 from megatron_h2.planner.structure import solve_structure
@@ -138,3 +138,109 @@ def test_kicks_reach_faster_plans_than_the_climb_alone() -> None:
                 assert exact(end_shape, end) == pytest.approx(best, rel=1e-12)
                 faster += best < reached
     assert faster > 0
+
+
+def test_a_dive_that_found_nothing_climbs_from_its_leaves() -> None:
+    """From a dive's closed pipelines all slower than the best plan so far, the climb within
+    the shape (:meth:`Polish.from_dive`) returns a closed pipeline of the shape faster than that
+    plan, at its exact step time, or nothing; from some it finds one (each shape's slowest plans
+    within reach of its fourth-fastest as the leaves, the fourth-fastest as the best)."""
+    found = 0
+    for seed in range(6):
+        cost = small_case(seed)
+        run = search_module._Search(cost, SearchOptions(8, time_limit_s=600))
+        shapes = shapes_of(cost, 8)
+        polish = Polish(exact, lambda: False, lambda: INF)
+        polish.register(shapes)
+        for shape in shapes:
+            plans = sorted((v, s) for s in leaves(run, shape, root_node(shape), set())
+                           if (v := exact(shape, s)) is not None)
+            if len(plans) < 5:
+                continue
+            value = plans[3][0]
+            slower = [s for v, s in plans if value < v <= KICK_REACH * value][-3:]
+            point = polish.from_dive(shape, slower, value)
+            if point is not None:
+                end_shape, end, best = point
+                assert end_shape is shape and best < value
+                assert exact(shape, end) == pytest.approx(best, rel=1e-12)
+                found += 1
+    assert found > 0
+
+
+def logged_steps(calls: list, path: list) -> tuple:
+    """Exact steps for a climb: the first logs each neighbour solved in ``calls``; the second
+    also each plan faster than the climbed one in ``path`` (the climb's moves)."""
+
+    def step(target, other, _):
+        calls.append(other)
+        return exact(target, other)
+
+    def recorded(target, other, cutoff):
+        found = step(target, other, cutoff)
+        if found is not None and found < cutoff:
+            path.append((other, found))
+        return found
+
+    return step, recorded
+
+
+def test_a_climb_stops_at_its_goal_and_gives_up_after_its_patience() -> None:
+    """A climb with a goal ends at the first plan of the full climb's path faster than the
+    goal (the full climb from the same plan passes it), and one with a patience of ``p`` solves
+    at most ``p`` neighbours after its last move; from some plan each ends earlier than the
+    full climb."""
+    early = short = 0
+    for seed in range(4):
+        cost = small_case(seed)
+        run = search_module._Search(cost, SearchOptions(8, time_limit_s=600))
+        polish = Polish(exact, lambda: False, lambda: INF)
+        for shape in shapes_of(cost, 8):
+            plans = sorted((v, s) for s in leaves(run, shape, root_node(shape), set())
+                           if (v := exact(shape, s)) is not None)
+            if not plans:
+                continue
+            value, suffix = plans[-1]
+            near = lambda t, s: ((t, n) for n in shape_neighbours(t, s))  # noqa: E731
+            path, calls = [], []
+            step, recorded = logged_steps(calls, path)
+            full = polish._climb((shape, suffix, value), recorded, near)
+            goal = (value + full[2]) / 2
+            first = next(((s, v) for s, v in path if v < goal), None)
+            end = polish._climb((shape, suffix, value), step, near, goal=goal)
+            assert (end[1], end[2]) == (first if first else (full[1], full[2]))
+            early += first is not None and first != path[-1]
+            calls.clear()
+            end = polish._climb((shape, suffix, value), step, near, patience=3)
+            tail = len(calls) - 1 - max((i for i, s in enumerate(calls) if s == end[1]),
+                                        default=-1)
+            assert end[2] >= full[2] and tail <= 3
+            short += end[2] > full[2]
+    assert early > 0 and short > 0
+
+
+def test_a_dive_below_the_cutoff_that_records_nothing_climbs_to_a_plan() -> None:
+    """With a cutoff just above one of the fastest plans, dives whose leaves are all at or
+    above it record nothing alone (polishing off) but climb from those leaves to a plan below
+    it with polishing on (:meth:`Polish.from_dive`); every plan found is below the cutoff at its
+    exact step time."""
+    climbed = 0
+    for seed in (9, 11, 19):
+        cost = small_case(seed)
+        values = [c.estimate.step_time_s for c in search_module.search(
+            cost, SearchOptions(8, top_k=3, time_limit_s=600)).candidates]
+        for value in values:
+            found = []
+            for polish in (False, True):
+                options = SearchOptions(8, time_limit_s=600, cutoff_s=value * (1 + 1e-6),
+                                        polish=polish, dive_nodes=8)
+                run = search_module._Search(cost, options)
+                run._dive(run._shapes(own=False))
+                found.append(run._best_value())
+                for _, _, plan in run.best:
+                    assert plan.value < options.cutoff_s
+                    shape = BatchShape(cost, 8, plan.micro_batch_size, plan.schedule,
+                                       plan.chunks, plan.kinds[plan.blocks[0][0]].dp)
+                    assert exact(shape, plan.blocks) == pytest.approx(plan.value, rel=1e-12)
+            climbed += found[0] == INF and found[1] < INF
+    assert climbed > 0
