@@ -62,23 +62,23 @@ def long_case(seed: int) -> CostModel:
     return CostModel(Cluster(chips, rng.uniform(0.1, 1)), model, CostConfig())
 
 
-def cases(schedule: str, slots: bool) -> list[BatchShape]:
-    """The small random shapes, and with ``slots`` also long ones (global batch 2, DP 1)."""
+def cases(schedule: str, counted: bool) -> list[BatchShape]:
+    """The small random shapes, and with ``counted`` also long ones (global batch 2, DP 1)."""
     shapes = one_dp_shapes(range(6), schedule, 1)
-    if slots:
+    if counted:
         shapes += [BatchShape(long_case(seed), 2, 1, schedule, 1, 1) for seed in range(5)]
     return [shape for shape in shapes if shape.kinds and shape.positions]
 
 
-@pytest.mark.parametrize("slots", [False, True])
+@pytest.mark.parametrize("counted", [False, True])
 @pytest.mark.parametrize("schedule", ["1f1b", "zero-bubble"])
-def test_no_cell_is_bounded_above_a_plan_in_it(schedule: str, slots: bool) -> None:
+def test_no_cell_is_bounded_above_a_plan_in_it(schedule: str, counted: bool) -> None:
     """The narrowest cell around every exact split's slowest steady term and largest
-    end-of-step term (one probe step by a 1e-9 wide interval) bounds it, with the places as
-    slots (:mod:`megatron_h2.planner.position_slots`) or not; on some the bound is within 5% of
-    it (the cells are not trivially low), and under zero-bubble the slots raise some."""
+    end-of-step term (one probe step by a 1e-9 wide interval) bounds it, with the stage count
+    kept (:mod:`megatron_h2.planner.stage_count`) or not; on some the bound is within 5% of
+    it (the cells are not trivially low), and under zero-bubble keeping the count raises some."""
     checked = close = raised = 0
-    for shape in cases(schedule, slots):
+    for shape in cases(schedule, counted):
         if (probes := joint_root.deep_probes(shape)) is None:
             continue
         bounds = joint_root.CellBounds(shape, probes)
@@ -90,12 +90,12 @@ def test_no_cell_is_bounded_above_a_plan_in_it(schedule: str, slots: bool) -> No
                 continue
             z = largest_tail(shape, suffix, split.layers)
             cell = [np.array([v]) for v in (hi - 1, hi, z * (1 - 1e-9), z)]
-            bound = float(bounds(*cell, slots=slots)[0])
+            bound = float(bounds(*cell, counted=counted)[0])
             assert bound <= split.step_time_s * (1 + 1e-9), (suffix, bound, split.step_time_s)
             checked += 1
             close += bound >= 0.95 * split.step_time_s
-            raised += slots and bound > float(bounds(*cell)[0]) * (1 + 1e-9)
-    assert checked > 0 and close > 0 and (raised > 0 or not slots or schedule == "1f1b")
+            raised += counted and bound > float(bounds(*cell)[0]) * (1 + 1e-9)
+    assert checked > 0 and close > 0 and (raised > 0 or not counted or schedule == "1f1b")
 
 
 @pytest.mark.parametrize("schedule", ["1f1b", "zero-bubble"])
