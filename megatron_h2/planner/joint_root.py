@@ -297,7 +297,8 @@ def deep_root(shape: BatchShape, cutoff: float, share: float = 1.0) -> float:
         values = bounds(lows, picks, z_lo, z_hi)
         cells += list(zip(values.tolist(), lows.tolist(), picks.tolist(), z_lo.tolist(),
                           z_hi.tolist()))
-    return float(min(best, refine(shape, cells, bounds, min(best, cutoff), share)))
+    count = shape.schedule == "zero-bubble"  # the stage count's share and places (stage_count)
+    return float(min(best, refine(shape, cells, bounds, min(best, cutoff), share, count)))
 
 
 def _probe_grid(floor: float, top: float) -> tuple[np.ndarray, np.ndarray]:

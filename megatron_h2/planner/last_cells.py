@@ -111,6 +111,22 @@ def placed_widths(
     return np.minimum(out, shape.layers)
 
 
+def head_stage_units(
+    shape: BatchShape, probes: np.ndarray, per_stage: np.ndarray, stages: np.ndarray,
+    tops: np.ndarray,
+) -> np.ndarray:
+    """Per row and kind: the most units the last stage holds with the head
+    (:func:`~megatron_h2.planner.head_block.head_units`), its caps without the head those of
+    warm-up 0 in a pipeline of at least ``stages`` (per row) stages, at most ``per_stage``."""
+    limit = timed_caps(shape, probes, per_stage)  # row x kind x mode
+    first = np.zeros(limit.shape[:2])
+    for length in np.unique(np.minimum(stages, max(shape.positions, 1))).tolist():
+        rows = np.flatnonzero(np.minimum(stages, max(shape.positions, 1)) == length)
+        places = position_caps(shape, np.array([length]))[0][:, :, 0]  # kind x mode
+        first[rows] = np.minimum(places[None], limit[rows]).max(axis=2)
+    return head_units(shape, probes, np.minimum(first, shape.layers).T, tops).T
+
+
 def placed_fill_links(
     shape: BatchShape, probes: np.ndarray, per_stage: np.ndarray, stages: np.ndarray,
     tops: np.ndarray,
@@ -124,10 +140,7 @@ def placed_fill_links(
 
     most = max(min(k.max_stages, shape.positions) for k in shape.kinds)
     low, high = stage_buckets(most)
-    one = np.ones(1, dtype=np.int64)
-    free = np.full((len(probes), len(shape.kinds)), np.inf)
-    first = placed_widths(shape, probes, per_stage, stages, free, one, one)  # warm-up 0's most
-    heads = head_units(shape, probes, first[-1, :, :, 0].T, tops).T  # row x kind
+    heads = head_stage_units(shape, probes, per_stage, stages, tops)
     widths = placed_widths(shape, probes, per_stage, stages, None, low, high)
     lasts = placed_widths(shape, probes, per_stage, stages, heads, low, high)
     lengths = np.minimum(np.maximum(stages[:, None], low[None, :]), max(shape.positions, 1))

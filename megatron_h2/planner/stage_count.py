@@ -30,8 +30,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from megatron_h2.planner.head_block import head_units
-from megatron_h2.planner.last_cells import placed_widths
+from megatron_h2.planner.last_cells import head_stage_units, placed_widths
 
 if TYPE_CHECKING:
     from megatron_h2.planner.bounds import BatchShape
@@ -57,14 +56,12 @@ def _counted_row(shape: BatchShape, probe: np.ndarray, per_stage: np.ndarray,
     if fewest > shape.positions:
         return float("inf")
     counts = np.arange(1, max(min(k.max_stages, shape.positions) for k in shape.kinds) + 1)
-    one = np.ones(1, dtype=np.int64)
-    free = np.full((1, len(shape.kinds)), np.inf)
-    first = placed_widths(shape, probe, per_stage, stages, free, one, one)  # warm-up 0's most
-    heads = head_units(shape, probe, first[-1, :, :, 0].T, top).T  # row x kind
+    heads = head_stage_units(shape, probe, per_stage, stages, top)  # row x kind
     widths = placed_widths(shape, probe, per_stage, stages, None, counts, counts)
     lasts = placed_widths(shape, probe, per_stage, stages, heads, counts, counts)
     rises = np.repeat(share_rises(shape, stages)[:, :, None], len(counts), axis=2)
-    size = (shape.layers + 1, shape.positions + 1)  # units x stages
+    width = min(shape.positions, 2 * fewest + 8) + 1  # the last column: that many or more
+    size = (shape.layers + 1, width)  # units x stages
     sends, ends = np.full(size, np.inf), np.full(size, np.inf)  # last block not yet / placed
     sends[0, 0] = 0.0
     for chip in shape.types:
@@ -79,22 +76,24 @@ def _counted_row(shape: BatchShape, probe: np.ndarray, per_stage: np.ndarray,
         _add(new_ends, sends, last)
         sends, ends = new_sends, new_ends
     least = ends[shape.layers] + float(shape.embedding_time.min())  # per stage count
-    least = least + _share_rise(shape, fewest)
+    least = least + _share_rise(shape, fewest)[:width]  # it grows with N: the last column's
     return float(least[fewest:].min())
 
 
 def _add(out: np.ndarray, before: np.ndarray, table: np.ndarray) -> None:
     """One min-plus step over (units, stages), in place: ``out[u, N] = min(out[u, N],
     before[u - x, N - n] + table[n - 1, x])`` over the finite entries of ``table`` with ``x``
-    at least 1."""
+    at least 1; the last column holds that many stages or more (sums beyond it land there)."""
     units, width = out.shape
+    tail = np.minimum.accumulate(before[:, ::-1], axis=1)[:, ::-1]  # least of column c on
     for row in np.flatnonzero(np.isfinite(table[:, 1:]).any(axis=1)).tolist():
-        n = row + 1
-        if n >= width:
-            break
+        n = min(row + 1, width - 1)
         for x in (np.flatnonzero(np.isfinite(table[row, 1:])) + 1).tolist():
-            np.minimum(out[x:, n:], before[: units - x, : width - n] + table[row, x],
-                       out=out[x:, n:])
+            value = table[row, x]
+            if n < width - 1:
+                np.minimum(out[x:, n:-1], before[: units - x, : width - 1 - n] + value,
+                           out=out[x:, n:-1])
+            np.minimum(out[x:, -1], tail[: units - x, width - 1 - n] + value, out=out[x:, -1])
 
 
 def _share_rise(shape: BatchShape, fewest: int) -> np.ndarray:

@@ -51,14 +51,15 @@ def refine(
     evaluate: Callable[..., np.ndarray],
     cutoff: float,
     share: float = 1.0,
+    count: bool = True,
 ) -> float:
     """The least bound over ``cells`` (bound, probe index low and high, ``Z`` low and high)
     after refining the lowest ones; ``evaluate`` bounds cells given as arrays of those four
     (probe indices into the root's grid), with ``counted=True`` more tightly
     (:mod:`.stage_count`): the lowest cell is bounded so once (:data:`COUNTED` of the
-    lowest at a time), then split, until ``share`` of :data:`CELLS` is spent. Refines no cell
-    whose bound is at least ``cutoff``; inf without cells."""
-    heap = [(*cell, False) for cell in cells]
+    lowest at a time; none without ``count``), then split, until ``share`` of :data:`CELLS` is
+    spent. Refines no cell whose bound is at least ``cutoff``; inf without cells."""
+    heap = [(*cell, not count) for cell in cells]
     heapq.heapify(heap)
     spent = 0
     while heap and heap[0][0] < cutoff and spent < CELLS * share:
@@ -84,7 +85,7 @@ def refine(
         bounds = np.maximum(evaluate(los, his, zlos, zhis), bound)
         spent += len(parts)
         for value, part in zip(bounds.tolist(), parts):
-            heapq.heappush(heap, (value, *part, False))
+            heapq.heappush(heap, (value, *part, not count))
     return heap[0][0] if heap else float("inf")
 
 
