@@ -110,13 +110,16 @@ def bucket_costs(
     onwards (inf at 0 units). With ``ranges`` per range (probe x range x units), not their
     least."""
     best = np.full((widths.shape[1], shape.layers + 1), np.inf)
+    if heads is None:
+        best[:, 0] = 0.0
+    if not widths[-1].max(initial=0.0) >= 1:  # holds nothing at these probes
+        return np.repeat(best[:, None], len(low), axis=1) if ranges else best
     fill, below = segment_fill(shape, kind, widths, rise)
     k = shape.kinds[kind]
     x = np.arange(shape.layers + 1, dtype=np.float64)[None, None, :]
     stages = low[None, :, None].astype(np.float64)
     fits = (x <= below) & (x >= stages) & (stages <= min(k.max_stages, shape.positions))
     if heads is None:
-        best[:, 0] = 0.0
         total = fill + block_links(shape, k.chip, stages)
     else:
         total = fill + (stages - 1.0) * shape.inner_link[k.chip] + float(shape.head_time[kind])

@@ -54,17 +54,19 @@ def timed_caps(shape: BatchShape, probes: np.ndarray, per_stage: np.ndarray) -> 
     return np.minimum(timed, per_stage[:, :, None])
 
 
-def _best_places(shape: BatchShape, length: int, limit: np.ndarray, count: int) -> np.ndarray:
+def _best_places(shape: BatchShape, length: int, limit: np.ndarray, count: int,
+                 kinds: np.ndarray) -> np.ndarray:
     """Per row, kind, mode and ``n = 1 .. count``: the most units ``n`` stages of the kind hold
     in a pipeline of at least ``length`` stages, each at most ``limit`` (row x kind x mode) and
     in modes up to that one: the best ``n`` of the slots of that length (each once) and the
-    base, or, where the places are not slots, of the places' caps (:func:`position_caps`)."""
+    base, or, where the places are not slots, of the places' caps (:func:`position_caps`);
+    ``kinds``: the kinds of ``limit``'s columns."""
     found = slot_caps(shape, length)
     if found is None:
-        places = position_caps(shape, np.array([length]))[0]  # kind x mode x place
+        places = position_caps(shape, np.array([length]))[0][kinds]  # kind x mode x place
         base = np.zeros(places.shape[:2])
     else:
-        places, base = found
+        places, base = found[0][kinds], found[1][kinds]
     held = np.maximum.accumulate(np.minimum(places[None], limit[:, :, :, None]), axis=2)
     held = -np.sort(-held, axis=3)[:, :, :, :count]
     floor = np.maximum.accumulate(np.minimum(base[None], limit), axis=2)[:, :, :, None]
@@ -73,11 +75,11 @@ def _best_places(shape: BatchShape, length: int, limit: np.ndarray, count: int) 
 
 
 def _last_places(shape: BatchShape, length: int, limit: np.ndarray, heads: np.ndarray,
-                 count: int) -> np.ndarray:
+                 count: int, kinds: np.ndarray) -> np.ndarray:
     """As :func:`_best_places` for the block that ends the pipeline: its stages at the places
     ``0 .. n - 1`` from the end of a pipeline of at least ``length`` stages, in order, the
     head stage at most ``heads`` (row x kind) units."""
-    places = position_caps(shape, np.array([length]))[0][:, :, :count]  # kind x mode x place
+    places = position_caps(shape, np.array([length]))[0][kinds, :, :count]  # kind x mode x place
     held = np.minimum(places[None], limit[:, :, :, None])
     held[:, :, :, 0] = np.minimum(held[:, :, :, 0], heads[:, :, None])
     return np.maximum.accumulate(held, axis=2).cumsum(axis=3)
@@ -92,22 +94,27 @@ def placed_widths(
     low)`` stages (``stages`` per row); with ``heads`` (row x kind) as the block that ends the
     pipeline: mode x row x kind x range."""
     limit = timed_caps(shape, probes, per_stage)  # row x kind x mode
-    most = np.array([min(k.max_stages, shape.positions) for k in shape.kinds])
     out = np.zeros((limit.shape[2], len(probes), limit.shape[1], len(low)))
+    holds = np.flatnonzero(limit.max(axis=(0, 2)) >= 1)  # the other kinds hold nothing
+    if not len(holds):
+        return out
+    limit, most = limit[:, holds], np.array([min(shape.kinds[k].max_stages, shape.positions)
+                                             for k in holds])
     lengths = np.minimum(np.maximum(stages[:, None], low[None, :]), max(shape.positions, 1))
     for length in np.unique(lengths).tolist():  # each length's places once, every range read
         rows = np.flatnonzero((lengths == length).any(axis=1))
         count = int(high[(lengths[rows] == length).any(axis=0)].max())
         if heads is None:
-            held = _best_places(shape, int(length), limit[rows], count)
+            held = _best_places(shape, int(length), limit[rows], count, holds)
         else:
-            held = _last_places(shape, int(length), limit[rows], heads[rows], count)
+            held = _last_places(shape, int(length), limit[rows], heads[rows][:, holds], count,
+                                holds)
         for index in np.flatnonzero((lengths[rows] == length).any(axis=0)).tolist():
             mine = rows[lengths[rows, index] == length]
             pick = np.clip(np.minimum(most, high[index]), 1, held.shape[3]) - 1  # per kind
             values = held[np.searchsorted(rows, mine)][:, np.arange(len(most)), :, pick]
             column = out[:, :, :, index]  # a view: mode x row x kind
-            column[:, mine] = values.transpose(2, 1, 0)  # from kind x row x mode
+            column[:, mine[:, None], holds[None, :]] = values.transpose(2, 1, 0)
     return np.minimum(out, shape.layers)
 
 
