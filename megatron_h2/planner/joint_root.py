@@ -219,9 +219,9 @@ class CellBounds:
     """Lower bounds on the plans of a one-DP ``shape`` in cells of :func:`deep_root`: where the
     slowest folded steady term is in ``(probes[lo], probes[hi]]`` and the largest end-of-step
     term in ``(z_lo, z_hi]``, every stage holds at most its caps at ``probes[hi]`` (time, and
-    memory in a pipeline of at least the fewest stages there and at least its block's, with
-    one block ending the pipeline at its own places and holding the head, :mod:`.last_cells`)
-    and at most ``r_k z_hi`` units (``r`` the kinds'
+    memory in a pipeline of at least the fewest stages there; under zero-bubble also at least
+    its block's, with one block ending the pipeline at its own places and holding the head,
+    :mod:`.last_cells`) and at most ``r_k z_hi`` units (``r`` the kinds'
     :attr:`~megatron_h2.planner.bounds.BatchShape.sync_inverse`), so the fill and links are at
     least the knapsack's with those caps, the steady term at least ``probes[lo]`` and the
     end-of-step term at least ``z_lo``."""
@@ -231,6 +231,7 @@ class CellBounds:
         self.stages = fewest_stages(shape, probes)
         self.links = np.maximum(shape.root_links, stage_links(shape, probes, self.stages))
         self.rates = np.asarray(shape.sync_inverse, dtype=np.float64)
+        self._caps: tuple[np.ndarray, np.ndarray] | None = None
 
     def __call__(
         self, lo: np.ndarray, hi: np.ndarray, z_lo: np.ndarray, z_hi: np.ndarray,
@@ -243,7 +244,14 @@ class CellBounds:
         with np.errstate(invalid="ignore"):  # inf x 0: no DP sync, no cap
             per_stage = np.floor(self.rates[None, :] * z_hi[:, None] * (1 + 1e-9))
         per_stage = np.where(np.isinf(self.rates)[None, :], np.inf, per_stage)
-        joint = placed_fill_links(shape, probes[hi], per_stage, self.stages[hi], z_hi)
+        if shape.schedule == "zero-bubble":  # places by length, the head's block (last_cells)
+            joint = placed_fill_links(shape, probes[hi], per_stage, self.stages[hi], z_hi)
+        else:
+            if self._caps is None:  # per probe: the fill's rises and the memory caps
+                self._caps = share_rises(shape, self.stages), position_caps(shape, self.stages)
+            rises, caps = self._caps
+            held = np.minimum(caps[hi], per_stage[:, :, None, None])
+            joint = joint_fill_links(shape, probes[hi], held, rises[:, hi])
         if counted:
             joint = np.maximum(joint, counted_fill_links(shape, probes[hi], per_stage,
                                                          self.stages[hi], z_hi))
