@@ -9,12 +9,13 @@ import random
 import numpy as np
 import pytest
 
-from megatron_h2.planner import joint_root, sync_cells
+from megatron_h2.planner import joint_root, last_cells, sync_cells
 from megatron_h2.planner.bounds import BatchShape
 from megatron_h2.planner.cluster import ChipType, Cluster
 from megatron_h2.planner.cost_model import CostConfig, CostModel
 from megatron_h2.planner.partition import INF
 from megatron_h2.planner.structure import solve_structure
+from megatron_h2.planner.uniform_root import least_over_types
 from tests.helpers.planner_models import planner_model
 from tests.unit.planner.test_planner_joint_root import (
     closed_pipelines,
@@ -118,3 +119,51 @@ def test_the_refined_root_stays_below_the_exact_split_and_rises(
         checked += 1
         raised += refined > coarse * (1 + 1e-6)
     assert checked > 0 and raised > 0
+
+
+
+def fewest_length_widths(
+    shape: BatchShape, probes: np.ndarray, per_stage: np.ndarray, stages: np.ndarray,
+    heads: np.ndarray | None, low: np.ndarray, high: np.ndarray,
+) -> np.ndarray:
+    """:func:`last_cells.placed_widths` at the fewest stages' length whatever the block's."""
+    return PLACED_WIDTHS(shape, probes, per_stage, stages, heads, np.ones_like(low), high)
+
+
+PLACED_WIDTHS = last_cells.placed_widths
+
+
+@pytest.mark.parametrize("without", ["length", "head"])
+def test_places_by_length_and_the_head_block_raise_zero_bubble_cells(
+    without: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Under zero-bubble the cells' knapsack (:mod:`megatron_h2.planner.last_cells`) bounds
+    some cells around exact splits above the same knapsack with every block at the places of a
+    pipeline of the fewest stages (``length``), or with no block ending the pipeline with the
+    head (``head``); both stay below the splits (the test above)."""
+    raised = 0
+    for shape in cases("zero-bubble", True):
+        if (probes := joint_root.deep_probes(shape)) is None:
+            continue
+        bounds = joint_root.CellBounds(shape, probes)
+        for suffix in closed_pipelines(shape):
+            split = solve_structure(shape, suffix)
+            steady, _ = steady_and_stages(shape, suffix)
+            hi = int(np.searchsorted(probes, steady))
+            if split is None or not 0 < hi < len(probes):
+                continue
+            z = largest_tail(shape, suffix, split.layers)
+            with np.errstate(invalid="ignore"):  # as CellBounds: no DP sync, no cap
+                per_stage = np.floor(bounds.rates * z * (1 + 1e-9))[None, :]
+            per_stage = np.where(np.isinf(bounds.rates)[None, :], np.inf, per_stage)
+            args = (shape, probes[hi:hi + 1], per_stage, bounds.stages[hi:hi + 1], np.array([z]))
+            full = last_cells.placed_fill_links(*args)[0]
+            with monkeypatch.context() as patch:
+                if without == "length":
+                    patch.setattr(last_cells, "placed_widths", fewest_length_widths)
+                else:
+                    patch.setattr(last_cells, "least_with_last",
+                                  lambda shape, tables, _: least_over_types(shape, tables))
+                less = last_cells.placed_fill_links(*args)[0]
+            raised += full > less * (1 + 1e-6)
+    assert raised > 0
