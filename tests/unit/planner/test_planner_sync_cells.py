@@ -5,6 +5,7 @@ random clusters while rising above the unrefined cells on some."""
 from __future__ import annotations
 
 import random
+from collections.abc import Iterator
 
 import numpy as np
 import pytest
@@ -13,8 +14,8 @@ from megatron_h2.planner import joint_root, last_cells, sync_cells
 from megatron_h2.planner.bounds import BatchShape
 from megatron_h2.planner.cluster import ChipType, Cluster
 from megatron_h2.planner.cost_model import CostConfig, CostModel
-from megatron_h2.planner.partition import INF
-from megatron_h2.planner.structure import solve_structure
+from megatron_h2.planner.partition import INF, Split
+from megatron_h2.planner.structure import Suffix, solve_structure
 from megatron_h2.planner.uniform_root import least_over_types
 from tests.helpers.planner_models import planner_model
 from tests.unit.planner.test_planner_joint_root import (
@@ -71,6 +72,24 @@ def cases(schedule: str, counted: bool) -> list[BatchShape]:
     return [shape for shape in shapes if shape.kinds and shape.positions]
 
 
+def cells_around_splits(
+    shapes: list[BatchShape],
+) -> Iterator[tuple[joint_root.CellBounds, Suffix, Split, int, float]]:
+    """Per closed pipeline of each shape with a deep root's probes and an exact split: the
+    shape's cell bounds, the pipeline, its split, the probe index just above its slowest
+    steady term and its largest end-of-step term."""
+    for shape in shapes:
+        if (probes := joint_root.deep_probes(shape)) is None:
+            continue
+        bounds = joint_root.CellBounds(shape, probes)
+        for suffix in closed_pipelines(shape):
+            split = solve_structure(shape, suffix)
+            steady, _ = steady_and_stages(shape, suffix)
+            hi = int(np.searchsorted(probes, steady))
+            if split is not None and 0 < hi < len(probes):
+                yield bounds, suffix, split, hi, largest_tail(shape, suffix, split.layers)
+
+
 @pytest.mark.parametrize("counted", [False, True])
 @pytest.mark.parametrize("schedule", ["1f1b", "zero-bubble"])
 def test_no_cell_is_bounded_above_a_plan_in_it(schedule: str, counted: bool) -> None:
@@ -79,23 +98,13 @@ def test_no_cell_is_bounded_above_a_plan_in_it(schedule: str, counted: bool) -> 
     kept (:mod:`megatron_h2.planner.stage_count`) or not; on some the bound is within 5% of
     it (the cells are not trivially low), and under zero-bubble keeping the count raises some."""
     checked = close = raised = 0
-    for shape in cases(schedule, counted):
-        if (probes := joint_root.deep_probes(shape)) is None:
-            continue
-        bounds = joint_root.CellBounds(shape, probes)
-        for suffix in closed_pipelines(shape):
-            split = solve_structure(shape, suffix)
-            steady, _ = steady_and_stages(shape, suffix)
-            hi = int(np.searchsorted(probes, steady))
-            if split is None or not 0 < hi < len(probes):
-                continue
-            z = largest_tail(shape, suffix, split.layers)
-            cell = [np.array([v]) for v in (hi - 1, hi, z * (1 - 1e-9), z)]
-            bound = float(bounds(*cell, counted=counted)[0])
-            assert bound <= split.step_time_s * (1 + 1e-9), (suffix, bound, split.step_time_s)
-            checked += 1
-            close += bound >= 0.95 * split.step_time_s
-            raised += counted and bound > float(bounds(*cell)[0]) * (1 + 1e-9)
+    for bounds, suffix, split, hi, z in cells_around_splits(cases(schedule, counted)):
+        cell = [np.array([v]) for v in (hi - 1, hi, z * (1 - 1e-9), z)]
+        bound = float(bounds(*cell, counted=counted)[0])
+        assert bound <= split.step_time_s * (1 + 1e-9), (suffix, bound, split.step_time_s)
+        checked += 1
+        close += bound >= 0.95 * split.step_time_s
+        raised += counted and bound > float(bounds(*cell)[0]) * (1 + 1e-9)
     assert checked > 0 and close > 0 and (raised > 0 or not counted or schedule == "1f1b")
 
 
@@ -142,28 +151,19 @@ def test_places_by_length_and_the_head_block_raise_zero_bubble_cells(
     pipeline of the fewest stages (``length``), or with no block ending the pipeline with the
     head (``head``); both stay below the splits (the test above)."""
     raised = 0
-    for shape in cases("zero-bubble", True):
-        if (probes := joint_root.deep_probes(shape)) is None:
-            continue
-        bounds = joint_root.CellBounds(shape, probes)
-        for suffix in closed_pipelines(shape):
-            split = solve_structure(shape, suffix)
-            steady, _ = steady_and_stages(shape, suffix)
-            hi = int(np.searchsorted(probes, steady))
-            if split is None or not 0 < hi < len(probes):
-                continue
-            z = largest_tail(shape, suffix, split.layers)
-            with np.errstate(invalid="ignore"):  # as CellBounds: no DP sync, no cap
-                per_stage = np.floor(bounds.rates * z * (1 + 1e-9))[None, :]
-            per_stage = np.where(np.isinf(bounds.rates)[None, :], np.inf, per_stage)
-            args = (shape, probes[hi:hi + 1], per_stage, bounds.stages[hi:hi + 1], np.array([z]))
-            full = last_cells.placed_fill_links(*args)[0]
-            with monkeypatch.context() as patch:
-                if without == "length":
-                    patch.setattr(last_cells, "placed_widths", fewest_length_widths)
-                else:
-                    patch.setattr(last_cells, "least_with_last",
-                                  lambda shape, tables, _: least_over_types(shape, tables))
-                less = last_cells.placed_fill_links(*args)[0]
-            raised += full > less * (1 + 1e-6)
+    for bounds, _, _, hi, z in cells_around_splits(cases("zero-bubble", True)):
+        with np.errstate(invalid="ignore"):  # as CellBounds: no DP sync, no cap
+            per_stage = np.floor(bounds.rates * z * (1 + 1e-9))[None, :]
+        per_stage = np.where(np.isinf(bounds.rates)[None, :], np.inf, per_stage)
+        args = (bounds.shape, bounds.probes[hi:hi + 1], per_stage, bounds.stages[hi:hi + 1],
+                np.array([z]))
+        full = last_cells.placed_fill_links(*args)[0]
+        with monkeypatch.context() as patch:
+            if without == "length":
+                patch.setattr(last_cells, "placed_widths", fewest_length_widths)
+            else:
+                patch.setattr(last_cells, "least_with_last",
+                              lambda shape, tables, _: least_over_types(shape, tables))
+            less = last_cells.placed_fill_links(*args)[0]
+        raised += full > less * (1 + 1e-6)
     assert raised > 0
