@@ -34,10 +34,11 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from megatron_h2.planner.cost_model import MODES, zero_bubble_share
+from megatron_h2.planner.cost_model import MODES
 from megatron_h2.planner.head_block import block_links
+from megatron_h2.planner.last_cells import placed_fill_links
 from megatron_h2.planner.length_floor import fewest_stages, position_caps, stage_links
-from megatron_h2.planner.position_slots import slot_fill_links
+from megatron_h2.planner.stage_count import counted_fill_links
 from megatron_h2.planner.sync_cells import refine
 from megatron_h2.planner.uniform_root import least_over_types
 from megatron_h2.planner.zero_bubble_fill import fill_shares
@@ -88,31 +89,70 @@ def kind_costs(
     rises by (zero-bubble's shorter share). Stage counts ``n`` in a range ``[a, b]``
     (:func:`stage_buckets`) count ``a`` links and the segments of ``b`` stages (more stages
     hold more in each mode, so fill no more): a lower bound for each."""
-    best = np.full((len(probes), shape.layers + 1), np.inf)
-    best[:, 0] = 0.0
     widths = mode_widths(shape, kind, probes, caps)  # mode x probe x n
     if not widths[-1, :, -1].max() >= 1:
+        best = np.full((len(probes), shape.layers + 1), np.inf)
+        best[:, 0] = 0.0
         return best  # holds nothing at these probes
     low, high = stage_buckets(widths.shape[2])
-    widths = widths[:, :, high - 1]  # mode x probe x bucket
+    return bucket_costs(shape, kind, widths[:, :, high - 1], low, np.asarray(rise)[:, None])
+
+
+def bucket_costs(
+    shape: BatchShape, kind: int, widths: np.ndarray, low: np.ndarray, rise: np.ndarray,
+    heads: np.ndarray | None = None, ranges: bool = False,
+) -> np.ndarray:
+    """:func:`kind_costs` from the most units of each stage-count range (``widths``: mode x
+    probe x range, starting at ``low`` stages; a range starting above the kind's most stages
+    holds nothing), each unit's fill ``rise`` (probe x range) higher; with ``heads`` (per
+    probe) for the kind's block that ends the pipeline (:mod:`.last_cells`): its head stage
+    holds at most ``heads`` units (none: no such block), it fills its head and sends no link
+    onwards (inf at 0 units). With ``ranges`` per range (probe x range x units), not their
+    least."""
+    best = np.full((widths.shape[1], shape.layers + 1), np.inf)
+    if heads is None:
+        best[:, 0] = 0.0
+    if not widths[-1].max(initial=0.0) >= 1:  # holds nothing at these probes
+        return np.repeat(best[:, None], len(low), axis=1) if ranges else best
+    fill, below = segment_fill(shape, kind, widths, rise)
+    k = shape.kinds[kind]
+    x = np.arange(shape.layers + 1, dtype=np.float64)[None, None, :]
+    stages = low[None, :, None].astype(np.float64)
+    fits = (x <= below) & (x >= stages) & (stages <= min(k.max_stages, shape.positions))
+    if heads is None:
+        total = fill + block_links(shape, k.chip, stages)
+    else:
+        total = fill + (stages - 1.0) * shape.inner_link[k.chip] + float(shape.head_time[kind])
+        fits &= np.asarray(heads)[:, None, None] >= 1
+    total = np.where(fits, total, np.inf)
+    if ranges:
+        total[:, :, 0] = 0.0 if heads is None else np.inf
+        return total
+    best[:, 1:] = total.min(axis=1)[:, 1:]  # probe x units
+    return best
+
+
+def segment_fill(
+    shape: BatchShape, kind: int, widths: np.ndarray, rise: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
+    """The least fill of ``x = 0 .. L`` units on stages of ``kind`` whose modes up to ``m`` hold
+    at most ``widths[m]`` units (mode x probe x group, non-decreasing in ``m``): the convex
+    segments of the module docstring, each unit's fill ``rise`` (probe x group) higher; probe
+    x group x units, and the most units (probe x group x 1)."""
     k = shape.kinds[kind]
     prices = np.array([k.costs.layer_time(m) for m in range(len(MODES))])
     prices = prices - (prices[0] - shape.fill_unit[kind])  # the fill per unit by mode
     prices = np.minimum.accumulate(prices[::-1])[::-1]  # non-decreasing (no mode costs less)
-    prices = prices[:, None] + np.asarray(rise)  # mode x probe
+    prices = prices[:, None, None] + np.asarray(rise)[None]  # mode x probe x group
     x = np.arange(shape.layers + 1, dtype=np.float64)[None, None, :]
     fill = np.zeros(widths.shape[1:] + (shape.layers + 1,))
     below = np.zeros(widths.shape[1:] + (1,))
     for mode in range(len(MODES)):
         upper = widths[mode][:, :, None]
         width = np.maximum(upper - below, 0.0)
-        fill += prices[mode][:, None, None] * np.clip(x - below, 0.0, width)
+        fill += prices[mode][:, :, None] * np.clip(x - below, 0.0, width)
         below = np.maximum(below, upper)
-    stages = low[None, :, None].astype(np.float64)
-    total = fill + block_links(shape, k.chip, stages)
-    total = np.where((x <= below) & (x >= stages), total, np.inf)
-    best[:, 1:] = total.min(axis=1)[:, 1:]  # probe x units
-    return best
+    return fill, below
 
 
 def share_rises(shape: BatchShape, stages: np.ndarray) -> np.ndarray:
@@ -125,7 +165,7 @@ def share_rises(shape: BatchShape, stages: np.ndarray) -> np.ndarray:
     least = np.clip(stages, 2, max(shape.positions, 2))
     shares = fill_shares(shape.schedule, [k.micro_batches for k in shape.kinds])
     for kind, k in enumerate(shape.kinds):
-        b = np.array([zero_bubble_share(int(p), k.micro_batches) for p in least])
+        b = np.minimum(k.micro_batches - 1, least - 1) / (least - 1)  # zero_bubble_share, p > 1
         rises[kind] = np.maximum((shares[kind] - 1.0 - b) * k.costs.layer_weight_grad, 0.0)
     return rises
 
@@ -179,7 +219,9 @@ class CellBounds:
     """Lower bounds on the plans of a one-DP ``shape`` in cells of :func:`deep_root`: where the
     slowest folded steady term is in ``(probes[lo], probes[hi]]`` and the largest end-of-step
     term in ``(z_lo, z_hi]``, every stage holds at most its caps at ``probes[hi]`` (time, and
-    memory at the fewest stages there) and at most ``r_k z_hi`` units (``r`` the kinds'
+    memory in a pipeline of at least the fewest stages there; under zero-bubble also at least
+    its block's, with one block ending the pipeline at its own places and holding the head,
+    :mod:`.last_cells`) and at most ``r_k z_hi`` units (``r`` the kinds'
     :attr:`~megatron_h2.planner.bounds.BatchShape.sync_inverse`), so the fill and links are at
     least the knapsack's with those caps, the steady term at least ``probes[lo]`` and the
     end-of-step term at least ``z_lo``."""
@@ -193,23 +235,26 @@ class CellBounds:
 
     def __call__(
         self, lo: np.ndarray, hi: np.ndarray, z_lo: np.ndarray, z_hi: np.ndarray,
-        slots: bool = False,
+        counted: bool = False,
     ) -> np.ndarray:
         """The bounds of the cells ``(lo, hi]`` (probe indices) by ``(z_lo, z_hi]``; with
-        ``slots`` the knapsack with the stages' places as shared slots too
-        (:mod:`.position_slots`, a few times the CPU)."""
+        ``counted`` the knapsack with the pipeline's stage count kept too
+        (:mod:`.stage_count`, tens of times the CPU)."""
         shape, probes, links = self.shape, self.probes, self.links
-        if self._caps is None:  # per probe: the fill's rises and the memory caps
-            self._caps = share_rises(shape, self.stages), position_caps(shape, self.stages)
-        rises, caps = self._caps
         with np.errstate(invalid="ignore"):  # inf x 0: no DP sync, no cap
             per_stage = np.floor(self.rates[None, :] * z_hi[:, None] * (1 + 1e-9))
         per_stage = np.where(np.isinf(self.rates)[None, :], np.inf, per_stage)
-        held = np.minimum(caps[hi], per_stage[:, :, None, None])
-        joint = joint_fill_links(shape, probes[hi], held, rises[:, hi])
-        if slots:
-            joint = np.maximum(joint, slot_fill_links(
-                shape, probes[hi], per_stage, rises[:, hi], self.stages[hi], joint))
+        if shape.schedule == "zero-bubble":  # places by length, the head's block (last_cells)
+            joint = placed_fill_links(shape, probes[hi], per_stage, self.stages[hi], z_hi)
+        else:
+            if self._caps is None:  # per probe: the fill's rises and the memory caps
+                self._caps = share_rises(shape, self.stages), position_caps(shape, self.stages)
+            rises, caps = self._caps
+            held = np.minimum(caps[hi], per_stage[:, :, None, None])
+            joint = joint_fill_links(shape, probes[hi], held, rises[:, hi])
+        if counted:
+            joint = np.maximum(joint, counted_fill_links(shape, probes[hi], per_stage,
+                                                         self.stages[hi], z_hi))
         z, own = np.maximum(z_lo, shape.tail_floor), shape._own_work(probes[lo])
         if shape.schedule == "zero-bubble":
             terms = np.maximum(joint + np.maximum(z, shape.tail_share * own), own + links[hi])
@@ -263,7 +308,8 @@ def deep_root(shape: BatchShape, cutoff: float, share: float = 1.0) -> float:
         values = bounds(lows, picks, z_lo, z_hi)
         cells += list(zip(values.tolist(), lows.tolist(), picks.tolist(), z_lo.tolist(),
                           z_hi.tolist()))
-    return float(min(best, refine(shape, cells, bounds, min(best, cutoff), share)))
+    count = shape.schedule == "zero-bubble"  # the stage count's share and places (stage_count)
+    return float(min(best, refine(shape, cells, bounds, min(best, cutoff), share, count)))
 
 
 def _probe_grid(floor: float, top: float) -> tuple[np.ndarray, np.ndarray]:

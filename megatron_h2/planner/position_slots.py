@@ -1,5 +1,5 @@
-"""The places of a pipeline's stages as shared slots, for the joint knapsack of a one-DP shape's
-root cells (:class:`~megatron_h2.planner.joint_root.CellBounds`).
+"""The places of a pipeline's stages as slots, for the joint knapsack of a one-DP shape's root
+cells (:class:`~megatron_h2.planner.joint_root.CellBounds`, :mod:`.last_cells`).
 
 The knapsack (:func:`~megatron_h2.planner.joint_root.kind_costs`) lets ``n`` stages of a kind
 hold its ``n`` largest memory caps over the places of a pipeline, every kind at once: under
@@ -17,11 +17,15 @@ zero_bubble_peaks`), and fall as either grows. So in every pipeline of at least 
   ``(m, s)``;
 * else the *base*, any number of stages, the caps at ``(m, m - 1)``.
 
-(Back and front slots are capped at the most stages a pipeline has.) A Lagrangian price ``mu >= 0``
-per slot used keeps the knapsack per type: a kind holding ``j`` slots pays ``mu j`` and holds
-its ``j`` best slots' caps and base caps on its other stages; the knapsack's least, less
-``mu`` times the slots there are, is a lower bound on every plan (each plan uses each slot at
-most once), for every ``mu``; the best of a few is kept.
+(Back and front slots are capped at the most stages a pipeline has.) So a block of ``n`` stages
+holds at most its ``n`` best slots' caps (each once, then the base's): :mod:`.last_cells`
+takes them at the length of a pipeline at least as long as the block.
+
+A Lagrangian price per slot used (each kind its ``j`` best slots, the knapsack's least less the
+price of every slot) bounded the cells from 2026-12-03 until the blocks' places by their own
+length, the block that ends the pipeline and the stage count kept (:mod:`.last_cells`,
+:mod:`.stage_count`) took its place: on the 100,000-chip 70B and 405B family members and on the
+random clusters of the cells' tests it raised no cell above them.
 """
 
 from __future__ import annotations
@@ -59,70 +63,3 @@ def slot_caps(shape: BatchShape, stages: int) -> tuple[np.ndarray, np.ndarray] |
         caps = np.minimum(caps, shape.layers)
         cache[stages] = (caps[:, :, :-1], caps[:, :, -1])
     return cache[stages]
-
-
-def slot_buckets(slots: int) -> tuple[np.ndarray, np.ndarray]:
-    """Slot counts the knapsack takes at once, ``(a, b]`` each (``a = -1`` for 0): a kind that
-    uses up to ``b`` slots holds at most its ``b`` best, and pays for ``a + 1`` (a lower bound
-    for every count in the range)."""
-    edges = [0, 1, 2, 3, 4]
-    while edges[-1] < slots:
-        edges.append(min(slots, edges[-1] + max(1, edges[-1] // 2)))
-    high = np.array([e for e in edges if e <= slots])
-    return np.concatenate(([-1], high[:-1])), high
-
-
-def capped_places(
-    slots: np.ndarray, base: np.ndarray, used: int, depth: int, per_stage: np.ndarray
-) -> np.ndarray:
-    """Caps per (cell, kind, mode, place) of a kind using at most ``used`` slots: its ``used``
-    best slots (the others hold nothing), then ``depth`` places at the base caps, each at most
-    ``per_stage`` (cell x kind) units."""
-    best = -np.sort(-slots, axis=2)
-    best[:, :, used:] = 0.0
-    places = np.concatenate((best, np.repeat(base[:, :, None], depth, axis=2)), axis=2)
-    return np.minimum(places[None], per_stage[:, :, None, None])
-
-
-PRICES = 8
-"""Slot prices tried per cell (geometric, from 1% of a slot's share of the cell's fill and
-links up to all of it); the largest bound is kept."""
-
-
-def slot_fill_links(
-    shape: BatchShape,
-    probes: np.ndarray,
-    per_stage: np.ndarray,
-    rises: np.ndarray,
-    stages: np.ndarray,
-    joint: np.ndarray,
-) -> np.ndarray:
-    """Per cell (its probe, per-stage unit caps ``per_stage`` cell x kind, fill ``rises`` kind x
-    cell, fewest ``stages``, and the knapsack's value without slots ``joint``): the summed fill
-    plus links with the stages' places as slots (module docstring), the best over
-    :data:`PRICES` prices; -inf where the places are not slots."""
-    from megatron_h2.planner.joint_root import kind_costs  # joint_root uses this module
-    from megatron_h2.planner.uniform_root import least_over_types
-
-    out = np.full(len(probes), -np.inf)
-    for count in np.unique(stages):
-        if (caps := slot_caps(shape, int(count))) is None:
-            continue
-        slots, base = caps
-        rows = np.flatnonzero(stages == count)
-        low, high = slot_buckets(slots.shape[2])
-        tables: list[list[np.ndarray]] = [[] for _ in shape.types]  # type x bucket
-        for used in high:
-            held = capped_places(slots, base, int(used), shape.positions, per_stage[rows])
-            for t, chip in enumerate(shape.types):
-                tables[t].append(np.min([kind_costs(shape, k, probes[rows], held, rises[k, rows])
-                                         for k in shape.kinds_of[chip]], axis=0))
-        charge = (low + 1).astype(np.float64)  # slots paid per bucket (its fewest)
-        share = np.where(np.isfinite(joint[rows]), np.maximum(joint[rows], 0.0), 0.0)
-        share = share / max(slots.shape[2], 1)
-        for mu in np.geomspace(0.01, 1.0, PRICES)[:, None] * share[None, :]:
-            priced = [np.min([table + mu[:, None] * c for table, c in zip(per, charge)], axis=0)
-                      for per in tables]
-            value = least_over_types(shape, priced) - mu * slots.shape[2]
-            out[rows] = np.maximum(out[rows], value)
-    return out

@@ -38,11 +38,11 @@ CELLS = 384
 PARTS = 4
 """Parts of a refined cell's ``Z`` interval (geometric)."""
 
-SLOTTED = 8
-"""Cells bounded with slots at once (the lowest that are not yet)."""
+COUNTED = 4
+"""Cells bounded with their stage count kept at once (the lowest that are not yet)."""
 
-SLOT_COST = 8
-"""What a cell bounded with slots counts against :data:`CELLS`."""
+COUNT_COST = 16
+"""What a cell bounded with its stage count kept counts against :data:`CELLS`."""
 
 
 def refine(
@@ -51,27 +51,28 @@ def refine(
     evaluate: Callable[..., np.ndarray],
     cutoff: float,
     share: float = 1.0,
+    count: bool = True,
 ) -> float:
     """The least bound over ``cells`` (bound, probe index low and high, ``Z`` low and high)
     after refining the lowest ones; ``evaluate`` bounds cells given as arrays of those four
-    (probe indices into the root's grid), with ``slots=True`` more tightly
-    (:mod:`.position_slots`): the lowest cell is bounded so once (:data:`SLOTTED` of the
-    lowest at a time), then split, until ``share`` of :data:`CELLS` is spent. Refines no cell
-    whose bound is at least ``cutoff``; inf without cells."""
-    heap = [(*cell, False) for cell in cells]
+    (probe indices into the root's grid), with ``counted=True`` more tightly
+    (:mod:`.stage_count`): the lowest cell is bounded so once (:data:`COUNTED` of the
+    lowest at a time; none without ``count``), then split, until ``share`` of :data:`CELLS` is
+    spent. Refines no cell whose bound is at least ``cutoff``; inf without cells."""
+    heap = [(*cell, not count) for cell in cells]
     heapq.heapify(heap)
     spent = 0
     while heap and heap[0][0] < cutoff and spent < CELLS * share:
-        if not heap[0][5]:  # the lowest, not yet bounded with slots
-            popped = [heapq.heappop(heap) for _ in range(min(SLOTTED, len(heap)))]
+        if not heap[0][5]:  # the lowest, not yet bounded with its stage count
+            popped = [heapq.heappop(heap) for _ in range(min(COUNTED, len(heap)))]
             batch = [cell for cell in popped if not cell[5]]
             for cell in popped:
                 if cell[5]:
                     heapq.heappush(heap, cell)
             lows, highs, zlos, zhis = (np.array(c) for c in zip(*(cell[1:5] for cell in batch)))
-            bounds = np.maximum(evaluate(lows, highs, zlos, zhis, slots=True),
+            bounds = np.maximum(evaluate(lows, highs, zlos, zhis, counted=True),
                                 [c[0] for c in batch])
-            spent += SLOT_COST * len(batch)
+            spent += COUNT_COST * len(batch)
             for value, cell in zip(bounds.tolist(), batch):
                 heapq.heappush(heap, (value, *cell[1:5], True))
             continue
@@ -84,7 +85,7 @@ def refine(
         bounds = np.maximum(evaluate(los, his, zlos, zhis), bound)
         spent += len(parts)
         for value, part in zip(bounds.tolist(), parts):
-            heapq.heappush(heap, (value, *part, False))
+            heapq.heappush(heap, (value, *part, not count))
     return heap[0][0] if heap else float("inf")
 
 

@@ -5,16 +5,18 @@ random clusters while rising above the unrefined cells on some."""
 from __future__ import annotations
 
 import random
+from collections.abc import Iterator
 
 import numpy as np
 import pytest
 
-from megatron_h2.planner import joint_root, sync_cells
+from megatron_h2.planner import joint_root, last_cells, sync_cells
 from megatron_h2.planner.bounds import BatchShape
 from megatron_h2.planner.cluster import ChipType, Cluster
 from megatron_h2.planner.cost_model import CostConfig, CostModel
-from megatron_h2.planner.partition import INF
-from megatron_h2.planner.structure import solve_structure
+from megatron_h2.planner.partition import INF, Split
+from megatron_h2.planner.structure import Suffix, solve_structure
+from megatron_h2.planner.uniform_root import least_over_types
 from tests.helpers.planner_models import planner_model
 from tests.unit.planner.test_planner_joint_root import (
     closed_pipelines,
@@ -62,23 +64,21 @@ def long_case(seed: int) -> CostModel:
     return CostModel(Cluster(chips, rng.uniform(0.1, 1)), model, CostConfig())
 
 
-def cases(schedule: str, slots: bool) -> list[BatchShape]:
-    """The small random shapes, and with ``slots`` also long ones (global batch 2, DP 1)."""
+def cases(schedule: str, counted: bool) -> list[BatchShape]:
+    """The small random shapes, and with ``counted`` also long ones (global batch 2, DP 1)."""
     shapes = one_dp_shapes(range(6), schedule, 1)
-    if slots:
+    if counted:
         shapes += [BatchShape(long_case(seed), 2, 1, schedule, 1, 1) for seed in range(5)]
     return [shape for shape in shapes if shape.kinds and shape.positions]
 
 
-@pytest.mark.parametrize("slots", [False, True])
-@pytest.mark.parametrize("schedule", ["1f1b", "zero-bubble"])
-def test_no_cell_is_bounded_above_a_plan_in_it(schedule: str, slots: bool) -> None:
-    """The narrowest cell around every exact split's slowest steady term and largest
-    end-of-step term (one probe step by a 1e-9 wide interval) bounds it, with the places as
-    slots (:mod:`megatron_h2.planner.position_slots`) or not; on some the bound is within 5% of
-    it (the cells are not trivially low), and under zero-bubble the slots raise some."""
-    checked = close = raised = 0
-    for shape in cases(schedule, slots):
+def cells_around_splits(
+    shapes: list[BatchShape],
+) -> Iterator[tuple[joint_root.CellBounds, Suffix, Split, int, float]]:
+    """Per closed pipeline of each shape with a deep root's probes and an exact split: the
+    shape's cell bounds, the pipeline, its split, the probe index just above its slowest
+    steady term and its largest end-of-step term."""
+    for shape in shapes:
         if (probes := joint_root.deep_probes(shape)) is None:
             continue
         bounds = joint_root.CellBounds(shape, probes)
@@ -86,16 +86,26 @@ def test_no_cell_is_bounded_above_a_plan_in_it(schedule: str, slots: bool) -> No
             split = solve_structure(shape, suffix)
             steady, _ = steady_and_stages(shape, suffix)
             hi = int(np.searchsorted(probes, steady))
-            if split is None or not 0 < hi < len(probes):
-                continue
-            z = largest_tail(shape, suffix, split.layers)
-            cell = [np.array([v]) for v in (hi - 1, hi, z * (1 - 1e-9), z)]
-            bound = float(bounds(*cell, slots=slots)[0])
-            assert bound <= split.step_time_s * (1 + 1e-9), (suffix, bound, split.step_time_s)
-            checked += 1
-            close += bound >= 0.95 * split.step_time_s
-            raised += slots and bound > float(bounds(*cell)[0]) * (1 + 1e-9)
-    assert checked > 0 and close > 0 and (raised > 0 or not slots or schedule == "1f1b")
+            if split is not None and 0 < hi < len(probes):
+                yield bounds, suffix, split, hi, largest_tail(shape, suffix, split.layers)
+
+
+@pytest.mark.parametrize("counted", [False, True])
+@pytest.mark.parametrize("schedule", ["1f1b", "zero-bubble"])
+def test_no_cell_is_bounded_above_a_plan_in_it(schedule: str, counted: bool) -> None:
+    """The narrowest cell around every exact split's slowest steady term and largest
+    end-of-step term (one probe step by a 1e-9 wide interval) bounds it, with the stage count
+    kept (:mod:`megatron_h2.planner.stage_count`) or not; on some the bound is within 5% of
+    it (the cells are not trivially low), and under zero-bubble keeping the count raises some."""
+    checked = close = raised = 0
+    for bounds, suffix, split, hi, z in cells_around_splits(cases(schedule, counted)):
+        cell = [np.array([v]) for v in (hi - 1, hi, z * (1 - 1e-9), z)]
+        bound = float(bounds(*cell, counted=counted)[0])
+        assert bound <= split.step_time_s * (1 + 1e-9), (suffix, bound, split.step_time_s)
+        checked += 1
+        close += bound >= 0.95 * split.step_time_s
+        raised += counted and bound > float(bounds(*cell)[0]) * (1 + 1e-9)
+    assert checked > 0 and close > 0 and (raised > 0 or not counted or schedule == "1f1b")
 
 
 @pytest.mark.parametrize("schedule", ["1f1b", "zero-bubble"])
@@ -118,3 +128,42 @@ def test_the_refined_root_stays_below_the_exact_split_and_rises(
         checked += 1
         raised += refined > coarse * (1 + 1e-6)
     assert checked > 0 and raised > 0
+
+
+
+def fewest_length_widths(
+    shape: BatchShape, probes: np.ndarray, per_stage: np.ndarray, stages: np.ndarray,
+    heads: np.ndarray | None, low: np.ndarray, high: np.ndarray,
+) -> np.ndarray:
+    """:func:`last_cells.placed_widths` at the fewest stages' length whatever the block's."""
+    return PLACED_WIDTHS(shape, probes, per_stage, stages, heads, np.ones_like(low), high)
+
+
+PLACED_WIDTHS = last_cells.placed_widths
+
+
+@pytest.mark.parametrize("without", ["length", "head"])
+def test_places_by_length_and_the_head_block_raise_zero_bubble_cells(
+    without: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Under zero-bubble the cells' knapsack (:mod:`megatron_h2.planner.last_cells`) bounds
+    some cells around exact splits above the same knapsack with every block at the places of a
+    pipeline of the fewest stages (``length``), or with no block ending the pipeline with the
+    head (``head``); both stay below the splits (the test above)."""
+    raised = 0
+    for bounds, _, _, hi, z in cells_around_splits(cases("zero-bubble", True)):
+        with np.errstate(invalid="ignore"):  # as CellBounds: no DP sync, no cap
+            per_stage = np.floor(bounds.rates * z * (1 + 1e-9))[None, :]
+        per_stage = np.where(np.isinf(bounds.rates)[None, :], np.inf, per_stage)
+        args = (bounds.shape, bounds.probes[hi:hi + 1], per_stage, bounds.stages[hi:hi + 1],
+                np.array([z]))
+        full = last_cells.placed_fill_links(*args)[0]
+        with monkeypatch.context() as patch:
+            if without == "length":
+                patch.setattr(last_cells, "placed_widths", fewest_length_widths)
+            else:
+                patch.setattr(last_cells, "least_with_last",
+                              lambda shape, tables, _: least_over_types(shape, tables))
+            less = last_cells.placed_fill_links(*args)[0]
+        raised += full > less * (1 + 1e-6)
+    assert raised > 0
