@@ -424,6 +424,14 @@ class BatchShape(ShapeMemory, RestBound, SyncCoupling, ColumnFloor):
             self._deep = max(self._coupled_root(joint=True), deep_root(self, cutoff, share))
             self.root_coupled = max(self.root_coupled, self._deep)
 
+    def sharpen(self, cutoff: float, share: float) -> None:
+        """Prepare and raise the root against ``cutoff`` (the search does so before searching
+        a shape): :meth:`refine_root`, then, while still below ``cutoff``, :meth:`tighten`."""
+        self.prepare()
+        self.refine_root(cutoff, share)
+        if self.root_bound() < cutoff:
+            self.tighten()
+
     def build_grid(self, w_high: float, points: int, coarse: int = 32) -> None:
         """Probe values from the root bound up to ``w_high`` (geometric) and their prefix sums.
 

@@ -26,19 +26,30 @@ __all__ = ["dive_grids", "dive_order"]
 
 
 def dive_order(
-    shapes: list[BatchShape], cutoff: Callable[[], float], late: Callable[[], bool]
+    shapes: list[BatchShape],
+    cutoff: Callable[[], float],
+    late: Callable[[], bool],
+    sharpen: Callable[[BatchShape], None] | None = None,
 ) -> Iterator[BatchShape]:
     """Prepared shapes of ``shapes``, lowest prepared root bound first (the unprepared ones
     are prepared when their cheap bound comes first), while the lowest bound is below
-    ``cutoff()`` and ``late()`` is False; the caller dives into each shape yielded."""
+    ``cutoff()`` and ``late()`` is False; the caller dives into each shape yielded. Once there
+    is a cutoff, a shape's root is first raised by ``sharpen`` (what the search would do
+    before searching it) and the shape put back by its new bound."""
     heap = [(shape.root_bound(), index, shape) for index, shape in enumerate(shapes)]
     heapq.heapify(heap)
+    sharpened: set[int] = set()
     while heap and not late():
         bound, index, shape = heapq.heappop(heap)
         if bound >= cutoff():
             return
         if not shape.prepared:
             shape.prepare()
+            heapq.heappush(heap, (shape.root_bound(), index, shape))
+            continue
+        if sharpen is not None and cutoff() < INF and index not in sharpened:
+            sharpened.add(index)
+            sharpen(shape)
             heapq.heappush(heap, (shape.root_bound(), index, shape))
             continue
         yield shape

@@ -291,8 +291,12 @@ class _Search:
     def _dive(self, shapes: list[BatchShape]) -> None:
         """Short dives into ``shapes`` (:func:`~.dives.dive_order`) until ``dive_stale`` shapes
         in a row found no better plan; one that found none below the step to beat (the best so
-        far, or the cutoff before any) climbs from its leaves (:meth:`Polish.from_dive`)."""
-        dives = dive_order(shapes, lambda: self.threshold * (1 - _SLACK), self._late)
+        far, or the cutoff before any) climbs from its leaves (:meth:`Polish.from_dive`). Under
+        a minute's limit, no dive into a shape whose sharpened root cannot win (at a minute or
+        more, every dive's leaves may seed such a climb)."""
+        sharpen = (None if self._cell_share >= 1 else
+                   lambda s: s.sharpen(self.threshold * (1 - _SLACK), self._cell_share))
+        dives = dive_order(shapes, lambda: self.threshold * (1 - _SLACK), self._late, sharpen)
         stale = 0  # short dives, good incumbents early, until so many shapes in a row fail
         for shape in itertools.islice(dives, self.options.dive_shapes):
             before, leaves = self._best_value(), []
@@ -317,10 +321,7 @@ class _Search:
                 continue
             if self._late():
                 return Left(shapes[index:], refined, queue)
-            shape.prepare()
-            shape.refine_root(self.threshold * (1 - _SLACK), self._cell_share)  # the sync too
-            if shape.root_bound() < self.threshold * (1 - _SLACK):
-                shape.tighten()
+            shape.sharpen(self.threshold * (1 - _SLACK), self._cell_share)
             if shape.root_bound() >= self.threshold * (1 - _SLACK):
                 self.stats.batch_shapes_pruned += 1
                 continue
@@ -568,10 +569,8 @@ def _need(shape: BatchShape, node: Node | Suffix) -> float:
 
 
 def search(cost: CostModel, options: SearchOptions) -> SearchResult:
-    """Find the ``options.top_k`` fastest plans that fit in memory (best first).
-
-    Raises ConfigError when no plan fits at all.
-    """
+    """Find the ``options.top_k`` fastest plans that fit in memory (best first); ConfigError
+    when no plan fits at all."""
     started = time.monotonic()
     runner = _Search(cost, options)
     found = runner.run()

@@ -50,6 +50,26 @@ def test_dives_stop_at_the_cutoff_and_prepare_only_what_may_come_first(seed: int
     assert list(dive_order(shapes, lambda: INF, lambda: True)) == []  # late: no dives
 
 
+@pytest.mark.parametrize("seed", range(3))
+def test_dives_skip_a_shape_whose_sharpened_root_cannot_win(seed: int) -> None:
+    shapes = lazy_shapes(seed)
+    full = list(dive_order(shapes, lambda: INF, lambda: False))
+    raised, sharpened = full[0], []
+
+    def sharpen(shape) -> None:
+        sharpened.append(id(shape))
+        if shape is raised:
+            shape.root_coupled = INF  # as if its cells proved that it cannot win
+
+    assert list(dive_order(shapes, lambda: INF, lambda: False, sharpen)) == full
+    assert sharpened == []  # no cutoff yet: nothing to sharpen against
+    order = []
+    for shape in dive_order(shapes, lambda: 1e30, lambda: False, sharpen):
+        assert sharpened.count(id(shape)) == 1  # sharpened once, before its dive
+        order.append(shape)
+    assert raised not in order and order == full[1:]
+
+
 def test_dive_grids_top_at_the_best_plan_found() -> None:
     shape = next(s for s in lazy_shapes(0) if s.prepared)
     found = [INF]
