@@ -263,14 +263,17 @@ class CellBounds:
         return shape.steady * probes[lo] + terms
 
 
-def deep_probes(shape: BatchShape, cutoff: float = np.inf) -> np.ndarray | None:
-    """The probe grid of :func:`deep_root` below ``cutoff`` (:func:`_probe_grid`), or None
-    where it has none."""
+def deep_probes(
+    shape: BatchShape, cutoff: float = np.inf
+) -> tuple[np.ndarray, np.ndarray, float] | None:
+    """The probe grid of :func:`deep_root` below ``cutoff`` (:func:`_probe_grid`: the probes and
+    the indices it solves) and the top of its end-of-step cells (:func:`_reach`), or None where
+    it has none."""
     floor = max(shape.w_floor, float(shape.head_need.min()))
-    top, _ = _reach(shape, floor, cutoff)
+    top, sync_top = _reach(shape, floor, cutoff)
     if not top > floor or shape.cost.model.is_moe or not shape.positions:
         return None  # MoE: as joint_root_terms
-    return _probe_grid(floor, top)[0]
+    return *_probe_grid(floor, top), sync_top
 
 
 def deep_root(shape: BatchShape, cutoff: float, share: float = 1.0) -> float:
@@ -284,11 +287,9 @@ def deep_root(shape: BatchShape, cutoff: float, share: float = 1.0) -> float:
     of its budget), and above the top probe the uncoupled terms. The probes and cells reach the
     ``cutoff`` (:func:`_reach`, :func:`_probe_grid`): above it the steady or end-of-step term
     alone is at least the cutoff, so the cells end at it (split there, each bound no lower)."""
-    floor = max(shape.w_floor, float(shape.head_need.min()))
-    top, sync_top = _reach(shape, floor, cutoff)
-    if not top > floor or shape.cost.model.is_moe or not shape.positions:
-        return 0.0  # MoE: as joint_root_terms
-    probes, picks = _probe_grid(floor, top)
+    if (grid := deep_probes(shape, cutoff)) is None:
+        return 0.0
+    probes, picks, sync_top = grid
     lows = np.concatenate(([0], picks[:-1]))
     bounds = CellBounds(shape, probes)
     keep = shape.steady * probes[lows] + bounds.links[picks] < cutoff

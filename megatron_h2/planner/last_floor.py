@@ -24,7 +24,7 @@ depth-2 suffixes all sat at its root bound.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 
@@ -46,6 +46,26 @@ shapes that close in fewer do not pay for them."""
 TRIAL, PRUNING = 64, 8
 """A shape's suffix floors (:func:`node_floor`) stop after ``TRIAL`` of them once fewer than one
 in ``PRUNING`` has lifted its option to the cutoff (they only cost there)."""
+
+
+class FloorRows(NamedTuple):
+    """What :func:`last_floors` keeps for :func:`node_floor`, per row (a level x live interval
+    of the root's cells): the rows below the cutoff per last block and the least of its other
+    cells (``below``), the kinds' capacities (``capped``, kind x row x warm-up; ``widest`` their
+    most), the head stage's units (``heads``), the rows' terms (``row_low``, ``row_tail``,
+    ``row_loose``), the chip types' knapsack ``tables``, the unused types' knapsacks ``memo``
+    and the placed stages' caps (``placed``)."""
+
+    below: dict[Any, tuple[np.ndarray, float]]
+    capped: np.ndarray
+    heads: np.ndarray
+    row_low: np.ndarray
+    row_tail: np.ndarray
+    row_loose: np.ndarray
+    tables: list[np.ndarray]
+    memo: dict[Any, np.ndarray]
+    widest: np.ndarray
+    placed: PlacedRows
 
 
 def prepare_last_floors(shape: BatchShape, cutoff: float) -> None:
@@ -85,7 +105,8 @@ def last_floors(shape: BatchShape, cells: tuple[Any, ...], cutoff: float) -> dic
     row_low = np.tile(probes[live], len(levels))
     row_tail = np.maximum(np.tile(tail[live], len(levels)), np.repeat(levels, len(live)))
     row_loose = np.tile(terms[live], len(levels))
-    heads = head_units(shape, np.tile(probes[live + 1], len(levels)), capped[:, :, 0], row_top)
+    row_probe = np.tile(probes[live + 1], len(levels))  # each row's capacities read there
+    heads = head_units(shape, row_probe, capped[:, :, 0], row_top)
     block_most = shape._most_layers(capped)  # own DP: every kind's block, all its stages
     if shape.uniform:
         tables = uniform_tables(shape, capped, None)[0]
@@ -103,10 +124,9 @@ def last_floors(shape: BatchShape, cells: tuple[Any, ...], cutoff: float) -> dic
                 rows = np.flatnonzero(cell < cutoff)
                 below[kind, count] = (rows, min(float(np.delete(cell, rows).min(initial=np.inf)),
                                                 rest))
-    placed = PlacedRows(np.tile(probes[live + 1], len(levels)),
-                        np.repeat(held, len(live), axis=1))
-    shape._floor_rows = (below, capped, heads, row_low, row_tail, row_loose,  # type: ignore
-                         tables, {}, capped.max(axis=2), placed)
+    placed = PlacedRows(row_probe, np.repeat(held, len(live), axis=1))
+    shape._floor_rows = FloorRows(below, capped, heads, row_low, row_tail,  # type: ignore
+                                  row_loose, tables, {}, capped.max(axis=2), placed)
     return floors
 
 
@@ -119,26 +139,26 @@ def node_floor(shape: BatchShape, suffix: tuple[tuple[int, int], ...], mask: int
     suffix, :mod:`.placed_rows`) at their fill, and the unused types the root's knapsack over
     them; the cells still below ``cutoff`` then with the pipeline's least length below the
     suffix (:func:`_longer_units`). 0 where no floors are kept."""
-    data = shape.__dict__.get("_floor_rows")
-    if data is None or suffix[-1] not in data[0]:
+    data: FloorRows | None = shape.__dict__.get("_floor_rows")
+    if data is None or suffix[-1] not in data.below:
         return 0.0
-    below, capped, heads, _, _, _, tables, memo, widest, placed = data
-    rows, outside = below[suffix[-1]]
+    rows, outside = data.below[suffix[-1]]
     if not len(rows):
         return outside
     layers, key = shape.layers, (suffix[-1], mask)
+    memo = data.memo
     if key not in memo:  # the unused types' knapsack on these rows
         free = np.full((len(rows), layers + 1), np.inf)
         free[:, 0] = 0.0
         for index in range(len(shape.types)):
             if mask >> index & 1:
-                choice = tables[index][rows].copy()
+                choice = data.tables[index][rows].copy()
                 choice[:, 0] = 0.0
                 free = _convolve(free, choice, layers)
         memo[key] = free
     position = sum(count for _, count in suffix)
     lengths = np.full(len(rows), max(shape.shortest(position), position))
-    units = _block_units(shape, suffix, capped, heads, rows, placed, lengths)
+    units = _block_units(shape, suffix, data, rows, lengths)
     cell = _cells(shape, suffix, mask, links, rows, memo[key], units)
     live = np.flatnonzero(cell < cutoff)
     if len(live) and shape.schedule == "zero-bubble" and mask:
@@ -155,17 +175,17 @@ def _cells(shape: BatchShape, suffix: tuple[tuple[int, int], ...], mask: int, li
     """Per row of ``rows`` the bound of :func:`node_floor` with the suffix's blocks holding at
     most ``units`` (per block and row) and the unused types the knapsack ``free`` (row x
     units)."""
-    _, _, _, row_low, row_tail, row_loose, _, _, widest, _ = shape._floor_rows
+    data: FloorRows = shape._floor_rows  # type: ignore[attr-defined]
     layers = shape.layers
-    rises, unused_rise = _share_rises(shape, suffix, mask, units, widest[:, rows])
+    rises, unused_rise = _share_rises(shape, suffix, mask, units, data.widest[:, rows])
     x = np.arange(layers + 1)
     fixed = _blocks_fill(shape, suffix, units, rises, layers)
     fixed += unused_rise[:, None] * (layers - x)  # the unused types' units fill no cheaper
     last = suffix[-1][0]
     joint = ((fixed + free[:, ::-1]).min(axis=1) + links
              + float(shape.head_time[last] + shape.embedding_time.min()))
-    tails = np.maximum(row_tail[rows], float(shape.head_tail[last]))
-    return np.maximum(_terms(shape, row_low[rows], joint, tails), row_loose[rows])
+    tails = np.maximum(data.row_tail[rows], float(shape.head_tail[last]))
+    return np.maximum(_terms(shape, data.row_low[rows], joint, tails), data.row_loose[rows])
 
 
 ROUNDS = 4
@@ -183,9 +203,9 @@ def _longer_units(shape: BatchShape, suffix: tuple[tuple[int, int], ...], mask: 
     length a lower bound on every pipeline's below, given the last). A row where even the
     longest pipeline cannot hold the layers has its last block at -1 (no plan). None where no
     row gets longer, or the units and so the cells stay the same."""
-    _, capped, heads, _, _, _, _, _, widest, placed = shape._floor_rows
+    data: FloorRows = shape._floor_rows  # type: ignore[attr-defined]
     unused = [k for i, t in enumerate(shape.types) if mask >> i & 1 for k in shape.kinds_of[t]]
-    most = widest[unused][:, rows].max(axis=0)  # units per new stage at most
+    most = data.widest[unused][:, rows].max(axis=0)  # units per new stage at most
     position, first, changed = sum(count for _, count in suffix), units, False
     for _ in range(ROUNDS):
         short = shape.layers - sum(np.maximum(block, 0.0) for block in units)
@@ -195,7 +215,7 @@ def _longer_units(shape: BatchShape, suffix: tuple[tuple[int, int], ...], mask: 
         if (longer == lengths).all():
             break
         lengths, changed = longer.astype(np.int64), True
-        units = _block_units(shape, suffix, capped, heads, rows, placed, lengths)
+        units = _block_units(shape, suffix, data, rows, lengths)
     same = all(np.array_equal(a, b) for a, b in zip(first, units))
     if not changed or same and (lengths <= shape.positions).all():
         return None  # the same cells
@@ -225,9 +245,8 @@ def _blocks_fill(shape: BatchShape, suffix: tuple[tuple[int, int], ...], units: 
     return np.where(fits, out, np.inf)
 
 
-def _block_units(shape: BatchShape, suffix: tuple[tuple[int, int], ...], capped: np.ndarray,
-                 heads: np.ndarray, rows: np.ndarray, placed: PlacedRows,
-                 lengths: np.ndarray) -> list[np.ndarray]:
+def _block_units(shape: BatchShape, suffix: tuple[tuple[int, int], ...], data: FloorRows,
+                 rows: np.ndarray, lengths: np.ndarray) -> list[np.ndarray]:
     """Per block of ``suffix`` and row, the most units its stages hold (their warm-ups' caps,
     at most their places' in a pipeline of at least ``lengths`` stages per row,
     :mod:`.placed_rows`; the last block's warm-up-0 stage with the head: -1 where it cannot
@@ -237,15 +256,15 @@ def _block_units(shape: BatchShape, suffix: tuple[tuple[int, int], ...], capped:
     ends = np.cumsum([count for _, count in suffix])
     total, out, stage = int(ends[-1]), [], None
     for (kind, _), warmups, end in zip(suffix, np.split(flat, ends[:-1]), ends):
-        held = capped[kind][np.ix_(rows, warmups)]  # row x stage
-        more = placed.block_units(shape, kind, exact[end - len(warmups) : end], total - end,
-                                  lengths, rows)
+        held = data.capped[kind][np.ix_(rows, warmups)]  # row x stage
+        more = data.placed.block_units(shape, kind, exact[end - len(warmups) : end],
+                                       total - end, lengths, rows)
         if more is not None:
             held = np.minimum(held, more)
         out.append(held.sum(axis=1))
         stage = held[:, -1]  # the last block's last stage: warm-up 0
     kind = suffix[-1][0]
-    head = np.minimum(heads[kind, rows], stage)
+    head = np.minimum(data.heads[kind, rows], stage)
     out[-1] = np.where(head >= 1, out[-1] - stage + head, -1.0)
     return out
 

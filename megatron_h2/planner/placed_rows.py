@@ -24,6 +24,8 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from megatron_h2.planner.shape_memory import _most_units
+
 if TYPE_CHECKING:
     from megatron_h2.planner.bounds import BatchShape
 
@@ -127,5 +129,5 @@ def zero_bubble_caps(shape: BatchShape, kind: int, warmups: int) -> np.ndarray:
         for active, deferred, exists in peaks:
             bytes_per = costs.layer_static + active * act + deferred * costs.layer_weight_inputs
             per = np.maximum(per, np.where(exists, bytes_per, 0.0))
-        out[:, :, mode] = np.maximum(np.floor(room / per * (1 + 1e-12)), 0.0)
+        out[:, :, mode] = _most_units(room, per)
     return out

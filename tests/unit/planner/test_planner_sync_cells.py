@@ -79,8 +79,9 @@ def cells_around_splits(
     shape's cell bounds, the pipeline, its split, the probe index just above its slowest
     steady term and its largest end-of-step term."""
     for shape in shapes:
-        if (probes := joint_root.deep_probes(shape)) is None:
+        if (grid := joint_root.deep_probes(shape)) is None:
             continue
+        probes = grid[0]
         bounds = joint_root.CellBounds(shape, probes)
         for suffix in closed_pipelines(shape):
             split = solve_structure(shape, suffix)
